@@ -1,0 +1,41 @@
+"""Per-step measurements out of the engine: a plain record, no Prometheus dependency."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    step: int
+    #: Wall time of the whole training step, from the end of the previous engine.step() to the end of this one.
+    wall_seconds: float
+    #: Forward + backward + on-device optimizer work (wall minus stall).
+    compute_seconds: float
+    #: Time the training thread was blocked waiting on the CPU optimizer or on transfers.
+    stall_seconds: float
+    #: Time the CPU optimizer spent on the update that finished (or ran) during this step.
+    cpu_optimizer_seconds: float
+    bytes_device_to_host: int
+    bytes_host_to_device: int
+    #: Device bytes held by optimizer state (moments, selected-column moments, index buffers).
+    device_optimizer_state_bytes: int
+    #: Whether a CPU window update was applied to the device params at this step.
+    applied_cpu_update: bool = False
+    #: Total gradient norm before clipping (None when not computed).
+    grad_norm: float | None = None
+    lr: float = 0.0
+
+    @property
+    def stall_fraction(self) -> float:
+        return self.stall_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def utilization(self) -> float:
+        """Share of the step the device spent computing rather than waiting."""
+        return 1.0 - self.stall_fraction
+
+    def as_dict(self) -> dict[str, float | int | bool | None]:
+        d = asdict(self)
+        d["stall_fraction"] = self.stall_fraction
+        return d

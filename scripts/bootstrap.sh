@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv, the pinned CPU torch first (a bare torch pulls a CUDA build), then the
+# package with its dev extras, then the C++ CPU optimizer build (cached by torch's extension cache).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+TORCH_SPEC=${ZENFLOW_TORCH_SPEC:-torch==2.13.0}
+stamp=.venv/.zenflow-bootstrap
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $TORCH_SPEC"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+  .venv/bin/python -m pip install -q "$TORCH_SPEC"
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+# Build (or load from cache) the C++ optimizer once so the first job does not pay for it.
+.venv/bin/python -c "from offload.cpu_adam import load_extension; load_extension()" 2>/dev/null \
+  || .venv/bin/python -c "import offload" >/dev/null

@@ -1,0 +1,204 @@
+"""ORM models (SQLAlchemy 2.0 typed declarative). Alembic revisions in migrations/ mirror these."""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from store.ids import new_id
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class JobStatus(enum.StrEnum):
+    validating_files = "validating_files"
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class Team(Base):
+    __tablename__ = "teams"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("team"))
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    api_keys: Mapped[list[ApiKey]] = relationship(back_populates="team", cascade="all, delete-orphan")
+
+
+class ApiKey(Base):
+    """An API key, stored as a SHA-256 digest; the prefix finds the row without scanning."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("key"))
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    team: Mapped[Team] = relationship(back_populates="api_keys")
+
+
+class File(Base):
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file"))
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_path: Mapped[str] = mapped_column(Text)
+    #: Number of examples found by the validator.
+    num_examples: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(32), default="processed")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FineTuningJob(Base):
+    __tablename__ = "fine_tuning_jobs"
+    __table_args__ = (
+        UniqueConstraint("team_id", "idempotency_key", name="uq_fine_tuning_jobs_team_idempotency"),
+        Index("ix_fine_tuning_jobs_team_created", "team_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob"))
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(512))
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="RESTRICT"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id", ondelete="RESTRICT"))
+    status: Mapped[str] = mapped_column(String(32), default=JobStatus.validating_files.value, index=True)
+    #: Hyperparameters as requested (may hold "auto"); the resolved values are in resolved_hyperparameters.
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    resolved_hyperparameters: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    #: Offload engine settings (offload.config.EngineConfig fields).
+    engine: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(BigInteger, default=0)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
+    #: {"code", "message", "param"} once failed.
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    #: Fingerprint of the create request, so a reused key with a different body is refused.
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+
+    queue: Mapped[str] = mapped_column(String(64), default="gpu-default")
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    global_step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int | None] = mapped_column(Integer)
+    output_dir: Mapped[str | None] = mapped_column(Text)
+    last_checkpoint_path: Mapped[str | None] = mapped_column(Text)
+    worker_hostname: Mapped[str | None] = mapped_column(String(255))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    events: Mapped[list[JobEvent]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", passive_deletes=True
+    )
+    checkpoints: Mapped[list[JobCheckpoint]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class JobEvent(Base):
+    __tablename__ = "fine_tuning_job_events"
+    __table_args__ = (Index("ix_fine_tuning_job_events_job_seq", "job_id", "seq"),)
+
+    #: Monotonic sequence: the order of events and the cursor for pagination and streaming.
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftevent"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("fine_tuning_jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    level: Mapped[str] = mapped_column(String(16), default="info")
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+
+    job: Mapped[FineTuningJob] = relationship(back_populates="events")
+
+
+class JobCheckpoint(Base):
+    __tablename__ = "fine_tuning_job_checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step_number", name="uq_fine_tuning_job_checkpoints_step"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftckpt"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("fine_tuning_jobs.id", ondelete="CASCADE"), index=True)
+    step_number: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    fine_tuned_model_checkpoint: Mapped[str] = mapped_column(String(512))
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    job: Mapped[FineTuningJob] = relationship(back_populates="checkpoints")
+
+
+class JobStepMetric(Base):
+    """One training step's figures, served per job by the API (no job label on Prometheus series)."""
+
+    __tablename__ = "fine_tuning_job_step_metrics"
+
+    job_id: Mapped[str] = mapped_column(
+        ForeignKey("fine_tuning_jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    valid_loss: Mapped[float | None] = mapped_column(Float)
+    lr: Mapped[float | None] = mapped_column(Float)
+    tokens_per_second: Mapped[float | None] = mapped_column(Float)
+    step_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    stall_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    stall_fraction: Mapped[float] = mapped_column(Float, default=0.0)
+    gpu_utilization: Mapped[float | None] = mapped_column(Float)
+    cpu_optimizer_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    bytes_device_to_host: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_host_to_device: Mapped[int] = mapped_column(BigInteger, default=0)
