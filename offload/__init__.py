@@ -1,0 +1,35 @@
+"""The ZenFlow offload engine (a library on its own: imports nothing from trainer/, api/ or store/).
+
+Importing ``offload`` is cheap: the names below load on first use, and the C++ CPU optimizer is
+built (or loaded from torch's extension cache) only when a CPU step first runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offload.config import EngineConfig
+    from offload.engine import ZenFlowEngine
+    from offload.metrics import StepMetrics
+    from offload.worker import BackgroundWorkerError
+
+__all__ = ["BackgroundWorkerError", "EngineConfig", "StepMetrics", "ZenFlowEngine"]
+
+_WHERE = {
+    "EngineConfig": "offload.config",
+    "StepMetrics": "offload.metrics",
+    "ZenFlowEngine": "offload.engine",
+    "BackgroundWorkerError": "offload.worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'offload' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

@@ -25,6 +25,12 @@ class StepMetrics:
     #: Total gradient norm before clipping (None when not computed).
     grad_norm: float | None = None
     lr: float = 0.0
+    #: Engine mode that produced the record ("device", "offload" or "zenflow").
+    mode: str = ""
+    #: Device bytes of transfer landing buffers (zenflow on CUDA), kept apart from optimizer state.
+    device_buffer_bytes: int = 0
+    #: Whether this step ran as a synchronous full update (offload mode, zenflow warm-up).
+    synchronous: bool = False
 
     @property
     def stall_fraction(self) -> float:

@@ -18,5 +18,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # Build (or load from cache) the C++ optimizer once so the first job does not pay for it.
-.venv/bin/python -c "from offload.cpu_adam import load_extension; load_extension()" 2>/dev/null \
-  || .venv/bin/python -c "import offload" >/dev/null
+if [ -f offload/cpu_adam.py ]; then
+  .venv/bin/python -c "from offload.cpu_adam import load_extension; load_extension()"
+fi
+# Prometheus from Debian (prometheus + promtool) for tests/observability: installed only when missing,
+# only as root with apt-get; without it those tests skip and say why.
+if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 \
+         && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } \
+    || echo "bootstrap: could not install prometheus (apt-get); its tests will skip" >&2
+fi

@@ -2,9 +2,11 @@
 //
 // One pass per element: optional decoupled weight decay (AdamW) or L2 term (Adam), first/second
 // moment update, bias-corrected step, optional low-precision copy of the new parameter.
-// The elementwise operation order mirrors torch.optim.AdamW/Adam (single-tensor path, CPU kernels
-// with FMA where ATen's vectorised kernels use fmadd), so results are bitwise identical to torch
-// for the same fp32 inputs.  Build with -ffp-contract=off so that only the explicit FMAs below fuse.
+// The elementwise operation order mirrors torch.optim.AdamW/Adam (single-tensor path, CPU kernels,
+// with an FMA exactly where ATen's kernels fuse: lerp, addcmul, add(alpha)), so results are bitwise
+// identical to those torch ops for the same fp32 inputs, except for sqrt: ours is correctly rounded,
+// torch's CPU Tensor.sqrt goes through MKL VML and can be 1 ulp off.  Build with -ffp-contract=off
+// so that only the explicit FMAs fuse.
 #pragma once
 
 #include <cmath>
@@ -43,6 +45,9 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
 // the updated parameter as bf16 / fp16. num_threads <= 0 means the global default.
 void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void* out, OutKind ok,
                  int64_t n, const AdamScalars& s, int num_threads);
+
+// Bandwidth reference: the fp32 step's memory streams with trivial arithmetic; returns seconds.
+double stream_probe(float* p, const float* g, float* m, float* v, int64_t n, int num_threads);
 
 const char* simd_name();
 void set_default_threads(int n);  // 0 = follow torch's intra-op thread count

@@ -1,0 +1,254 @@
+"""``make run``: the whole service on embedded defaults, end to end, in a few minutes on a laptop.
+
+1. creates a team and an API key with the CLI (SQLite under ./var/demo, migrated on first use);
+2. starts ``zenflow serve`` (API + in-process Celery worker on kombu's SQLAlchemy transport) on a free
+   loopback port;
+3. with the official openai SDK: uploads the sample dataset, creates a job on ``tiny-llama``;
+4. follows the job's server-sent event stream to the end, printing each event;
+5. lists the checkpoints, prints where the model is, loads it and generates a few tokens.
+
+Exits non-zero when any step fails (the server's log tail is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+#: 128 examples / batch 8 = 16 steps an epoch; the tiny model does a few steps a second on 2 cores.
+N_EPOCHS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
+    env["ZENFLOW_DATA_DIR"] = str(data_dir)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _cli(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"zenflow serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("zenflow serve did not become ready")
+
+
+def _follow_events(base: str, key: str, job_id: str, timeout: float) -> None:
+    """Print the job's events from its SSE stream until it ends (reconnecting with Last-Event-ID)."""
+    import httpx
+
+    last: str | None = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        headers = {"Authorization": f"Bearer {key}", "Accept": "text/event-stream"}
+        if last:
+            headers["Last-Event-ID"] = last
+        try:
+            with httpx.stream("GET", f"{base}/v1/fine_tuning/jobs/{job_id}/events", headers=headers,
+                              timeout=httpx.Timeout(10, read=60)) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("id: "):
+                        last = line[4:]
+                    elif line.startswith("data: "):
+                        data = line[6:]
+                        if data == "[DONE]":
+                            return
+                        ev = json.loads(data)
+                        _print_event(ev)
+        except httpx.HTTPError as exc:
+            print(f"  (event stream interrupted: {exc}; reconnecting)")
+            time.sleep(1)
+    raise RuntimeError("the job did not finish in time")
+
+
+def _print_event(ev: dict[str, Any]) -> None:
+    """One line per event; per-step metrics events only every 16th step (the rest are in /metrics)."""
+    data = ev.get("data") if isinstance(ev.get("data"), dict) else {}
+    step = data.get("step")
+    if ev.get("type") == "metrics" and isinstance(step, int) and step % 16 and step not in (1, data.get("total_steps")):
+        return
+    stamp = time.strftime("%H:%M:%S", time.localtime(ev["created_at"]))
+    msg = ev["message"]
+    if ev.get("type") == "metrics" and isinstance(data.get("stall_fraction"), int | float):
+        msg = f"{msg} (stall {data['stall_fraction']:.1%})"
+    print(f"  {stamp} {ev['level']:5s} {msg}")
+
+
+def _load_and_generate(model_dir: Path) -> str:
+    """Load the fine-tuned model with transformers and answer one sample question."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from trainer.models import load_tokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    model.eval()
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError):
+        tok = load_tokenizer("tiny-llama")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
+    from openai import OpenAI
+
+    from trainer.samples import TRAIN_FILE, VALID_FILE
+
+    t0 = time.monotonic()
+    if data_dir.exists() and not keep:
+        shutil.rmtree(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = _env(data_dir)
+    print(f"==> ZenFlow demo (embedded: SQLite + Celery on SQLAlchemy transport under {data_dir})")
+
+    team = f"demo-{int(time.time())}"
+    print(_cli(env, "teams", "create", team))
+    key = _cli(env, "keys", "create", "--team", team, "--name", "demo", "-q").splitlines()[-1]
+    print(f"API key created for {team}: {key[:11]}... (shown once)")
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = data_dir / "serve.log"
+    log_file = log_path.open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    ok = False
+    try:
+        _wait_ready(base, proc, timeout=120)
+        print(f"==> zenflow serve is ready on {base} (log: {log_path})")
+        client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=3)
+
+        with TRAIN_FILE.open("rb") as fh:
+            train = client.files.create(file=(TRAIN_FILE.name, fh), purpose="fine-tune")
+        with VALID_FILE.open("rb") as fh:
+            valid = client.files.create(file=(VALID_FILE.name, fh), purpose="fine-tune")
+        print(f"uploaded {train.filename} -> {train.id} ({train.bytes} bytes), "
+              f"{valid.filename} -> {valid.id}")
+
+        job = client.fine_tuning.jobs.create(
+            model="tiny-llama",
+            training_file=train.id,
+            validation_file=valid.id,
+            suffix="capitals",
+            seed=0,
+            method={"type": "supervised", "supervised": {"hyperparameters": {
+                "n_epochs": N_EPOCHS, "batch_size": 8, "learning_rate_multiplier": 1.0}}},
+            extra_body={"engine": {"mode": "zenflow", "topk_ratio": 0.1, "update_interval": 4}},
+            extra_headers={"Idempotency-Key": f"demo-{team}"},
+        )
+        print(f"==> created {job.id} on {job.model} (status {job.status}); following its events:")
+        _follow_events(base, key, job.id, timeout=timeout)
+
+        job = client.fine_tuning.jobs.retrieve(job.id)
+        print(f"==> {job.id} {job.status}; fine_tuned_model={job.fine_tuned_model} "
+              f"trained_tokens={job.trained_tokens}")
+        if job.status != "succeeded":
+            print(f"job did not succeed: {job.error}", file=sys.stderr)
+            return 1
+        ckpts = client.fine_tuning.jobs.checkpoints.list(job.id).data
+        for c in ckpts:
+            print(f"  checkpoint step {c.step_number}: {c.fine_tuned_model_checkpoint} "
+                  f"train_loss={c.metrics.train_loss} valid_loss={c.metrics.valid_loss}")
+        raw = client.get(f"/fine_tuning/jobs/{job.id}", cast_to=dict)
+        metrics = client.get(f"/fine_tuning/jobs/{job.id}/metrics", cast_to=dict)["data"]
+        if metrics:
+            stall = sum(m["stall_fraction"] for m in metrics) / len(metrics)
+            print(f"  {len(metrics)} steps recorded; loss {metrics[0]['train_loss']:.3f} -> "
+                  f"{metrics[-1]['train_loss']:.3f}; mean stall fraction {stall:.3f}")
+        model_dir = _model_dir(raw)
+        print(f"==> the model is in {model_dir}")
+        answer = _load_and_generate(model_dir)
+        print(f"loaded it with transformers; 'What is the capital of France?' -> {answer!r}")
+        ok = True
+        print(f"==> demo finished in {time.monotonic() - t0:.0f} s")
+        return 0
+    except Exception as exc:
+        print(f"demo failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _stop(proc)
+        log_file.close()
+        if not ok:
+            tail = log_path.read_text(errors="replace").splitlines()[-40:]
+            print("---- zenflow serve log (tail) ----", *tail, sep="\n", file=sys.stderr)
+
+
+def _model_dir(job: dict[str, Any]) -> Path:
+    """The exported model directory of a finished job (a config.json lies in it)."""
+    if job.get("fine_tuned_model") and (Path(job["fine_tuned_model"]) / "config.json").is_file():
+        return Path(job["fine_tuned_model"])
+    out = Path(job.get("output_dir") or "")
+    for cand in (out / "final", out / "model", out / "export", out):
+        if (cand / "config.json").is_file():
+            return cand
+    found = sorted(out.rglob("config.json")) if out.is_dir() else []
+    if not found:
+        raise RuntimeError(f"no exported model under {out}")
+    return found[-1].parent
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", type=Path, default=ROOT / "var" / "demo")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the job")
+    p.add_argument("--keep", action="store_true", help="keep the data dir of a previous run")
+    args = p.parse_args(argv)
+    return run(args.data_dir.resolve(), timeout=args.timeout, keep=args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Validation errors become 400 with ``param`` naming the field path (e.g. ``hyperparameters.n_epochs``),
+a database that cannot be reached becomes 503 (the next request recovers once it is back), and no bad
+input ever surfaces as a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sqlalchemy import exc as sa_exc
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "file_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    503: "service_unavailable",
+}
+
+# Pieces pydantic adds to ``loc`` for union members and wrapped validators; not field names.
+_TAG = re.compile(r"^(int|float|str|bool|none|bytes|dict\[.*|list\[.*|tuple\[.*|literal\[.*|function-.*|.*\[.*\]|json-or-python\[.*)$")
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape; raise it anywhere in a request."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else _DEFAULT_CODES.get(status_code)
+        self.type = type or ("server_error" if status_code >= 500 else "invalid_request_error")
+        self.headers = dict(headers or {})
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        err.update(self.extra)
+        return {"error": err}
+
+    def response(self) -> JSONResponse:
+        headers = dict(self.headers)
+        # The openai SDK retries 409 ("lock timeout") unless told otherwise; ours are final.
+        if self.status_code == 409:
+            headers.setdefault("x-should-retry", "false")
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+
+
+def not_found(kind: str, obj_id: str, param: str = "id") -> APIError:
+    return APIError(404, f"No such {kind}: {obj_id}", param=param, code="not_found")
+
+
+def loc_to_param(loc: Sequence[int | str], *, prefix: str | None = None) -> str | None:
+    """``("body", "hyperparameters", "n_epochs")`` -> ``"hyperparameters.n_epochs"``."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "form", "cookie"):
+        parts = parts[1:]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif _TAG.match(p):
+            continue
+        else:
+            out = f"{out}.{p}" if out else p
+    if prefix:
+        out = f"{prefix}.{out}" if out else prefix
+    return out or None
+
+
+def _clean_msg(msg: str) -> str:
+    for lead in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(lead):
+            return msg[len(lead) :]
+    return msg
+
+
+def validation_error(
+    errors: Iterable[dict[str, Any]], *, prefix: str | None = None, fields: Iterable[str] = ()
+) -> APIError:
+    """One 400 from pydantic errors: ``param`` is the first failing field, the message lists all."""
+    errors = list(errors)
+    known = set(fields)
+    seen: list[tuple[str | None, str]] = []
+    for e in errors:
+        msg = _clean_msg(str(e.get("msg", "invalid value")))
+        param = loc_to_param(e.get("loc", ()), prefix=prefix)
+        # A model-level check that names its field ("select_interval: must be ...") points at it.
+        m = re.match(r"^(\w+): (.*)$", msg)
+        if m and m.group(1) in known and (param or "").rsplit(".", 1)[-1] != m.group(1):
+            param = f"{param}.{m.group(1)}" if param else m.group(1)
+            msg = m.group(2)
+        if e.get("type") == "missing":
+            msg = "required parameter is missing"
+        elif e.get("type") == "extra_forbidden":
+            msg = "unrecognized parameter"
+        if (param, msg) not in seen:
+            seen.append((param, msg))
+    if not seen:
+        return APIError(400, "Invalid request")
+    param = seen[0][0]
+    message = "; ".join(f"{p}: {m}" if p else m for p, m in seen)
+    code = "missing_required_parameter" if errors[0].get("type") == "missing" else "invalid_value"
+    return APIError(400, f"Invalid request: {message}", param=param, code=code)
+
+
+def _db_unavailable(exc: Exception) -> bool:
+    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.DisconnectionError):
+        return True
+    if isinstance(exc, sa_exc.TimeoutError):  # pool exhausted
+        return True
+    return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers that turn every failure into the OpenAI error envelope."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        # A body that is not JSON at all.
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return APIError(400, "Request body is not valid JSON", code="invalid_json").response()
+        return validation_error(errors).response()
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic_validation(_request: Request, exc: ValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed"
+        if exc.status_code == 404 and message == "Not Found":
+            message = "Unknown request URL"
+        err = APIError(exc.status_code, message)
+        err.headers.update(exc.headers or {})
+        return err.response()
+
+    @app.exception_handler(sa_exc.SQLAlchemyError)
+    async def _db_error(_request: Request, exc: sa_exc.SQLAlchemyError) -> JSONResponse:
+        if _db_unavailable(exc):
+            log.warning("database unavailable: %s", exc.__class__.__name__)
+            return APIError(
+                503, "The database is unavailable; retry shortly", code="database_unavailable",
+                headers={"Retry-After": "1"},
+            ).response()
+        if isinstance(exc, sa_exc.IntegrityError):
+            return APIError(409, "The request conflicts with the current state", code="conflict").response()
+        log.exception("database error")
+        return APIError(500, "Internal server error", code="internal_error").response()
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return APIError(500, "Internal server error", code="internal_error").response()

@@ -1,0 +1,257 @@
+"""The API's Prometheus metrics: request latency by route template, and job counts read at scrape time.
+
+``install_metrics(app)`` (called by ``api.app.create_app``) adds:
+
+* a pure-ASGI middleware observing ``http_request_duration_seconds{route, method, status}``; ``route``
+  is the matched route's template (``/v1/fine_tuning/jobs/{fine_tuning_job_id}``), never the raw path,
+  and ``unmatched`` for requests no route matched, so the label stays bounded; ``method`` is one of
+  the standard verbs or ``other``. The duration runs until the response is complete (for the event
+  stream that is the stream's life; it has its own route label).
+* ``GET /metrics`` (not in the OpenAPI schema, no API key: it exposes only aggregate counts) with a
+  collector that reads the database at scrape time: ``zenflow_jobs{status}`` (every status, zeros
+  included), ``zenflow_queue_depth{queue}`` (jobs waiting in status ``queued``), ``zenflow_db_up``
+  and, when the broker is Redis, ``zenflow_broker_queue_messages{queue}`` (the Celery list's length).
+
+Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set before the server starts (uvicorn/gunicorn with
+several workers; wipe the directory before each start), the request histogram is written to the
+shared directory and ``/metrics`` merges every process's files (prometheus-client's
+MultiProcessCollector); the database collector runs once, in whichever process answers the scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Histogram,
+    generate_latest,
+    values,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+UNMATCHED = "unmatched"
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# Reads are milliseconds; uploads and creates tens to hundreds; the tail covers a slow database.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_HIST: Histogram | None = None
+_HIST_LOCK = threading.Lock()
+
+
+def request_duration_histogram() -> Histogram:
+    """The process-wide histogram (one per process, however many apps are created)."""
+    global _HIST
+    with _HIST_LOCK:
+        if _HIST is None:
+            _HIST = Histogram(
+                "http_request_duration_seconds",
+                "HTTP request duration until the response is complete, by route template.",
+                ("route", "method", "status"),
+                buckets=LATENCY_BUCKETS,
+            )
+        return _HIST
+
+
+def route_template(scope: Scope, root_path_at_entry: str = "") -> str:
+    route = scope.get("route")
+    if route is None:
+        return UNMATCHED
+    path = getattr(route, "path_format", None) or getattr(route, "path", None)
+    if not path:
+        return UNMATCHED
+    # A route inside a mounted app: prefix the mount's path (Starlette grows root_path in place).
+    root = scope.get("root_path", "") or ""
+    if root.startswith(root_path_at_entry) and len(root) > len(root_path_at_entry):
+        path = root[len(root_path_at_entry) :].rstrip("/") + path
+    return path
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp, histogram: Histogram | None = None) -> None:
+        self.app = app
+        self.histogram = histogram or request_duration_histogram()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        root_at_entry = scope.get("root_path", "") or ""
+        status = 500  # an exception before the response started becomes a 500 outside us
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            method = scope.get("method", "GET")
+            self.histogram.labels(
+                route_template(scope, root_at_entry), method if method in METHODS else "other", str(status)
+            ).observe(time.perf_counter() - start)
+
+
+class JobsCollector(Collector):
+    """``zenflow_jobs{status}``, ``zenflow_queue_depth{queue}`` and ``zenflow_db_up`` read at scrape time."""
+
+    def __init__(self, session_factory: Callable[[], Any], settings: Callable[[], Any] | None = None) -> None:
+        self.session_factory = session_factory
+        self.settings = settings
+        self._redis: Any = None
+        self._redis_url: str | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        from sqlalchemy import func, select
+
+        from store.models import FineTuningJob, JobStatus
+
+        up = GaugeMetricFamily("zenflow_db_up", "1 when the API could read the database at this scrape.")
+        try:
+            session = self.session_factory()
+            try:
+                by_status = dict(
+                    session.execute(
+                        select(FineTuningJob.status, func.count()).group_by(FineTuningJob.status)
+                    ).all()
+                )
+                by_queue = dict(
+                    session.execute(
+                        select(FineTuningJob.queue, func.count())
+                        .where(FineTuningJob.status == JobStatus.queued.value)
+                        .group_by(FineTuningJob.queue)
+                    ).all()
+                )
+            finally:
+                session.close()
+        except Exception as e:
+            log.warning("metrics: database read failed: %s", e)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        jobs = GaugeMetricFamily("zenflow_jobs", "Fine-tuning jobs by status (all teams).", labels=["status"])
+        for st in JobStatus:
+            jobs.add_metric([st.value], int(by_status.get(st.value, 0)))
+        yield jobs
+        depth = GaugeMetricFamily(
+            "zenflow_queue_depth", "Jobs waiting for a worker (status queued), by queue.", labels=["queue"]
+        )
+        settings = self.settings() if self.settings else None
+        queues = {getattr(settings, "default_queue", None) or "gpu-default", *by_queue}
+        for q in sorted(queues):
+            depth.add_metric([q], int(by_queue.get(q, 0)))
+        yield depth
+        fam = self._broker_depth(getattr(settings, "resolved_broker_url", None), sorted(queues))
+        if fam is not None:
+            yield fam
+
+    def _broker_depth(self, url: str | None, queues: list[str]) -> Metric | None:
+        if not url or not url.startswith(("redis://", "rediss://")):
+            return None
+        try:
+            import redis
+
+            if self._redis is None or self._redis_url != url:
+                self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+                self._redis_url = url
+            fam = GaugeMetricFamily(
+                "zenflow_broker_queue_messages",
+                "Messages in the Celery broker's queue list (Redis).",
+                labels=["queue"],
+            )
+            pipe = self._redis.pipeline(transaction=False)
+            for q in queues:
+                pipe.llen(q)
+            for q, n in zip(queues, pipe.execute(), strict=True):
+                fam.add_metric([q], int(n))
+            return fam
+        except Exception as e:
+            log.debug("metrics: broker depth unavailable: %s", e)
+            return None
+
+
+class _Proxy(Collector):
+    """Collects another registry's metrics (the process-wide one) into a per-app registry."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.source.collect()
+
+
+def metrics_registry(jobs: Collector | None) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    path = os.environ.get(MULTIPROC_ENV)
+    # Only when this process itself writes its samples there (the variable was set before
+    # prometheus_client was imported): a variable set later (an embedded worker in this process
+    # serving its job runners) must not hide our in-memory request histogram.
+    if path and os.path.isdir(path) and values.ValueClass is not values.MutexValue:
+        MultiProcessCollector(reg, path=path)
+    else:
+        reg.register(_Proxy(REGISTRY))
+    if jobs is not None:
+        reg.register(jobs)
+    return reg
+
+
+def _session_factory_of(app: Any) -> Callable[[], Any]:
+    def factory() -> Any:
+        sm = getattr(app.state, "sessionmaker", None)
+        if sm is None:
+            from store.db import session_factory
+
+            sm = session_factory()
+        return sm()
+
+    return factory
+
+
+def _settings_of(app: Any) -> Callable[[], Any]:
+    def settings() -> Any:
+        s = getattr(app.state, "settings", None)
+        if s is None:
+            from store.settings import get_settings
+
+            s = get_settings()
+        return s
+
+    return settings
+
+
+def install_metrics(
+    app: Any, *, path: str = "/metrics", session_factory: Callable[[], Any] | None = None
+) -> None:
+    """Add the latency middleware and ``GET /metrics`` to a FastAPI app (call before it starts)."""
+    if getattr(app.state, "zenflow_metrics_installed", False):
+        return
+    app.state.zenflow_metrics_installed = True
+    request_duration_histogram()
+    app.add_middleware(MetricsMiddleware)
+    jobs = JobsCollector(session_factory or _session_factory_of(app), _settings_of(app))
+    registry = metrics_registry(jobs)
+
+    def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route(path, metrics, methods=["GET"], include_in_schema=False, name="prometheus_metrics")

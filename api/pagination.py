@@ -1,0 +1,41 @@
+"""Cursor (keyset) pagination in the OpenAI style: ``after`` = the last id of the previous page."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Select, and_, or_
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+DEFAULT_LIMIT = 20
+MAX_LIMIT = 10_000
+
+
+def after_clause(
+    cols: Sequence[InstrumentedAttribute[Any]], values: Sequence[Any], *, descending: bool
+) -> Any:
+    """Rows strictly beyond ``values`` in the (col1, col2, ...) order, without tuple comparisons."""
+    terms = []
+    for i, col in enumerate(cols):
+        eqs = [c == v for c, v in zip(cols[:i], values[:i], strict=True)]
+        cmp = col < values[i] if descending else col > values[i]
+        terms.append(and_(*eqs, cmp))
+    return or_(*terms)
+
+
+def page(
+    session: Session,
+    stmt: Select[Any],
+    cols: Sequence[InstrumentedAttribute[Any]],
+    *,
+    after: Sequence[Any] | None,
+    limit: int,
+    descending: bool,
+) -> tuple[list[Any], bool]:
+    """One page of ORM rows and whether more follow."""
+    if after is not None:
+        stmt = stmt.where(after_clause(cols, after, descending=descending))
+    order = [c.desc() if descending else c.asc() for c in cols]
+    rows = list(session.scalars(stmt.order_by(*order).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit

@@ -1,0 +1,1 @@
+"""HTTP routers: files, fine-tuning jobs, health."""

@@ -1,0 +1,172 @@
+"""``/v1/files``: upload (validated, size-limited, checksummed), list, retrieve, delete, content."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api import integration
+from api.deps import SessionDep, SettingsDep, TeamDep
+from api.errors import APIError, not_found
+from api.pagination import MAX_LIMIT, page
+from api.schemas import FileDeleted, FileObject, ListObject, unix
+from api.storage import LocalFileStore, receive_upload
+from store.ids import new_id
+from store.models import File, FineTuningJob
+
+router = APIRouter(prefix="/v1", tags=["files"])
+
+SUPPORTED_PURPOSES = ("fine-tune",)
+
+_UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(SUPPORTED_PURPOSES)},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def file_object(row: File) -> FileObject:
+    return FileObject(
+        id=row.id,
+        bytes=row.bytes,
+        created_at=unix(row.created_at) or 0,
+        filename=row.filename,
+        purpose=row.purpose,
+        status=row.status if row.status in ("uploaded", "processed", "error") else "processed",
+        num_examples=row.num_examples,
+        sha256=row.sha256,
+    )
+
+
+def get_team_file(session: Session, team_id: str, file_id: str, *, param: str = "file_id") -> File:
+    row = session.get(File, file_id)
+    if row is None or row.team_id != team_id:
+        raise not_found("File", file_id, param=param)
+    return row
+
+
+@router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC)
+async def create_file(request: Request, team: TeamDep, settings: SettingsDep) -> FileObject:
+    """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``)."""
+    store = LocalFileStore(settings.resolved_files_dir)
+    upload = await receive_upload(request, store.incoming, settings.max_upload_bytes)
+    final = None
+    try:
+        purpose = upload.fields.get("purpose")
+        if not purpose:
+            raise APIError(400, "Missing required parameter: 'purpose'", param="purpose",
+                           code="missing_required_parameter")
+        if purpose not in SUPPORTED_PURPOSES:
+            raise APIError(400, f"Unsupported purpose {purpose!r}: this server accepts 'fine-tune' files",
+                           param="purpose", code="invalid_value")
+        if upload.filename is None:
+            raise APIError(400, "Missing required parameter: 'file'", param="file",
+                           code="missing_required_parameter")
+        if upload.bytes == 0:
+            raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
+        num_examples = await run_in_threadpool(integration.validate_dataset, upload.tmp_path)
+
+        file_id = new_id("file")
+        final = store.place(upload.tmp_path, team.team_id, file_id)
+        row = File(
+            id=file_id,
+            team_id=team.team_id,
+            filename=upload.filename,
+            purpose=purpose,
+            bytes=upload.bytes,
+            sha256=upload.sha256,
+            storage_path=str(final),
+            num_examples=num_examples,
+            status="processed",
+        )
+
+        def insert() -> FileObject:
+            with request.app.state.sessionmaker() as session:
+                session.add(row)
+                session.commit()
+                return file_object(row)
+
+        return await run_in_threadpool(insert)
+    except BaseException:
+        if final is not None:
+            store.remove(final)
+        raise
+    finally:
+        upload.discard()
+
+
+@router.get("/files", response_model=ListObject[FileObject])
+def list_files(
+    session: SessionDep,
+    team: TeamDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = MAX_LIMIT,
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = None,
+) -> ListObject[FileObject]:
+    stmt = select(File).where(File.team_id == team.team_id)
+    if purpose:
+        stmt = stmt.where(File.purpose == purpose)
+    cursor = None
+    if after:
+        cur = get_team_file(session, team.team_id, after, param="after")
+        cursor = (cur.created_at, cur.id)
+    rows, has_more = page(session, stmt, (File.created_at, File.id), after=cursor, limit=limit,
+                          descending=order == "desc")
+    data = [file_object(r) for r in rows]
+    return ListObject[FileObject](
+        data=data, has_more=has_more,
+        first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+    )
+
+
+@router.get("/files/{file_id}", response_model=FileObject)
+def retrieve_file(file_id: str, session: SessionDep, team: TeamDep) -> FileObject:
+    return file_object(get_team_file(session, team.team_id, file_id))
+
+
+@router.delete("/files/{file_id}", response_model=FileDeleted)
+def delete_file(file_id: str, session: SessionDep, team: TeamDep) -> FileDeleted:
+    """Delete a file; refused (409) while a job still refers to it."""
+    row = get_team_file(session, team.team_id, file_id)
+    user = session.scalar(
+        select(FineTuningJob.id)
+        .where((FineTuningJob.training_file_id == file_id) | (FineTuningJob.validation_file_id == file_id))
+        .limit(1)
+    )
+    if user is not None:
+        raise APIError(409, f"File {file_id} is used by fine-tuning job {user}", param="file_id",
+                       code="file_in_use")
+    path = row.storage_path
+    session.delete(row)
+    session.commit()
+    LocalFileStore.remove(path)
+    return FileDeleted(id=file_id)
+
+
+@router.get("/files/{file_id}/content", response_class=FileResponse)
+def file_content(file_id: str, session: SessionDep, team: TeamDep) -> FileResponse:
+    row = get_team_file(session, team.team_id, file_id)
+    if not Path(row.storage_path).is_file():
+        raise APIError(404, f"The content of {file_id} is missing from storage", param="file_id",
+                       code="file_content_missing")
+    return FileResponse(row.storage_path, media_type="application/octet-stream", filename=row.filename,
+                        headers={"X-Content-SHA256": row.sha256})

@@ -1,0 +1,269 @@
+"""Request and response bodies in the shape of the OpenAI files and fine-tuning API (plus our extras).
+
+Responses parse with the official ``openai`` SDK's types; requests accept what the SDK sends.
+Extras live beside the OpenAI fields: ``engine`` (offload.config.EngineConfig settings),
+``queue_position``, ``progress`` and ``output_dir`` on jobs, and the per-step metrics list.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
+
+T = TypeVar("T")
+
+
+def unix(dt: datetime | None) -> int | None:
+    """Unix seconds of a stored timestamp (SQLite hands back naive UTC values)."""
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return int(dt.timestamp())
+
+
+# --- "auto" or a positive number, with one clean error per field (no union-member noise) ---------
+
+
+def _auto_or_number(kind: type, *, positive: bool = True):  # type: ignore[no-untyped-def]
+    name = "an integer" if kind is int else "a number"
+
+    def check(v: Any) -> Any:
+        if v == "auto":
+            return "auto"
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"must be 'auto' or {name}")
+        if kind is int:
+            if isinstance(v, float) and not v.is_integer():
+                raise ValueError(f"must be 'auto' or {name}")
+            v = int(v)
+        else:
+            v = float(v)
+            if not math.isfinite(v):
+                raise ValueError("must be a finite number")
+        if positive and v <= 0:
+            raise ValueError("must be greater than 0")
+        return v
+
+    return check
+
+
+_AUTO_INT_SCHEMA = {"anyOf": [{"const": "auto"}, {"type": "integer", "exclusiveMinimum": 0}]}
+_AUTO_FLOAT_SCHEMA = {"anyOf": [{"const": "auto"}, {"type": "number", "exclusiveMinimum": 0}]}
+AutoPosInt = Annotated[int | str, PlainValidator(_auto_or_number(int)), WithJsonSchema(_AUTO_INT_SCHEMA)]
+AutoPosFloat = Annotated[
+    float | str, PlainValidator(_auto_or_number(float)), WithJsonSchema(_AUTO_FLOAT_SCHEMA)
+]
+
+
+class HyperparametersIn(BaseModel):
+    """The OpenAI three; the trainer's further knobs (learning_rate, warmup, lr_scheduler, max_steps,
+    eval_every, checkpoint_every, max_seq_length, lora, ...) pass through and are checked by its JobSpec."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n_epochs: AutoPosInt = "auto"
+    batch_size: AutoPosInt = "auto"
+    learning_rate_multiplier: AutoPosFloat = "auto"
+
+
+class SupervisedIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hyperparameters: HyperparametersIn | None = None
+
+
+class MethodIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["supervised"] = Field(
+        description="Only supervised fine-tuning is offered; 'dpo' and 'reinforcement' are refused."
+    )
+    supervised: SupervisedIn | None = None
+
+
+Metadata = dict[str, str]
+
+
+class JobCreate(BaseModel):
+    """``POST /v1/fine_tuning/jobs``: the OpenAI parameters plus our ``engine`` extra."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=512)
+    training_file: str = Field(min_length=1, max_length=64)
+    validation_file: str | None = Field(None, max_length=64)
+    hyperparameters: HyperparametersIn | None = None
+    method: MethodIn | None = None
+    suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    metadata: Metadata | None = None
+    integrations: list[dict[str, Any]] | None = None
+    #: Offload engine settings, validated by offload.config.EngineConfig (our extra).
+    engine: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, v: Metadata | None) -> Metadata | None:
+        if v is None:
+            return v
+        if len(v) > 16:
+            raise ValueError("at most 16 keys")
+        for k, val in v.items():
+            if len(k) > 64:
+                raise ValueError(f"key {k[:20]!r}...: at most 64 characters")
+            if len(val) > 512:
+                raise ValueError(f"value of {k!r}: at most 512 characters")
+        return v
+
+    @field_validator("integrations")
+    @classmethod
+    def _no_integrations(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v:
+            raise ValueError("integrations are not supported by this server")
+        return v
+
+
+# --- responses -------------------------------------------------------------------------------------
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+    #: Extras: what the validator found, and the content digest.
+    num_examples: int | None = None
+    sha256: str | None = None
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class Hyperparameters(BaseModel):
+    n_epochs: int | str | None = "auto"
+    batch_size: int | str | None = "auto"
+    learning_rate_multiplier: float | str | None = "auto"
+
+
+class SupervisedOut(BaseModel):
+    hyperparameters: Hyperparameters
+
+
+class MethodOut(BaseModel):
+    type: Literal["supervised"] = "supervised"
+    supervised: SupervisedOut
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Progress(BaseModel):
+    step: int = 0
+    total_steps: int | None = None
+    attempts: int = 0
+
+
+class FineTuningJob(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    finished_at: int | None = None
+    model: str
+    fine_tuned_model: str | None = None
+    organization_id: str
+    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    hyperparameters: Hyperparameters
+    method: MethodOut
+    training_file: str
+    validation_file: str | None = None
+    result_files: list[str] = Field(default_factory=list)
+    trained_tokens: int | None = None
+    error: JobError | None = None
+    seed: int
+    suffix: str | None = None
+    user_provided_suffix: str | None = None
+    metadata: dict[str, str] | None = None
+    estimated_finish: int | None = None
+    integrations: list[dict[str, Any]] = Field(default_factory=list)
+    # Extras.
+    engine: dict[str, Any] = Field(default_factory=dict)
+    queue_position: int | None = None
+    cancel_requested: bool = False
+    progress: Progress = Field(default_factory=Progress)
+    output_dir: str | None = None
+
+
+class JobEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    type: Literal["message", "metrics"] = "message"
+    data: dict[str, Any] | None = None
+
+
+class CheckpointMetrics(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    step: float | None = None
+    train_loss: float | None = None
+    train_mean_token_accuracy: float | None = None
+    valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
+    full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
+
+
+class JobCheckpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    step_number: int
+    metrics: CheckpointMetrics
+    #: Extra: where the checkpoint lies on the server's storage.
+    path: str | None = None
+
+
+class StepMetric(BaseModel):
+    """One training step of a job (our extra, from JobStepMetric rows)."""
+
+    object: Literal["fine_tuning.job.metric"] = "fine_tuning.job.metric"
+    step: int
+    created_at: int
+    train_loss: float | None = None
+    valid_loss: float | None = None
+    lr: float | None = None
+    tokens_per_second: float | None = None
+    step_seconds: float
+    stall_seconds: float
+    stall_fraction: float
+    gpu_utilization: float | None = None
+    cpu_optimizer_seconds: float
+    bytes_device_to_host: int
+    bytes_host_to_device: int
+
+
+class ListObject(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None

@@ -1,0 +1,106 @@
+"""``zenflow serve``: the API under uvicorn, plus (on embedded defaults) a Celery worker and the
+reaper in the same process, so one command runs the whole service on one machine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+from api.config import get_api_settings
+from store.settings import Settings, get_settings
+
+log = logging.getLogger("zenflow.serve")
+
+
+def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
+    """The in-process Celery worker (solo pool, default queue), with the reaper when asked."""
+    from trainer.worker import start_embedded_worker
+
+    worker = start_embedded_worker(settings=settings, reaper=reaper, loglevel="INFO")
+    log.info("embedded worker %s consuming %s", worker.hostname, settings.default_queue)
+    return worker.stop
+
+
+def start_reaper(settings: Settings) -> Callable[[], None]:
+    """The stale-heartbeat reaper alone (an API process beside separate workers)."""
+    from trainer.reaper import start_reaper_thread
+
+    return start_reaper_thread(settings=settings).stop
+
+
+def serve(
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    worker: bool | None = None,
+    reaper: bool | None = None,
+    log_level: str = "info",
+) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from api.migrate import upgrade_with_retry
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = get_settings()
+    api_settings = get_api_settings()
+    host = host or api_settings.host
+    port = api_settings.port if port is None else port
+    run_worker = settings.embedded if worker is None else worker
+    run_reaper = run_worker if reaper is None else reaper
+
+    # Migrate before anything else touches the database (the worker too).
+    upgrade_with_retry(settings.resolved_database_url)
+    app = create_app(settings, api_settings.model_copy(update={"migrate_on_start": False}))
+
+    stops: list[Callable[[], None]] = []
+    try:
+        if run_worker:
+            stops.append(start_worker(settings, reaper=run_reaper))
+        elif run_reaper:
+            stops.append(start_reaper(settings))
+        log.info(
+            "ZenFlow API on http://%s:%d (database %s, broker %s, %s)",
+            host, port, _redact(settings.resolved_database_url), _redact(settings.resolved_broker_url),
+            "embedded worker on queue " + settings.default_queue if run_worker else "no worker in this process",
+        )
+        with _after_uvicorn_signals():
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")).run()
+    finally:
+        for stop in reversed(stops):
+            try:
+                stop()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                log.exception("error while stopping a background service")
+    return 0
+
+
+@contextlib.contextmanager
+def _after_uvicorn_signals() -> Iterator[None]:
+    """uvicorn re-raises the SIGINT/SIGTERM that stopped it once it has shut down; catch that here so
+    the embedded worker is still stopped cleanly (its job preempted and re-queued) and we exit 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(sig: int, _frame: object) -> None:
+        log.info("%s: shutting down", signal.Signals(sig).name)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# GPU check of the ZenFlow engine: bench/engine.py on CUDA with a ~1.1B-parameter Llama (TinyLlama-1.1B
+# shape, bf16 device params, random init), variants device / offload / zenflow (host accumulation) /
+# zenflow-dacc (device accumulation), one run, then the table and the JSON. Sized for well under
+# 8 minutes on one H200 (16 CPU cores): 60 timed steps per variant (+3 untimed), 8 for the slow offload
+# variant (its losses are then not compared); batch 8 x 2048 tokens; zenflow topk_ratio 0.1,
+# update_interval 4, 12 of the 16 cores for the CPU optimizer worker (bound).
+#
+# Targets (issue 3): zenflow stall fraction <= 5%, >= 3x the steps/s of offload, loss within 1% of device.
+#
+# Usage
+#   bash bench/gpu_check.sh                 # on the GPU machine, from anywhere in the repo
+#   bash bench/gpu_check.sh --fetch-wheels  # on a machine WITH pip access, before: puts the wheels of the
+#                                           # Python packages the GPU image may lack (pydantic and its
+#                                           # deps) into .whl/ (git-ignored); carry .whl to the GPU machine
+# Environment: STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL override
+# the defaults below; OUT (if set, e.g. by the device runner) receives gpu_check.json and gpu_check.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WHL="$ROOT/.whl"
+WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  mkdir -p "$WHL"
+  if [ -d .git ] && ! grep -qx '/.whl/' .git/info/exclude 2>/dev/null; then echo '/.whl/' >> .git/info/exclude; fi
+  py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python
+  "$py" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$WHL" "${WHEELS[@]}"
+  ls -l "$WHL"
+  exit 0
+fi
+
+STEPS=${STEPS:-60}
+OFFLOAD_STEPS=${OFFLOAD_STEPS:-8}
+WARMUP=${WARMUP:-3}
+BATCH=${BATCH:-8}
+SEQ=${SEQ:-2048}
+MODES=${MODES:-device,offload,zenflow,zenflow-dacc}
+CORES_RATIO=${CORES_RATIO:-0.75}
+TOPK=${TOPK:-0.1}
+UPDATE_INTERVAL=${UPDATE_INTERVAL:-4}
+OUTDIR=${OUT:-$ROOT/runs/gpu_check}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+
+# 1. A Python with a CUDA torch: the repo's venv, else the machine's python3, else a fresh venv (needs pip access).
+PY=""
+for cand in "$ROOT/.venv/bin/python" python3 python; do
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    PY=$(command -v "$cand"); break
+  fi
+done
+if [ -z "$PY" ]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "no NVIDIA GPU here (nvidia-smi not found): this check needs a CUDA machine" >&2
+    exit 2
+  fi
+  echo "no Python with a CUDA-enabled torch found; bootstrapping /tmp/zf-venv (needs package-index access)"
+  python3 -m venv /tmp/zf-venv
+  /tmp/zf-venv/bin/pip install -q torch transformers pydantic ninja numpy
+  PY=/tmp/zf-venv/bin/python
+fi
+
+# 2. Packages the engine needs that the image may lack (pydantic): carried wheels first, then pip.
+if ! "$PY" -c 'import pydantic, transformers' >/dev/null 2>&1; then
+  if ls "$WHL"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/zf-site "$WHL"/*.whl
+    export PYTHONPATH=/tmp/zf-site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    "$PY" -m pip install -q pydantic transformers || {
+      echo "missing pydantic/transformers and no wheels in .whl/: run 'bash bench/gpu_check.sh --fetch-wheels' where pip works, carry .whl" >&2
+      exit 2
+    }
+  fi
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+
+# 3. Environment report.
+echo "== environment"
+"$PY" - <<'EOF'
+import os, platform, torch, transformers, pydantic
+print(f"python {platform.python_version()}  torch {torch.__version__}  CUDA {torch.version.cuda}  "
+      f"transformers {transformers.__version__}  pydantic {pydantic.VERSION}")
+print(f"GPU: {torch.cuda.get_device_name(0)}  ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)  "
+      f"CPU cores: {len(os.sched_getaffinity(0))}")
+EOF
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
+free -g | head -2 || true
+
+# 4. Build (or load) the C++ CPU optimizer once, outside the timed runs.
+echo "== C++ CPU Adam build"
+start=$(date +%s)
+"$PY" -c 'from offload.cpu_adam import load_extension, simd_width; load_extension(); print("cpu_adam ready:", simd_width())'
+echo "build/load took $(( $(date +%s) - start ))s"
+
+# 5. The benchmark: table on stdout, JSON to a file (printed after).
+echo "== bench/engine.py (1b preset, CUDA, bf16)"
+timeout 420 "$PY" -m bench.engine --device cuda --model-size 1b --modes "$MODES" \
+  --steps "$STEPS" --offload-steps "$OFFLOAD_STEPS" --warmup "$WARMUP" --batch "$BATCH" --seq "$SEQ" \
+  --cores-ratio "$CORES_RATIO" --bind --topk-ratio "$TOPK" --update-interval "$UPDATE_INTERVAL" \
+  --json-out "$OUTDIR/gpu_check.json" 2>&1 | tee "$OUTDIR/gpu_check.log"
+echo "== JSON"
+cat "$OUTDIR/gpu_check.json"

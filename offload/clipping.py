@@ -1,0 +1,30 @@
+"""Global gradient-norm clipping shared by every mode, so all modes see the same clipped gradient.
+
+Same rule as ``torch.nn.utils.clip_grad_norm_``: ``coef = min(1, max_norm / (total_norm + 1e-6))``,
+gradients multiplied in place by ``coef`` (always, so a coefficient of 1.0 is an exact no-op).
+Per-parameter norms are accumulated in fp32 whatever the gradient dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 L2 norm of each gradient, stacked (on the gradients' device)."""
+    return torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+
+
+@torch.no_grad()
+def clip_(grads: list[torch.Tensor], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip in place. Returns ``(total_norm, coef)`` as device scalars (total before clipping)."""
+    if not grads:
+        z = torch.zeros(())
+        return z, torch.ones(())
+    norms = grad_norms(grads)
+    total = torch.linalg.vector_norm(norms)
+    if max_norm is None:
+        return total, torch.ones((), device=total.device)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)
+    return total, coef

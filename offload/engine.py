@@ -1,0 +1,276 @@
+"""The ZenFlow engine: replaces ``optimizer.step()`` in a training loop, in one of three modes.
+
+Use::
+
+    engine = ZenFlowEngine(model, EngineConfig(mode="zenflow", lr=2e-5))
+    with engine:
+        for batch in data:
+            loss = model(**batch).loss
+            loss.backward()
+            metrics = engine.step()        # clip + update (per mode); returns a StepMetrics
+            engine.zero_grad()             # set_to_none=True by default
+            engine.set_lr(schedule(step))  # optional, per step
+        engine.flush()                     # apply the pending CPU update before saving the model
+        weights = engine.consolidated_state_dict()
+
+Modes: :mod:`offload.device_mode`, :mod:`offload.offload_mode`, :mod:`offload.zenflow_mode` (each
+module's docstring gives its exact semantics). The engine owns the parameters with
+``requires_grad``; they must all live on one device (CPU or one CUDA device) and may be fp32, bf16
+or fp16. Clipping (:mod:`offload.clipping`) is global over all of them and happens before any part
+is updated, in every mode.
+
+Timing (:class:`~offload.metrics.StepMetrics`): ``wall_seconds`` runs from the end of the previous
+``step()`` (the engine's construction for the first) to the end of this one; ``stall_seconds`` is
+the time ``step()`` spent blocked on the CPU optimizer or on transfers; ``compute_seconds`` is the
+rest. On CUDA, ``step()`` first waits for the queued backward pass (counted as compute), so that
+every later wait is time the device has nothing to do.
+
+CPU cores: of the ``cpu_threads`` (default: the cores this process may use) the CPU optimizer
+worker gets ``round(cpu_optimizer_cores_ratio * n)`` (at least 1, and at most ``n - 1`` when
+``n > 1``); ``cpu_split`` reports ``(training, optimizer)``. The engine does not change the training
+thread's torch thread count: on a CPU-only run call ``torch.set_num_threads(engine.cpu_split[0])``.
+The synchronous ``offload`` mode uses all ``n`` cores for its CPU step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from offload.clipping import clip_
+from offload.config import EngineConfig
+from offload.device import DeviceOps
+from offload.device_mode import DeviceMode
+from offload.metrics import StepMetrics
+from offload.mode_base import Mode, NamedParams
+from offload.offload_mode import OffloadMode
+from offload.timing import StepStats
+from offload.worker import BackgroundWorkerError
+from offload.zenflow_mode import ZenFlowMode
+
+__all__ = ["BackgroundWorkerError", "ZenFlowEngine"]
+
+_STATE_VERSION = 1
+
+
+def _available_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_split(total: int, ratio: float) -> tuple[int, int]:
+    """``(training_threads, optimizer_threads)`` for ``total`` cores."""
+    opt = max(1, round(total * ratio))
+    if total > 1:
+        opt = min(opt, total - 1)
+    return max(1, total - opt), opt
+
+
+class ZenFlowEngine:
+    """Optimizer engine over a model's trainable parameters (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | NamedParams,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config if config is not None else EngineConfig()
+        named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else list(model)
+        named = [(n, p) for n, p in named if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no parameters with requires_grad=True")
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"all trainable parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = next(iter(devices))
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device type {self.device.type!r} (cpu or cuda)")
+        for n, p in named:
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise TypeError(f"{n}: unsupported parameter dtype {p.dtype} (fp32, bf16 or fp16)")
+        self._named = named
+        self._params = [p for _, p in named]
+        cores = _available_cores()
+        total = self.config.cpu_threads or len(cores)
+        self.cpu_split = cpu_split(total, self.config.cpu_optimizer_cores_ratio)
+        self._ops = DeviceOps(self.device)
+        self._lr = float(self.config.lr)
+        self._step = 0
+        self._closed = False
+        self.last_metrics: StepMetrics | None = None
+        self._mode: Mode = self._build_mode(total, cores)
+        self._t_last = time.perf_counter()
+
+    def _build_mode(self, total: int, cores: list[int]) -> Mode:
+        cfg, ops = self.config, self._ops
+        if cfg.mode == "device":
+            return DeviceMode(self._named, cfg, ops)
+        if cfg.mode == "offload":
+            return OffloadMode(self._named, cfg, ops, threads=total)
+        opt_threads = self.cpu_split[1]
+        worker_cores = cores[-opt_threads:] if cfg.bind_worker_cores and len(cores) >= opt_threads else None
+        return ZenFlowMode(self._named, cfg, ops, threads=opt_threads, worker_cores=worker_cores)
+
+    # --- the training-loop API ------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        lr = float(lr)
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        self._lr = lr
+
+    @property
+    def global_step(self) -> int:
+        return self._step
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def step(self) -> StepMetrics:
+        """Clip and update after ``loss.backward()``; zeroes nothing. Returns this step's metrics."""
+        self._check_open()
+        self._mode.check()
+        self._ops.sync_compute()
+        stats = StepStats()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        total_norm, _ = clip_(grads, self.config.max_grad_norm)
+        self._mode.step(stats, self._lr)
+        self._step += 1
+        grad_norm = float(total_norm) if grads else None
+        end = time.perf_counter()
+        wall = end - self._t_last
+        self._t_last = end
+        stall = min(stats.stall_seconds, wall)
+        m = StepMetrics(
+            step=self._step,
+            wall_seconds=wall,
+            compute_seconds=wall - stall,
+            stall_seconds=stall,
+            cpu_optimizer_seconds=stats.cpu_optimizer_seconds,
+            bytes_device_to_host=stats.bytes_d2h,
+            bytes_host_to_device=stats.bytes_h2d,
+            device_optimizer_state_bytes=self._mode.state_bytes(),
+            applied_cpu_update=stats.applied_cpu_update,
+            grad_norm=grad_norm,
+            lr=self._lr,
+            mode=self.config.mode,
+            device_buffer_bytes=self._mode.buffer_bytes(),
+            synchronous=stats.synchronous,
+        )
+        self.last_metrics = m
+        return m
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients. In-place zeroing first orders the device after the last gradient copy."""
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
+            return
+        self._ops.wait_last_d2h()
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def new_epoch(self) -> None:
+        """Signal an epoch boundary (``select_interval="auto"`` reselects at the next window end)."""
+        self._mode.new_epoch()
+
+    def flush(self) -> None:
+        """Wait for in-flight CPU work and apply everything pending to the model now.
+
+        In zenflow mode this ends the current window early (its accumulated gradient is applied too);
+        training may continue afterwards. The time spent is not part of any step's metrics.
+        """
+        self._check_open()
+        self._mode.check()
+        self._ops.sync_compute()
+        self._mode.flush(StepStats(), self._lr)
+        self._t_last = time.perf_counter()
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Newest weights by parameter name, on CPU, in the parameters' dtypes.
+
+        zenflow: the device values, with the pending CPU result merged in for the columns where it
+        applies; waits for the CPU work in flight but changes nothing, so training continues as if
+        this had not been called. Parameters without ``requires_grad`` are not included.
+        """
+        self._check_open()
+        self._mode.check()
+        return self._mode.consolidated()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything for an identical continuation (waits for the CPU work in flight).
+
+        Includes the raw device values of the trainable parameters, so ``load_state_dict`` restores
+        the model's trainable weights too. All tensors are CPU copies; the dict is ``torch.save``-able.
+        """
+        self._check_open()
+        self._mode.check()
+        return {
+            "version": _STATE_VERSION,
+            "mode": self.config.mode,
+            "step": self._step,
+            "lr": self._lr,
+            "mode_state": self._mode.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore a state saved by ``state_dict()`` of an engine with the same model and mode."""
+        self._check_open()
+        if sd.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported engine state version {sd.get('version')!r}")
+        if sd.get("mode") != self.config.mode:
+            raise ValueError(f"engine state is for mode {sd.get('mode')!r}, this engine runs {self.config.mode!r}")
+        self._mode.load_state_dict(sd["mode_state"])
+        self._step = int(sd["step"])
+        self._lr = float(sd["lr"])
+        self._t_last = time.perf_counter()
+
+    # --- inspection -----------------------------------------------------------------------------
+    @property
+    def device_optimizer_state_bytes(self) -> int:
+        return self._mode.state_bytes()
+
+    def selection(self) -> dict[str, torch.Tensor]:
+        """zenflow: the selected columns of each split 2-D weight (empty in the other modes)."""
+        return self._mode.selection() if isinstance(self._mode, ZenFlowMode) else {}
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the background worker and release pinned host memory; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mode.close()
+
+    def __enter__(self) -> ZenFlowEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,82 @@
+"""What every engine mode provides; the engine (:mod:`offload.engine`) times and reports around it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offload.config import EngineConfig
+from offload.device import DeviceOps
+from offload.timing import StepStats
+
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def to_cpu(obj: Any) -> Any:
+    """A copy of a nested state structure with every tensor cloned to CPU (torch.save-able, unaliased)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_cpu(v) for v in obj)
+    return obj
+
+
+class Mode:
+    """Base class; subclasses implement step, state_bytes, state_dict and load_state_dict."""
+
+    name: str = ""
+
+    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps) -> None:
+        self.named = named
+        self.cfg = cfg
+        self.ops = ops
+
+    def step(self, stats: StepStats, lr: float) -> None:
+        """Update the parameters from their (already clipped) gradients."""
+        raise NotImplementedError
+
+    def flush(self, stats: StepStats, lr: float) -> None:
+        """Apply everything pending to the model now (nothing is pending in the synchronous modes)."""
+
+    def check(self) -> None:
+        """Raise a background failure, if any."""
+
+    def new_epoch(self) -> None:
+        """The caller started a new epoch (zenflow reselects at the next window boundary)."""
+
+    def state_bytes(self) -> int:
+        """Device bytes held by optimizer state."""
+        raise NotImplementedError
+
+    def buffer_bytes(self) -> int:
+        """Device bytes of transfer buffers (not optimizer state)."""
+        return 0
+
+    def consolidated(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.named}
+
+    def device_params_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.named}
+
+    def load_device_params(self, sd: dict[str, torch.Tensor]) -> None:
+        names = {n for n, _ in self.named}
+        if set(sd) != names:
+            missing, extra = sorted(names - set(sd)), sorted(set(sd) - names)
+            raise ValueError(f"engine state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        with torch.no_grad():
+            for n, p in self.named:
+                p.data.copy_(sd[n])
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads and host memory; idempotent."""

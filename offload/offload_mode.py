@@ -1,0 +1,87 @@
+"""``offload`` mode: synchronous ZeRO-Offload style.
+
+Every step: all gradients go to the host (one D2H copy), the C++ CPU AdamW updates the fp32
+master parameters and moments (writing the bf16/fp16 copy in the same pass), the new values come
+back (one H2D copy) straight into the device parameters. The training thread waits for all of it,
+so the whole update is stall. The optimizer runs in the training thread on all the engine's cores
+(nothing else runs meanwhile). Device optimizer state: none.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from offload.config import EngineConfig
+from offload.device import DeviceOps
+from offload.host import HostStore
+from offload.mode_base import Mode, NamedParams
+from offload.timing import StepStats
+
+
+def group_by_dtype(named: NamedParams) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    groups: dict[torch.dtype, list[tuple[str, torch.nn.Parameter]]] = {}
+    for n, p in named:
+        groups.setdefault(p.dtype, []).append((n, p))
+    return list(groups.values())
+
+
+class OffloadMode(Mode):
+    name = "offload"
+
+    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, *, threads: int) -> None:
+        super().__init__(named, cfg, ops)
+        self.threads = threads
+        self.groups = [
+            (HostStore([p for _, p in g], ops.host, staging_slots=1, accumulators=0), g)
+            for g in group_by_dtype(named)
+        ]
+
+    @torch.no_grad()
+    def step(self, stats: StepStats, lr: float) -> None:
+        stats.synchronous = True
+        cfg = self.cfg
+        with stats.blocked():
+            for store, group in self.groups:
+                have = [i for i, (_, p) in enumerate(group) if p.grad is not None]
+                staging = store.staging[0]
+                t = self.ops.d2h([(store.flat(staging, i), group[i][1].grad) for i in have])
+                t.wait()
+                stats.bytes_d2h += t.nbytes
+                t0 = time.perf_counter()
+                for _ in store.adam(
+                    staging,
+                    lr=lr,
+                    betas=cfg.betas,
+                    eps=cfg.eps,
+                    weight_decay=cfg.weight_decay,
+                    num_threads=self.threads,
+                    chunk=1 << 62,
+                    only=have,
+                ):
+                    pass
+                stats.cpu_optimizer_seconds += time.perf_counter() - t0
+                t = self.ops.h2d([(group[i][1].data, store.flat(store.result, i)) for i in have])
+                t.wait()
+                stats.bytes_h2d += t.nbytes
+            stats.applied_cpu_update = True
+
+    def state_bytes(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.name,
+            "device_params": self.device_params_state(),
+            "host": [store.state_dict(None) for store, _ in self.groups],
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.load_device_params(sd["device_params"])
+        for (store, _), s in zip(self.groups, sd["host"], strict=True):
+            store.load_state_dict(s)
+
+    def close(self) -> None:
+        self.ops.release()

@@ -1,0 +1,71 @@
+"""Importance-aware column selection for 2-D weights.
+
+Convention (used everywhere in the engine): a 2-D weight has shape ``[rows, cols]`` (``nn.Linear``:
+``[out_features, in_features]``; ``nn.Embedding``: ``[num_embeddings, embedding_dim]``). A *column*
+is an index into dim 1 (an input channel of a Linear, a hidden channel of an Embedding) and its
+importance score is ``sum(|grad|)`` over dim 0. The top ``k = ceil(topk_ratio * cols)`` columns are
+selected (at least 1); the index tensor is sorted ascending so gathers walk memory in order and two
+selections compare with ``torch.equal``. Parameters that are not 2-D are always selected as a whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def num_selected(cols: int, topk_ratio: float) -> int:
+    """Columns kept on the device for a weight with ``cols`` columns."""
+    if cols <= 0:
+        return 0
+    return min(cols, max(1, math.ceil(topk_ratio * cols - 1e-9)))
+
+
+def column_scores(grad: torch.Tensor) -> torch.Tensor:
+    """Importance of each column of a 2-D gradient: ``sum |g|`` over dim 0, in fp32, shape ``[cols]``."""
+    if grad.dim() != 2:
+        raise ValueError(f"column_scores needs a 2-D gradient, got shape {tuple(grad.shape)}")
+    return grad.abs().sum(dim=0, dtype=torch.float32)
+
+
+def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted int64 indices (on the gradient's device) of the ``k`` highest-scoring columns."""
+    cols = grad.shape[1]
+    if not 0 < k <= cols:
+        raise ValueError(f"k must be in [1, {cols}], got {k}")
+    if k == cols:
+        return torch.arange(cols, device=grad.device)
+    scores = column_scores(grad)
+    idx = torch.topk(scores, k, largest=True, sorted=False).indices
+    return torch.sort(idx).values
+
+
+def remap(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of ``new``'s columns sat in ``old`` (both sorted).
+
+    Returns ``(present, pos)``: ``present[j]`` is True when ``new[j]`` is also in ``old``, and then
+    ``old[pos[j]] == new[j]``; ``pos`` is clamped to a valid index where ``present`` is False.
+    """
+    if old.numel() == 0:
+        return torch.zeros_like(new, dtype=torch.bool), torch.zeros_like(new)
+    pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
+    present = old[pos] == new
+    return present, pos
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sorted elements of sorted ``a`` that are not in sorted ``b``."""
+    if a.numel() == 0 or b.numel() == 0:
+        return a.clone()
+    present, _ = remap(b, a)
+    return a[~present]
+
+
+def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sorted union of two sorted index tensors."""
+    if a.numel() == 0:
+        return b.clone()
+    if b.numel() == 0:
+        return a.clone()
+    return torch.unique(torch.cat([a, b]), sorted=True)

@@ -1,0 +1,182 @@
+"""The engine's background CPU worker: one daemon thread with its own cores.
+
+Tasks are plain callables. *Urgent* tasks (gradient accumulation: they free staging buffers the
+training thread is waiting for) always run first; *normal* tasks (the window's CPU optimizer step)
+run in submission order. A normal task may return a generator: the worker then advances it one
+chunk at a time and runs any urgent task that arrived in between, so a long CPU Adam step never
+holds back the next window's gradient copies. The generator's return value is the task's result.
+
+Failure handling: the first exception raised by a task is kept with its traceback, every pending
+task's future fails with it, the thread exits, and ``check()``/``wait()`` raise
+:class:`BackgroundWorkerError` in the calling (training) thread, chained ``from`` the original.
+``close()`` lets queued work finish, then joins the thread; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+
+class BackgroundWorkerError(RuntimeError):
+    """The background CPU optimizer failed; the original exception is the ``__cause__``."""
+
+
+class WorkerClosedError(RuntimeError):
+    """A task was submitted to (or left in) a worker that has been closed."""
+
+
+_Task = tuple[Callable[[], Any], Future]
+
+
+class Worker:
+    def __init__(
+        self,
+        name: str = "zenflow-cpu-optimizer",
+        *,
+        torch_threads: int | None = None,
+        cores: list[int] | None = None,
+        cuda_device: torch.device | None = None,
+    ) -> None:
+        self._cv = threading.Condition()
+        self._urgent: deque[_Task] = deque()
+        self._normal: deque[_Task] = deque()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._busy = 0  # tasks submitted and not finished
+        self._torch_threads = torch_threads
+        self._cores = cores
+        self._cuda_device = cuda_device
+        ready = threading.Event()
+        main_threads = torch.get_num_threads()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
+        self._thread.start()
+        ready.wait()
+        # The worker's torch.set_num_threads also changed the default for threads started later;
+        # put that default back to the training thread's count (a no-op for this thread itself).
+        if torch_threads is not None:
+            torch.set_num_threads(main_threads)
+
+    # --- training-thread side -------------------------------------------------------------------
+    def submit(self, fn: Callable[[], Any], *, urgent: bool = False) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            self.check()
+            if self._stop:
+                raise WorkerClosedError("the background worker is closed")
+            (self._urgent if urgent else self._normal).append((fn, fut))
+            self._busy += 1
+            self._cv.notify()
+        return fut
+
+    def check(self) -> None:
+        """Raise the worker's failure, if any, in the calling thread."""
+        err = self._error
+        if err is not None:
+            raise BackgroundWorkerError(f"background CPU optimizer failed: {type(err).__name__}: {err}") from err
+
+    def wait(self, fut: Future) -> Any:
+        """Block until ``fut`` is done; a worker failure surfaces as BackgroundWorkerError."""
+        try:
+            return fut.result()
+        except Exception as exc:  # not KeyboardInterrupt: a Ctrl-C while waiting stays a Ctrl-C
+            if self._error is not None:
+                self.check()
+            raise BackgroundWorkerError(f"background task failed: {type(exc).__name__}: {exc}") from exc
+
+    def drain(self) -> None:
+        """Block until every submitted task has finished."""
+        with self._cv:
+            while self._busy and self._error is None and self._thread.is_alive():
+                self._cv.wait(0.1)
+        self.check()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 120.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # --- worker thread --------------------------------------------------------------------------
+    def _setup(self) -> None:
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
+        if self._cores and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self._cores)  # pid 0 = the calling thread on Linux
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
+
+    def _run(self, ready: threading.Event) -> None:
+        try:
+            self._setup()
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            ready.set()
+        gen: Generator[Any, None, Any] | None = None
+        gen_fut: Future | None = None
+        while self._error is None:
+            with self._cv:
+                while not (self._urgent or self._normal or gen is not None or self._stop):
+                    self._cv.wait()
+                if self._urgent:
+                    task, action = self._urgent.popleft(), "run"
+                elif gen is not None:
+                    task, action = None, "advance"
+                elif self._normal:
+                    task, action = self._normal.popleft(), "run"
+                else:
+                    break  # stopped and nothing left
+            current = gen_fut if action == "advance" else task[1]  # type: ignore[index]
+            try:
+                if action == "advance":
+                    assert gen is not None
+                    try:
+                        next(gen)
+                    except StopIteration as stop:
+                        self._finish(gen_fut, stop.value)
+                        gen, gen_fut = None, None
+                else:
+                    fn, fut = task  # type: ignore[misc]
+                    out = fn()
+                    if inspect.isgenerator(out):
+                        gen, gen_fut = out, fut
+                    else:
+                        self._finish(fut, out)
+            except BaseException as exc:
+                self._fail(exc, current, gen_fut)
+                return
+
+    def _finish(self, fut: Future | None, value: Any) -> None:
+        if fut is not None:
+            fut.set_result(value)
+        with self._cv:
+            self._busy -= 1
+            self._cv.notify_all()
+
+    def _fail(self, exc: BaseException, *futs: Future | None) -> None:
+        with self._cv:
+            self._error = exc
+            pending = [f for _, f in self._urgent] + [f for _, f in self._normal]
+            self._urgent.clear()
+            self._normal.clear()
+            self._busy = 0
+            self._cv.notify_all()
+        for f in {id(f): f for f in (*futs, *pending) if f is not None}.values():
+            if not f.done():
+                f.set_exception(exc)
+

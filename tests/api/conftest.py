@@ -1,0 +1,264 @@
+"""Fixtures of the API tests: a private PostgreSQL database per session, Redis with a private queue,
+the app under TestClient, and a fresh team + key per test (team isolation keeps tests apart)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from api.config import ApiSettings
+from store.settings import Settings
+
+PG_ADMIN_URL = os.environ.get(
+    "ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+REDIS_URL = os.environ.get("ZENFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def create_database(prefix: str = "zf_api") -> str:
+    """A new, empty PostgreSQL database; returns its URL."""
+    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
+    finally:
+        admin.dispose()
+    return make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(url: str) -> None:
+    name = make_url(url).database
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A migrated PostgreSQL database private to this test session."""
+    from api.migrate import upgrade
+    from store.db import get_engine
+
+    url = create_database()
+    upgrade(url)
+    yield url
+    get_engine.cache_clear()
+    drop_database(url)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.skip(f"Redis not reachable at {REDIS_URL}: {exc}")
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def queue_name(redis_url: str) -> Iterator[str]:
+    import redis
+
+    name = f"zf-test-api-{secrets.token_hex(4)}"
+    yield name
+    r = redis.Redis.from_url(redis_url)
+    for key in r.scan_iter(f"{name}*"):
+        r.delete(key)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("zf-api-data")
+
+
+@pytest.fixture(scope="session")
+def settings(pg_url: str, redis_url: str, queue_name: str, data_dir: Path) -> Settings:
+    return Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        data_dir=data_dir,
+        database_url=pg_url,
+        broker_url=redis_url,
+        default_queue=queue_name,
+        max_upload_bytes=256 * 1024,
+    )
+
+
+TEST_API_SETTINGS = ApiSettings(
+    _env_file=None,  # type: ignore[call-arg]
+    migrate_on_start=False,
+    stream_poll_seconds=0.05,
+    stream_keepalive_seconds=1.0,
+    key_touch_seconds=0,
+)
+
+
+@dataclass
+class Enqueued:
+    """Records enqueue calls of the app under test (the tests without a worker)."""
+
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    fail: bool = False
+
+    def __call__(self, job_id: str, queue: str) -> None:
+        if self.fail:
+            raise ConnectionError("broker down (test)")
+        self.calls.append((job_id, queue))
+
+
+@pytest.fixture(scope="session")
+def enqueued() -> Enqueued:
+    return Enqueued()
+
+
+@pytest.fixture(scope="session")
+def app(settings: Settings, enqueued: Enqueued) -> FastAPI:
+    from api.app import create_app
+
+    return create_app(settings, TEST_API_SETTINGS, enqueue=enqueued)
+
+
+@pytest.fixture(scope="session")
+def client(app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(app) as c:
+        yield c
+
+
+@dataclass
+class TeamKey:
+    id: str
+    name: str
+    key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+
+def make_team(app: FastAPI, name: str | None = None) -> TeamKey:
+    from api.auth import create_key, create_team
+
+    with app.state.sessionmaker() as s:
+        team = create_team(s, name or f"team-{secrets.token_hex(4)}")
+        _, key = create_key(s, team, "test")
+        s.commit()
+        return TeamKey(team.id, team.name, key)
+
+
+@pytest.fixture
+def team(app: FastAPI) -> TeamKey:
+    return make_team(app)
+
+
+@pytest.fixture
+def other_team(app: FastAPI) -> TeamKey:
+    return make_team(app)
+
+
+def chat_jsonl(n: int = 8) -> bytes:
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": f"What is {i} + {i}?"},
+                    {"role": "assistant", "content": str(2 * i)},
+                ]
+            }
+        )
+        for i in range(n)
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def upload(
+    client: TestClient,
+    team: TeamKey,
+    content: bytes | None = None,
+    *,
+    filename: str = "train.jsonl",
+    purpose: str | None = "fine-tune",
+) -> Any:
+    data = {"purpose": purpose} if purpose is not None else {}
+    return client.post(
+        "/v1/files",
+        headers=team.headers,
+        data=data,
+        files={"file": (filename, content if content is not None else chat_jsonl(), "application/jsonl")},
+    )
+
+
+def uploaded_id(client: TestClient, team: TeamKey, content: bytes | None = None) -> str:
+    r = upload(client, team, content)
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def error_of(resp: Any) -> dict[str, Any]:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert {"message", "type", "param", "code"} <= set(err), err
+    return err
+
+
+def stored_files(settings: Settings) -> list[Path]:
+    root = settings.resolved_files_dir
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving an app on a free loopback port in a thread (for real HTTP clients)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)

@@ -1,0 +1,86 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine: services, healthchecks,
+GPU reservation, mounted files that exist, and environment names that the settings really read."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from api.config import ApiSettings
+from store.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = {"api", "worker", "redis", "postgres", "prometheus", "grafana"}
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_services_and_healthchecks() -> None:
+    c = _compose()
+    assert set(c["services"]) == SERVICES
+    for name, svc in c["services"].items():
+        hc = svc.get("healthcheck")
+        assert hc and hc.get("test"), f"{name} has no healthcheck"
+        assert svc.get("image") or svc.get("build"), name
+    for name in ("api", "worker"):
+        assert c["services"][name]["build"]["context"] == "."
+    for dep in ("postgres", "redis"):
+        assert c["services"]["api"]["depends_on"][dep]["condition"] == "service_healthy"
+    assert c["services"]["worker"]["depends_on"]["api"]["condition"] == "service_healthy"
+
+
+def test_worker_reserves_an_nvidia_gpu_and_uses_cuda_torch() -> None:
+    w = _compose()["services"]["worker"]
+    devices = w["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "cu" in w["build"]["args"]["TORCH_INDEX_URL"]
+    cmd = " ".join(w["command"])
+    assert "--pool=solo" in cmd and "--concurrency=1" in cmd and "trainer.worker:celery_app" in cmd
+    assert "cpu" in _compose()["services"]["api"]["build"]["args"]["TORCH_INDEX_URL"]
+
+
+def test_bind_mounts_exist_and_named_volumes_are_declared() -> None:
+    c = _compose()
+    declared = set(c.get("volumes") or {})
+    for name, svc in c["services"].items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (ROOT / src).exists(), f"{name}: {src} missing"
+            else:
+                assert src in declared, f"{name}: volume {src} not declared"
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in c["services"]["prometheus"]["volumes"]}
+    assert (ROOT / mounts["/etc/prometheus"] / "prometheus.yml").is_file()
+    assert (ROOT / mounts["/etc/prometheus"] / "alerts.yml").is_file()
+    g = {v.split(":")[1]: v.split(":")[0] for v in c["services"]["grafana"]["volumes"]}
+    assert (ROOT / g["/etc/grafana/provisioning"]).is_dir() and list(
+        (ROOT / g["/var/lib/grafana/dashboards"]).glob("*.json")
+    )
+    # Prometheus scrapes the compose service names and ports.
+    prom = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
+    assert "api:8000" in prom
+    assert "worker:" in prom and c["services"]["worker"]["environment"]["ZENFLOW_WORKER_METRICS_PORT"] in prom
+
+
+def test_environment_names_are_settings_fields() -> None:
+    c = _compose()
+    fields = {f"ZENFLOW_{n.upper()}" for n in Settings.model_fields}
+    fields |= {f"ZENFLOW_API_{n.upper()}" for n in ApiSettings.model_fields}
+    for name in ("api", "worker"):
+        env = c["services"][name]["environment"]
+        for key in env:
+            if key.startswith("ZENFLOW_"):
+                assert key in fields, f"{name}: {key} is read by no setting"
+        assert env["ZENFLOW_DATABASE_URL"].startswith("postgresql+psycopg://")
+        assert env["ZENFLOW_BROKER_URL"].startswith("redis://")
+
+
+def test_dockerfile_defaults() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu", text)
+    assert "HEALTHCHECK" in text and "/readyz" in text and "zenflow" in text
+    assert ".venv" in (ROOT / ".dockerignore").read_text()

@@ -1,0 +1,110 @@
+"""Shared fixtures: a private PostgreSQL database per test session (tables from the ORM models), the
+local Redis broker, and service settings pointing at them.
+
+PostgreSQL: ``postgresql+psycopg://postgres@127.0.0.1:5432`` (trust auth); a database with a random
+name is created for the session and dropped after, so parallel runs never collide. Redis:
+``redis://127.0.0.1:6379/0``; tests isolate themselves with unique queue names. Override with
+ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. Tests needing a missing service are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_ADMIN_URL = os.environ.get(
+    "ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("ZENFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _admin_engine():  # type: ignore[no-untyped-def]
+    from sqlalchemy import create_engine
+
+    return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+
+
+@pytest.fixture(scope="session")
+def pg_db_url() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database with all store.models tables (create_all), for this session."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from store.models import Base
+
+    name = f"zf_test_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = _admin_engine()
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
+    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    eng = create_engine(url)
+    Base.metadata.create_all(eng)
+    eng.dispose()
+    try:
+        yield url
+    finally:
+        from store.db import get_engine
+
+        get_engine.cache_clear()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_broker_url() -> str:
+    """The local Redis, checked reachable."""
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except Exception as exc:  # pragma: no cover - environment problem
+        pytest.skip(f"Redis not reachable at {REDIS_URL}: {exc}")
+    return REDIS_URL
+
+
+@pytest.fixture
+def unique_queue(redis_broker_url: str) -> Iterator[str]:
+    """A queue name no one else uses; its Redis keys are deleted afterwards."""
+    import redis
+
+    name = f"zf-test-{secrets.token_hex(6)}"
+    yield name
+    r = redis.Redis.from_url(redis_broker_url)
+    for key in r.scan_iter(f"*{name}*"):
+        r.delete(key)
+
+
+@pytest.fixture
+def service_env(pg_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """ZENFLOW_* environment for the session database and a private data dir (settings cache cleared)."""
+    from store.settings import get_settings
+
+    env = {
+        "ZENFLOW_DATABASE_URL": pg_db_url,
+        "ZENFLOW_DATA_DIR": str(tmp_path / "var"),
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    get_settings.cache_clear()
+    yield env
+    get_settings.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread() -> Iterator[None]:
+    """One intra-op thread for tiny models: on a loaded 2-core machine OpenMP spinning otherwise
+    makes a 64-wide matmul take milliseconds. Restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,118 @@
+"""Disk full while checkpointing: the job fails cleanly with the reason, the previous checkpoint intact.
+
+A real small filesystem, not a mock: the jobs directory is a tmpfs mounted for the test (we run as
+root, as CI does; without the privilege to mount the test skips and says so). Once the job's first
+checkpoint is on disk the rest of the filesystem is filled, so the next checkpoint write hits ENOSPC
+for real. Then: the job is ``failed`` with an error naming the cause, the partial checkpoint
+directory is gone, the earlier checkpoint is byte-for-byte what it was and still complete (and so
+resumable), and the worker is healthy and runs the next job once space is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import Client, job_params, stack, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SIZE_MB = 48
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size_mb: int):
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def fill(path: Path) -> Path:
+    """Write until the filesystem says ENOSPC (big writes, then small ones for the last blocks)."""
+    filler = path / f"filler-{uuid.uuid4().hex[:6]}"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for size in (1 << 20, 1 << 12, 1):
+            chunk = b"\0" * size
+            try:
+                while True:
+                    os.write(fd, chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    assert os.statvfs(path).f_bavail == 0
+    return filler
+
+
+def digest(d: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
+    from trainer.checkpoint import is_complete, list_checkpoints, load_training_state
+
+    with (
+        small_filesystem(tmp_path / "jobs", SIZE_MB) as jobs_dir,
+        stack(tmp_path, prefix="zf_disk", ZENFLOW_JOBS_DIR=str(jobs_dir)) as st,
+    ):
+        api = st.start_api()
+        st.start_worker("disk")
+        _, key = st.create_team_key()
+        c = Client(api, key)
+        fid = c.upload()
+        job_id = c.create_job(fid, **job_params(300, checkpoint_every=60))
+        out = jobs_dir / job_id
+
+        first = wait_until(lambda: list_checkpoints(out), 240, "the first checkpoint on disk", interval=0.02)[
+            0
+        ]
+        filler = fill(jobs_dir)
+        before = digest(first.path)
+        assert st.job(job_id).status == "running"
+
+        job = st.wait_status(job_id, {"failed", "succeeded", "cancelled"}, 300)
+        assert job.status == "failed", (job.status, job.global_step)
+        assert job.error and job.error.get("code"), job.error
+        assert "No space left on device" in job.error["message"] or "ENOSPC" in job.error["message"], (
+            job.error
+        )
+        assert job.global_step >= first.step
+        msgs = [e.message for e in st.events(job_id)]
+        assert any("No space left on device" in m for m in msgs), msgs[-5:]
+
+        # the previous checkpoint is intact and still resumable; no half-written one is left
+        assert first.path.is_dir() and is_complete(first.path)
+        assert digest(first.path) == before
+        assert [ck.step for ck in list_checkpoints(out)][-1] == first.step
+        assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+        state = load_training_state(first.path)
+        assert state is not None
+        assert job.last_checkpoint_path and Path(job.last_checkpoint_path).name == first.path.name
+
+        # space back: the same worker takes the next job and finishes it
+        filler.unlink()
+        nxt = c.create_job(fid, **job_params(5, checkpoint_every=5))
+        assert st.wait_status(nxt, {"succeeded", "failed"}, 300).status == "succeeded"

@@ -1,0 +1,108 @@
+"""The PromQL of deploy/: dashboard targets and variables, alert rules, with Grafana's variables
+substituted, shared by the static checks and the live Prometheus test."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DASHBOARDS = DEPLOY / "grafana" / "dashboards"
+DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources"
+PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards"
+PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+
+#: Grafana's own variables and the values the tests give them.
+BUILTIN_VARS = {"__rate_interval": "15s", "__interval": "5s", "__range": "1m"}
+#: Metrics only a GPU host has (NVML readings at scrape time); without one, expressions reading
+#: them are checked for validity but not for data.
+GPU_ONLY_METRICS = ("zenflow_nvml_gpu_utilization_ratio",)
+
+_VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
+
+
+@dataclass(frozen=True)
+class Expr:
+    where: str
+    expr: str
+
+    def substituted(self, values: dict[str, str]) -> str:
+        return substitute(self.expr, values)
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    def rep(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2) or m.group(3)
+        if name in values:
+            return values[name]
+        if name in BUILTIN_VARS:
+            return BUILTIN_VARS[name]
+        raise KeyError(f"no value for ${name} in {expr!r}")
+
+    return _VAR.sub(rep, expr)
+
+
+def variables_in(expr: str) -> set[str]:
+    return {m.group(1) or m.group(2) or m.group(3) for m in _VAR.finditer(expr)}
+
+
+def load_dashboards() -> dict[Path, dict[str, Any]]:
+    return {p: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def all_panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for p in dash.get("panels", []):
+        out.append(p)
+        out.extend(p.get("panels", []) or [])  # collapsed rows hold their panels
+    return out
+
+
+def dashboard_exprs(dash: dict[str, Any]) -> list[Expr]:
+    out = []
+    for p in all_panels(dash):
+        for t in p.get("targets", []) or []:
+            if t.get("expr"):
+                out.append(Expr(f"panel {p.get('id')} {p.get('title')!r} {t.get('refId')}", t["expr"]))
+    return out
+
+
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(.+?)\s*,\s*)?(\w+)\s*\)\s*$")
+
+
+def variable_queries(dash: dict[str, Any]) -> list[tuple[str, str | None, str]]:
+    """(variable name, metric selector or None, label) of every ``label_values`` query variable."""
+    out = []
+    for v in dash.get("templating", {}).get("list", []):
+        if v.get("type") != "query":
+            continue
+        q = v.get("query")
+        q = q.get("query") if isinstance(q, dict) else q
+        m = _LABEL_VALUES.match(q or "")
+        if not m:
+            raise AssertionError(f"variable {v.get('name')}: unsupported query {q!r}")
+        out.append((v["name"], m.group(1), m.group(2)))
+    return out
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+_CMP = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*(bool\s+)?-?[0-9.]+(e-?\d+)?\s*$")
+
+
+def strip_condition(expr: str) -> str:
+    """An alert condition without its final comparison with a number (``... > 0.2`` -> ``...``):
+    what must return data while the system runs, whether or not the alert fires."""
+    e = expr.strip()
+    m = _CMP.search(e)
+    return e[: m.start()].strip() if m else e

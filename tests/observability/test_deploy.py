@@ -1,0 +1,189 @@
+"""deploy/ checked without servers: promtool on the config and the rules, the PromQL of the dashboard,
+and the dashboard JSON and provisioning files as Grafana's file provisioning reads them."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.observability import promql
+from tests.observability.promql import (
+    ALERTS,
+    DATASOURCES,
+    PROM_CONFIG,
+    PROVIDERS,
+    alert_rules,
+    all_panels,
+    dashboard_exprs,
+    load_dashboards,
+    variable_queries,
+    variables_in,
+)
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip(
+            "promtool not installed (Debian package prometheus; scripts/bootstrap.sh installs it as root)"
+        )
+    return path
+
+
+def test_promtool_check_config() -> None:
+    out = subprocess.run(
+        [_promtool(), "check", "config", PROM_CONFIG.name],
+        cwd=PROM_CONFIG.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
+
+
+def test_promtool_check_rules() -> None:
+    out = subprocess.run(
+        [_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_scrape_jobs_and_rules_files() -> None:
+    cfg = yaml.safe_load(PROM_CONFIG.read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) >= {"zenflow-api", "zenflow-workers"}
+    assert jobs["zenflow-api"].get("metrics_path", "/metrics") == "/metrics"
+    for f in cfg["rule_files"]:
+        assert (PROM_CONFIG.parent / f).is_file()
+    # the alert rules name these scrape jobs
+    text = ALERTS.read_text()
+    assert 'job="zenflow-workers"' in text and 'job="zenflow-api"' in text
+
+
+def test_alert_rules_shape() -> None:
+    rules = alert_rules()
+    names = {r["alert"] for r in rules}
+    assert {"ZenflowStallFractionHigh", "ZenflowWorkerDown", "ZenflowJobFailed"} <= names
+    for r in rules:
+        assert r.get("for"), f"{r['alert']}: no for:"
+        assert r["labels"]["severity"] in ("warning", "critical"), r["alert"]
+        assert r["annotations"].get("summary") and r["annotations"].get("description"), r["alert"]
+        assert "job_id" not in r["expr"], "alerts must not depend on per-job series"
+
+
+def test_every_promql_expression_parses(tmp_path: Path) -> None:
+    """promtool parses the dashboard's expressions (variables substituted) as recording rules."""
+    rules = []
+    for dash in load_dashboards().values():
+        values = {name: ".*" for name, _, _ in variable_queries(dash)}
+        for e in dashboard_exprs(dash):
+            rules.append({"record": f"zenflow_test:expr_{len(rules)}", "expr": e.substituted(values)})
+    for r in alert_rules():
+        rules.append({"record": f"zenflow_test:expr_{len(rules)}", "expr": promql.strip_condition(r["expr"])})
+    f = tmp_path / "exprs.yml"
+    f.write_text(yaml.safe_dump({"groups": [{"name": "exprs", "rules": rules}]}))
+    out = subprocess.run([_promtool(), "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _datasource_uids() -> dict[str, str]:
+    uids = {}
+    for f in DATASOURCES.glob("*.yml"):
+        doc = yaml.safe_load(f.read_text())
+        assert doc["apiVersion"] == 1
+        for ds in doc["datasources"]:
+            assert ds["uid"] and ds["type"] and ds["url"], ds
+            uids[ds["uid"]] = ds["type"]
+    return uids
+
+
+def test_dashboard_provider_points_at_the_dashboards() -> None:
+    providers = [p for f in PROVIDERS.glob("*.yml") for p in yaml.safe_load(f.read_text())["providers"]]
+    assert providers
+    for p in providers:
+        assert p["type"] == "file"
+        assert p["options"]["path"] == "/var/lib/grafana/dashboards"
+    compose = promql.ROOT / "docker-compose.yml"
+    if compose.exists():
+        text = compose.read_text()
+        assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards" in text
+        assert "./deploy/grafana/provisioning:/etc/grafana/provisioning" in text
+        assert "./deploy/prometheus:/etc/prometheus" in text
+
+
+def test_dashboard_json_is_valid_for_provisioning() -> None:
+    dashes = load_dashboards()
+    assert dashes, "no dashboard JSON"
+    ds_uids = _datasource_uids()
+    seen_uids = set()
+    for path, d in dashes.items():
+        # what Grafana's file provisioner needs: a title, a stable uid, no database id of its own
+        assert isinstance(d.get("title"), str) and d["title"].strip(), path
+        assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", d.get("uid", "")), f"{path}: uid"
+        assert d["uid"] not in seen_uids
+        seen_uids.add(d["uid"])
+        assert d.get("id") is None, f"{path}: a provisioned dashboard must not carry an id"
+        assert isinstance(d.get("schemaVersion"), int) and d["schemaVersion"] >= 30
+        assert isinstance(d.get("panels"), list) and d["panels"]
+
+        variables = {v["name"]: v for v in d.get("templating", {}).get("list", [])}
+        assert {"worker", "job_id"} <= set(variables), "fleet view by worker, per-job view by job_id"
+        for name, v in variables.items():
+            if v.get("type") == "query":
+                assert v["datasource"]["uid"] in ds_uids, f"variable {name}: datasource"
+        variable_queries(d)  # every query variable is a label_values() we can evaluate
+
+        ids = [p["id"] for p in all_panels(d)]
+        assert len(ids) == len(set(ids)), "panel ids must be unique"
+        cells: set[tuple[int, int]] = set()
+        for p in all_panels(d):
+            gp = p["gridPos"]
+            assert gp["w"] >= 1 and gp["h"] >= 1 and gp["x"] >= 0 and gp["x"] + gp["w"] <= 24, p["title"]
+            for x in range(gp["x"], gp["x"] + gp["w"]):
+                for y in range(gp["y"], gp["y"] + gp["h"]):
+                    assert (x, y) not in cells, f"panel {p['title']!r} overlaps another"
+                    cells.add((x, y))
+            if p["type"] == "row":
+                continue
+            assert p.get("title"), p["id"]
+            assert p["datasource"]["uid"] in ds_uids, f"panel {p['title']!r}: datasource uid"
+            assert ds_uids[p["datasource"]["uid"]] == p["datasource"]["type"]
+            targets = p.get("targets") or []
+            assert targets, f"panel {p['title']!r} has no query"
+            refs = [t["refId"] for t in targets]
+            assert len(refs) == len(set(refs))
+            for t in targets:
+                assert t.get("expr"), f"panel {p['title']!r} {t['refId']}: no expr"
+                if "datasource" in t:
+                    assert t["datasource"]["uid"] == p["datasource"]["uid"]
+                unknown = variables_in(t["expr"]) - set(variables) - set(promql.BUILTIN_VARS)
+                assert not unknown, f"panel {p['title']!r}: undefined variables {unknown}"
+
+
+def test_dashboard_covers_the_issue() -> None:
+    (d,) = load_dashboards().values()
+    text = " ".join(e.expr for e in dashboard_exprs(d))
+    for metric in (
+        "zenflow_gpu_utilization_ratio",
+        "zenflow_stall_seconds_total",
+        "zenflow_train_loss",
+        "zenflow_tokens_total",
+        "zenflow_queue_depth",
+        "zenflow_jobs",
+        "zenflow_cpu_optimizer_step_seconds",
+        "zenflow_offload_transfer_bytes_total",
+        "zenflow_device_memory_bytes",
+        "zenflow_step_seconds_bucket",
+        "http_request_duration_seconds_bucket",
+        "zenflow_worker_current_job",
+    ):
+        assert metric in text, metric
+    # the per-job view joins through the info gauge, never a job label on the step series
+    job_exprs = [e.expr for e in dashboard_exprs(d) if "$job_id" in e.expr]
+    assert job_exprs and all("zenflow_worker_current_job" in e for e in job_exprs)

@@ -1,0 +1,33 @@
+"""The telemetry is wired into the worker and the job runner (the three one-line hooks)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _calls(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return names
+
+
+def test_worker_serves_metrics_and_reports_exited_runners() -> None:
+    calls = _calls(ROOT / "trainer" / "worker.py")
+    assert "serve_worker_metrics" in calls, (
+        "trainer/worker.py: call trainer.telemetry.serve_worker_metrics() at worker start"
+    )
+    assert "job_process_exited" in calls, (
+        "trainer/worker.py: call trainer.telemetry.job_process_exited(pid) after the runner exits"
+    )
+
+
+def test_job_runner_feeds_the_telemetry() -> None:
+    calls = _calls(ROOT / "trainer" / "job_runner.py")
+    assert "track_job" in calls, "trainer/job_runner.py: run training inside trainer.telemetry.track_job(...)"

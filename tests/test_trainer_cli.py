@@ -1,0 +1,53 @@
+"""``zenflow train SPEC.yaml`` / ``python -m trainer train``: one job locally, no server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import main
+from trainer.samples import TRAIN_FILE
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def _spec(tmp_path: Path, **hp: object) -> Path:
+    hyper = {"n_epochs": 1, "batch_size": 32, "max_seq_length": 128, "checkpoint_every": 2, **hp}
+    p = tmp_path / "job.yaml"
+    p.write_text(json.dumps({"model": "tiny-llama", "training_file": str(TRAIN_FILE), "hyperparameters": hyper,
+                             "engine": {"mode": "device"}, "device": "cpu"}))
+    return p
+
+
+def test_python_m_trainer_train(tmp_path: Path) -> None:
+    spec = _spec(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "trainer", "train", str(spec), "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    final = Path(proc.stdout.strip().splitlines()[-1])
+    assert final == tmp_path / "out" / "final" and (final / "model.safetensors").is_file()
+    assert "done: 4 steps" in proc.stderr and "checkpoint saved" in proc.stderr
+
+
+def test_cli_in_process_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = _spec(tmp_path, max_steps=2)
+    assert main(["train", str(spec), "--output-dir", str(tmp_path / "o"), "--json", "--no-resume"]) == 0
+    events = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2] and events[-1]["type"] == "run_finished"
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: gpt-17\ntraining_file: x.jsonl\n")
+    assert main(["train", str(bad)]) == 2
+    assert "unknown model 'gpt-17'" in capsys.readouterr().err
+
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    (tmp_path / "e.yaml").write_text(f"model: tiny-llama\ntraining_file: {data}\n")
+    assert main(["train", str(tmp_path / "e.yaml"), "--output-dir", str(tmp_path / "e")]) == 1
+    assert "empty file: no examples" in capsys.readouterr().err

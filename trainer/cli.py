@@ -1,0 +1,123 @@
+"""``zenflow train SPEC.yaml``: run one fine-tuning job locally, without any server.
+
+:func:`register` adds the ``train`` subcommand to an argparse subparsers object (``api.cli`` wires it
+into the ``zenflow`` entry point; the handler is ``args.func(args) -> int``); ``python -m trainer
+train SPEC.yaml`` runs it standalone. Ctrl-C once asks the loop to stop after the current step
+(checkpoint, resumable by running the same command again); twice aborts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``train`` to ``subparsers`` (from ``ArgumentParser.add_subparsers()``)."""
+    p = subparsers.add_parser(
+        "train",
+        help="run one fine-tuning job locally (no server)",
+        description="Run one fine-tuning job from a YAML spec (see trainer/samples/tiny-llama.yaml).",
+    )
+    p.add_argument("spec", type=Path, help="job spec (YAML)")
+    p.add_argument("--output-dir", type=Path, default=None, help="override the spec's output_dir")
+    p.add_argument("--no-resume", action="store_true", help="start afresh, deleting earlier checkpoints")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    p.add_argument("--json", action="store_true", help="print every event as a JSON line on stdout")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def _printer(as_json: bool, progress: bool) -> Any:
+    def write(msg: str) -> None:
+        if progress:
+            from tqdm import tqdm
+
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def on_event(ev: Any) -> None:
+        if as_json:
+            print(json.dumps(ev.as_dict(), default=str), flush=True)
+            return
+        t = ev.type
+        if t == "log":
+            write(ev.message)
+        elif t == "run_started":
+            write(f"Training {ev.total_steps} steps from step {ev.start_step} on {ev.device} ({ev.dtype}, "
+                  f"mode {ev.mode}, {ev.trainable_parameters:,}/{ev.num_parameters:,} trainable parameters)")
+        elif t == "step" and not progress and (ev.step % 10 == 0 or ev.step == ev.total_steps):
+            write(f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+                  f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}")
+        elif t == "eval":
+            write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}")
+        elif t == "checkpoint":
+            write(f"checkpoint saved: {ev.path}")
+        elif t == "error":
+            write(f"error: {ev.message}")
+
+    return on_event
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from trainer.data import DatasetValidationError
+    from trainer.spec import load_spec
+
+    try:
+        spec = load_spec(args.spec, output_dir=args.output_dir)
+    except (OSError, ValueError, ValidationError) as e:
+        print(f"zenflow train: invalid spec {args.spec}: {e}", file=sys.stderr)
+        return 2
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    progress = progress and not args.json
+    cancel = threading.Event()
+
+    def on_sigint(_sig: int, _frame: Any) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+        print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
+    from trainer.loop import run_training
+
+    try:
+        result = run_training(spec, on_event=_printer(args.json, progress), should_cancel=cancel.is_set,
+                              resume=not args.no_resume, progress=progress)
+    except DatasetValidationError as e:
+        print(f"zenflow train: invalid data in {e.path}:", file=sys.stderr)
+        for err in e.errors:
+            print(f"  {err['message']}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("aborted", file=sys.stderr)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if result.cancelled:
+        print(f"stopped at step {result.steps}/{result.total_steps}; run the same command to resume "
+              f"({result.last_checkpoint})", file=sys.stderr)
+        return 130
+    vl = f", validation loss {result.valid_loss:.4f}" if result.valid_loss is not None else ""
+    tl = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"
+    print(f"done: {result.steps} steps, training loss {tl}{vl}", file=sys.stderr)
+    print(result.final_model_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))

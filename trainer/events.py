@@ -1,0 +1,117 @@
+"""Typed events emitted by :func:`trainer.loop.run_training` through its ``on_event`` callback.
+
+Every event is a frozen dataclass with a ``type`` string and :meth:`Event.as_dict` (JSON-ready); the
+job runner turns them into database rows, the CLI into progress output. An ``on_event`` callback that
+raises aborts the run (the exception propagates out of run_training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Event:
+    type: ClassVar[str] = "event"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class LogEvent(Event):
+    """A human-readable message (validated files, resumed from a checkpoint, ...)."""
+
+    type: ClassVar[str] = "log"
+    message: str
+    level: str = "info"
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    type: ClassVar[str] = "run_started"
+    total_steps: int
+    start_step: int
+    #: ResolvedHyperparameters as a dict.
+    hyperparameters: dict[str, Any]
+    device: str
+    dtype: str
+    mode: str
+    num_parameters: int
+    trainable_parameters: int
+    num_examples: int
+    num_validation_examples: int
+
+
+@dataclass(frozen=True)
+class StepEvent(Event):
+    """One optimizer step: the mean token loss of its batch and the engine's step record."""
+
+    type: ClassVar[str] = "step"
+    step: int
+    total_steps: int
+    epoch: int
+    loss: float
+    lr: float
+    tokens: int
+    tokens_per_second: float
+    step_seconds: float
+    stall_seconds: float
+    stall_fraction: float
+    #: offload.metrics.StepMetrics.as_dict() of this step.
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalEvent(Event):
+    type: ClassVar[str] = "eval"
+    step: int
+    valid_loss: float
+    valid_tokens: int
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    type: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+    #: {step, train_loss, valid_loss, ...} at the checkpoint.
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckpointRemoved(Event):
+    """An older checkpoint deleted to respect keep_checkpoints."""
+
+    type: ClassVar[str] = "checkpoint_removed"
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class RunFinished(Event):
+    type: ClassVar[str] = "run_finished"
+    steps: int
+    cancelled: bool
+    final_model_dir: str | None
+    train_loss: float | None
+    valid_loss: float | None
+    trained_tokens: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent(Event):
+    """The run failed; emitted just before the exception leaves run_training."""
+
+    type: ClassVar[str] = "error"
+    message: str
+    error_type: str
+    step: int | None = None
+    #: For data errors: the DatasetValidationError.errors list.
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+
+EventCallback = Callable[[Event], None]

@@ -1,0 +1,311 @@
+"""What one fine-tuning job is: :class:`JobSpec` and its hyperparameters.
+
+``"auto"`` values are resolved by :meth:`Hyperparameters.resolve` once the number of training
+examples is known; the resolved record (:class:`ResolvedHyperparameters`) is written into the job
+(``fine_tuning_jobs.resolved_hyperparameters``) and into every checkpoint, so a resumed run uses the
+same numbers. This module does not import torch (the API builds and validates specs).
+
+Resolution rules for ``auto``:
+
+- ``n_epochs``: 3, raised so that epochs x examples >= 100 (at most 25 epochs), lowered so that
+  it stays <= 25,000 (at least 1).
+- ``batch_size``: ``clamp(num_examples // 100, 4, 32)``, never more than the number of examples.
+- ``learning_rate``: the model's default (built-in configs carry their own; local checkpoints 1e-5,
+  2e-4 with LoRA), times ``learning_rate_multiplier`` (``auto`` = 1.0).
+- ``warmup``: 5% of the steps. An int is a number of steps, a float in [0, 1) a ratio.
+- ``max_seq_length``: the model's maximum, capped at 2048.
+- ``eval_every``: about 10 evaluations per run when there is a validation file, else disabled.
+- ``checkpoint_every``: about 5 checkpoints per run (and always one at the end).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from offload.config import EngineConfig
+
+Auto = Literal["auto"]
+
+
+class EngineSettings(EngineConfig):
+    """EngineConfig fields a job may set: everything but ``lr`` (hyperparameters.learning_rate)."""
+
+    @field_validator("lr")
+    @classmethod
+    def _no_lr(cls, v: float) -> float:
+        raise ValueError("set hyperparameters.learning_rate instead of engine.lr")
+
+    def engine_config(self, lr: float) -> EngineConfig:
+        """The offload.config.EngineConfig to build the engine with."""
+        return EngineConfig(**{**self.model_dump(exclude={"lr"}), "lr": lr})
+
+
+class LoraSpec(BaseModel):
+    """LoRA through peft: only the adapter trains; the export is the merged model plus the adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    #: Module names to adapt, or "all-linear" (every linear layer but the output head).
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class ResolvedHyperparameters(BaseModel):
+    """Concrete values a run uses; recorded in the job and the checkpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_epochs: int
+    batch_size: int
+    learning_rate: float
+    base_learning_rate: float
+    learning_rate_multiplier: float
+    warmup_steps: int
+    lr_scheduler: Literal["cosine", "linear", "constant"]
+    min_lr_ratio: float
+    max_seq_length: int
+    eval_every: int | None
+    checkpoint_every: int
+    seed: int
+    num_examples: int
+    steps_per_epoch: int
+    total_steps: int
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate for the update with 0-based index ``step``: linear warm-up, then decay."""
+        peak = self.learning_rate
+        if step < self.warmup_steps:
+            return peak * (step + 1) / self.warmup_steps
+        if self.lr_scheduler == "constant":
+            return peak
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.lr_scheduler == "linear":
+            factor = 1.0 - progress
+        else:
+            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return peak * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
+
+    def training_signature(self) -> dict[str, Any]:
+        """The fields a checkpoint must agree with to be resumed exactly."""
+        return self.model_dump(exclude={"eval_every", "checkpoint_every"})
+
+
+class Hyperparameters(BaseModel):
+    """Requested hyperparameters (OpenAI names where they exist), each number or ``"auto"``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n_epochs: int | Auto = "auto"
+    batch_size: int | Auto = "auto"
+    learning_rate: float | Auto = "auto"
+    learning_rate_multiplier: float | Auto = "auto"
+    #: Warm-up: an int is a number of steps, a float in [0, 1) a fraction of the total steps.
+    warmup: int | float | Auto = "auto"
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    #: The decayed learning rate ends at this fraction of the peak.
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    max_seq_length: int | Auto = "auto"
+    #: Stop after this many steps in all (None: n_epochs full epochs).
+    max_steps: int | None = Field(None, ge=1)
+    #: Validation loss every N steps (and at the end); None or 0 disables it.
+    eval_every: int | Auto | None = "auto"
+    #: A resumable checkpoint every N steps (and always at the end).
+    checkpoint_every: int | Auto = "auto"
+    seed: int = 0
+
+    @field_validator("n_epochs", "batch_size", "max_seq_length", "checkpoint_every")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return v
+
+    @field_validator("learning_rate", "learning_rate_multiplier")
+    @classmethod
+    def _positive_float(cls, v: float | str) -> float | str:
+        if not isinstance(v, str) and v <= 0:
+            raise ValueError("must be > 0 or 'auto'")
+        return v
+
+    @field_validator("warmup")
+    @classmethod
+    def _warmup(cls, v: int | float | str) -> int | float | str:
+        if isinstance(v, bool):
+            raise ValueError("must be a number of steps, a ratio in [0, 1), or 'auto'")
+        if isinstance(v, int) and v < 0:
+            raise ValueError("steps must be >= 0")
+        if isinstance(v, float) and not 0 <= v < 1:
+            raise ValueError("a ratio must be in [0, 1); give an integer for a number of steps")
+        return v
+
+    @field_validator("eval_every")
+    @classmethod
+    def _eval_every(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be >= 1, 0/null (disabled) or 'auto'")
+        return None if v == 0 else v
+
+    def resolve(
+        self,
+        num_examples: int,
+        *,
+        base_learning_rate: float,
+        model_max_length: int = 2048,
+        has_validation: bool = False,
+    ) -> ResolvedHyperparameters:
+        """Concrete values for a training set of ``num_examples`` examples."""
+        if num_examples < 1:
+            raise ValueError("num_examples must be >= 1")
+        if self.n_epochs == "auto":
+            n_epochs = 3
+            if n_epochs * num_examples < 100:
+                n_epochs = min(25, math.ceil(100 / num_examples))
+            elif n_epochs * num_examples > 25_000:
+                n_epochs = max(1, 25_000 // num_examples)
+        else:
+            n_epochs = self.n_epochs
+        if self.batch_size == "auto":
+            batch_size = min(num_examples, max(4, min(32, num_examples // 100)))
+        else:
+            batch_size = min(self.batch_size, num_examples)
+        base_lr = base_learning_rate if self.learning_rate == "auto" else self.learning_rate
+        mult = 1.0 if self.learning_rate_multiplier == "auto" else self.learning_rate_multiplier
+        steps_per_epoch = math.ceil(num_examples / batch_size)
+        total = n_epochs * steps_per_epoch
+        if self.max_steps is not None:
+            total = min(total, self.max_steps)
+        if self.warmup == "auto":
+            warmup = round(0.05 * total)
+        elif isinstance(self.warmup, float):
+            warmup = round(self.warmup * total)
+        else:
+            warmup = self.warmup
+        warmup = min(warmup, total)
+        max_len = min(model_max_length, 2048) if self.max_seq_length == "auto" else self.max_seq_length
+        if self.eval_every == "auto":
+            eval_every = max(1, math.ceil(total / 10)) if has_validation else None
+        else:
+            eval_every = self.eval_every
+        ckpt = max(1, math.ceil(total / 5)) if self.checkpoint_every == "auto" else self.checkpoint_every
+        return ResolvedHyperparameters(
+            n_epochs=n_epochs,
+            batch_size=batch_size,
+            learning_rate=base_lr * mult,
+            base_learning_rate=base_lr,
+            learning_rate_multiplier=mult,
+            warmup_steps=warmup,
+            lr_scheduler=self.lr_scheduler,
+            min_lr_ratio=self.min_lr_ratio,
+            max_seq_length=max_len,
+            eval_every=eval_every,
+            checkpoint_every=ckpt,
+            seed=self.seed,
+            num_examples=num_examples,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total,
+        )
+
+
+class JobSpec(BaseModel):
+    """One fine-tuning job: base model, data, hyperparameters, engine settings, LoRA, output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: A built-in config name (``tiny-llama``, ``small-llama``) or a local Hugging Face directory.
+    model: str
+    training_file: Path
+    validation_file: Path | None = None
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+    #: offload.config.EngineConfig fields (mode, ZenFlow knobs); the learning rate comes from the
+    #: hyperparameters, so ``engine.lr`` is refused.
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    lora: LoraSpec | None = None
+    #: Where checkpoints and the final model go (required by run_training).
+    output_dir: Path | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: Parameter dtype: auto = bfloat16 on CUDA with offload/zenflow modes, float32 otherwise.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    #: Resumable checkpoints kept on disk (older ones are deleted); None keeps all.
+    keep_checkpoints: int | None = Field(3, ge=1)
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        from trainer.models import resolve_model
+
+        resolve_model(v)  # UnknownModelError (a ValueError) naming it -> ValidationError at "model"
+        return v
+
+    def resolve(self, num_examples: int) -> ResolvedHyperparameters:
+        """Resolve the hyperparameters with this model's defaults."""
+        from trainer.models import default_learning_rate, model_max_length
+
+        return self.hyperparameters.resolve(
+            num_examples,
+            base_learning_rate=default_learning_rate(self.model, lora=self.lora is not None),
+            model_max_length=model_max_length(self.model),
+            has_validation=self.validation_file is not None,
+        )
+
+
+def load_spec(path: str | Path, *, output_dir: str | Path | None = None) -> JobSpec:
+    """Read a YAML (or JSON) spec. Relative data and model paths are relative to the spec file;
+    ``output_dir`` (argument, spec, else ``runs/<spec name>``) is relative to the current directory."""
+    path = Path(path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    base = path.parent
+    for key in ("training_file", "validation_file"):
+        if raw.get(key) is not None and not Path(raw[key]).expanduser().is_absolute():
+            raw[key] = str((base / raw[key]).resolve())
+    model = raw.get("model")
+    if isinstance(model, str) and not Path(model).is_absolute() and (base / model / "config.json").is_file():
+        raw["model"] = str((base / model).resolve())
+    if output_dir is not None:
+        raw["output_dir"] = str(output_dir)
+    raw.setdefault("output_dir", str(Path("runs") / path.stem))
+    raw["output_dir"] = str(Path(raw["output_dir"]).expanduser().resolve())
+    return JobSpec.model_validate(raw)
+
+
+def spec_from_job(
+    *,
+    model: str,
+    training_file: str | Path,
+    validation_file: str | Path | None,
+    hyperparameters: dict[str, Any] | None,
+    engine: dict[str, Any] | None,
+    seed: int | None,
+    output_dir: str | Path,
+) -> JobSpec:
+    """A JobSpec from a job row's values (fine_tuning_jobs columns + the files' storage paths).
+
+    ``hyperparameters`` is the job's requested dict; an optional ``"lora"`` key in it holds the LoRA
+    settings ({r, alpha, dropout, target_modules}, or null). ``seed`` (the job's column) wins over a
+    seed inside the dict. Raises pydantic.ValidationError (its ``loc`` names the field) or
+    UnknownModelError.
+    """
+    hp = dict(hyperparameters or {})
+    lora = hp.pop("lora", None)
+    if seed is not None:
+        hp["seed"] = seed
+    return JobSpec.model_validate(
+        {
+            "model": model,
+            "training_file": str(training_file),
+            "validation_file": str(validation_file) if validation_file else None,
+            "hyperparameters": hp,
+            "engine": dict(engine or {}),
+            "lora": lora,
+            "output_dir": str(output_dir),
+        }
+    )
