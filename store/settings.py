@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     heartbeat_interval_seconds: float = Field(10.0, gt=0)
     #: Celery queue for jobs that name no GPU kind.
     default_queue: str = "gpu-default"
-    #: Port of a worker's Prometheus endpoint (0 disables it).
+    #: Port of a worker's Prometheus endpoint (0 disables it); `python -m trainer.worker` gives its i-th GPU worker port + i.
     worker_metrics_port: int = Field(0, ge=0, le=65535)
     #: Name of this worker in metrics labels (default: hostname).
     worker_name: str = ""

@@ -528,8 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         celery_app.worker_main(_worker_argv(queues_for(kind), node, args.loglevel))
         return 0
     procs = []
-    for idx, kind in gpus:
+    for n, (idx, kind) in enumerate(gpus):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(idx)}
+        if settings.worker_metrics_port:
+            # One /metrics port per worker process: base port + position in the launch order.
+            env["ZENFLOW_WORKER_METRICS_PORT"] = str(settings.worker_metrics_port + n)
         cmd = [sys.executable, "-m", "celery", "-A", "trainer.worker",
                *_worker_argv(queues_for(kind), f"gpu{idx}@{socket.gethostname()}", args.loglevel)]
         procs.append(subprocess.Popen(cmd, env=env))
