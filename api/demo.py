@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 #: 128 examples / batch 8 = 16 steps an epoch; the tiny model does a few steps a second on 2 cores.
 N_EPOCHS = 12
@@ -134,7 +136,7 @@ def _load_and_generate(model_dir: Path) -> str:
 def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
     from openai import OpenAI
 
-    from trainer.samples import TRAIN_FILE, VALID_FILE
+    from trainer.samples import SPEC_FILE, TRAIN_FILE, VALID_FILE
 
     t0 = time.monotonic()
     if data_dir.exists() and not keep:
@@ -176,7 +178,8 @@ def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
             seed=0,
             method={"type": "supervised", "supervised": {"hyperparameters": {
                 "n_epochs": N_EPOCHS, "batch_size": 8, "learning_rate_multiplier": 1.0}}},
-            extra_body={"engine": {"mode": "zenflow", "topk_ratio": 0.1, "update_interval": 4}},
+            # The sample spec's ZenFlow settings, measured for this random-init model (see its comments).
+            extra_body={"engine": yaml.safe_load(SPEC_FILE.read_text())["engine"]},
             extra_headers={"Idempotency-Key": f"demo-{team}"},
         )
         print(f"==> created {job.id} on {job.model} (status {job.status}); following its events:")

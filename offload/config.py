@@ -50,10 +50,11 @@ class EngineConfig(BaseModel):
     cpu_threads: int | None = Field(None, ge=1)
     # Pin the CPU optimizer worker (and the threads it starts) to its own cores (Linux only).
     bind_worker_cores: bool = False
-    # zenflow: multiply the lr of the CPU's once-per-window AdamW step by the window length (the linear
-    # scaling rule for the window-mean gradient), so unselected weights move as far per training step as
-    # the selected ones; False = plain lr once per window (gradient-accumulation semantics), which lets
-    # them lag by about update_interval times early in training.
+    # zenflow: the CPU's once-per-window AdamW step on the window-mean gradient uses the sum of the window's
+    # per-step learning rates (the linear scaling rule: lr * window length at a constant lr), so unselected
+    # weights move as far per training step as the selected ones, during lr warm-up and decay too; False =
+    # the boundary's plain lr once per window (gradient-accumulation semantics), which lets them lag by
+    # about update_interval times early in training.
     scale_cpu_lr: bool = True
     # Where zenflow accumulates the unselected gradient over a window: "host" = every step's gradient is
     # copied to pinned host staging and added into an fp32 host accumulator by the worker (no extra device

@@ -21,17 +21,21 @@ At the boundary ending window ``v`` the training thread:
 
 a. waits for ``R_{v-1}``, the CPU AdamW result of the previous window (the only possible stall),
    and merges it into the device weights except the columns in ``S_{v-1} | S_v`` (union), where the device
-   value wins (the device updated them, or the CPU result for them is void);
+   value wins (the device updated them, or the CPU result for them is void). ``S_{v-1}`` is the
+   selection window ``v - 1`` ran under, not the one chosen at its end: a column dropped there was
+   the device's, and the CPU master only gets its value in (b), after ``R_{v-1}`` was computed;
 b. writes into the CPU master the stashed device values of the columns dropped from the selection
    at the previous boundary (the device was authoritative for them; this must wait for ``R_{v-1}``);
 c. reselects if due (``select_interval`` steps since the last selection; "auto": when the caller
    called ``new_epoch()``, or every ``select_interval_fallback`` steps if it never does). Columns
    that stay keep their device moments; new columns start at zero moments, step 0, their fp32
    device master taken from the CPU master; dropped columns' newest fp32 values are stashed for (b);
-d. submits AdamW on the window's mean gradient to the worker: one CPU step per window, at the lr
-   current at the boundary times the window length (``scale_cpu_lr``, default; the linear scaling
-   rule, so unselected weights travel as far per training step as selected ones) or times 1. On CUDA the worker then prefetches the result into device landing
-   buffers on the H2D stream, so (a) at the next boundary is a device-to-device copy.
+d. submits AdamW on the window's mean gradient to the worker: one CPU step per window, at the sum
+   of the learning rates of the window's steps (``scale_cpu_lr``, default: the linear scaling rule,
+   ``lr * window length`` at a constant lr, so unselected weights travel as far per training step as
+   selected ones, also while the schedule warms up or decays) or at the lr current at the boundary.
+   On CUDA the worker then prefetches the result into device landing buffers on the H2D stream, so
+   (a) at the next boundary is a device-to-device copy.
 
 So the unimportant weights are exactly one window stale: the update from window ``v``'s gradients
 reaches the model at the end of window ``v + 1``. A column that becomes selected loses the CPU
@@ -132,6 +136,7 @@ class ZenFlowMode(Mode):
         self.started = False
         self.window = 0  # index of the current window (parity picks its accumulator)
         self.win_len = 0  # steps accumulated in the current window
+        self.win_lr = 0.0  # sum of the learning rates of those steps (scale_cpu_lr)
         self.since_select = 0
         self.win_sel = 0.0  # "auto": summed selected / unselected squared norms in the window
         self.win_unsel = 0.0
@@ -185,6 +190,7 @@ class ZenFlowMode(Mode):
         else:
             self._stage(stats)
         self.win_len += 1
+        self.win_lr += lr
         self.since_select += 1
         if auto:
             assert sel_sq is not None
@@ -291,17 +297,23 @@ class ZenFlowMode(Mode):
     def _boundary(self, stats: StepStats, lr: float, *, sync: bool, reselect: bool) -> None:
         if self.pending is not None:
             self._collect(stats)
+        # The selection this window ran under: its columns are void in the CPU result (the device
+        # updated them, so the CPU master's values for them are stale). Taken before reselection, which
+        # may drop some of them: a dropped column's device value must win at the next merge too (its
+        # CPU master only gets that value from the stash after the result is computed).
+        window_sel = self._current_selection()
         with stats.blocked():
             self._apply_stash()
             if reselect and self._reselect_due():
                 self._reselect(stats)
-        self._submit_window(lr, stats)
+        self._submit_window(lr, stats, window_sel)
         if sync:
             assert self.worker is not None and self.pending is not None
             with stats.blocked():
                 self.worker.wait(self.pending.future)
         self.window += 1
         self.win_len = 0
+        self.win_lr = 0.0
         self.win_sel = self.win_unsel = 0.0
 
     def _collect(self, stats: StepStats) -> None:
@@ -364,19 +376,30 @@ class ZenFlowMode(Mode):
         self.since_select = 0
         self.epoch_flag = False
 
-    def _submit_window(self, lr: float, stats: StepStats) -> None:
-        """Queue the CPU AdamW step on the window's accumulated gradient (and, on CUDA, its prefetch)."""
+    def _current_selection(self) -> dict[str, torch.Tensor]:
+        sel = {}
+        for s in self.splits:
+            cols = self.dev.columns(s.name)
+            assert cols is not None
+            sel[s.name] = cols  # reselection replaces the index tensor, never mutates it
+        return sel
+
+    def _submit_window(self, lr: float, stats: StepStats, sel: dict[str, torch.Tensor]) -> None:
+        """Queue the CPU AdamW step on the window's accumulated gradient (and, on CUDA, its prefetch).
+
+        ``sel``: the selection the window ran under (kept by the device at the merge, with the then
+        current one).
+        """
         assert self.worker is not None
         cfg = self.cfg
         acc_i = self._acc_index()
         n = self.win_len
         scale = 1.0 / n if cfg.update_interval == "auto" and n > 1 else None
-        cpu_lr = lr * n if cfg.scale_cpu_lr else lr
-        sel = {}
-        for s in self.splits:
-            cols = self.dev.columns(s.name)
-            assert cols is not None
-            sel[s.name] = cols
+        # scale_cpu_lr: the window's steps' learning rates summed (= lr * n at a constant lr), so the
+        # unselected weights travel as far as the device's per-step updates would have, also while the
+        # schedule warms up or decays inside the window (lr * n at the boundary overshoots in warm-up).
+        win_lr = self.win_lr if self.win_lr == self.win_lr else lr * n  # NaN: restored from an old state
+        cpu_lr = win_lr if cfg.scale_cpu_lr else lr
         by_store = {id(st): {s.index: s for s in self.splits if s.store is st} for st in self.stores}
         after = self.merge_done
         ops = self.ops
@@ -546,6 +569,7 @@ class ZenFlowMode(Mode):
                 "started": self.started,
                 "window": self.window,
                 "win_len": self.win_len,
+                "win_lr": self.win_lr,
                 "since_select": self.since_select,
                 "win_sel": self.win_sel,
                 "win_unsel": self.win_unsel,
@@ -567,6 +591,7 @@ class ZenFlowMode(Mode):
         self.dev.load_state_dict(dev_sd)
         for st, hs in zip(self.stores, sd["host"], strict=True):
             st.load_state_dict(hs)
+        self.win_lr = float("nan")  # states saved before win_lr existed: lr * win_len at the boundary
         for key, value in sched.items():
             setattr(self, key, value)
         self.stash = {n: (torch.as_tensor(c), torch.as_tensor(v)) for n, (c, v) in sd["stash"].items()}

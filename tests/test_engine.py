@@ -243,6 +243,38 @@ def test_unselected_columns_are_exactly_one_window_stale(accumulate_on, scale_cp
         assert not torch.equal(a[:, sel], b[:, sel])  # selected columns move every step
 
 
+def test_cpu_step_uses_the_windows_summed_lr_under_a_schedule():
+    """With scale_cpu_lr the CPU's once-per-window step travels as far as the window's per-step updates
+    would have: lr summed over the window's steps, not the boundary's lr times the window length (which
+    overshoots while the lr warms up, undershoots while it decays)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 6, bias=False)
+    w0 = lin.weight.detach().clone()
+    interval, windows = 3, 4
+    lrs = [0.01 * (t + 1) for t in range(interval * windows)]  # a warm-up ramp
+    cfg = EngineConfig(
+        mode="zenflow", topk_ratio=0.25, update_interval=interval, select_interval=10**6,
+        max_grad_norm=None, lr=lrs[0], weight_decay=0.0,
+    )
+    grads = []
+    with ZenFlowEngine(lin, cfg) as eng:
+        for t, lr in enumerate(lrs):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+            lin(x).square().mean().backward()
+            grads.append(lin.weight.grad.clone())
+            eng.set_lr(lr)
+            eng.step()
+            eng.zero_grad()
+        eng.flush()
+        sel = set(eng.selection()["weight"].tolist())
+    unsel = torch.tensor([c for c in range(8) if c not in sel])
+    master, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+    for win in range(windows):
+        part = slice(win * interval, (win + 1) * interval)
+        _adamw_ref(master, torch.stack(grads[part]).mean(0), m, v, win + 1, sum(lrs[part]), 0.0)
+    torch.testing.assert_close(lin.weight.detach()[:, unsel], master[:, unsel], atol=1e-6, rtol=1e-6)
+
+
 def test_device_accumulation_matches_host_accumulation():
     host, hm = _run(_zen_cfg(update_interval=3, select_interval=3), 14)
     dev, dm = _run(_zen_cfg(update_interval=3, select_interval=3, accumulate_on="device"), 14)
@@ -357,6 +389,32 @@ def test_load_state_dict_rejects_other_mode():
         sd = eng.state_dict()
     with ZenFlowEngine(_mlp(), _zen_cfg()) as eng2, pytest.raises(ValueError, match="mode"):
         eng2.load_state_dict(sd)
+
+
+def test_dropped_columns_keep_their_device_value_until_the_cpu_takes_over():
+    """A column dropped at a reselection was the device's: the CPU result merged at the next boundary
+    (computed from the CPU master's stale copy of it) must not overwrite it. It stays put through
+    that merge, and only the window after (CPU master := the device value) moves it again."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4, bias=False)
+    cfg = _zen_cfg(topk_ratio=0.25, update_interval=2, select_interval=2, max_grad_norm=None, weight_decay=0.0)
+    values, sels = [], []
+    with ZenFlowEngine(lin, cfg) as eng:
+        for i in range(10):
+            scale = torch.ones(8)
+            scale[[0, 1] if i < 3 else [6, 7]] = 30.0  # the dominant columns switch in step 4
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) * scale
+            lin(x).square().mean().backward()
+            eng.step()
+            eng.zero_grad()
+            values.append(lin.weight.detach().clone())
+            sels.append(eng.selection()["weight"].tolist())
+    assert sels[2] == [0, 1] and sels[3] == [6, 7]  # reselected at the boundary ending window 2 (step 4)
+    dropped = [0, 1]
+    at_drop = values[3][:, dropped]
+    for t in (4, 5):  # window 3, and its boundary: R_2 lands, but the device value wins for columns 0, 1
+        torch.testing.assert_close(values[t][:, dropped], at_drop, atol=0, rtol=0)
+    assert not torch.equal(values[7][:, dropped], at_drop)  # R_3 (from the device value) lands at step 8
 
 
 # --- auto window and epochs -----------------------------------------------------------------------------

@@ -85,6 +85,9 @@ def test_unknown_model(tmp_path: Path) -> None:
         resolve_model("gpt-17")
     with pytest.raises(UnknownModelError):
         resolve_model(str(tmp_path))  # a directory without config.json
+    for unusable_path in ("x" * 5000, "bad\x00name"):  # too long for the OS, or with a NUL byte
+        with pytest.raises(UnknownModelError):
+            resolve_model(unusable_path)
     with pytest.raises(ValidationError) as ei:
         JobSpec(model="gpt-17", training_file="t.jsonl")
     assert ei.value.errors()[0]["loc"] == ("model",) and "unknown model 'gpt-17'" in str(ei.value)

@@ -87,9 +87,12 @@ def resolve_model(name: str) -> BuiltinModel | Path:
     """The built-in entry or the local directory for ``name``; raises UnknownModelError."""
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
-    path = Path(name).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path.resolve()
+    try:
+        path = Path(name).expanduser()
+        if path.is_dir() and (path / "config.json").is_file():
+            return path.resolve()
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL byte, names no directory
+        pass
     raise UnknownModelError(name)
 
 

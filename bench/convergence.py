@@ -1,0 +1,212 @@
+"""Convergence of the engine modes side by side on a real job (default: the sample tiny-llama spec).
+
+    python -m bench.convergence                                   # device, offload, zenflow, seed 0
+    python -m bench.convergence --seeds 0,1,2 --json
+    python -m bench.convergence --variant paper=zenflow,topk_ratio=0.1,update_interval=4,select_interval=auto
+
+Every variant runs the whole job through ``trainer.loop.run_training`` (same data, same seed, same
+hyperparameters; only ``engine`` differs) into a temporary output directory, and reports the final
+training loss (mean of the last 20 steps), the final validation loss (on the flushed weights) and
+the wall time. Then, per variant, the mean over the seeds and the ratio of that mean to device
+mode's (``offload`` should be 1.000; zenflow is the one to watch). ``--max-ratio R`` makes the exit
+status 1 when a non-device variant's mean validation loss exceeds R times device's.
+
+Variants: ``device``, ``offload`` and ``zenflow`` are the spec's engine settings with that mode;
+``--variant NAME=MODE[,KEY=VALUE...]`` adds one with EngineConfig overrides (values are parsed as
+YAML: 4, 0.25, auto, true). ``--modes`` picks among the variants (default: all; device first, the
+ratios need it). The job runs on ``--device`` (default cpu) with ``--threads`` torch threads for
+forward/backward (the zenflow worker takes its own share of the cores, see offload.engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BASE_MODES = ("device", "offload", "zenflow")
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    steps: int
+    train_loss: float | None
+    valid_loss: float | None
+    seconds: float
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=MODE[,KEY=VALUE...]`` -> (name, engine overrides including ``mode``)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(f"expected NAME=MODE[,KEY=VALUE...], got {text!r}")
+    mode, *pairs = rest.split(",")
+    if mode not in BASE_MODES:
+        raise argparse.ArgumentTypeError(f"{name}: mode must be one of {', '.join(BASE_MODES)}, got {mode!r}")
+    out: dict[str, Any] = {"mode": mode}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"{name}: expected KEY=VALUE, got {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return name, out
+
+
+def run_one(spec_path: Path, engine: dict[str, Any], seed: int, device: str, max_steps: int | None) -> Run:
+    from trainer.loop import run_training
+    from trainer.spec import EngineSettings, Hyperparameters, load_spec
+
+    with tempfile.TemporaryDirectory(prefix="zenflow-convergence-") as tmp:
+        spec = load_spec(spec_path, output_dir=tmp)
+        hp = spec.hyperparameters.model_dump()
+        hp["seed"] = seed
+        if max_steps is not None:
+            hp["max_steps"] = max_steps
+        settings = EngineSettings(**{**spec.engine.model_dump(exclude={"lr"}), **engine})
+        spec = spec.model_copy(
+            update={"engine": settings, "hyperparameters": Hyperparameters(**hp), "device": device}
+        )
+        t0 = time.perf_counter()
+        res = run_training(spec, resume=False, progress=False)
+        return Run("", seed, res.steps, res.train_loss, res.valid_loss, time.perf_counter() - t0)
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        mine = [r for r in runs if r.variant == name]
+        out[name] = {
+            "train_loss": _mean([r.train_loss for r in mine]),
+            "valid_loss": _mean([r.valid_loss for r in mine]),
+            "seconds": _mean([r.seconds for r in mine]),
+            "seeds": [r.seed for r in mine],
+        }
+    ref = out.get("device")
+    for s in out.values():
+        s["train_ratio"] = _ratio(s["train_loss"], ref["train_loss"]) if ref else None
+        s["valid_ratio"] = _ratio(s["valid_loss"], ref["valid_loss"]) if ref else None
+    return out
+
+
+def _fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--spec", type=Path, default=None, help="job spec (default: trainer/samples/tiny-llama.yaml)"
+    )
+    ap.add_argument("--modes", default="", help="comma list of variants to run (default: all, device first)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        default=[],
+        metavar="NAME=MODE[,K=V...]",
+        help="an extra variant with engine overrides (repeatable)",
+    )
+    ap.add_argument("--seeds", default="0", help="comma list of hyperparameters.seed values")
+    ap.add_argument("--max-steps", type=int, default=None, help="cut the job short (all variants)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the training thread (0: leave)")
+    ap.add_argument(
+        "--max-ratio",
+        type=float,
+        default=None,
+        help="exit 1 when a variant's mean valid loss is above this times device's",
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from trainer.samples import SPEC_FILE
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec_path = args.spec or SPEC_FILE
+    variants: dict[str, dict[str, Any]] = {m: {"mode": m} for m in BASE_MODES}
+    variants.update(dict(args.variant))
+    names = [n.strip() for n in args.modes.split(",") if n.strip()] or list(variants)
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)} (have {', '.join(variants)})")
+    if "device" in names:
+        names = ["device", *[n for n in names if n != "device"]]
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+
+    runs: list[Run] = []
+    for seed in seeds:
+        for name in names:
+            r = run_one(spec_path, variants[name], seed, args.device, args.max_steps)
+            r.variant = name
+            runs.append(r)
+            if not args.json:
+                print(
+                    f"  {name:<12} seed {seed}: {r.steps} steps, train {_fmt(r.train_loss)}, "
+                    f"valid {_fmt(r.valid_loss)}, {r.seconds:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    summary = summarize(runs, names)
+    bad = [
+        n
+        for n, s in summary.items()
+        if args.max_ratio is not None
+        and n != "device"
+        and s["valid_ratio"] is not None
+        and s["valid_ratio"] > args.max_ratio
+    ]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "spec": str(spec_path),
+                    "variants": {n: variants[n] for n in names},
+                    "runs": [asdict(r) for r in runs],
+                    "summary": summary,
+                    "max_ratio": args.max_ratio,
+                    "failed": bad,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(f"{spec_path.name}, seeds {','.join(map(str, seeds))} (means over seeds; ratios to device)")
+        print(
+            f"{'variant':<12} {'train':>8} {'valid':>8} {'train/dev':>10} {'valid/dev':>10} {'s/run':>7}  engine"
+        )
+        for n in names:
+            s = summary[n]
+            extra = ",".join(f"{k}={v}" for k, v in variants[n].items() if k != "mode")
+            print(
+                f"{n:<12} {_fmt(s['train_loss']):>8} {_fmt(s['valid_loss']):>8} {_fmt(s['train_ratio'], '.3f'):>10} "
+                f"{_fmt(s['valid_ratio'], '.3f'):>10} {_fmt(s['seconds'], '.1f'):>7}  {variants[n]['mode']} {extra}"
+            )
+        if bad:
+            print(f"FAIL: valid loss above {args.max_ratio}x device: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
