@@ -10,10 +10,12 @@ Buffers are page-locked when the device is CUDA (see :mod:`offload.device`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from offload.config import EngineConfig
 from offload.device import HostAllocator
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -156,6 +158,16 @@ class HostStore:
                 if hi < n:
                     yield -1
             yield i
+
+    def adam_now(self, grad: torch.Tensor, *, config: EngineConfig, lr: float, num_threads: int,
+                 only: Sequence[int] | None = None) -> float:
+        """Run :meth:`adam` to the end in one go with the engine config's betas, eps and weight
+        decay; the seconds it took."""
+        t0 = time.perf_counter()
+        for _ in self.adam(grad, lr=lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                           num_threads=num_threads, chunk=1 << 62, only=only):
+            pass
+        return time.perf_counter() - t0
 
     # --- persistence ----------------------------------------------------------------------------
     def state_dict(self, acc_index: int | None) -> dict[str, object]:

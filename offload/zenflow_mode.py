@@ -467,19 +467,8 @@ class ZenFlowMode(Mode):
 
                 def run(store: HostStore = store, t: Any = t, only: list[int] = only) -> float:
                     t.wait()
-                    t0 = time.perf_counter()
-                    for _ in store.adam(
-                        store.staging[0],
-                        lr=lr,
-                        betas=cfg.betas,
-                        eps=cfg.eps,
-                        weight_decay=cfg.weight_decay,
-                        num_threads=self.threads,
-                        chunk=1 << 62,
-                        only=only,
-                    ):
-                        pass
-                    return time.perf_counter() - t0
+                    return store.adam_now(store.staging[0], config=cfg, lr=lr, num_threads=self.threads,
+                                          only=only)
 
                 stats.cpu_optimizer_seconds += float(self.worker.wait(self.worker.submit(run)))
                 h = self.ops.h2d([(s.param.data, store.flat(store.result, s.index)) for s in members])
