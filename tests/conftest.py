@@ -4,70 +4,44 @@ local Redis broker, and service settings pointing at them.
 PostgreSQL: ``postgresql+psycopg://postgres@127.0.0.1:5432`` (trust auth); a database with a random
 name is created for the session and dropped after, so parallel runs never collide. Redis:
 ``redis://127.0.0.1:6379/0``; tests isolate themselves with unique queue names. Override with
-ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. Tests needing a missing service are skipped.
+ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. A missing service skips locally and fails in CI
+(tests/support.py).
 """
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-PG_ADMIN_URL = os.environ.get(
-    "ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-REDIS_URL = os.environ.get("ZENFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def _admin_engine():  # type: ignore[no-untyped-def]
-    from sqlalchemy import create_engine
-
-    return create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+from tests.support import create_database, drop_database, require_redis
 
 
 @pytest.fixture(scope="session")
 def pg_db_url() -> Iterator[str]:
     """URL of a fresh PostgreSQL database with all store.models tables (create_all), for this session."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
+    from sqlalchemy import create_engine
 
+    from store.db import get_engine
     from store.models import Base
 
-    name = f"zf_test_{os.getpid()}_{secrets.token_hex(4)}"
-    admin = _admin_engine()
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # pragma: no cover - environment problem
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
-    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    url = create_database("zf_test")
     eng = create_engine(url)
     Base.metadata.create_all(eng)
     eng.dispose()
     try:
         yield url
     finally:
-        from store.db import get_engine
-
         get_engine.cache_clear()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        drop_database(url)
 
 
 @pytest.fixture(scope="session")
 def redis_broker_url() -> str:
     """The local Redis, checked reachable."""
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except Exception as exc:  # pragma: no cover - environment problem
-        pytest.skip(f"Redis not reachable at {REDIS_URL}: {exc}")
-    return REDIS_URL
+    return require_redis()
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ import torch
 
 from offload import cpu_adam
 from offload.cpu_adam import CpuAdamBuildError, CPUAdamW, adam_step
+from tests.support import unavailable
 
 RTOL, ATOL = 1e-6, 1e-7
 HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
@@ -33,7 +34,7 @@ def ext():
     try:
         return cpu_adam.load_extension()
     except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
-        pytest.skip(f"CPU Adam extension unavailable: {exc}")
+        unavailable(f"CPU Adam extension unavailable: {exc}")
 
 
 def ref_step(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, adamw=True, bias_correction=True):

@@ -4,7 +4,6 @@ the app under TestClient, and a fresh team + key per test (team isolation keeps 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import socket
 import threading
@@ -17,40 +16,10 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from api.config import ApiSettings
 from store.settings import Settings
-
-PG_ADMIN_URL = os.environ.get(
-    "ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
-REDIS_URL = os.environ.get("ZENFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-
-
-def create_database(prefix: str = "zf_api") -> str:
-    """A new, empty PostgreSQL database; returns its URL."""
-    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # pragma: no cover - environment problem
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
-    finally:
-        admin.dispose()
-    return make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
-
-
-def drop_database(url: str) -> None:
-    name = make_url(url).database
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    finally:
-        admin.dispose()
+from tests.support import create_database, drop_database, require_redis
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +28,7 @@ def pg_url() -> Iterator[str]:
     from api.migrate import upgrade
     from store.db import get_engine
 
-    url = create_database()
+    url = create_database("zf_api")
     upgrade(url)
     yield url
     get_engine.cache_clear()
@@ -68,13 +37,7 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    import redis
-
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
-    except Exception as exc:  # pragma: no cover - environment problem
-        pytest.skip(f"Redis not reachable at {REDIS_URL}: {exc}")
-    return REDIS_URL
+    return require_redis()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from sqlalchemy import inspect
 from api import migrate
 from store.db import make_engine
 from store.models import Base
-from tests.api.conftest import create_database, drop_database
+from tests.support import create_database, drop_database
 
 
 def _tables(url: str) -> set[str]:

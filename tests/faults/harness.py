@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
+
+from tests import support
+from tests.support import drop_database, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
-PG_ADMIN_URL = os.environ.get(
-    "ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
 SAMPLES = ROOT / "trainer" / "samples"
 
 
@@ -111,44 +110,12 @@ class Proc:
 
 
 def create_database(prefix: str) -> str:
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except Exception as exc:  # pragma: no cover - CI starts PostgreSQL
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
-    finally:
-        admin.dispose()
-    url = make_url(PG_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    """A new PostgreSQL database migrated to head; its URL."""
     from api.migrate import upgrade
 
+    url = support.create_database(prefix)
     upgrade(url)
     return url
-
-
-def pg_admin(sql: str, **params: Any) -> list[Any]:
-    from sqlalchemy import create_engine, text
-
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            res = conn.execute(text(sql), params)
-            return list(res) if res.returns_rows else []
-    finally:
-        admin.dispose()
-
-
-def drop_database(url: str) -> None:
-    from sqlalchemy.engine import make_url
-
-    name = make_url(url).database
-    with contextlib.suppress(Exception):
-        pg_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-    pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # --- Redis ----------------------------------------------------------------------------------------
@@ -169,7 +136,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
-            pytest.skip("redis-server not installed")
+            unavailable("redis-server not installed")
         self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             exe,

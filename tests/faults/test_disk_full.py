@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Client, job_params, stack, wait_until
+from tests.support import unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,14 +32,14 @@ SIZE_MB = 48
 def small_filesystem(path: Path, size_mb: int):
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+        unavailable("mounting a small tmpfs needs root (CI runs as root)")
     r = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(path)],
         capture_output=True,
         text=True,
     )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        unavailable(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
         yield path
     finally:

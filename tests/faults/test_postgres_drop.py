@@ -17,7 +17,8 @@ from sqlalchemy.engine import make_url
 
 from api.config import ApiSettings
 from store.settings import Settings
-from tests.faults.harness import create_database, drop_database, pg_admin, wait_until
+from tests.faults.harness import create_database, wait_until
+from tests.support import drop_database, pg_admin
 
 pytestmark = pytest.mark.timeout(300)
 

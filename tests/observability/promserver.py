@@ -10,17 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
 from tests.faults.harness import Proc, free_port, wait_until
 from tests.observability.promql import ALERTS, PROM_CONFIG
+from tests.support import unavailable
 
 
 def prometheus_binary() -> str:
     exe = shutil.which("prometheus")
     if exe is None:
-        pytest.skip(
+        unavailable(
             "prometheus not installed (Debian package prometheus; scripts/bootstrap.sh installs it as root)"
         )
     return exe

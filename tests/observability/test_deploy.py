@@ -8,7 +8,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.observability import promql
@@ -24,12 +23,13 @@ from tests.observability.promql import (
     variable_queries,
     variables_in,
 )
+from tests.support import unavailable
 
 
 def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip(
+        unavailable(
             "promtool not installed (Debian package prometheus; scripts/bootstrap.sh installs it as root)"
         )
     return path
