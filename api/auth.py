@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
 from store.models import ApiKey, Team, utcnow
@@ -75,6 +78,8 @@ def create_key(session: Session, team: Team, name: str = "") -> tuple[ApiKey, st
 
 
 def revoke_key(session: Session, key_id_or_prefix: str) -> ApiKey:
+    """Mark a key revoked (the caller commits). This process's key caches forget it at once and again
+    after the commit; other processes' caches within ``key_cache_seconds``."""
     row = session.scalar(
         select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
     )
@@ -82,6 +87,9 @@ def revoke_key(session: Session, key_id_or_prefix: str) -> ApiKey:
         raise LookupError(f"no key {key_id_or_prefix!r}")
     if row.revoked_at is None:
         row.revoked_at = utcnow()
+    key_id = row.id
+    forget_key(key_id)
+    event.listen(session, "after_commit", lambda _s: forget_key(key_id), once=True)
     return row
 
 
@@ -95,11 +103,21 @@ def parse_bearer(header: str | None) -> str | None:
     return token or None
 
 
-def authenticate(session: Session, key: str, *, touch_seconds: float = 60.0) -> Principal | None:
-    """The principal of a valid, unrevoked key, else None (constant-time digest comparison)."""
-    if not key.startswith(KEY_PREFIX) or len(key) < PREFIX_LEN + 8 or len(key) > 200:
+def well_formed(key: str) -> bool:
+    return key.startswith(KEY_PREFIX) and PREFIX_LEN + 8 <= len(key) <= 200
+
+
+def authenticate(
+    session: Session, key: str, *, touch_seconds: float = 60.0, digest: str | None = None
+) -> Principal | None:
+    """The principal of a valid, unrevoked key, else None (constant-time digest comparison).
+
+    One indexed query (by prefix, joined to the team); ``last_used_at`` is written (and committed)
+    only when it is older than ``touch_seconds``.
+    """
+    if not well_formed(key):
         return None
-    digest = hash_key(key)
+    digest = digest or hash_key(key)
     rows = session.execute(
         select(ApiKey, Team.name)
         .join(Team, Team.id == ApiKey.team_id)
@@ -116,3 +134,60 @@ def authenticate(session: Session, key: str, *, touch_seconds: float = 60.0) -> 
                 session.commit()
             return Principal(team_id=row.team_id, team_name=team_name, key_id=row.id)
     return None
+
+
+class KeyCache:
+    """Principals of keys authenticated in the last ``ttl`` seconds, by key digest.
+
+    Saves the key lookup on every request. Only successes are kept (a key created a moment ago works
+    at once); a revocation in this process (``revoke_key``) evicts the key immediately, one made
+    elsewhere (another replica, the CLI) is honoured within ``ttl``. ``ttl`` 0 disables the cache.
+    """
+
+    def __init__(self, ttl: float, max_entries: int = 10_000) -> None:
+        self.ttl = float(ttl)
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._lock = threading.Lock()
+        _CACHES.add(self)
+
+    def get(self, digest: str) -> Principal | None:
+        if self.ttl <= 0:
+            return None
+        hit = self._entries.get(digest)
+        if hit is None:
+            return None
+        expires, principal = hit
+        if time.monotonic() >= expires:
+            with self._lock:
+                self._entries.pop(digest, None)
+            return None
+        return principal
+
+    def put(self, digest: str, principal: Principal) -> None:
+        if self.ttl <= 0:
+            return
+        with self._lock:
+            if len(self._entries) >= self.max_entries:
+                now = time.monotonic()
+                self._entries = {d: e for d, e in self._entries.items() if e[0] > now}
+                if len(self._entries) >= self.max_entries:
+                    self._entries.clear()
+            self._entries[digest] = (time.monotonic() + self.ttl, principal)
+
+    def forget(self, key_id: str | None = None) -> None:
+        """Drop one key's entries (by key id), or all of them."""
+        with self._lock:
+            if key_id is None:
+                self._entries.clear()
+            else:
+                self._entries = {d: e for d, e in self._entries.items() if e[1].key_id != key_id}
+
+
+_CACHES: weakref.WeakSet[KeyCache] = weakref.WeakSet()
+
+
+def forget_key(key_id: str | None = None) -> None:
+    """Evict a key (or every key) from all key caches of this process."""
+    for cache in list(_CACHES):
+        cache.forget(key_id)

@@ -21,6 +21,15 @@ class ApiSettings(BaseSettings):
     stream_keepalive_seconds: float = Field(15.0, gt=0)
     #: ``api_keys.last_used_at`` is refreshed at most this often per key (it is a write per request).
     key_touch_seconds: float = Field(60.0, ge=0)
+    #: An authenticated key is remembered this long (no database lookup per request); a key revoked in
+    #: another process is refused after at most this long (0 = look every key up on every request).
+    key_cache_seconds: float = Field(5.0, ge=0)
+    #: Requests doing database work at once (threads; the others wait without a thread). 0 = the size
+    #: of the engine's connection pool, so no request waits for, or churns, an overflow connection.
+    db_threads: int = Field(0, ge=0)
+    #: After start, move the startup heap out of the cyclic GC's reach (``gc.freeze``), so its full
+    #: collections (~100 ms on a small machine) stop pausing requests.
+    gc_freeze: bool = True
     #: Timeout of the broker probe in /readyz.
     readiness_timeout_seconds: float = Field(2.0, gt=0)
 

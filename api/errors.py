@@ -74,6 +74,25 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
+#: What each documented error status means (the OpenAPI ``responses`` of the routes).
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request: a parameter, header or the body failed validation (`param` names the field)",
+    401: "No API key, or a malformed, unknown or revoked one (`invalid_api_key`)",
+    404: "No such object for the calling team (`not_found`; another team's id answers the same)",
+    409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `file_in_use`)",
+    413: "The upload is over the server's `max_upload_bytes` (`file_too_large`)",
+    415: "The upload is not multipart/form-data (`invalid_multipart`)",
+    503: "The database or the job queue is unavailable; retry after `Retry-After` seconds",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these statuses, each with the error envelope as its body."""
+    from api.schemas import ErrorResponse
+
+    return {code: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[code]} for code in codes}
+
+
 def not_found(kind: str, obj_id: str, param: str = "id") -> APIError:
     return APIError(404, f"No such {kind}: {obj_id}", param=param, code="not_found")
 
@@ -178,6 +197,10 @@ def install_error_handlers(app: FastAPI) -> None:
             ).response()
         if isinstance(exc, sa_exc.IntegrityError):
             return APIError(409, "The request conflicts with the current state", code="conflict").response()
+        if isinstance(exc, sa_exc.DataError):  # a value the database cannot hold (out of range, NUL byte)
+            log.warning("database refused a value: %s", exc.orig)
+            return APIError(400, "A value in the request is out of range for this server",
+                            code="invalid_value").response()
         log.exception("database error")
         return APIError(500, "Internal server error", code="internal_error").response()
 

@@ -73,6 +73,9 @@ def resolve_model(name: str) -> str:
     except UnknownModelError as exc:
         raise APIError(400, f"Model {name!r} is not available for fine-tuning: {exc}", param="model",
                        code="model_not_found") from exc
+    except OSError as exc:  # not a usable local path either (e.g. a name too long for the filesystem)
+        raise APIError(400, f"Model {name[:100]!r} is not available for fine-tuning: {exc.strerror or exc}",
+                       param="model", code="model_not_found") from exc
     return m.name if isinstance(m, BuiltinModel) else str(m)
 
 

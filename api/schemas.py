@@ -267,3 +267,37 @@ class ListObject(BaseModel, Generic[T]):
     has_more: bool
     first_id: str | None = None
     last_id: str | None = None
+
+
+# --- errors and health -----------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """The OpenAI error object. ``type`` is ``invalid_request_error`` for 4xx, ``server_error`` for 5xx."""
+
+    message: str
+    type: Literal["invalid_request_error", "server_error"]
+    param: str | None = Field(None, description="The parameter at fault (a field path such as hyperparameters.n_epochs)")
+    code: str | None = Field(None, description="Machine-readable reason, e.g. invalid_value, not_found, invalid_api_key")
+    #: Upload validation (invalid_file_format) also names the first failing field and lists the errors.
+    field: str | None = Field(None, description="Upload validation: the first field at fault")
+    errors: list[dict[str, Any]] | None = Field(
+        None, description="Upload validation: up to 20 of {line, field, message, detail}"
+    )
+
+
+class ErrorResponse(BaseModel):
+    """Every failure: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class ReadinessCheck(BaseModel):
+    status: Literal["ok", "unavailable"]
+    seconds: float | None = None
+    error: str | None = None
+
+
+class Readiness(BaseModel):
+    status: Literal["ok", "unavailable"]
+    checks: dict[str, ReadinessCheck]

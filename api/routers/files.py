@@ -12,15 +12,15 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api import integration
-from api.deps import SessionDep, SettingsDep, TeamDep
-from api.errors import APIError, not_found
+from api.deps import SettingsDep, TeamDep, run_db
+from api.errors import APIError, error_responses, not_found
 from api.pagination import MAX_LIMIT, page
 from api.schemas import FileDeleted, FileObject, ListObject, unix
 from api.storage import LocalFileStore, receive_upload
 from store.ids import new_id
 from store.models import File, FineTuningJob
 
-router = APIRouter(prefix="/v1", tags=["files"])
+router = APIRouter(prefix="/v1", tags=["files"], responses=error_responses(401, 503))
 
 SUPPORTED_PURPOSES = ("fine-tune",)
 
@@ -63,7 +63,7 @@ def get_team_file(session: Session, team_id: str, file_id: str, *, param: str = 
     return row
 
 
-@router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC)
+@router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC, responses=error_responses(400, 413, 415))
 async def create_file(request: Request, team: TeamDep, settings: SettingsDep) -> FileObject:
     """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``)."""
     store = LocalFileStore(settings.resolved_files_dir)
@@ -113,21 +113,27 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         upload.discard()
 
 
-@router.get("/files", response_model=ListObject[FileObject])
-def list_files(
-    session: SessionDep,
+@router.get("/files", response_model=ListObject[FileObject], responses=error_responses(400, 404))
+async def list_files(
+    request: Request,
     team: TeamDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = MAX_LIMIT,
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
 ) -> ListObject[FileObject]:
-    stmt = select(File).where(File.team_id == team.team_id)
+    return await run_db(request, _list_files, team.team_id, after, limit, order, purpose)
+
+
+def _list_files(
+    session: Session, team_id: str, after: str | None, limit: int, order: str, purpose: str | None
+) -> ListObject[FileObject]:
+    stmt = select(File).where(File.team_id == team_id)
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
     cursor = None
     if after:
-        cur = get_team_file(session, team.team_id, after, param="after")
+        cur = get_team_file(session, team_id, after, param="after")
         cursor = (cur.created_at, cur.id)
     rows, has_more = page(session, stmt, (File.created_at, File.id), after=cursor, limit=limit,
                           descending=order == "desc")
@@ -138,15 +144,19 @@ def list_files(
     )
 
 
-@router.get("/files/{file_id}", response_model=FileObject)
-def retrieve_file(file_id: str, session: SessionDep, team: TeamDep) -> FileObject:
-    return file_object(get_team_file(session, team.team_id, file_id))
+@router.get("/files/{file_id}", response_model=FileObject, responses=error_responses(404))
+async def retrieve_file(file_id: str, request: Request, team: TeamDep) -> FileObject:
+    return await run_db(request, lambda s: file_object(get_team_file(s, team.team_id, file_id)))
 
 
-@router.delete("/files/{file_id}", response_model=FileDeleted)
-def delete_file(file_id: str, session: SessionDep, team: TeamDep) -> FileDeleted:
+@router.delete("/files/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))
+async def delete_file(file_id: str, request: Request, team: TeamDep) -> FileDeleted:
     """Delete a file; refused (409) while a job still refers to it."""
-    row = get_team_file(session, team.team_id, file_id)
+    return await run_db(request, _delete_file, team.team_id, file_id)
+
+
+def _delete_file(session: Session, team_id: str, file_id: str) -> FileDeleted:
+    row = get_team_file(session, team_id, file_id)
     user = session.scalar(
         select(FineTuningJob.id)
         .where((FineTuningJob.training_file_id == file_id) | (FineTuningJob.validation_file_id == file_id))
@@ -162,9 +172,13 @@ def delete_file(file_id: str, session: SessionDep, team: TeamDep) -> FileDeleted
     return FileDeleted(id=file_id)
 
 
-@router.get("/files/{file_id}/content", response_class=FileResponse)
-def file_content(file_id: str, session: SessionDep, team: TeamDep) -> FileResponse:
-    row = get_team_file(session, team.team_id, file_id)
+@router.get("/files/{file_id}/content", response_class=FileResponse, responses=error_responses(404))
+async def file_content(file_id: str, request: Request, team: TeamDep) -> FileResponse:
+    return await run_db(request, _file_content, team.team_id, file_id)
+
+
+def _file_content(session: Session, team_id: str, file_id: str) -> FileResponse:
+    row = get_team_file(session, team_id, file_id)
     if not Path(row.storage_path).is_file():
         raise APIError(404, f"The content of {file_id} is missing from storage", param="file_id",
                        code="file_content_missing")

@@ -10,11 +10,13 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
+from api.schemas import Readiness
+
 router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
@@ -35,7 +37,11 @@ def _check_broker(request: Request) -> str:
     return "ok"
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "The database or the broker is unavailable"}},
+)
 async def readyz(request: Request) -> JSONResponse:
     checks: dict[str, Any] = {}
     ok = True

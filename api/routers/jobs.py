@@ -4,6 +4,7 @@ checkpoints, and our per-step ``metrics`` extra."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -16,23 +17,22 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import Select, bindparam, case, func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 from starlette.concurrency import run_in_threadpool
 
 from api import integration
-from api.deps import SessionDep, SettingsDep, TeamDep
-from api.errors import APIError, not_found, validation_error
-from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, page
+from api.auth import Principal
+from api.deps import SettingsDep, TeamDep, run_db
+from api.errors import APIError, error_responses, not_found, validation_error
+from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, after_clause, page
 from api.schemas import FineTuningJob as JobOut
 from api.schemas import (
     HyperparametersIn,
     JobCheckpoint,
     JobCreate,
-    JobError,
     ListObject,
-    Progress,
     StepMetric,
     unix,
 )
@@ -41,10 +41,11 @@ from store.ids import new_id
 from store.jobs import add_event, lock_job, set_status
 from store.models import File, FineTuningJob, JobEvent, JobStatus, JobStepMetric
 from store.models import JobCheckpoint as CheckpointRow
+from store.settings import Settings
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], responses=error_responses(401, 503))
 
 PENDING = (JobStatus.validating_files.value, JobStatus.queued.value)
 
@@ -58,23 +59,77 @@ def _aware(dt: datetime | None) -> datetime | None:
     return dt
 
 
+def _queue_position_column() -> Any:
+    """SQL for one job row's ``queue_position``: 1 for the next job the queue's workers take, counted
+    over all teams (FIFO by creation: 1 + the waiting jobs of its queue created before it); NULL
+    unless the job is waiting. A correlated count: right for one row (retrieve, create, cancel)."""
+    ahead = aliased(FineTuningJob)
+    n_ahead = (
+        select(func.count())
+        .select_from(ahead)
+        .where(
+            ahead.queue == FineTuningJob.queue,
+            ahead.status.in_(PENDING),
+            ahead.created_at < FineTuningJob.created_at,
+        )
+        .correlate(FineTuningJob)
+        .scalar_subquery()
+    )
+    return case((FineTuningJob.status.in_(PENDING), n_ahead + 1), else_=None).label("queue_position")
+
+
+QUEUE_POSITION = _queue_position_column()
+
+#: The same figure for a page of jobs: every waiting job ranked once per queue (a window function; rank
+#: = 1 + the jobs of the partition strictly earlier, ties share a position, as the count above), joined
+#: to the page, so a list is one query however many of its jobs wait.
+_WAITING_RANKS = (
+    select(
+        FineTuningJob.id.label("job_id"),
+        func.rank().over(partition_by=FineTuningJob.queue, order_by=FineTuningJob.created_at).label("pos"),
+    )
+    .where(FineTuningJob.status.in_(PENDING))
+    .subquery("waiting_ranks")
+)
+
+#: What the job object is built from (a Row of these reads like the ORM object): no identity map or
+#: instance state to set up per row.
+JOB_COLUMNS = (
+    FineTuningJob.id,
+    FineTuningJob.created_at,
+    FineTuningJob.finished_at,
+    FineTuningJob.started_at,
+    FineTuningJob.model,
+    FineTuningJob.fine_tuned_model,
+    FineTuningJob.team_id,
+    FineTuningJob.status,
+    FineTuningJob.hyperparameters,
+    FineTuningJob.resolved_hyperparameters,
+    FineTuningJob.training_file_id,
+    FineTuningJob.validation_file_id,
+    FineTuningJob.trained_tokens,
+    FineTuningJob.error,
+    FineTuningJob.seed,
+    FineTuningJob.suffix,
+    FineTuningJob.user_metadata,
+    FineTuningJob.engine,
+    FineTuningJob.cancel_requested,
+    FineTuningJob.global_step,
+    FineTuningJob.total_steps,
+    FineTuningJob.attempts,
+    FineTuningJob.output_dir,
+)
+
+
 def queue_position(session: Session, job: FineTuningJob) -> int | None:
-    """1 for the next job the queue's workers take, counted over all teams (FIFO by creation)."""
+    """The queue position of one job already loaded (create, cancel)."""
     if job.status not in PENDING:
         return None
-    ahead = session.scalar(
-        select(func.count())
-        .select_from(FineTuningJob)
-        .where(
-            FineTuningJob.queue == job.queue,
-            FineTuningJob.status.in_(PENDING),
-            FineTuningJob.created_at < job.created_at,
-        )
-    )
-    return int(ahead or 0) + 1
+    pos = session.scalar(select(QUEUE_POSITION).where(FineTuningJob.id == job.id))
+    return int(pos) if pos is not None else None
 
 
-def estimated_finish(job: FineTuningJob) -> int | None:
+def estimated_finish(job: Any) -> int | None:
     started = _aware(job.started_at)
     if job.status != JobStatus.running.value or started is None or not job.total_steps or job.global_step <= 0:
         return None
@@ -82,43 +137,50 @@ def estimated_finish(job: FineTuningJob) -> int | None:
     return int(started.timestamp() + elapsed * job.total_steps / job.global_step)
 
 
-def _error(job: FineTuningJob) -> JobError | None:
+def _error(job: Any) -> dict[str, Any] | None:
     if not job.error:
         return None
     e = job.error
-    return JobError(code=str(e.get("code") or "error"), message=str(e.get("message") or "The job failed"),
-                    param=e.get("param"))
+    return {"code": str(e.get("code") or "error"), "message": str(e.get("message") or "The job failed"),
+            "param": e.get("param")}
 
 
-def job_object(session: Session, job: FineTuningJob) -> JobOut:
+def job_dict(job: Any, position: int | None) -> dict[str, Any]:
+    """The job object's fields from a job row (ORM object or a Row of ``JOB_COLUMNS``), as plain data:
+    validated once, as a whole response, by the endpoint's response model."""
     hp = {"n_epochs": "auto", "batch_size": "auto", "learning_rate_multiplier": "auto"}
     hp.update({k: v for k, v in (job.hyperparameters or {}).items() if k in hp})
     hp.update({k: v for k, v in (job.resolved_hyperparameters or {}).items() if k in hp and v is not None})
-    return JobOut(
-        id=job.id,
-        created_at=unix(job.created_at) or 0,
-        finished_at=unix(job.finished_at),
-        model=job.model,
-        fine_tuned_model=job.fine_tuned_model,
-        organization_id=job.team_id,
-        status=job.status,  # type: ignore[arg-type]
-        hyperparameters=hp,  # type: ignore[arg-type]
-        method={"type": "supervised", "supervised": {"hyperparameters": hp}},  # type: ignore[arg-type]
-        training_file=job.training_file_id,
-        validation_file=job.validation_file_id,
-        trained_tokens=job.trained_tokens,
-        error=_error(job),
-        seed=job.seed,
-        suffix=job.suffix,
-        user_provided_suffix=job.suffix,
-        metadata=job.user_metadata,
-        estimated_finish=estimated_finish(job),
-        engine=job.engine or {},
-        queue_position=queue_position(session, job),
-        cancel_requested=job.cancel_requested,
-        progress=Progress(step=job.global_step or 0, total_steps=job.total_steps, attempts=job.attempts or 0),
-        output_dir=job.output_dir,
-    )
+    return {
+        "id": job.id,
+        "created_at": unix(job.created_at) or 0,
+        "finished_at": unix(job.finished_at),
+        "model": job.model,
+        "fine_tuned_model": job.fine_tuned_model,
+        "organization_id": job.team_id,
+        "status": job.status,
+        "hyperparameters": hp,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "training_file": job.training_file_id,
+        "validation_file": job.validation_file_id,
+        "trained_tokens": job.trained_tokens,
+        "error": _error(job),
+        "seed": job.seed,
+        "suffix": job.suffix,
+        "user_provided_suffix": job.suffix,
+        "metadata": job.user_metadata,
+        "estimated_finish": estimated_finish(job),
+        "engine": job.engine or {},
+        "queue_position": position,
+        "cancel_requested": job.cancel_requested,
+        "progress": {"step": job.global_step or 0, "total_steps": job.total_steps, "attempts": job.attempts or 0},
+        "output_dir": job.output_dir,
+    }
+
+
+def job_object(job: Any, position: int | None) -> JobOut:
+    """The API object of a job row; ``position`` from ``QUEUE_POSITION`` or ``queue_position()``."""
+    return JobOut.model_validate(job_dict(job, position))
 
 
 def event_object(ev: JobEvent) -> EventOut:
@@ -152,6 +214,10 @@ def get_team_job(session: Session, team_id: str, job_id: str, *, lock: bool = Fa
     if job is None or job.team_id != team_id:
         raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
     return job
+
+
+def _job_out(session: Session, job: FineTuningJob) -> JobOut:
+    return job_object(job, queue_position(session, job))
 
 
 # --- create ------------------------------------------------------------------------------------------
@@ -215,11 +281,10 @@ def _replay(session: Session, team_id: str, key: str, digest: str) -> FineTuning
     return prior
 
 
-@router.post("", response_model=JobOut)
-def create_job(
+@router.post("", response_model=JobOut, responses=error_responses(400, 409))
+async def create_job(
     body: JobCreate,
     request: Request,
-    session: SessionDep,
     team: TeamDep,
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None,
@@ -229,11 +294,22 @@ def create_job(
     With an ``Idempotency-Key`` header, a retry with the same body returns the job created the first
     time; the same key with a different body is refused with 409.
     """
+    return await run_db(request, _create_job, request, body, team, settings, idempotency_key)
+
+
+def _create_job(
+    session: Session,
+    request: Request,
+    body: JobCreate,
+    team: Principal,
+    settings: Settings,
+    idempotency_key: str | None,
+) -> JSONResponse | JobOut:
     digest = _request_hash(body)
     if idempotency_key:
         prior = _replay(session, team.team_id, idempotency_key, digest)
         if prior is not None:
-            return JSONResponse(job_object(session, prior).model_dump(mode="json"),
+            return JSONResponse(_job_out(session, prior).model_dump(mode="json"),
                                 headers={"Idempotent-Replayed": "true"})
 
     hyperparameters, hp_param = _hyperparameters(body)
@@ -284,7 +360,7 @@ def create_job(
         if idempotency_key:
             prior = _replay(session, team.team_id, idempotency_key, digest)
             if prior is not None:  # a concurrent request with the same key won the race
-                return JSONResponse(job_object(session, prior).model_dump(mode="json"),
+                return JSONResponse(_job_out(session, prior).model_dump(mode="json"),
                                     headers={"Idempotent-Replayed": "true"})
         raise
 
@@ -296,47 +372,91 @@ def create_job(
         session.commit()
         raise APIError(503, "The job queue is unavailable; retry shortly", code="broker_unavailable",
                        headers={"Retry-After": "2"}) from exc
-    return job_object(session, job)
+    return _job_out(session, job)
 
 
 # --- read, cancel ------------------------------------------------------------------------------------
 
 
-@router.get("", response_model=ListObject[JobOut])
-def list_jobs(
-    session: SessionDep,
+@router.get("", response_model=ListObject[JobOut], responses=error_responses(400, 404))
+async def list_jobs(
+    request: Request,
     team: TeamDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     status: JobStatus | None = None,
-) -> ListObject[JobOut]:
+) -> dict[str, Any]:
     """Newest first; ``after`` is the id of the last job of the previous page."""
-    stmt = select(FineTuningJob).where(FineTuningJob.team_id == team.team_id)
+    return await run_db(request, _list_jobs, team.team_id, after, limit, status)
+
+
+# The read statements are built once (bound parameters): building a select of two dozen columns and
+# its cache key costs more per request than running it.
+_JOB_CURSOR = select(FineTuningJob.team_id, FineTuningJob.created_at).where(
+    FineTuningJob.id == bindparam("job_id")
+)
+_GET_JOB = select(*JOB_COLUMNS, QUEUE_POSITION).where(
+    FineTuningJob.id == bindparam("job_id"), FineTuningJob.team_id == bindparam("team_id")
+)
+
+
+@functools.cache
+def _list_statement(with_status: bool, with_cursor: bool) -> Select[Any]:
+    """A page of a team's jobs, newest first, with their queue positions (one query)."""
+    stmt = (
+        select(*JOB_COLUMNS, _WAITING_RANKS.c.pos)
+        .outerjoin(_WAITING_RANKS, _WAITING_RANKS.c.job_id == FineTuningJob.id)
+        .where(FineTuningJob.team_id == bindparam("team_id"))
+    )
+    if with_status:
+        stmt = stmt.where(FineTuningJob.status == bindparam("status"))
+    if with_cursor:
+        stmt = stmt.where(
+            after_clause((FineTuningJob.created_at, FineTuningJob.id),
+                         (bindparam("after_created_at"), bindparam("after_id")), descending=True)
+        )
+    return stmt.order_by(FineTuningJob.created_at.desc(), FineTuningJob.id.desc()).limit(bindparam("limit"))
+
+
+def _list_jobs(
+    session: Session, team_id: str, after: str | None, limit: int, status: JobStatus | None
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"team_id": team_id, "limit": limit + 1}
     if status is not None:
-        stmt = stmt.where(FineTuningJob.status == status.value)
-    cursor = None
+        params["status"] = status.value
     if after:
-        cur = session.get(FineTuningJob, after)
-        if cur is None or cur.team_id != team.team_id:
+        cur = session.execute(_JOB_CURSOR, {"job_id": after}).first()
+        if cur is None or cur.team_id != team_id:
             raise not_found("fine-tuning job", after, param="after")
-        cursor = (cur.created_at, cur.id)
-    rows, has_more = page(session, stmt, (FineTuningJob.created_at, FineTuningJob.id), after=cursor,
-                          limit=limit, descending=True)
-    data = [job_object(session, r) for r in rows]
-    return ListObject[JobOut](data=data, has_more=has_more, first_id=data[0].id if data else None,
-                              last_id=data[-1].id if data else None)
+        params["after_created_at"], params["after_id"] = cur.created_at, after
+    rows = session.execute(_list_statement(status is not None, bool(after)), params).all()
+    has_more = len(rows) > limit
+    data = [job_dict(r, r.pos) for r in rows[:limit]]
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
-@router.get("/{fine_tuning_job_id}", response_model=JobOut)
-def retrieve_job(fine_tuning_job_id: str, session: SessionDep, team: TeamDep) -> JobOut:
-    return job_object(session, get_team_job(session, team.team_id, fine_tuning_job_id))
+@router.get("/{fine_tuning_job_id}", response_model=JobOut, responses=error_responses(404))
+async def retrieve_job(fine_tuning_job_id: str, request: Request, team: TeamDep) -> dict[str, Any]:
+    return await run_db(request, _retrieve_job, team.team_id, fine_tuning_job_id)
 
 
-@router.post("/{fine_tuning_job_id}/cancel", response_model=JobOut)
-def cancel_job(fine_tuning_job_id: str, session: SessionDep, team: TeamDep) -> JobOut:
+def _retrieve_job(session: Session, team_id: str, job_id: str) -> dict[str, Any]:
+    row = session.execute(_GET_JOB, {"job_id": job_id, "team_id": team_id}).first()
+    if row is None:
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return job_dict(row, row.queue_position)
+
+
+@router.post("/{fine_tuning_job_id}/cancel", response_model=JobOut, responses=error_responses(404, 409))
+async def cancel_job(fine_tuning_job_id: str, request: Request, team: TeamDep) -> JobOut:
     """A job not yet started is cancelled at once; a running one stops at its next step (the worker
     checkpoints, exits and sets ``cancelled``); a finished one cannot be cancelled (409)."""
-    job = get_team_job(session, team.team_id, fine_tuning_job_id, lock=True)
+    return await run_db(request, _cancel_job, team.team_id, fine_tuning_job_id)
+
+
+def _cancel_job(session: Session, team_id: str, job_id: str) -> JobOut:
+    job = get_team_job(session, team_id, job_id, lock=True)
     status = JobStatus(job.status)
     if status.terminal:
         raise APIError(409, f"Job {job.id} has already {status.value}; it cannot be cancelled",
@@ -349,7 +469,7 @@ def cancel_job(fine_tuning_job_id: str, session: SessionDep, team: TeamDep) -> J
             add_event(session, job.id, "Cancellation requested; the job stops after the current step",
                       data={"status": job.status, "cancel_requested": True})
     session.commit()
-    return job_object(session, job)
+    return _job_out(session, job)
 
 
 # --- events ------------------------------------------------------------------------------------------
@@ -369,12 +489,14 @@ def _wants_stream(request: Request, stream: bool) -> bool:
 @router.get(
     "/{fine_tuning_job_id}/events",
     response_model=ListObject[EventOut],
-    responses={200: {"content": {"text/event-stream": {}}, "description": "list, or SSE with stream=true"}},
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "list, or SSE with stream=true"},
+        **error_responses(400, 404),
+    },
 )
-def list_events(
+async def list_events(
     fine_tuning_job_id: str,
     request: Request,
-    session: SessionDep,
     team: TeamDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
@@ -384,15 +506,26 @@ def list_events(
     """Newest first, like OpenAI. With ``stream=true`` (or ``Accept: text/event-stream``): a
     server-sent event stream, oldest first, from after ``after``/``Last-Event-ID``, that follows new
     events until the job has finished, then sends ``data: [DONE]``."""
-    job = get_team_job(session, team.team_id, fine_tuning_job_id)
     if _wants_stream(request, stream):
         cursor = last_event_id or after
-        start = _event_seq(session, job.id, cursor, "after") if cursor else 0
+        job_id, start = await run_db(request, _stream_start, team.team_id, fine_tuning_job_id, cursor)
         return StreamingResponse(
-            _sse(request, job.id, start),
+            _sse(request, job_id, start),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+    return await run_db(request, _list_events, team.team_id, fine_tuning_job_id, after, limit)
+
+
+def _stream_start(session: Session, team_id: str, job_id: str, cursor: str | None) -> tuple[str, int]:
+    job = get_team_job(session, team_id, job_id)
+    return job.id, (_event_seq(session, job.id, cursor, "after") if cursor else 0)
+
+
+def _list_events(
+    session: Session, team_id: str, job_id: str, after: str | None, limit: int
+) -> ListObject[EventOut]:
+    job = get_team_job(session, team_id, job_id)
     stmt = select(JobEvent).where(JobEvent.job_id == job.id)
     cursor_seq = (_event_seq(session, job.id, after, "after"),) if after else None
     rows, has_more = page(session, stmt, (JobEvent.seq,), after=cursor_seq, limit=limit, descending=True)
@@ -452,16 +585,23 @@ async def _sse(request: Request, job_id: str, after_seq: int) -> AsyncIterator[s
 # --- checkpoints, metrics ----------------------------------------------------------------------------
 
 
-@router.get("/{fine_tuning_job_id}/checkpoints", response_model=ListObject[JobCheckpoint])
-def list_checkpoints(
+@router.get("/{fine_tuning_job_id}/checkpoints", response_model=ListObject[JobCheckpoint],
+            responses=error_responses(400, 404))
+async def list_checkpoints(
     fine_tuning_job_id: str,
-    session: SessionDep,
+    request: Request,
     team: TeamDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 10,
 ) -> ListObject[JobCheckpoint]:
     """Newest first (highest step first)."""
-    job = get_team_job(session, team.team_id, fine_tuning_job_id)
+    return await run_db(request, _list_checkpoints, team.team_id, fine_tuning_job_id, after, limit)
+
+
+def _list_checkpoints(
+    session: Session, team_id: str, job_id: str, after: str | None, limit: int
+) -> ListObject[JobCheckpoint]:
+    job = get_team_job(session, team_id, job_id)
     stmt = select(CheckpointRow).where(CheckpointRow.job_id == job.id)
     cursor = None
     if after:
@@ -476,17 +616,24 @@ def list_checkpoints(
                                      last_id=data[-1].id if data else None)
 
 
-@router.get("/{fine_tuning_job_id}/metrics", response_model=ListObject[StepMetric])
-def list_metrics(
+@router.get("/{fine_tuning_job_id}/metrics", response_model=ListObject[StepMetric],
+            responses=error_responses(400, 404))
+async def list_metrics(
     fine_tuning_job_id: str,
-    session: SessionDep,
+    request: Request,
     team: TeamDep,
-    after: Annotated[int | None, Query(ge=0, description="the last step of the previous page")] = None,
+    after: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="the last step of the previous page")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 1000,
 ) -> ListObject[StepMetric]:
     """Per-step figures of a job, oldest first: loss, step and stall seconds, stall fraction,
     GPU utilization, CPU optimizer time and transfer bytes (our extra)."""
-    job = get_team_job(session, team.team_id, fine_tuning_job_id)
+    return await run_db(request, _list_metrics, team.team_id, fine_tuning_job_id, after, limit)
+
+
+def _list_metrics(
+    session: Session, team_id: str, job_id: str, after: int | None, limit: int
+) -> ListObject[StepMetric]:
+    job = get_team_job(session, team_id, job_id)
     stmt = select(JobStepMetric).where(JobStepMetric.job_id == job.id)
     rows, has_more = page(session, stmt, (JobStepMetric.step,), after=(after,) if after is not None else None,
                           limit=limit, descending=False)
