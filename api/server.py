@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -13,6 +14,13 @@ from api.config import get_api_settings
 from store.settings import Settings, get_settings
 
 log = logging.getLogger("zenflow.serve")
+
+
+def uvicorn_command(port: int, *, host: str = "127.0.0.1", workers: int = 1) -> list[str]:
+    """argv that runs the API alone (no worker) under uvicorn, from the app factory, quietly: what the
+    load benchmark and the multi-process tests start."""
+    return [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--host", host,
+            "--port", str(port), "--no-access-log", "--log-level", "warning", "--workers", str(workers)]
 
 
 def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:

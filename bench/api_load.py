@@ -45,6 +45,8 @@ from urllib.parse import urlencode, urlparse
 
 import httpx
 
+from api.server import uvicorn_command
+
 ROOT = Path(__file__).resolve().parents[1]
 _json_dumps = json.dumps
 READ_TARGET_P99_MS = 50.0
@@ -108,22 +110,7 @@ def start_server(data_dir: Path, database_url: str | None, broker_url: str | Non
     if broker_url:
         env["ZENFLOW_BROKER_URL"] = broker_url
     log_path = data_dir / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "uvicorn",
-        "api.app:create_app",
-        "--factory",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--no-access-log",
-        "--log-level",
-        "warning",
-        "--workers",
-        str(workers),
-    ]
+    cmd = uvicorn_command(port, workers=workers)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from api.server import uvicorn_command
 from tests import support
 from tests.support import drop_database, unavailable
 
@@ -229,20 +230,7 @@ class Stack:
 
     def start_api(self) -> str:
         port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "api.app:create_app",
-            "--factory",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-        ]
+        cmd = uvicorn_command(port)
         p = Proc.start(f"api-{port}", cmd, env=self.env(), log_dir=self.tmp)
         self.procs.append(p)
         url = f"http://127.0.0.1:{port}"
