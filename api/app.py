@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import integration
 from api.auth import KeyCache
+from api.body_limit import BodyLimitMiddleware
 from api.config import ApiSettings, get_api_settings
 from api.errors import install_error_handlers
 from api.routers import files, health, jobs
@@ -72,6 +73,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(files.router)
     app.include_router(jobs.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
     _install_metrics(app)
     _install_openapi(app)
     return app

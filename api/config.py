@@ -30,6 +30,9 @@ class ApiSettings(BaseSettings):
     #: After start, move the startup heap out of the cyclic GC's reach (``gc.freeze``), so its full
     #: collections (~100 ms on a small machine) stop pausing requests.
     gc_freeze: bool = True
+    #: Largest request body other than a file upload (uploads have ZENFLOW_MAX_UPLOAD_BYTES); larger
+    #: ones are answered 413 ``request_too_large`` before they are parsed.
+    max_body_bytes: int = Field(1024 * 1024, gt=0)
     #: Timeout of the broker probe in /readyz.
     readiness_timeout_seconds: float = Field(2.0, gt=0)
 

@@ -80,7 +80,7 @@ ERROR_DESCRIPTIONS = {
     401: "No API key, or a malformed, unknown or revoked one (`invalid_api_key`)",
     404: "No such object for the calling team (`not_found`; another team's id answers the same)",
     409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `file_in_use`)",
-    413: "The upload is over the server's `max_upload_bytes` (`file_too_large`)",
+    413: "The upload is over `max_upload_bytes` (`file_too_large`), or another body over `max_body_bytes` (`request_too_large`)",
     415: "The upload is not multipart/form-data (`invalid_multipart`)",
     503: "The database or the job queue is unavailable; retry after `Retry-After` seconds",
 }
@@ -183,7 +183,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed"
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL"
-        err = APIError(exc.status_code, message)
+        err = APIError(exc.status_code, message, code=getattr(exc, "error_code", None))
         err.headers.update(exc.headers or {})
         return err.response()
 

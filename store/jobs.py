@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from store.models import FineTuningJob, JobEvent, JobStatus, utcnow
@@ -32,8 +32,11 @@ def set_status(
     message: str | None = None,
     error: dict[str, Any] | None = None,
 ) -> None:
-    """Move a job to ``status`` and record an event; terminal states stamp finished_at."""
+    """Move a job to ``status`` and record an event; terminal states stamp finished_at, queued clears
+    dispatched_at (the new wait needs a message)."""
     job.status = status.value
+    if status is JobStatus.queued:
+        job.dispatched_at = None  # a new wait in the queue: its message is still to be sent
     if status is JobStatus.running and job.started_at is None:
         job.started_at = utcnow()
     if status.terminal:
@@ -49,3 +52,14 @@ def lock_job(session: Session, job_id: str) -> FineTuningJob | None:
     return session.execute(
         select(FineTuningJob).where(FineTuningJob.id == job_id).with_for_update()
     ).scalar_one_or_none()
+
+
+def mark_dispatched(session: Session, job_id: str) -> bool:
+    """Record that the broker accepted the job's message (only while the job is still queued)."""
+    res = session.execute(
+        update(FineTuningJob)
+        .where(FineTuningJob.id == job_id, FineTuningJob.status == JobStatus.queued.value)
+        .values(dispatched_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+    return bool(res.rowcount)  # type: ignore[attr-defined]

@@ -103,6 +103,8 @@ class FineTuningJob(Base):
     __table_args__ = (
         UniqueConstraint("team_id", "idempotency_key", name="uq_fine_tuning_jobs_team_idempotency"),
         Index("ix_fine_tuning_jobs_team_created", "team_id", "created_at"),
+        #: Queue position (waiting jobs of one queue, FIFO) and the dispatch reconciler's per-queue scan.
+        Index("ix_fine_tuning_jobs_queue_status_created", "queue", "status", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob"))
@@ -140,6 +142,9 @@ class FineTuningJob(Base):
     last_checkpoint_path: Mapped[str | None] = mapped_column(Text)
     worker_hostname: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: When the broker accepted this job's message for its current wait in the queue; NULL while no
+    #: message was handed over yet (cleared whenever the job becomes queued). See trainer.dispatch.
+    dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", cascade="all, delete-orphan", passive_deletes=True

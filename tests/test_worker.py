@@ -234,7 +234,10 @@ class Workers:
         self.env = {**os.environ, "ZENFLOW_BROKER_URL": redis_url, "ZENFLOW_DATABASE_URL": settings.resolved_database_url,
                     "ZENFLOW_DATA_DIR": str(settings.data_dir), "ZENFLOW_DEFAULT_QUEUE": queue,
                     "ZENFLOW_HEARTBEAT_INTERVAL_SECONDS": "1", "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1"}
+                    "OMP_NUM_THREADS": "1",
+                    # The session database holds the rule tests' queued jobs (on other queues): the
+                    # workers' reapers are not to send them to the shared Redis (tests/test_dispatch.py).
+                    "ZENFLOW_DISPATCH_GRACE_SECONDS": "86400"}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.log = tmp_path / "worker.log"
 

@@ -10,7 +10,9 @@ with a heartbeat from before ``own_before`` (the worker's start), however fresh:
 once at start-up, since a restarted node is not running any job it had.
 
 Every worker runs :func:`start_reaper_thread` (started on ``worker_ready``; the embedded worker
-starts its own); ``zenflow serve`` may also call :func:`reap_stale_jobs` directly. Does not import torch.
+starts its own; ``zenflow serve --reaper`` without a worker starts one too); each round it also runs
+:func:`trainer.dispatch.redispatch_lost_jobs`, which re-sends queued jobs whose broker message never
+existed or was lost. Does not import torch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from store.db import session_scope
 from store.jobs import lock_job, set_status
 from store.models import FineTuningJob, JobStatus, utcnow
 from store.settings import Settings, get_settings
+from trainer.dispatch import dispatch_job, redispatch_lost_jobs
 
 log = logging.getLogger("zenflow.reaper")
 
@@ -39,10 +42,9 @@ def reap_stale_jobs(
     enqueue: Callable[[str, str | None], object] | None = None,
 ) -> list[str]:
     """Re-queue (or fail / cancel) running jobs that lost their worker; the ids of jobs re-queued."""
-    from trainer.worker import _aware, enqueue_job
+    from trainer.worker import _aware
 
     settings = settings or get_settings()
-    enqueue = enqueue or enqueue_job
     url = settings.resolved_database_url
     now = now or utcnow()
     cutoff = now - timedelta(seconds=settings.heartbeat_timeout_seconds)
@@ -78,14 +80,15 @@ def reap_stale_jobs(
                 set_status(s, job, JobStatus.queued, message=f"{why}; re-queued to resume from step {job.global_step}")
                 queue = job.queue
         if queue is not None:
-            enqueue(job_id, queue)
+            dispatch_job(url, job_id, queue, enqueue=enqueue)
             requeued.append(job_id)
             log.warning("re-queued job %s (stale heartbeat)", job_id)
     return requeued
 
 
 class ReaperThread(threading.Thread):
-    """Calls reap_stale_jobs every ``interval`` seconds (own_hostname only on the first round)."""
+    """Every ``interval`` seconds: reap_stale_jobs (own_hostname only on the first round), then
+    trainer.dispatch.redispatch_lost_jobs (queued jobs without a message in the broker)."""
 
     def __init__(self, *, own_hostname: str | None, interval: float, settings: Settings | None) -> None:
         super().__init__(name="zenflow-reaper", daemon=True)
@@ -101,6 +104,10 @@ class ReaperThread(threading.Thread):
                 own = None
             except Exception:
                 log.exception("reaper round failed")
+            try:
+                redispatch_lost_jobs(settings=self.settings)
+            except Exception:
+                log.exception("dispatch reconcile round failed")
             self._stop_event.wait(self.interval)
 
     def stop(self) -> None:

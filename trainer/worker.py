@@ -26,7 +26,9 @@ acknowledged only once the task returns), no result backend (the database is the
 A worker that is killed outright leaves its job running with a heartbeat that goes stale;
 :mod:`trainer.reaper` (run periodically by every worker and by ``zenflow serve``) re-queues it, and a
 restarted worker re-queues its own node's jobs at once. On a warm shutdown the running job is
-preempted (SIGTERM: checkpoint, exit) and re-queued without counting an attempt.
+preempted (SIGTERM: checkpoint, exit) and re-queued without counting an attempt. A re-queue commits
+the row, then sends the message and stamps ``dispatched_at`` (trainer.dispatch, whose reconciler in
+the same reaper thread re-sends a queued job whose message never reached the broker or was lost).
 
 Importing this module does not import torch (the API imports it to enqueue).
 """
@@ -52,6 +54,7 @@ from store.db import session_scope
 from store.jobs import add_event, lock_job, set_status
 from store.models import JobStatus, utcnow
 from store.settings import Settings, get_settings
+from trainer.dispatch import dispatch_job
 
 log = logging.getLogger("zenflow.worker")
 
@@ -212,7 +215,7 @@ def finish_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *
     """
     from trainer.job_runner import EXIT_PREEMPTED
 
-    requeue: str | None = None
+    requeue = ""
     with session_scope(settings.resolved_database_url) as s:
         job = lock_job(s, job_id)
         if job is None or JobStatus(job.status).terminal:
@@ -235,7 +238,8 @@ def finish_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *
         set_status(s, job, JobStatus.queued,
                    message=f"{why}; re-queued to resume from step {job.global_step}")
         requeue = job.queue
-    enqueue_job(job_id, queue=requeue)
+    dispatch_job(settings.resolved_database_url, job_id, requeue,
+                 enqueue=lambda j, q: enqueue_job(j, queue=q))  # looked up at call time (tests patch it)
     return "requeued"
 
 
@@ -520,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
             return args.queues.split(",")
         return list(dict.fromkeys([queue_for_gpu_kind(kind), settings.default_queue]))
 
+    # Our indices are NVML's (and nvidia-smi's), which count in PCI bus order; CUDA's default order is
+    # fastest first, so without this CUDA_VISIBLE_DEVICES=1 could be another GPU on a mixed host.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     if len(gpus) == 1:
         idx, kind = gpus[0]
         if idx is not None:

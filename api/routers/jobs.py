@@ -38,7 +38,7 @@ from api.schemas import (
 )
 from api.schemas import JobEvent as EventOut
 from store.ids import new_id
-from store.jobs import add_event, lock_job, set_status
+from store.jobs import add_event, lock_job, mark_dispatched, set_status
 from store.models import File, FineTuningJob, JobEvent, JobStatus, JobStepMetric
 from store.models import JobCheckpoint as CheckpointRow
 from store.settings import Settings
@@ -281,7 +281,7 @@ def _replay(session: Session, team_id: str, key: str, digest: str) -> FineTuning
     return prior
 
 
-@router.post("", response_model=JobOut, responses=error_responses(400, 409))
+@router.post("", response_model=JobOut, responses=error_responses(400, 409, 413))
 async def create_job(
     body: JobCreate,
     request: Request,
@@ -372,6 +372,14 @@ def _create_job(
         session.commit()
         raise APIError(503, "The job queue is unavailable; retry shortly", code="broker_unavailable",
                        headers={"Retry-After": "2"}) from exc
+    # The outbox's second step: without this stamp (we die first, the commit fails), the reaper
+    # dispatches the job again after dispatch_grace_seconds, a harmless duplicate.
+    try:
+        mark_dispatched(session, job.id)
+        session.commit()
+    except Exception:
+        log.warning("job %s: enqueued, but could not record it", job.id, exc_info=True)
+        session.rollback()
     return _job_out(session, job)
 
 

@@ -67,6 +67,29 @@ def test_create_job_shape_and_enqueue(
     assert client.get(f"{JOBS}/{job['id']}", headers=team.headers).json()["id"] == job["id"]
 
 
+def test_create_commits_then_enqueues_then_stamps_dispatched_at(
+    client: TestClient, app, team: TeamKey, fid: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The outbox order: the row is committed (queued, not dispatched) before the enqueue, and
+    dispatched_at is recorded after it; a crash in between leaves it to trainer.dispatch."""
+    seen: list[tuple[str, Any]] = []
+
+    def probe(job_id: str, queue: str) -> None:
+        with app.state.sessionmaker() as s:  # another session: only committed state is visible
+            row = s.get(FineTuningJob, job_id)
+            seen.append((row.status, row.dispatched_at))
+
+    saved, app.state.enqueue = app.state.enqueue, probe
+    try:
+        r = create(client, team, {"model": "tiny-llama", "training_file": fid})
+    finally:
+        app.state.enqueue = saved
+    assert r.status_code == 200, r.text
+    assert seen == [("queued", None)]
+    with app.state.sessionmaker() as s:
+        assert s.get(FineTuningJob, r.json()["id"]).dispatched_at is not None
+
+
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [

@@ -124,11 +124,13 @@ def create_database(prefix: str) -> str:
 
 @dataclass
 class RedisServer:
-    """A private redis-server (AOF on, noeviction, as in docker-compose.yml) that can be restarted."""
+    """A private redis-server (AOF on, noeviction, as in docker-compose.yml) that can be restarted;
+    ``persistent=False``: no AOF and no RDB snapshots (as our CI's Redis), so a restart empties it."""
 
     dir: Path
     port: int = field(default_factory=free_port)
     proc: Proc | None = None
+    persistent: bool = True
 
     @property
     def url(self) -> str:
@@ -148,7 +150,7 @@ class RedisServer:
             "--dir",
             str(self.dir),
             "--appendonly",
-            "yes",
+            "yes" if self.persistent else "no",
             "--appendfsync",
             "always",
             "--save",
