@@ -110,11 +110,41 @@ def test_load_spec_resolves_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert load_spec(d / "job.yaml", output_dir="out").output_dir == tmp_path / "out"
 
 
+def test_model_engine_defaults_fill_only_the_gaps(tmp_path: Path) -> None:
+    from offload.config import EngineConfig
+    from trainer.models import TINY_LLAMA_ZENFLOW
+
+    plain = EngineConfig()
+    tiny = JobSpec(model="tiny-llama", training_file="t.jsonl").engine
+    assert {k: getattr(tiny, k) for k in TINY_LLAMA_ZENFLOW} == TINY_LLAMA_ZENFLOW
+    assert tiny.topk_ratio != plain.topk_ratio  # the built-in's measured settings, not the paper's
+    given = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"topk_ratio": 0.5}).engine
+    assert given.topk_ratio == 0.5 and given.update_interval == 1 and given.full_warm_up_rounds == 16
+    # update_interval 4 does not fit the default select_interval 1: that default is left out, not refused
+    window = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"update_interval": 4}).engine
+    assert window.update_interval == 4 and window.select_interval == plain.select_interval
+    assert window.topk_ratio == 0.25
+    # a local checkpoint and small-llama (no measured settings) get EngineConfig's defaults
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    for model in (str(tmp_path), "small-llama"):
+        eng = JobSpec(model=model, training_file="t.jsonl").engine
+        assert (eng.topk_ratio, eng.update_interval, eng.select_interval) == (
+            plain.topk_ratio, plain.update_interval, plain.select_interval)
+    # the job's own bad value is still reported at its field
+    with pytest.raises(ValidationError) as ei:
+        JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"topk_ratio": 2})
+    assert ei.value.errors()[0]["loc"] == ("engine", "topk_ratio")
+
+
 def test_sample_spec_is_valid() -> None:
     from trainer.samples import SPEC_FILE, TRAIN_FILE
 
     spec = load_spec(SPEC_FILE, output_dir="/tmp/x")
     assert spec.training_file == TRAIN_FILE and spec.model == "tiny-llama"
+    # the sample spells out the engine settings tiny-llama jobs get by default (they must agree)
+    from trainer.models import TINY_LLAMA_ZENFLOW
+
+    assert {k: getattr(spec.engine, k) for k in TINY_LLAMA_ZENFLOW} == TINY_LLAMA_ZENFLOW
 
 
 def test_spec_from_job_row_values(tmp_path: Path) -> None:

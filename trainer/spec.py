@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from offload.config import EngineConfig
 
@@ -225,16 +225,37 @@ class JobSpec(BaseModel):
     validation_file: Path | None = None
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
     #: offload.config.EngineConfig fields (mode, ZenFlow knobs); the learning rate comes from the
-    #: hyperparameters, so ``engine.lr`` is refused.
+    #: hyperparameters, so ``engine.lr`` is refused. Fields left unset take the model's defaults
+    #: (built-in models carry measured ZenFlow settings), then EngineConfig's.
     engine: EngineSettings = Field(default_factory=EngineSettings)
     lora: LoraSpec | None = None
     #: Where checkpoints and the final model go (required by run_training).
     output_dir: Path | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: Parameter dtype: auto = bfloat16 on CUDA with offload/zenflow modes, float32 otherwise.
+    #: Parameter dtype: auto = bfloat16 on CUDA (every mode keeps fp32 master weights), float32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     #: Resumable checkpoints kept on disk (older ones are deleted); None keeps all.
     keep_checkpoints: int | None = Field(3, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_engine_defaults(cls, raw: Any) -> Any:
+        """Fill the engine fields the job leaves unset with the model's own defaults (built-in
+        random-init configs carry measured ZenFlow settings; see trainer.models.default_engine_settings)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
+            return raw
+        engine = raw.get("engine")
+        if isinstance(engine, EngineConfig):
+            engine = engine.model_dump(exclude_unset=True)
+        if engine is not None and not isinstance(engine, dict):
+            return raw  # the field's own validation reports it
+        from trainer.models import UnknownModelError, default_engine_settings
+
+        try:
+            filled = default_engine_settings(raw["model"], dict(engine or {}))
+        except (UnknownModelError, OSError):
+            return raw  # the model field's validator reports it
+        return {**raw, "engine": filled}
 
     @field_validator("model")
     @classmethod
