@@ -122,6 +122,8 @@ class FineTuningJob(Base):
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
     fine_tuned_model: Mapped[str | None] = mapped_column(String(512))
+    #: Ids of the files the job produced (``fine-tune-results``: the per-step metrics CSV), once succeeded.
+    result_files: Mapped[list[str] | None] = mapped_column(JSON, default=None)
     #: {"code", "message", "param"} once failed.
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger)

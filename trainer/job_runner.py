@@ -38,6 +38,7 @@ from sqlalchemy import select, update
 from store.db import session_scope
 from store.jobs import add_event, lock_job, set_status
 from store.models import File, FineTuningJob, JobCheckpoint, JobStatus, JobStepMetric, utcnow
+from store.results import add_results_file
 from store.settings import Settings, get_settings
 
 log = logging.getLogger("zenflow.job_runner")
@@ -235,9 +236,14 @@ def _finish(
     *,
     message: str,
     error: dict[str, Any] | None = None,
+    results_dir: Path | None = None,
     **values: Any,
 ) -> bool:
-    """Write the end state if the job is still ours; False when it was taken away meanwhile."""
+    """Write the end state if the job is still ours; False when it was taken away meanwhile.
+
+    With ``results_dir`` (on success) the job's metrics CSV becomes a ``fine-tune-results`` file there,
+    listed in ``result_files``, in the same transaction; a file that cannot be written is logged and
+    left out (the model is what the job was for)."""
     with session_scope(url) as s:
         job = lock_job(s, job_id)
         if job is None or job.status != JobStatus.running.value or job.worker_hostname != hostname:
@@ -245,6 +251,11 @@ def _finish(
         for k, v in values.items():
             setattr(job, k, v)
         job.heartbeat_at = utcnow()
+        if results_dir is not None:
+            try:
+                add_results_file(s, job, results_dir)
+            except OSError:
+                log.exception("job %s: could not write its results file", job_id)
         set_status(s, job, status, message=message, error=error)
     return True
 
@@ -310,13 +321,15 @@ def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
     monitor.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: monitor.preempted.set())
     try:
-        return _run(spec, job_id, url, hostname, monitor, paths)
+        return _run(spec, job_id, url, hostname, monitor, paths, settings.resolved_files_dir)
     finally:
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
 
 
-def _run(spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, paths: dict[Any, str]) -> int:
+def _run(
+    spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, paths: dict[Any, str], files_dir: Path
+) -> int:
     from trainer.data import DatasetValidationError
     from trainer.loop import run_training
     from trainer.models import UnknownModelError
@@ -362,6 +375,7 @@ def _run(spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, p
         fine_tuned_model=result.final_model_dir,
         trained_tokens=result.trained_tokens,
         global_step=result.steps,
+        results_dir=files_dir,
     )
     return EXIT_DONE if ok else EXIT_LOST
 

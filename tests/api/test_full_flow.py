@@ -3,6 +3,8 @@ succeeded -> checkpoints listed -> the model loads. And ``zenflow serve`` on emb
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import secrets
@@ -160,6 +162,20 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
             assert all(0.0 <= x["stall_fraction"] <= 1.0 for x in m["data"])
             ev = http.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 1}).json()
             assert ev["data"][0]["created_at"] and ev["has_more"]
+
+            # result_files: the metrics CSV, a file of the team (OpenAI's step/train_loss/valid_loss first)
+            assert len(job["result_files"]) == 1, job
+            rf = http.get(f"/v1/files/{job['result_files'][0]}").json()
+            assert rf["purpose"] == "fine-tune-results" and rf["filename"] == "step_metrics.csv"
+            content = http.get(f"/v1/files/{rf['id']}/content")
+            assert content.status_code == 200 and len(content.content) == rf["bytes"]
+            table = list(csv.DictReader(io.StringIO(content.text)))
+            assert list(table[0])[:3] == ["step", "train_loss", "valid_loss"]
+            assert [int(r["step"]) for r in table] == list(range(1, 9))
+            assert float(table[-1]["train_loss"]) == pytest.approx(m["data"][-1]["train_loss"])
+            assert table[3]["valid_loss"] and float(table[3]["valid_loss"]) > 0  # evaluated at step 4
+            r = http.post("/v1/fine_tuning/jobs", json={"model": "tiny-llama", "training_file": rf["id"]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_file_purpose"
 
         import torch
         from transformers import AutoModelForCausalLM
