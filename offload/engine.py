@@ -147,9 +147,11 @@ class ZenFlowEngine:
         stats = StepStats()
         grads = [p.grad for p in self._params if p.grad is not None]
         total_norm, _ = clip_(grads, self.config.max_grad_norm)
+        # read once the mode has queued its work, so the device is not drained for it (CUDA)
+        read_norm = self._ops.scalar_later(total_norm) if grads else None
         self._mode.step(stats, self._lr)
         self._step += 1
-        grad_norm = float(total_norm) if grads else None
+        grad_norm = read_norm() if read_norm is not None else None
         end = time.perf_counter()
         wall = end - self._t_last
         self._t_last = end

@@ -14,7 +14,7 @@ part this optimizer owns (the whole tensor, or the selected columns), written ba
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -75,7 +75,8 @@ class _Entry:
     exp_avg_sq: torch.Tensor
     #: fp32 copy of the owned part when the param is bf16/fp16 (None for fp32 params).
     master: torch.Tensor | None
-    #: Step count: an int for whole tensors, a CPU int64 tensor [k] (one per column) for column entries.
+    #: Step count: an int while every owned element shares it (whole tensors always), else a CPU int64
+    #: tensor ``[k]`` with one count per column.
     steps: int | torch.Tensor
     #: Device fp64 copy of ``steps`` while the counts differ between columns (None = rebuild from ``steps``).
     steps_dev: torch.Tensor | None = None
@@ -88,9 +89,93 @@ class _Entry:
             return self.param
         return self.param.index_select(1, self.cols)
 
+    def column_steps(self) -> torch.Tensor:
+        """Per-column step counts (CPU int64 ``[k]``) of a column entry."""
+        assert self.cols is not None
+        if isinstance(self.steps, int):
+            return torch.full((self.cols.numel(),), self.steps, dtype=torch.int64)
+        return self.steps
+
+
+def _compact_steps(steps: torch.Tensor) -> int | torch.Tensor:
+    """``steps`` as one int when all its (CPU) counts are equal."""
+    if steps.numel() and int(steps.min()) == int(steps.max()):
+        return int(steps[0])
+    return steps
+
 
 def _is_low_precision(t: torch.Tensor) -> bool:
     return t.dtype in (torch.bfloat16, torch.float16)
+
+
+#: Elements per batch of the multi-tensor update: bounds the batch's temporaries (``sqrt(v)`` and the
+#: gathered gradient columns, fp32) to a few GiB; one batch covers every parameter of a ~1B model's
+#: selected part.
+_BATCH_ELEMENTS = 1 << 28
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Entries whose AdamW runs as one sequence of ``torch._foreach_*`` ops (fp32, one device)."""
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    #: Column entries and the fp32 tensor their update lands in (written back into the param after).
+    scatter: list[tuple[_Entry, torch.Tensor]] = field(default_factory=list)
+    #: Low-precision whole params and their fp32 masters (the param gets the rounded master after).
+    low_params: list[torch.Tensor] = field(default_factory=list)
+    low_masters: list[torch.Tensor] = field(default_factory=list)
+    #: Positions in the lists of whole-tensor / column entries (for the squared norms).
+    full_at: list[int] = field(default_factory=list)
+    cols_at: list[int] = field(default_factory=list)
+    numel: int = 0
+
+    def add(self, e: _Entry, p: torch.Tensor, g: torch.Tensor, step: int) -> None:
+        (self.full_at if e.cols is None else self.cols_at).append(len(self.params))
+        self.params.append(p)
+        self.grads.append(g)
+        self.exp_avgs.append(e.exp_avg)
+        self.exp_avg_sqs.append(e.exp_avg_sq)
+        self.steps.append(step)
+        self.numel += p.numel()
+
+
+def adamw_foreach_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[int],
+    h: AdamWHyper,
+) -> None:
+    """:func:`adamw_` on lists of tensors (one device, fp32), one multi-tensor op per stage.
+
+    The elementwise math and its order are :func:`adamw_`'s, so each tensor ends bitwise as it
+    would there (on CPU; CUDA's multi-tensor kernels round like its single-tensor ones up to
+    fused-multiply-add contraction).
+    """
+    if not params:
+        return
+    if h.weight_decay != 0:
+        torch._foreach_mul_(params, 1 - h.lr * h.weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - h.beta1)
+    torch._foreach_mul_(exp_avg_sqs, h.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - h.beta2)
+    step_f = [float(s) for s in steps]
+    neg_step_size = [-(h.lr / (1 - h.beta1**s)) for s in step_f]
+    bc2_sqrt = [(1 - h.beta2**s) ** 0.5 for s in step_f]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    if len(set(step_f)) == 1:
+        torch._foreach_div_(denom, bc2_sqrt[0])
+        torch._foreach_add_(denom, h.eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=neg_step_size[0])
+    else:
+        torch._foreach_div_(denom, bc2_sqrt)
+        torch._foreach_add_(denom, h.eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, neg_step_size)
 
 
 class SelectiveAdamW:
@@ -132,9 +217,7 @@ class SelectiveAdamW:
             src = values if values is not None else param.detach().index_select(1, cols)
             master = src.to(device=param.device, dtype=torch.float32).clone()
         z = torch.zeros((rows, k), dtype=torch.float32, device=param.device)
-        self._entries[name] = _Entry(
-            name, param, cols, z, z.clone(), master, torch.zeros(k, dtype=torch.int64)
-        )
+        self._entries[name] = _Entry(name, param, cols, z, z.clone(), master, 0)
 
     # --- queries --------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -157,55 +240,93 @@ class SelectiveAdamW:
 
     # --- the update -----------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, lr: float | None = None, *, want_sq: bool = False) -> list[torch.Tensor] | None:
+    def step(
+        self, lr: float | None = None, *, want_sq: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Update every owned part that has a gradient (params without one are skipped, as in torch).
 
-        With ``want_sq`` returns, per entry with a gradient, the squared L2 norm of the gradient part
-        this optimizer used (device fp32 scalars; the caller reads them in one sync).
+        Entries are batched per device into multi-tensor AdamW ops (:func:`adamw_foreach_`); column
+        entries whose columns have differing step counts (after a reselection) update one by one.
+        With ``want_sq`` returns the squared L2 norms of the gradient parts this optimizer used,
+        summed over whole-tensor entries and over column entries (device fp32 scalars; no host sync).
         """
         h = self.hyper if lr is None else replace(self.hyper, lr=lr)
-        sq: list[torch.Tensor] = []
+        batches: dict[torch.device, _Batch] = {}
+        norms_full: list[torch.Tensor] = []
+        norms_cols: list[torch.Tensor] = []
+        mixed_sq: list[torch.Tensor] = []
+        device = torch.device("cpu")
         for e in self._entries.values():
             g = e.param.grad
             if g is None:
                 continue
+            device = g.device
             if e.cols is None:
-                self._step_full(e, g, h)
-                if want_sq:
-                    sq.append(g.float().square().sum())
+                assert isinstance(e.steps, int)
+                e.steps += 1
+                if e.master is None:
+                    p, gf = e.param, g
+                else:
+                    p, gf = e.master, g.float()
+                b = batches.setdefault(g.device, _Batch())
+                if e.master is not None:
+                    b.low_params.append(e.param)
+                    b.low_masters.append(e.master)
+                b.add(e, p, gf, e.steps)
             else:
-                gs = g.index_select(1, e.cols).float()
-                self._step_cols(e, gs, h)
-                if want_sq:
-                    sq.append(gs.square().sum())
-        return sq if want_sq else None
+                gf = g.index_select(1, e.cols).float()
+                p = e.master if e.master is not None else e.param.index_select(1, e.cols)
+                if not isinstance(e.steps, int):
+                    self._step_mixed(e, p, gf, h)
+                    if want_sq:
+                        mixed_sq.append(gf.square().sum())
+                    continue
+                e.steps += 1
+                b = batches.setdefault(g.device, _Batch())
+                b.scatter.append((e, p))
+                b.add(e, p, gf, e.steps)
+            if b.numel >= _BATCH_ELEMENTS:
+                self._run_batch(batches.pop(g.device), h, norms_full, norms_cols, want_sq)
+        for b in batches.values():
+            self._run_batch(b, h, norms_full, norms_cols, want_sq)
+        if not want_sq:
+            return None
+
+        def total(norms: list[torch.Tensor], extra: list[torch.Tensor]) -> torch.Tensor:
+            parts = [torch.stack(norms).square().sum()] if norms else []
+            parts += extra
+            if not parts:
+                return torch.zeros((), device=device)
+            return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+        return total(norms_full, []), total(norms_cols, mixed_sq)
 
     @staticmethod
-    def _step_full(e: _Entry, g: torch.Tensor, h: AdamWHyper) -> None:
-        assert isinstance(e.steps, int)
-        e.steps += 1
-        if e.master is None:
-            adamw_(e.param.data, g, e.exp_avg, e.exp_avg_sq, e.steps, h)
-        else:
-            adamw_(e.master, g.float(), e.exp_avg, e.exp_avg_sq, e.steps, h)
-            e.param.data.copy_(e.master)
+    def _run_batch(
+        b: _Batch, h: AdamWHyper, norms_full: list[torch.Tensor], norms_cols: list[torch.Tensor], want_sq: bool
+    ) -> None:
+        if want_sq:  # of the gradient as used (before the step; the grads are not modified by it)
+            norms = torch._foreach_norm(b.grads)
+            norms_full += [norms[i] for i in b.full_at]
+            norms_cols += [norms[i] for i in b.cols_at]
+        adamw_foreach_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, h)
+        if b.low_params:
+            torch._foreach_copy_(b.low_params, b.low_masters)
+        for e, p in b.scatter:
+            assert e.cols is not None
+            e.param.index_copy_(1, e.cols, p.to(e.param.dtype))
 
     @staticmethod
-    def _step_cols(e: _Entry, gs: torch.Tensor, h: AdamWHyper) -> None:
+    def _step_mixed(e: _Entry, p: torch.Tensor, gs: torch.Tensor, h: AdamWHyper) -> None:
+        """A column entry whose columns have differing step counts: per-column bias corrections."""
         assert isinstance(e.steps, torch.Tensor) and e.cols is not None
         e.steps += 1
-        p = e.master if e.master is not None else e.param.data.index_select(1, e.cols)
-        lo, hi = int(e.steps.min()), int(e.steps.max())
-        if lo == hi:
-            e.steps_dev = None
-            adamw_(p, gs, e.exp_avg, e.exp_avg_sq, lo, h)
+        if e.steps_dev is None:
+            e.steps_dev = e.steps.to(device=p.device, dtype=torch.float64)
         else:
-            if e.steps_dev is None:
-                e.steps_dev = e.steps.to(device=p.device, dtype=torch.float64)
-            else:
-                e.steps_dev.add_(1)
-            adamw_columns_(p, gs, e.exp_avg, e.exp_avg_sq, e.steps_dev, h)
-        e.param.data.index_copy_(1, e.cols, p.to(e.param.dtype))
+            e.steps_dev.add_(1)
+        adamw_columns_(p, gs, e.exp_avg, e.exp_avg_sq, e.steps_dev, h)
+        e.param.index_copy_(1, e.cols, p.to(e.param.dtype))
 
     # --- reselection ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -247,11 +368,11 @@ class SelectiveAdamW:
         if e.master is not None:
             base = values if values is not None else e.param.data.index_select(1, new_cols)
             e.master = carry(e.master, base.to(device=dev, dtype=torch.float32).clone())
-        assert isinstance(e.steps, torch.Tensor)
+        old_steps = e.column_steps()
         steps = torch.zeros(k, dtype=torch.int64)
         present_cpu = present.cpu()
-        steps[present_cpu] = e.steps[pos.cpu()[present_cpu]]
-        e.steps = steps
+        steps[present_cpu] = old_steps[pos.cpu()[present_cpu]]
+        e.steps = _compact_steps(steps)
         e.steps_dev = None
         e.cols = new_cols
         return dropped, dropped_fp32
@@ -265,7 +386,7 @@ class SelectiveAdamW:
                 "exp_avg": e.exp_avg.cpu().clone(),
                 "exp_avg_sq": e.exp_avg_sq.cpu().clone(),
                 "master": None if e.master is None else e.master.cpu().clone(),
-                "steps": e.steps if isinstance(e.steps, int) else e.steps.clone(),
+                "steps": e.steps if e.cols is None else e.column_steps().clone(),
             }
         return out
 
@@ -284,5 +405,5 @@ class SelectiveAdamW:
             master = s["master"]
             e.master = None if master is None else torch.as_tensor(master).to(dev).clone()
             steps = s["steps"]
-            e.steps = int(steps) if isinstance(steps, int) else torch.as_tensor(steps).clone()
+            e.steps = int(steps) if isinstance(steps, int) else _compact_steps(torch.as_tensor(steps).clone())
             e.steps_dev = None

@@ -77,6 +77,7 @@ class _Split:
     k: int
     landing: torch.Tensor | None  # device buffer the CPU result is prefetched into (CUDA)
     dacc: torch.Tensor | None  # fp32 device accumulator (accumulate_on="device")
+    staging: list[torch.Tensor]  # this param's (shaped) view of each of the store's staging slots
 
 
 @dataclass(slots=True)
@@ -123,7 +124,8 @@ class ZenFlowMode(Mode):
                 landing = torch.empty_like(like) if ops.is_cuda else None
                 dacc = torch.zeros(like.shape, dtype=torch.float32, device=like.device) if self.on_device else None
                 k = num_selected(p.shape[1], cfg.topk_ratio)
-                self.splits.append(_Split(n, p, store, i, k, landing, dacc))
+                staging = [store.shaped(buf, i) for buf in store.staging]
+                self.splits.append(_Split(n, p, store, i, k, landing, dacc, staging))
         self.by_name = {s.name: s for s in self.splits}
         self.dev = self._new_device_optimizer()
         self.worker: Worker | None = None
@@ -184,11 +186,14 @@ class ZenFlowMode(Mode):
         if not self.started:
             self._start(stats)
         auto = self.cfg.update_interval == "auto"
-        sel_sq = self.dev.step(lr, want_sq=auto)
         if self.on_device:
+            sel_sq = self.dev.step(lr, want_sq=auto)
             self._accumulate_on_device()
         else:
+            # Both only read the (clipped) gradients: the copy off the device starts before the
+            # device optimizer's kernels, not after them.
             self._stage(stats)
+            sel_sq = self.dev.step(lr, want_sq=auto)
         self.win_len += 1
         self.win_lr += lr
         self.since_select += 1
@@ -200,20 +205,15 @@ class ZenFlowMode(Mode):
         if ends:
             self._boundary(stats, lr, sync=not self.cfg.overlap_step, reselect=True)
 
-    def _auto_window_ends(self, sel_sq: list[torch.Tensor]) -> bool:
-        dev = self.ops.device
-        sel = torch.stack(sel_sq).sum() if sel_sq else torch.zeros((), device=dev)
-        total_split = torch.zeros((), device=dev)
-        sel_split = torch.zeros((), device=dev)
-        for s in self.splits:
-            g = s.param.grad
-            if g is None:
-                continue
-            total_split = total_split + torch.linalg.vector_norm(g, dtype=torch.float32).square()
-            cols = self.dev.columns(s.name)
-            assert cols is not None
-            sel_split = sel_split + g.index_select(1, cols).float().square().sum()
-        sel_v, unsel_v = torch.stack([sel, (total_split - sel_split).clamp(min=0)]).tolist()
+    def _auto_window_ends(self, sel_sq: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        full_sq, cols_sq = sel_sq  # the device's gradient parts: whole tensors, selected columns
+        grads = [g for g in (s.param.grad for s in self.splits) if g is not None]
+        if grads:
+            total_split = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        else:
+            total_split = torch.zeros((), device=cols_sq.device)
+        # one host sync per step: the window's end decides what this step does next
+        sel_v, unsel_v = torch.stack([full_sq + cols_sq, (total_split - cols_sq).clamp(min=0)]).tolist()
         self.win_sel += sel_v
         self.win_unsel += unsel_v
         mean_sel = self.win_sel / self.win_len
@@ -252,15 +252,14 @@ class ZenFlowMode(Mode):
         transfers = []
         for store in self.stores:
             pairs = []
-            staging = store.staging[slot]
             for s in self.splits:
                 if s.store is not store:
                     continue
                 g = s.param.grad
                 if g is None:
-                    store.flat(staging, s.index).zero_()
+                    s.staging[slot].zero_()
                 else:
-                    pairs.append((store.flat(staging, s.index), g))
+                    pairs.append((s.staging[slot], g))
             t = self.ops.d2h(pairs)
             stats.bytes_d2h += t.nbytes
             transfers.append((store, t))
@@ -278,20 +277,27 @@ class ZenFlowMode(Mode):
     def _accumulate_on_device(self) -> None:
         ui = self.cfg.update_interval
         alpha = 1.0 / ui if isinstance(ui, int) else 1.0
-        if self.win_len == 0:
+        first = self.win_len == 0
+        if first:
             self.ops.compute_wait(self.dacc_free)  # the previous window's copy has left the accumulator
+        accs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
         for s in self.splits:
             assert s.dacc is not None
             g = s.param.grad
-            if g is None:
-                if self.win_len == 0:
-                    s.dacc.zero_()
-            elif self.win_len == 0:
-                s.dacc.copy_(g)  # then scale in fp32 (mul with out= would compute in the grad's dtype)
-                if alpha != 1.0:
-                    s.dacc.mul_(alpha)
-            else:
-                s.dacc.add_(g, alpha=alpha)
+            if g is not None:
+                accs.append(s.dacc)
+                grads.append(g)
+            elif first:
+                s.dacc.zero_()
+        if not accs:
+            return
+        if first:
+            torch._foreach_copy_(accs, grads)  # then scale in fp32 (a multiply would round in the grad's dtype)
+            if alpha != 1.0:
+                torch._foreach_mul_(accs, alpha)
+        else:
+            torch._foreach_add_(accs, grads, alpha=alpha)
 
     # --- window boundary ------------------------------------------------------------------------
     def _boundary(self, stats: StepStats, lr: float, *, sync: bool, reselect: bool) -> None:
@@ -325,16 +331,19 @@ class ZenFlowMode(Mode):
             for s in self.splits:
                 cur = self.dev.columns(s.name)
                 assert cur is not None
-                keep = union(pending.sel[s.name], cur)
-                p = s.param.data
-                saved = p.index_select(1, keep)
+                # The device keeps S_{v-1} | S_v. Saving each part on its own instead of their union
+                # avoids torch.unique (a host sync on CUDA); columns in both are written twice, alike.
+                keeps = [cur] if pending.sel[s.name] is cur else [pending.sel[s.name], cur]
+                p = s.param
+                saved = [p.index_select(1, keep) for keep in keeps]
                 if s.landing is not None:
                     p.copy_(s.landing)
                 else:
                     src = s.store.shaped(s.store.result, s.index)
                     p.copy_(src)
                     stats.bytes_h2d += src.numel() * src.element_size()
-                p.index_copy_(1, keep, saved)
+                for keep, vals in zip(keeps, saved, strict=True):
+                    p.index_copy_(1, keep, vals)
             stats.bytes_h2d += pending.h2d_bytes
             self.merge_done = self.ops.record()
         stats.cpu_optimizer_seconds += float(seconds)
