@@ -31,7 +31,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,8 @@ PRESETS: dict[str, dict[str, int]] = {
     # name: Llama shape + default batch / sequence length
     "tiny": {"vocab": 256, "hidden": 64, "inter": 176, "layers": 2, "heads": 4, "kv": 4, "seq": 64, "batch": 8},
     "small": {"vocab": 4096, "hidden": 512, "inter": 1376, "layers": 4, "heads": 8, "kv": 8, "seq": 128, "batch": 8},
+    # narrow and deep: about as many parameter tensors as the 1b preset (219), each small (dispatch-bound)
+    "deep": {"vocab": 256, "hidden": 64, "inter": 176, "layers": 24, "heads": 4, "kv": 4, "seq": 32, "batch": 4},
     # TinyLlama-1.1B's shape (~1.1e9 parameters)
     "1b": {"vocab": 32000, "hidden": 2048, "inter": 5632, "layers": 22, "heads": 32, "kv": 4, "seq": 2048, "batch": 8},
 }
@@ -66,6 +68,12 @@ class Result:
     final_loss: float
     peak_device_memory_gib: float | None
     seconds_total: float
+    #: Stall summed over steps that applied a CPU window update (window ends) and over the others: tells
+    #: a late window (the CPU optimizer behind) from per-step waits (gradient copies, accumulation).
+    stall_s_on_window_ends: float = 0.0
+    stall_s_on_other_steps: float = 0.0
+    #: Every timed step: wall, stall and CPU optimizer seconds, whether a window update landed.
+    per_step: list[dict[str, Any]] = field(default_factory=list)
 
 
 def build_model(preset: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -196,6 +204,14 @@ def run_variant(
         final_loss=final,
         peak_device_memory_gib=peak,
         seconds_total=time.perf_counter() - t_start,
+        stall_s_on_window_ends=sum(m.stall_seconds for m in metrics if m.applied_cpu_update),
+        stall_s_on_other_steps=sum(m.stall_seconds for m in metrics if not m.applied_cpu_update),
+        per_step=[
+            {"wall_s": round(m.wall_seconds, 6), "stall_s": round(m.stall_seconds, 6),
+             "cpu_opt_s": round(m.cpu_optimizer_seconds, 6), "window_end": m.applied_cpu_update,
+             "synchronous": m.synchronous}
+            for m in metrics
+        ],
     )
     del engine, model
     gc.collect()
@@ -325,14 +341,6 @@ def main(argv: list[str] | None = None) -> int:
     held_out = make_batches(2, preset["vocab"], preset["batch"], preset["seq"], seed=99)
 
     results: dict[str, Result] = {}
-    for v in variants:
-        results[v] = run_variant(v, args, preset, device, dtype, batches, held_out)
-        if not args.json:
-            r = results[v]
-            print(f"[{v}] {r.steps} steps, {r.steps_per_s:.3f} steps/s, stall {r.stall_fraction:.1%}, "
-                  f"{r.seconds_total:.0f}s total", file=sys.stderr, flush=True)
-    rat = ratios(results)
-    n_params = next(iter(results.values())).params if results else 0
     env = {
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "cpu_threads": args.threads or len(os.sched_getaffinity(0)),
         "model_size": args.model_size,
-        "params": n_params,
+        "params": 0,
         "dtype": str(dtype).removeprefix("torch."),
         "batch": preset["batch"],
         "seq": preset["seq"],
@@ -350,11 +358,25 @@ def main(argv: list[str] | None = None) -> int:
         "cores_ratio": args.cores_ratio,
         "lr": args.lr,
     }
-    tgt = targets(results, rat) if device.type == "cuda" else {}
-    doc = {"env": env, "results": {k: vars(r) for k, r in results.items()}, "ratios": rat, "targets": tgt}
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
+
+    def document() -> dict[str, Any]:
+        rat = ratios(results)
+        env["params"] = next(iter(results.values())).params if results else 0
+        tgt = targets(results, rat) if device.type == "cuda" else {}
+        return {"env": env, "results": {k: asdict(r) for k, r in results.items()}, "ratios": rat, "targets": tgt,
+                "variants_pending": [v for v in variants if v not in results]}
+
+    for v in variants:
+        results[v] = run_variant(v, args, preset, device, dtype, batches, held_out)
+        if not args.json:
+            r = results[v]
+            print(f"[{v}] {r.steps} steps, {r.steps_per_s:.3f} steps/s, stall {r.stall_fraction:.1%}, "
+                  f"{r.seconds_total:.0f}s total", file=sys.stderr, flush=True)
+        if args.json_out:  # after every variant: a run cut short keeps what finished
+            with open(args.json_out, "w", encoding="utf-8") as f:
+                json.dump(document(), f, indent=2)
+    doc = document()
+    rat, tgt, n_params = doc["ratios"], doc["targets"], env["params"]
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

@@ -13,8 +13,11 @@
 #   bash bench/gpu_check.sh --fetch-wheels  # on a machine WITH pip access, before: puts the wheels of the
 #                                           # Python packages the GPU image may lack (pydantic and its
 #                                           # deps) into .whl/ (git-ignored); carry .whl to the GPU machine
-# Environment: STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL override
-# the defaults below; OUT (if set, e.g. by the device runner) receives gpu_check.json and gpu_check.log.
+#   DEVICE=cpu MODEL_SIZE=tiny STEPS=2 OFFLOAD_STEPS=2 WARMUP=1 BATCH=2 SEQ=32 bash bench/gpu_check.sh
+#                                           # the same pipeline on the CPU, tiny (what tests/test_bench_smoke.py runs)
+# Environment: STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL, DEVICE,
+# MODEL_SIZE, BENCH_TIMEOUT override the defaults below; OUT (if set, e.g. by the device runner) receives
+# gpu_check.json (rewritten after every variant, so a timeout keeps what finished) and gpu_check.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,18 +40,24 @@ OFFLOAD_STEPS=${OFFLOAD_STEPS:-8}
 WARMUP=${WARMUP:-3}
 BATCH=${BATCH:-8}
 SEQ=${SEQ:-2048}
-MODES=${MODES:-device,offload,zenflow,zenflow-dacc}
+# The zenflow variants first: if the run is cut short, what the targets need most is already in the JSON.
+MODES=${MODES:-zenflow-dacc,zenflow,device,offload}
 CORES_RATIO=${CORES_RATIO:-0.75}
 TOPK=${TOPK:-0.1}
 UPDATE_INTERVAL=${UPDATE_INTERVAL:-4}
+DEVICE=${DEVICE:-cuda}
+MODEL_SIZE=${MODEL_SIZE:-1b}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-360}
 OUTDIR=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
 
-# 1. A Python with a CUDA torch: the repo's venv, else the machine's python3, else a fresh venv (needs pip access).
+# 1. A Python with a CUDA torch (any torch for DEVICE=cpu): the repo's venv, else the machine's python3,
+#    else a fresh venv (needs pip access).
+want_cuda=1; [ "$DEVICE" = cpu ] && want_cuda=0
 PY=""
 for cand in "$ROOT/.venv/bin/python" python3 python; do
-  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c "import sys, torch; sys.exit(0 if $want_cuda == 0 or torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
     PY=$(command -v "$cand"); break
   fi
 done
@@ -83,8 +92,9 @@ echo "== environment"
 import os, platform, torch, transformers, pydantic
 print(f"python {platform.python_version()}  torch {torch.__version__}  CUDA {torch.version.cuda}  "
       f"transformers {transformers.__version__}  pydantic {pydantic.VERSION}")
-print(f"GPU: {torch.cuda.get_device_name(0)}  ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)  "
-      f"CPU cores: {len(os.sched_getaffinity(0))}")
+gpu = (f"{torch.cuda.get_device_name(0)} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)"
+       if torch.cuda.is_available() else "none")
+print(f"GPU: {gpu}  CPU cores: {len(os.sched_getaffinity(0))}")
 EOF
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
 free -g | head -2 || true
@@ -95,11 +105,17 @@ start=$(date +%s)
 "$PY" -c 'from offload.cpu_adam import load_extension, simd_width; load_extension(); print("cpu_adam ready:", simd_width())'
 echo "build/load took $(( $(date +%s) - start ))s"
 
-# 5. The benchmark: table on stdout, JSON to a file (printed after).
-echo "== bench/engine.py (1b preset, CUDA, bf16)"
-timeout 420 "$PY" -m bench.engine --device cuda --model-size 1b --modes "$MODES" \
+# 5. The benchmark: table on stdout, JSON to a file (printed after). libgomp affinity variables from the
+#    image would override the worker's core binding: drop them.
+unset OMP_PROC_BIND GOMP_CPU_AFFINITY OMP_PLACES
+echo "== bench/engine.py ($MODEL_SIZE preset, $DEVICE)"
+rm -f "$OUTDIR/gpu_check.json"
+rc=0
+timeout "$BENCH_TIMEOUT" "$PY" -m bench.engine --device "$DEVICE" --model-size "$MODEL_SIZE" --modes "$MODES" \
   --steps "$STEPS" --offload-steps "$OFFLOAD_STEPS" --warmup "$WARMUP" --batch "$BATCH" --seq "$SEQ" \
   --cores-ratio "$CORES_RATIO" --bind --topk-ratio "$TOPK" --update-interval "$UPDATE_INTERVAL" \
-  --json-out "$OUTDIR/gpu_check.json" 2>&1 | tee "$OUTDIR/gpu_check.log"
+  --json-out "$OUTDIR/gpu_check.json" 2>&1 | tee "$OUTDIR/gpu_check.log" || rc=$?
+[ "$rc" = 0 ] || echo "bench/engine.py exited with $rc (124: cut at ${BENCH_TIMEOUT}s; the JSON holds the variants that finished)"
 echo "== JSON"
-cat "$OUTDIR/gpu_check.json"
+cat "$OUTDIR/gpu_check.json" 2>/dev/null || echo "(no JSON written)"
+exit "$rc"
