@@ -122,9 +122,9 @@ def _pick_dtype(spec: JobSpec, device: torch.device) -> torch.dtype:
 
     if spec.dtype != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
-    if device.type == "cuda" and spec.engine.mode in ("offload", "zenflow"):
-        return torch.bfloat16
-    return torch.float32
+    # bf16 params on CUDA in every mode (each keeps fp32 master weights for its optimizer), so the
+    # device baseline is compared with offload/zenflow at the same compute precision.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _seed_all(seed: int) -> None:
@@ -144,15 +144,19 @@ def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], seed: int) -> None:
+    """Restore saved generators; CUDA's from ``seed`` when the checkpoint was made without CUDA."""
     import numpy as np
     import torch
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        if state.get("cuda") is not None:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            torch.cuda.manual_seed_all(seed % 2**63)
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
@@ -412,6 +416,8 @@ class _Run:
         spec, hp = self.spec, self.hp
         self.device = _pick_device(spec.device)
         self.dtype = _pick_dtype(spec, self.device)
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 for what still runs in fp32
         model = load_model(spec.model, dtype=self.dtype, seed=hp.seed, tokenizer=self.tokenizer)
         self.base_config = model.config
         self.generation_config = getattr(model, "generation_config", None)
@@ -444,7 +450,7 @@ class _Run:
             self.trained_tokens = int(state.get("trained_tokens", 0))
             self.valid_loss = state.get("valid_loss")
             self.last_saved, self.last_checkpoint = ckpt.step, str(ckpt.path)
-            _set_rng_state(state["rng"])
+            _set_rng_state(state["rng"], hp.seed)
             self.emit(LogEvent(f"Resumed from checkpoint at step {ckpt.step}", data={"step": ckpt.step, "path": str(ckpt.path)}))
         else:
             _seed_all(hp.seed)
