@@ -16,26 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import create_database, drop_database, require_redis
+from tests.support import database_with_schema, require_redis
 
 
 @pytest.fixture(scope="session")
 def pg_db_url() -> Iterator[str]:
     """URL of a fresh PostgreSQL database with all store.models tables (create_all), for this session."""
-    from sqlalchemy import create_engine
-
     from store.db import get_engine
-    from store.models import Base
 
-    url = create_database("zf_test")
-    eng = create_engine(url)
-    Base.metadata.create_all(eng)
-    eng.dispose()
-    try:
+    with database_with_schema("zf_test") as url:
         yield url
-    finally:
-        get_engine.cache_clear()
-        drop_database(url)
+    get_engine.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 import pytest
@@ -58,6 +60,25 @@ def drop_database(url: str) -> None:
     with contextlib.suppress(Exception):
         pg_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
     pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def database_with_schema(prefix: str) -> Iterator[str]:
+    """A fresh PostgreSQL database with every store.models table (create_all); dropped afterwards."""
+    from sqlalchemy import create_engine
+
+    from store.db import get_engine
+    from store.models import Base
+
+    url = create_database(prefix)
+    eng = create_engine(url)
+    Base.metadata.create_all(eng)
+    eng.dispose()
+    try:
+        yield url
+    finally:
+        get_engine(url).dispose()
+        drop_database(url)
 
 
 def require_redis(url: str = REDIS_URL) -> str:

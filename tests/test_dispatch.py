@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, select, text, update
 from store.db import get_engine, session_scope
 from store.models import Base, FineTuningJob, JobEvent, utcnow
 from store.settings import Settings
-from tests.support import create_database, drop_database
+from tests.support import database_with_schema
 from tests.test_worker import get_job, make_job, sums_file
 from trainer.dispatch import (
     LOST_EVENT,
@@ -34,15 +34,8 @@ GRACE = 30.0
 @pytest.fixture(scope="module")
 def db_url() -> Iterator[str]:
     """A private database: the reconciler scans every queued job, so no other test's jobs may be there."""
-    url = create_database("zf_dispatch")
-    eng = create_engine(url)
-    Base.metadata.create_all(eng)
-    eng.dispose()
-    try:
+    with database_with_schema("zf_dispatch") as url:
         yield url
-    finally:
-        get_engine(url).dispose()
-        drop_database(url)
 
 
 @pytest.fixture
