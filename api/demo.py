@@ -201,6 +201,10 @@ def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
             stall = sum(m["stall_fraction"] for m in metrics) / len(metrics)
             print(f"  {len(metrics)} steps recorded; loss {metrics[0]['train_loss']:.3f} -> "
                   f"{metrics[-1]['train_loss']:.3f}; mean stall fraction {stall:.3f}")
+        for file_id in job.result_files or []:  # the metrics CSV, fetched as with OpenAI
+            csv_text = client.files.content(file_id).text
+            print(f"  result file {file_id}: {len(csv_text.splitlines()) - 1} rows, columns "
+                  f"{csv_text.splitlines()[0] if csv_text else ''}")
         model_dir = _model_dir(raw)
         print(f"==> the model is in {model_dir}")
         answer = _load_and_generate(model_dir)
