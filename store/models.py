@@ -37,6 +37,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(dt: datetime | None) -> datetime | None:
+    """``dt`` as an aware UTC datetime (SQLite hands timestamps back naive; PostgreSQL aware)."""
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 
 from store.db import session_scope
 from store.jobs import add_event, mark_dispatched
-from store.models import FineTuningJob, JobStatus, utcnow
+from store.models import FineTuningJob, JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
 
 log = logging.getLogger("zenflow.dispatch")
@@ -46,10 +46,6 @@ CountMessages = Callable[[list[str]], dict[str, int | None]]
 
 NEVER_SENT_EVENT = "Job was never handed to the broker; dispatched now"
 LOST_EVENT = "Broker message lost; re-queued"
-
-
-def _aware(dt: datetime | None) -> datetime | None:
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
 
 
 def _default_enqueue(job_id: str, queue: str) -> object:
@@ -151,7 +147,7 @@ def redispatch_lost_messages(
     held = (count_messages or broker_message_counts)(queues)  # before reading the jobs: see the module doc
 
     def due(job: FineTuningJob) -> bool:  # still as dispatched as when counted (no other reaper re-sent it)
-        at = _aware(job.dispatched_at)
+        at = as_utc(job.dispatched_at)
         return at is not None and at < cutoff
 
     resent: list[str] = []
@@ -164,7 +160,7 @@ def redispatch_lost_messages(
                              .where(waiting, FineTuningJob.queue == q).order_by(FineTuningJob.created_at)).all()
         if n >= len(rows):
             continue
-        suspects = [r.id for r in rows if (_aware(r.dispatched_at) or cutoff) < cutoff]
+        suspects = [r.id for r in rows if (as_utc(r.dispatched_at) or cutoff) < cutoff]
         log.warning("queue %s: the broker holds %d messages for %d dispatched queued jobs; re-dispatching %d",
                     q, n, len(rows), len(suspects))
         resent += [j for j in suspects if _dispatch_locked(url, j, due, enqueue, LOST_EVENT)]

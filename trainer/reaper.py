@@ -26,7 +26,7 @@ from sqlalchemy import func, or_, select
 
 from store.db import session_scope
 from store.jobs import lock_job, set_status
-from store.models import FineTuningJob, JobStatus, utcnow
+from store.models import FineTuningJob, JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
 from trainer.dispatch import dispatch_job, redispatch_lost_jobs
 
@@ -42,8 +42,6 @@ def reap_stale_jobs(
     enqueue: Callable[[str, str | None], object] | None = None,
 ) -> list[str]:
     """Re-queue (or fail / cancel) running jobs that lost their worker; the ids of jobs re-queued."""
-    from trainer.worker import _aware
-
     settings = settings or get_settings()
     url = settings.resolved_database_url
     now = now or utcnow()
@@ -62,7 +60,7 @@ def reap_stale_jobs(
             job = lock_job(s, job_id)
             if job is None or job.status != JobStatus.running.value:
                 continue
-            last = _aware(job.heartbeat_at or job.started_at or job.created_at)
+            last = as_utc(job.heartbeat_at or job.started_at or job.created_at)
             mine = bool(own_hostname) and job.worker_hostname == own_hostname and last is not None and last < own_before
             if not mine and last is not None and last >= cutoff:
                 continue

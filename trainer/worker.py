@@ -45,14 +45,14 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Celery, signals
 
 from store.db import session_scope
 from store.jobs import add_event, lock_job, set_status
-from store.models import JobStatus, utcnow
+from store.models import JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
 from trainer.dispatch import dispatch_job
 
@@ -152,14 +152,8 @@ def _telemetry_exited(pid: int) -> None:
 # --- the task ---------------------------------------------------------------------------------
 
 
-def _aware(dt: datetime | None) -> datetime | None:
-    if dt is None:
-        return None
-    return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)
-
-
 def heartbeat_is_fresh(heartbeat_at: datetime | None, settings: Settings, now: datetime | None = None) -> bool:
-    hb = _aware(heartbeat_at)
+    hb = as_utc(heartbeat_at)
     now = now or utcnow()
     return hb is not None and now - hb < timedelta(seconds=settings.heartbeat_timeout_seconds)
 

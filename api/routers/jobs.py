@@ -39,7 +39,7 @@ from api.schemas import (
 from api.schemas import JobEvent as EventOut
 from store.ids import new_id
 from store.jobs import add_event, lock_job, mark_dispatched, set_status
-from store.models import File, FineTuningJob, JobEvent, JobStatus, JobStepMetric
+from store.models import File, FineTuningJob, JobEvent, JobStatus, JobStepMetric, as_utc
 from store.models import JobCheckpoint as CheckpointRow
 from store.settings import Settings
 
@@ -51,12 +51,6 @@ PENDING = (JobStatus.validating_files.value, JobStatus.queued.value)
 
 
 # --- serialization -----------------------------------------------------------------------------------
-
-
-def _aware(dt: datetime | None) -> datetime | None:
-    if dt is not None and dt.tzinfo is None:
-        return dt.replace(tzinfo=UTC)
-    return dt
 
 
 def _queue_position_column() -> Any:
@@ -131,7 +125,7 @@ def queue_position(session: Session, job: FineTuningJob) -> int | None:
 
 
 def estimated_finish(job: Any) -> int | None:
-    started = _aware(job.started_at)
+    started = as_utc(job.started_at)
     if job.status != JobStatus.running.value or started is None or not job.total_steps or job.global_step <= 0:
         return None
     elapsed = (datetime.now(UTC) - started).total_seconds()
