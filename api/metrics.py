@@ -21,7 +21,6 @@ MultiProcessCollector); the database collector runs once, in whichever process a
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,6 @@ from prometheus_client import (
     CollectorRegistry,
     Histogram,
     generate_latest,
-    values,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -42,9 +40,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from trainer.worker.prometheus_dir import multiprocess_dir
+
 log = logging.getLogger(__name__)
 
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 UNMATCHED = "unmatched"
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Reads are milliseconds; uploads and creates tens to hundreds; the tail covers a slow database.
@@ -202,11 +201,11 @@ class _Proxy(Collector):
 
 def metrics_registry(jobs: Collector | None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    path = os.environ.get(MULTIPROC_ENV)
     # Only when this process itself writes its samples there (the variable was set before
     # prometheus_client was imported): a variable set later (an embedded worker in this process
     # serving its job runners) must not hide our in-memory request histogram.
-    if path and os.path.isdir(path) and values.ValueClass is not values.MutexValue:
+    path = multiprocess_dir()
+    if path is not None:
         MultiProcessCollector(reg, path=path)
     else:
         reg.register(_Proxy(REGISTRY))

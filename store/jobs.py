@@ -1,13 +1,36 @@
-"""Job-state writes shared by the API (create, cancel) and the workers (run, events, checkpoints)."""
+"""Job state and its transitions, shared by the API (create, cancel) and the worker service (claim,
+run, re-queue, finish).
+
+Every move of a job between states goes through one named function here, each under the caller's
+transaction (and, where several writers race, the row lock of :func:`lock_job`):
+
+==================  =========================================  ==================================
+function            from -> to                                 callers
+==================  =========================================  ==================================
+:func:`claim`       queued (or a dead run) -> running          the worker task, a runner by hand
+:func:`requeue`     running -> queued (resume from checkpoint)  the worker task, the reaper
+:func:`fail`        any -> failed, with an error object        worker, reaper, job runner
+:func:`succeed`     running -> succeeded                       the job runner
+:func:`cancel`      any -> cancelled                           API, worker, reaper, job runner
+==================  =========================================  ==================================
+
+:func:`set_status` is the one primitive under them all (timestamps, ``dispatched_at``, the event).
+"""
 
 from __future__ import annotations
 
+import enum
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
-from store.models import FineTuningJob, JobEvent, JobStatus, utcnow
+from store.models import FineTuningJob, JobEvent, JobStatus, as_utc, utcnow
+
+#: Jobs waiting for a worker (they have a queue position).
+PENDING = (JobStatus.validating_files.value, JobStatus.queued.value)
 
 
 def add_event(
@@ -22,6 +45,11 @@ def add_event(
     ev = JobEvent(job_id=job_id, message=message, level=level, type=type, data=data)
     session.add(ev)
     return ev
+
+
+def job_error(code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object a failed job carries: ``{code, message, param}``."""
+    return {"code": code, "message": message, "param": param}
 
 
 def set_status(
@@ -62,4 +90,107 @@ def mark_dispatched(session: Session, job_id: str) -> bool:
         .values(dispatched_at=utcnow())
         .execution_options(synchronize_session=False)
     )
-    return bool(res.rowcount)  # type: ignore[attr-defined]
+    assert isinstance(res, CursorResult)
+    return bool(res.rowcount)
+
+
+def heartbeat_is_fresh(heartbeat_at: datetime | None, timeout_seconds: float, now: datetime | None = None) -> bool:
+    """Whether a run that last beat at ``heartbeat_at`` is still alive by the heartbeat timeout."""
+    hb = as_utc(heartbeat_at)
+    return hb is not None and (now or utcnow()) - hb < timedelta(seconds=timeout_seconds)
+
+
+# --- transitions -------------------------------------------------------------------------------------
+
+
+class Claim(enum.StrEnum):
+    """What :func:`claim` decided."""
+
+    claimed = "claimed"
+    missing = "missing"
+    terminal = "terminal"
+    running_elsewhere = "running-elsewhere"
+    cancelled = "cancelled"
+    failed = "failed"
+
+
+def claim(
+    session: Session,
+    job: FineTuningJob | None,
+    hostname: str,
+    *,
+    max_attempts: int,
+    heartbeat_timeout_seconds: float,
+) -> Claim:
+    """Decide, under the row lock, whether ``hostname`` runs ``job`` now, and mark it running if so.
+
+    A terminal job is left alone; a job running on another node with a fresh heartbeat is left to it
+    (a redelivered message never starts a second run); a job marked running by this same node is taken
+    over (that run is dead: a node runs one job at a time); a pending cancel cancels it; with
+    ``max_attempts`` used up it fails; else the attempt is counted and the job runs here.
+    """
+    if job is None:
+        return Claim.missing
+    status = JobStatus(job.status)
+    if status.terminal:
+        return Claim.terminal
+    if (status is JobStatus.running and job.worker_hostname != hostname
+            and heartbeat_is_fresh(job.heartbeat_at, heartbeat_timeout_seconds)):
+        return Claim.running_elsewhere
+    if job.cancel_requested:
+        cancel(session, job, "Job cancelled before it started")
+        return Claim.cancelled
+    if job.attempts >= max_attempts:
+        fail(session, job, "max_attempts_exceeded", f"gave up after {job.attempts} attempts")
+        return Claim.failed
+    job.attempts += 1
+    job.worker_hostname = hostname
+    job.heartbeat_at = utcnow()
+    if status is JobStatus.running:
+        add_event(session, job.id, "Previous run of this job was lost; taking it over", level="warning")
+    resume = f", resuming from step {job.global_step}" if job.global_step else ""
+    set_status(session, job, JobStatus.running,
+               message=f"Attempt {job.attempts}/{max_attempts} started on {hostname}{resume}")
+    return Claim.claimed
+
+
+def requeue(session: Session, job: FineTuningJob, why: str) -> str:
+    """Put a running job back on its queue to resume from its last checkpoint; the queue to send it to.
+
+    The caller sends the message after committing (``trainer.worker.dispatch.dispatch_job``).
+    """
+    job.worker_hostname = None
+    job.heartbeat_at = None
+    set_status(session, job, JobStatus.queued, message=f"{why}; re-queued to resume from step {job.global_step}")
+    return job.queue
+
+
+def fail(session: Session, job: FineTuningJob, code: str, message: str, *, param: str | None = None,
+         event: str | None = None) -> None:
+    """Fail a job with the error object ``{code, message, param}``; ``event`` (default "Job failed:
+    <message>") is what its event says."""
+    set_status(session, job, JobStatus.failed, message=event or f"Job failed: {message}",
+               error=job_error(code, message, param))
+
+
+def succeed(session: Session, job: FineTuningJob, message: str) -> None:
+    """Mark a job succeeded (its results are set by the caller in the same transaction)."""
+    set_status(session, job, JobStatus.succeeded, message=message)
+
+
+def cancel(session: Session, job: FineTuningJob, message: str) -> None:
+    """Mark a job cancelled."""
+    set_status(session, job, JobStatus.cancelled, message=message)
+
+
+def request_cancel(session: Session, job: FineTuningJob) -> None:
+    """A user's cancel: a waiting job is cancelled at once, a running one is flagged and stops at its
+    next step (its runner writes ``cancelled``). The caller refuses terminal jobs first."""
+    if job.cancel_requested:
+        return
+    job.cancel_requested = True
+    if job.status in PENDING:
+        cancel(session, job, "Job cancelled before it started")
+    else:
+        add_event(session, job.id, "Cancellation requested; the job stops after the current step",
+                  data={"status": job.status, "cancel_requested": True})

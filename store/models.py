@@ -150,7 +150,7 @@ class FineTuningJob(Base):
     worker_hostname: Mapped[str | None] = mapped_column(String(255))
     heartbeat_at: Mapped[datetime | None] = mapped_column(default=None)
     #: When the broker accepted this job's message for its current wait in the queue; NULL while no
-    #: message was handed over yet (cleared whenever the job becomes queued). See trainer.dispatch.
+    #: message was handed over yet (cleared whenever the job becomes queued). See trainer.worker.dispatch.
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
 
     events: Mapped[list[JobEvent]] = relationship(

@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     #: A queued job whose message was not handed to the broker this long after its creation (the API
     #: died between commit and enqueue), or whose message was handed over longer ago than this and is
     #: no longer in the broker (Redis restarted without persistence, flushed), is dispatched again by
-    #: the reaper (trainer.dispatch). Covers the moment a worker holds a message it has not claimed yet.
+    #: the reaper (trainer.worker.dispatch). Covers the moment a worker holds a message it has not claimed yet.
     dispatch_grace_seconds: float = Field(30.0, gt=0)
     #: Celery queue for jobs that name no GPU kind.
     default_queue: str = "gpu-default"

@@ -1,4 +1,4 @@
-"""trainer.dispatch against the real PostgreSQL and Redis (and the embedded SQLite + kombu SQLAlchemy
+"""trainer.worker.dispatch against the real PostgreSQL and Redis (and the embedded SQLite + kombu SQLAlchemy
 broker): queued jobs never handed to the broker, or whose message the broker lost, are dispatched
 again, once; jobs whose message is still there are left alone. Time passes through ``now``."""
 
@@ -20,7 +20,7 @@ from store.models import Base, FineTuningJob, JobEvent, utcnow
 from store.settings import Settings
 from tests.support import database_with_schema
 from tests.test_worker import get_job, make_job, sums_file
-from trainer.dispatch import (
+from trainer.worker.dispatch import (
     LOST_EVENT,
     NEVER_SENT_EVENT,
     broker_message_counts,
@@ -40,8 +40,8 @@ def db_url() -> Iterator[str]:
 
 @pytest.fixture
 def settings(db_url: str, redis_broker_url: str, unique_queue: str, tmp_path: Path) -> Iterator[Settings]:
-    """Settings on the private database and the local Redis; trainer.worker's Celery app uses them."""
-    from trainer.worker import configure_celery
+    """Settings on the private database and the local Redis; trainer.worker.broker's Celery app uses them."""
+    from trainer.worker.broker import configure_celery
 
     s = Settings(_env_file=None, data_dir=tmp_path / "var", database_url=db_url,  # type: ignore[call-arg]
                  broker_url=redis_broker_url, default_queue=unique_queue, dispatch_grace_seconds=GRACE)
@@ -158,8 +158,8 @@ def test_concurrent_reapers_dispatch_once(settings: Settings, tmp_path: Path, rd
 
 
 def test_requeue_paths_stamp_dispatched_at(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.worker as w
-    from trainer.reaper import reap_stale_jobs
+    import trainer.worker.task as w
+    from trainer.worker.reaper import reap_stale_jobs
 
     url = settings.resolved_database_url
     data = sums_file(tmp_path / "d.jsonl")
@@ -193,7 +193,7 @@ def test_failed_enqueue_leaves_the_job_for_the_next_round(settings: Settings, tm
 
 def test_embedded_sqlite_and_kombu_sqlalchemy_broker(tmp_path: Path) -> None:
     """The embedded defaults: the SQLAlchemy transport counts its messages too."""
-    from trainer.worker import configure_celery
+    from trainer.worker.broker import configure_celery
 
     settings = Settings(_env_file=None, data_dir=tmp_path / "var", dispatch_grace_seconds=GRACE)  # type: ignore[call-arg]
     assert settings.embedded and settings.resolved_broker_url.startswith("sqla+sqlite:")

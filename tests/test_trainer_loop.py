@@ -88,7 +88,7 @@ def test_full_job_events(finished: tuple[JobSpec, TrainResult, Recorder]) -> Non
     steps = rec.of("step")
     assert [e.step for e in steps] == list(range(1, 9))
     assert all(e.tokens > 0 and e.tokens_per_second > 0 and 0 <= e.stall_fraction <= 1 and e.lr > 0 for e in steps)
-    assert steps[-1].loss < steps[0].loss and steps[0].engine["mode"] == "zenflow"
+    assert steps[-1].loss < steps[0].loss and steps[0].engine.mode == "zenflow"
     assert [e.step for e in rec.of("eval")] == [4, 8] and result.valid_loss == rec.of("eval")[-1].valid_loss
     assert [e.step for e in rec.of("checkpoint")] == [4, 8]
     assert rec.of("checkpoint")[0].metrics["train_loss"] == steps[3].loss

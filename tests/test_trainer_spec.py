@@ -166,8 +166,19 @@ def test_light_imports() -> None:
     import subprocess
 
     code = (
-        "import sys, trainer.spec, trainer.data, trainer.models, trainer.worker, trainer.reaper, "
-        "trainer.job_runner, trainer.events, trainer.checkpoint; "
+        "import sys, trainer.spec, trainer.data, trainer.models, trainer.worker, trainer.worker.broker, "
+        "trainer.worker.task, trainer.worker.reaper, trainer.worker.job_runner, trainer.events, trainer.checkpoint; "
         "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_light_imports_training_library() -> None:
+    """The training run's modules import torch, transformers and peft only inside their functions."""
+    import subprocess
+
+    code = (
+        "import sys, trainer.loop, trainer.batching, trainer.lora, trainer.checkpoint, trainer.events, trainer.cli; "
+        "sys.exit(1 if {'torch', 'transformers', 'peft'} & set(sys.modules) else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -96,7 +96,7 @@ def settings(service_env: dict[str, str]) -> Settings:
 
 
 def test_claim_rules(settings: Settings, tmp_path: Path) -> None:
-    from trainer.worker import claim_job
+    from trainer.worker.task import claim_job
 
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
     fresh = make_job(url, data, status="running", worker_hostname="w1@h", heartbeat_at=utcnow())
@@ -119,8 +119,8 @@ def test_claim_rules(settings: Settings, tmp_path: Path) -> None:
 
 
 def test_requeue_after_abnormal_exit(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.worker as w
-    from trainer.job_runner import EXIT_PREEMPTED
+    import trainer.worker.task as w
+    from trainer.worker.job_runner import EXIT_PREEMPTED
 
     sent: list[tuple[str, str | None]] = []
     monkeypatch.setattr(w, "enqueue_job", lambda job_id, queue=None: sent.append((job_id, queue)))
@@ -141,7 +141,7 @@ def test_requeue_after_abnormal_exit(settings: Settings, tmp_path: Path, monkeyp
 
 
 def test_reaper(settings: Settings, tmp_path: Path) -> None:
-    from trainer.reaper import reap_stale_jobs
+    from trainer.worker.reaper import reap_stale_jobs
 
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
     old = utcnow() - timedelta(seconds=settings.heartbeat_timeout_seconds + 60)
@@ -170,7 +170,7 @@ def test_reaper(settings: Settings, tmp_path: Path) -> None:
 def test_job_runner_reports_to_the_database(settings: Settings, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from trainer.job_runner import run_job_process
+    from trainer.worker.job_runner import run_job_process
 
     url = settings.resolved_database_url
     job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=40), hyperparameters={"checkpoint_every": 4})
@@ -195,7 +195,7 @@ def test_job_runner_reports_to_the_database(settings: Settings, tmp_path: Path) 
 
 
 def test_job_runner_cancel_and_bad_data(settings: Settings, tmp_path: Path) -> None:
-    from trainer.job_runner import run_job_process
+    from trainer.worker.job_runner import run_job_process
 
     url = settings.resolved_database_url
     job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=64),
@@ -250,7 +250,7 @@ class Workers:
         return p
 
     def enqueue(self, job_id: str) -> None:
-        from trainer.worker import configure_celery, enqueue_job
+        from trainer.worker.broker import configure_celery, enqueue_job
 
         configure_celery(self.settings.model_copy(update={"broker_url": self.env["ZENFLOW_BROKER_URL"]}))
         try:
@@ -283,7 +283,7 @@ def runner_pids(worker_pid: int) -> list[int]:
             cmd = (d / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == worker_pid and b"trainer.job_runner" in cmd:
+        if ppid == worker_pid and b"trainer.worker.job_runner" in cmd:
             out.append(int(d.name))
     return out
 
@@ -371,7 +371,8 @@ def test_embedded_worker_on_sqlite_defaults(tmp_path: Path, monkeypatch: pytest.
     from store.db import get_engine
     from store.models import Base
     from store.settings import get_settings
-    from trainer.worker import configure_celery, enqueue_job, start_embedded_worker
+    from trainer.worker.broker import configure_celery, enqueue_job
+    from trainer.worker.embedded import start_embedded_worker
 
     for k in ("ZENFLOW_DATABASE_URL", "ZENFLOW_BROKER_URL"):
         monkeypatch.delenv(k, raising=False)

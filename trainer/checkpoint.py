@@ -1,4 +1,5 @@
-"""Atomic checkpoints on disk.
+"""The checkpoint format: atomic, self-validating directories on disk, the training state saved in them
+(RNG states included), and the small file helpers the run writes its other outputs with.
 
 Layout of a job's output directory::
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import uuid
@@ -190,7 +192,7 @@ def _dedupe_shared(state: dict[str, torch.Tensor], tie_word_embeddings: bool) ->
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         t = t.detach().cpu().contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
         if key in seen and t.numel() > 0:
             if tie_word_embeddings:
                 continue
@@ -233,3 +235,62 @@ def load_training_state(directory: Path) -> dict[str, Any]:
     import torch
 
     return torch.load(Path(directory) / TRAINING_STATE, map_location="cpu", weights_only=False)
+
+
+# --- RNG states (saved in training_state.pt) ----------------------------------------------------
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators for a fresh run."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
+
+
+def rng_state() -> dict[str, Any]:
+    """The global generators' states (CUDA's only when CUDA is initialized), for save_training_state."""
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any], seed: int) -> None:
+    """Restore saved generators; CUDA's from ``seed`` when the checkpoint was made without CUDA."""
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available():
+        if state.get("cuda") is not None:
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            torch.cuda.manual_seed_all(seed % 2**63)
+
+
+# --- file helpers -------------------------------------------------------------------------------
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to a temporary sibling, fsync it, and rename it over ``path``."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` to ``dst`` (creating dst's parents), or copy it where linking fails."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

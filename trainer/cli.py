@@ -16,6 +16,17 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trainer.events import (
+    CheckpointSaved,
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    EventCallback,
+    LogEvent,
+    RunStarted,
+    StepEvent,
+)
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train`` to ``subparsers`` (from ``ArgumentParser.add_subparsers()``)."""
@@ -34,7 +45,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _printer(as_json: bool, progress: bool) -> Any:
+def _printer(as_json: bool, progress: bool) -> EventCallback:
+    """The ``on_event`` callback of ``zenflow train``: JSON lines on stdout, or messages on stderr."""
+
     def write(msg: str) -> None:
         if progress:
             from tqdm import tqdm
@@ -43,25 +56,25 @@ def _printer(as_json: bool, progress: bool) -> Any:
         else:
             print(msg, file=sys.stderr, flush=True)
 
-    def on_event(ev: Any) -> None:
+    def on_event(ev: Event) -> None:
         if as_json:
             print(json.dumps(ev.as_dict(), default=str), flush=True)
             return
-        t = ev.type
-        if t == "log":
-            write(ev.message)
-        elif t == "run_started":
-            write(f"Training {ev.total_steps} steps from step {ev.start_step} on {ev.device} ({ev.dtype}, "
-                  f"mode {ev.mode}, {ev.trainable_parameters:,}/{ev.num_parameters:,} trainable parameters)")
-        elif t == "step" and not progress and (ev.step % 10 == 0 or ev.step == ev.total_steps):
-            write(f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
-                  f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}")
-        elif t == "eval":
-            write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}")
-        elif t == "checkpoint":
-            write(f"checkpoint saved: {ev.path}")
-        elif t == "error":
-            write(f"error: {ev.message}")
+        match ev:
+            case LogEvent():
+                write(ev.message)
+            case RunStarted():
+                write(f"Training {ev.total_steps} steps from step {ev.start_step} on {ev.device} ({ev.dtype}, "
+                      f"mode {ev.mode}, {ev.trainable_parameters:,}/{ev.num_parameters:,} trainable parameters)")
+            case StepEvent() if not progress and (ev.step % 10 == 0 or ev.step == ev.total_steps):
+                write(f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+                      f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}")
+            case EvalEvent():
+                write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}")
+            case CheckpointSaved():
+                write(f"checkpoint saved: {ev.path}")
+            case ErrorEvent():
+                write(f"error: {ev.message}")
 
     return on_event
 

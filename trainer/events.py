@@ -1,8 +1,10 @@
-"""Typed events emitted by :func:`trainer.loop.run_training` through its ``on_event`` callback.
+"""The typed boundary between a training run and its observers: the events
+:func:`trainer.loop.run_training` passes to its ``on_event`` callback.
 
-Every event is a frozen dataclass with a ``type`` string and :meth:`Event.as_dict` (JSON-ready); the
-job runner turns them into database rows, the CLI into progress output. An ``on_event`` callback that
-raises aborts the run (the exception propagates out of run_training).
+Every event is a frozen dataclass; consumers (the job runner's database reporter, the worker's
+telemetry, the CLI) dispatch on the event class. Each still carries a ``type`` string, and
+:meth:`Event.as_dict` gives ``{"type": ..., **fields}`` as JSON-ready data. An ``on_event`` callback
+that raises aborts the run (the exception propagates out of run_training).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
+
+from offload.metrics import StepMetrics
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,12 @@ class StepEvent(Event):
     step_seconds: float
     stall_seconds: float
     stall_fraction: float
-    #: offload.metrics.StepMetrics.as_dict() of this step.
-    engine: dict[str, Any] = field(default_factory=dict)
+    #: The engine's record of this step (what ``ZenFlowEngine.step()`` returned).
+    engine: StepMetrics
+
+    def as_dict(self) -> dict[str, Any]:
+        # StepMetrics.as_dict() adds the derived stall_fraction that dataclasses.asdict() leaves out.
+        return {**super().as_dict(), "engine": self.engine.as_dict()}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The training loop: a JobSpec in, a fine-tuned model directory out, on the ZenFlow offload engine.
+"""The training run: a JobSpec in, a fine-tuned model directory out, on the ZenFlow offload engine.
+Its parts live beside it: batching and loss in :mod:`trainer.batching`, LoRA and the exported weights
+in :mod:`trainer.lora`, the checkpoint format (RNG states included) in :mod:`trainer.checkpoint`.
 
 :func:`run_training` validates and tokenizes the data (tokenizer from the model directory, or the
 byte-level one for built-in configs), resolves the hyperparameters, builds the model (bf16 on CUDA
@@ -6,12 +8,11 @@ with the offload/zenflow modes, fp32 otherwise; LoRA through peft when asked) an
 ``offload.engine.ZenFlowEngine``, then runs ``n_epochs`` over the data:
 
 - each epoch visits the examples in an order drawn from a generator seeded with (seed, epoch), so a
-  data position is just the global step; ``engine.new_epoch()`` is called at each epoch start when
-  the engine has it;
+  data position is just the global step; ``engine.new_epoch()`` is called at each epoch start;
 - each step: batch padded on the right (labels -100 on padding and non-learned tokens), forward,
   mean token loss over the batch, backward, ``engine.set_lr(schedule(step))``, ``engine.step()``,
-  ``engine.zero_grad()``; a :class:`~trainer.events.StepEvent` reports loss, lr, tokens/s and the
-  engine's stall fraction;
+  ``engine.zero_grad()``; a :class:`~trainer.events.StepEvent` reports loss, lr, tokens/s, the
+  engine's stall fraction and its ``StepMetrics`` record;
 - validation loss every ``eval_every`` steps and at the end;
 - a resumable checkpoint every ``checkpoint_every`` steps and at the end (exported weights from
   ``engine.consolidated_state_dict()``, resume state from ``engine.state_dict()`` (which holds the
@@ -34,9 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import random
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.batching import collate, epoch_order, evaluate, loss_sum
 from trainer.checkpoint import (
     FINAL_DIR,
     MANIFEST,
@@ -53,14 +52,19 @@ from trainer.checkpoint import (
     cleanup_partial,
     is_complete,
     latest_checkpoint,
+    link_or_copy,
     load_training_state,
     prune_checkpoints,
     remove_outputs,
+    rng_state,
     save_model_files,
     save_training_state,
+    seed_all,
+    set_rng_state,
     write_atomic_dir,
+    write_json_atomic,
 )
-from trainer.data import IGNORE_INDEX, DatasetValidationError, Example, load_examples
+from trainer.data import DatasetValidationError, Example, load_examples
 from trainer.events import (
     CheckpointRemoved,
     CheckpointSaved,
@@ -73,6 +77,7 @@ from trainer.events import (
     RunStarted,
     StepEvent,
 )
+from trainer.lora import apply_lora, current_state, merged_lora_state
 from trainer.spec import JobSpec, ResolvedHyperparameters
 
 if TYPE_CHECKING:
@@ -127,167 +132,6 @@ def _pick_dtype(spec: JobSpec, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _seed_all(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed % 2**63)
-
-
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
-
-
-def _set_rng_state(state: dict[str, Any], seed: int) -> None:
-    """Restore saved generators; CUDA's from ``seed`` when the checkpoint was made without CUDA."""
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available():
-        if state.get("cuda") is not None:
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:
-            torch.cuda.manual_seed_all(seed % 2**63)
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
-    """The example order of one epoch: a permutation from a generator seeded with (seed, epoch)."""
-    import torch
-
-    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**63)
-    return torch.randperm(num_examples, generator=g).tolist()
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    #: Non-padding tokens.
-    num_tokens: int
-
-
-def collate(examples: list[Example], pad_id: int, device: torch.device, multiple: int = 8) -> Batch:
-    """Right-pad a batch to the longest example (rounded up to ``multiple``)."""
-    import torch
-
-    longest = max(len(e.input_ids) for e in examples)
-    width = (longest + multiple - 1) // multiple * multiple
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[i, :n] = torch.tensor(e.input_ids)
-        labels[i, :n] = torch.tensor(e.labels)
-        mask[i, :n] = 1
-    tokens = int(mask.sum())
-    nb = device.type == "cuda"
-    return Batch(
-        ids.to(device, non_blocking=nb), mask.to(device, non_blocking=nb), labels.to(device, non_blocking=nb), tokens
-    )
-
-
-def loss_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token cross-entropies over learned tokens, their count): next-token prediction."""
-    import torch.nn.functional as F
-
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float()
-    labels = batch.labels[:, 1:]
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return total, (labels != IGNORE_INDEX).sum()
-
-
-def evaluate(model: Any, examples: list[Example], batch_size: int, pad_id: int, device: torch.device) -> tuple[float, int]:
-    """Mean token loss over ``examples`` (no grad, eval mode, no RNG use) and the learned-token count."""
-    import torch
-
-    was_training = model.training
-    model.eval()
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
-    s, n = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(order), batch_size):
-            b = collate([examples[j] for j in order[i : i + batch_size]], pad_id, device)
-            ls, c = loss_sum(model, b)
-            s += float(ls)
-            n += int(c)
-    model.train(was_training)
-    return (s / n if n else float("nan")), n
-
-
-def _apply_lora(model: Any, spec: JobSpec, seed: int) -> Any:
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    assert spec.lora is not None
-    cfg = LoraConfig(
-        r=spec.lora.r,
-        lora_alpha=spec.lora.alpha,
-        lora_dropout=spec.lora.dropout,
-        target_modules=spec.lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed((seed + 1) % 2**63)
-        peft_model = get_peft_model(model, cfg)
-    peft_model.peft_config["default"].base_model_name_or_path = spec.model
-    return peft_model
-
-
-def _current_state(model: Any, consolidated: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """model.state_dict() on CPU with each parameter replaced by the engine's newest value."""
-    names_by_ptr = {p.data_ptr(): n for n, p in model.named_parameters()}
-    out = {}
-    for k, v in model.state_dict().items():
-        n = names_by_ptr.get(v.data_ptr())
-        src = consolidated.get(n, consolidated.get(k)) if n is not None else consolidated.get(k)
-        out[k] = (src if src is not None else v).detach().to("cpu")
-    return out
-
-
-def merged_lora_state(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Base-model weights with each LoRA delta (B @ A * scaling) merged in, from a peft state dict.
-
-    Computed from ``state`` (not from the live modules) so it sees the engine's newest values.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    prefix = "base_model.model."
-    out: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        if ".lora_" in k:
-            continue
-        out[k.removeprefix(prefix).replace(".base_layer.", ".")] = v
-    for mod_name, mod in peft_model.get_base_model().named_modules():
-        if not isinstance(mod, LoraLayer):
-            continue
-        for ad in mod.active_adapters:
-            a_key = f"{prefix}{mod_name}.lora_A.{ad}.weight"
-            if a_key not in state:
-                continue
-            a = state[a_key].float()
-            b = state[f"{prefix}{mod_name}.lora_B.{ad}.weight"].float()
-            delta = (b @ a) * mod.scaling[ad]
-            if getattr(mod, "fan_in_fan_out", False):
-                delta = delta.T
-            w = out[f"{mod_name}.weight"]
-            out[f"{mod_name}.weight"] = (w.float() + delta).to(w.dtype)
-    return out
-
-
 def _finished_result(out: Path) -> TrainResult | None:
     p = out / RESULT_FILE
     if not (p.is_file() and is_complete(out / FINAL_DIR)):
@@ -296,23 +140,6 @@ def _finished_result(out: Path) -> TrainResult | None:
         return TrainResult(**json.loads(p.read_text()))
     except (ValueError, TypeError):
         return None
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as fh:
-        json.dump(data, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _use_progress(progress: bool | None) -> bool:
@@ -422,8 +249,8 @@ class _Run:
         self.base_config = model.config
         self.generation_config = getattr(model, "generation_config", None)
         if spec.lora is not None:
-            model = _apply_lora(model, spec, hp.seed)
-        model.to(self.device)
+            model = apply_lora(model, spec, hp.seed)
+        model.to(self.device)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
         model.train()
         self.model = model
 
@@ -450,10 +277,10 @@ class _Run:
             self.trained_tokens = int(state.get("trained_tokens", 0))
             self.valid_loss = state.get("valid_loss")
             self.last_saved, self.last_checkpoint = ckpt.step, str(ckpt.path)
-            _set_rng_state(state["rng"], hp.seed)
+            set_rng_state(state["rng"], hp.seed)
             self.emit(LogEvent(f"Resumed from checkpoint at step {ckpt.step}", data={"step": ckpt.step, "path": str(ckpt.path)}))
         else:
-            _seed_all(hp.seed)
+            seed_all(hp.seed)
 
     # -- checkpoints --
 
@@ -471,7 +298,7 @@ class _Run:
         return sum(w) / len(w) if w else None
 
     def _export(self) -> dict[str, torch.Tensor]:
-        state = _current_state(self.model, self.engine.consolidated_state_dict())
+        state = current_state(self.model, self.engine.consolidated_state_dict())
         self._adapter_state = state if self.spec.lora is not None else None
         return merged_lora_state(self.model, state) if self.spec.lora is not None else state
 
@@ -483,7 +310,7 @@ class _Run:
             "step": self.step,
             "hyperparameters": self.hp.model_dump(),
             "engine": self.engine.state_dict(),
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "losses": self.losses[-LOSS_WINDOW:],
             "trained_tokens": self.trained_tokens,
             "valid_loss": self.valid_loss,
@@ -514,7 +341,7 @@ class _Run:
         def write(tmp: Path) -> None:
             for p in sorted(src.rglob("*")):
                 if p.is_file() and p.name not in (TRAINING_STATE, MANIFEST):
-                    _link_or_copy(p, tmp / p.relative_to(src))
+                    link_or_copy(p, tmp / p.relative_to(src))
 
         return write_atomic_dir(
             self.out / FINAL_DIR,
@@ -604,7 +431,7 @@ class _Run:
                         step_seconds=wall,
                         stall_seconds=m.stall_seconds,
                         stall_fraction=m.stall_fraction,
-                        engine=m.as_dict(),
+                        engine=m,
                     )
                 )
                 if bar is not None:
@@ -627,7 +454,7 @@ class _Run:
                     self._save_checkpoint()
                 final = self._export_final()
                 result = self._result(str(final), cancelled=False)
-                _write_json_atomic(self.out / RESULT_FILE, result.as_dict())
+                write_json_atomic(self.out / RESULT_FILE, result.as_dict())
         finally:
             if bar is not None:
                 bar.close()

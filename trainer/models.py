@@ -198,13 +198,16 @@ def load_model(
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     m = resolve_model(name)
+    model: PreTrainedModel
     if isinstance(m, BuiltinModel):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(builtin_config(name))
-        model = model.to(dtype)
+        model.to(dtype)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
     else:
         model = AutoModelForCausalLM.from_pretrained(str(m), local_files_only=True, dtype=dtype)
-    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    vocab = model.get_input_embeddings().weight
+    assert isinstance(vocab, torch.Tensor)
+    if tokenizer is not None and len(tokenizer) > vocab.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     return model

@@ -56,7 +56,7 @@ def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subproces
         ZENFLOW_DEFAULT_QUEUE=flow_settings.default_queue,
         ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="2",
         # The API tests' jobs in this database were "enqueued" by a recorder, never to Redis: the
-        # worker's reaper is not to send them (trainer.dispatch; tested in tests/test_dispatch.py).
+        # worker's reaper is not to send them (trainer.worker.dispatch; tested in tests/test_dispatch.py).
         ZENFLOW_DISPATCH_GRACE_SECONDS="86400",
     )
     log = (tmp_path / "worker.log").open("wb")
@@ -93,7 +93,7 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
 ) -> None:  # type: ignore[no-untyped-def]
     from api.app import create_app
     from trainer.samples import TRAIN_FILE, VALID_FILE
-    from trainer.worker import configure_celery
+    from trainer.worker.broker import configure_celery
 
     configure_celery(flow_settings)
     app = create_app(flow_settings, TEST_API_SETTINGS)

@@ -71,7 +71,7 @@ def test_create_commits_then_enqueues_then_stamps_dispatched_at(
     client: TestClient, app, team: TeamKey, fid: str  # type: ignore[no-untyped-def]
 ) -> None:
     """The outbox order: the row is committed (queued, not dispatched) before the enqueue, and
-    dispatched_at is recorded after it; a crash in between leaves it to trainer.dispatch."""
+    dispatched_at is recorded after it; a crash in between leaves it to trainer.worker.dispatch."""
     seen: list[tuple[str, Any]] = []
 
     def probe(job_id: str, queue: str) -> None:

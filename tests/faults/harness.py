@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,18 +24,12 @@ from typing import Any
 
 import httpx
 
-from api.server import uvicorn_command
+from api.server import free_port, uvicorn_command
 from tests import support
 from tests.support import drop_database, unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "trainer" / "samples"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:

@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from offload.metrics import StepMetrics
-from trainer import telemetry
-from trainer.telemetry import HardwareCollector, WorkerCollector, WorkerTelemetry
+from trainer.worker import metrics_server, nvml, telemetry
+from trainer.worker.metrics_server import HardwareCollector, WorkerCollector
+from trainer.worker.telemetry import WorkerTelemetry
 
 ROOT = Path(__file__).resolve().parents[2]
 L = {"worker": "w1", "hostname": "h1", "gpu": "0", "base_model": "tiny", "mode": "zenflow"}
@@ -117,7 +118,7 @@ def test_job_finished_removes_job_series_keeps_totals(tel) -> None:
     assert all("job_id" not in s.labels for s in series if s.name != "zenflow_worker_current_job")
 
 
-class FakeNvml(telemetry.Nvml):
+class FakeNvml(nvml.Nvml):
     def __init__(self, ok: bool = True) -> None:
         super().__init__()
         self._ok = ok
@@ -144,7 +145,7 @@ def test_hardware_collector_nvml_and_info() -> None:
     assert reg.get_sample_value("zenflow_device_memory_bytes", {**base, "kind": "total"}) == 80 << 30
     assert (
         reg.get_sample_value(
-            "zenflow_worker_info", {**base, "gpu_uuid": "GPU-uuid-0", "version": telemetry._version()}
+            "zenflow_worker_info", {**base, "gpu_uuid": "GPU-uuid-0", "version": metrics_server._version()}
         )
         == 1
     )
@@ -155,7 +156,7 @@ def test_hardware_collector_nvml_and_info() -> None:
 
 
 def test_real_nvml_is_guarded() -> None:
-    n = telemetry.Nvml()
+    n = nvml.Nvml()
     n.available()  # never raises, GPU or not
     if not n.available():
         assert n.sample(0) is None
@@ -179,16 +180,16 @@ def test_detect_gpu(monkeypatch, cvd, nvml_ok, want) -> None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cvd)
-    assert telemetry.detect_gpu(FakeNvml(nvml_ok)) == want
+    assert nvml.detect_gpu(FakeNvml(nvml_ok)) == want
 
 
 def test_detect_gpu_in_a_container_uses_the_host_index(monkeypatch) -> None:
     monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "3")  # the container's only GPU is NVML index 0
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert telemetry.detect_gpu(FakeNvml()) == "3"
-    assert telemetry.nvml_index(FakeNvml()) == 0
+    assert nvml.detect_gpu(FakeNvml()) == "3"
+    assert nvml.nvml_index(FakeNvml()) == 0
     monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "all")
-    assert telemetry.detect_gpu(FakeNvml()) == "0"
+    assert nvml.detect_gpu(FakeNvml()) == "0"
 
 
 def test_track_job_statuses(tel) -> None:
@@ -228,7 +229,7 @@ CHILD = textwrap.dedent(
     """
     import os, sys
     from offload.metrics import StepMetrics
-    from trainer.telemetry import WorkerTelemetry
+    from trainer.worker.telemetry import WorkerTelemetry
     t = WorkerTelemetry("w1", "0", hostname="h1")
     t.job_started(sys.argv[1], base_model="tiny", mode="zenflow")
     m = StepMetrics(step=1, wall_seconds=0.5, compute_seconds=0.4, stall_seconds=0.1,
@@ -285,14 +286,14 @@ def test_multiprocess_job_process_and_reaping(tmp_path: Path) -> None:
     assert _get(s, "zenflow_tokens_total", L) == 300
     assert _get(s, "zenflow_train_loss", L) == 1.5
     assert _get(s, "zenflow_step_seconds_count", L) == 3
-    telemetry.job_process_exited(pid1, str(mp))
+    metrics_server.job_process_exited(pid1, str(mp))
     s = _samples(col)
     assert _get(s, "zenflow_worker_current_job", cur) is None  # live gauges of the dead pid are gone
     assert _get(s, "zenflow_train_loss", L) is None
     assert _get(s, "zenflow_tokens_total", L) == 300  # totals survive, folded into the archive
     assert not list(mp.glob(f"*_{pid1}.db"))
     pid2 = _child(mp, "ftjob-b", 2, finish=True)
-    telemetry.job_process_exited(pid2, str(mp))
+    metrics_server.job_process_exited(pid2, str(mp))
     s = _samples(col)
     assert _get(s, "zenflow_tokens_total", L) == 500
     assert _get(s, "zenflow_step_seconds_count", L) == 5
@@ -309,21 +310,19 @@ def test_multiprocess_job_process_and_reaping(tmp_path: Path) -> None:
 
 
 def test_serve_worker_metrics_http(tmp_path: Path, monkeypatch) -> None:
-    import socket
+    from api.server import free_port
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
+    port = free_port()
     mp = tmp_path / "mp"
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mp))
-    monkeypatch.setattr(telemetry, "_SERVER", None)
+    monkeypatch.setattr(metrics_server, "_SERVER", None)
     mp.mkdir()
     (mp / "counter_99999.db").write_bytes(b"")  # a previous run's file is wiped at start
-    srv = telemetry.serve_worker_metrics(
+    srv = metrics_server.serve_worker_metrics(
         port, addr="127.0.0.1", worker="w1", gpu="none", nvml=FakeNvml(ok=False)
     )
     try:
-        assert srv is not None and telemetry.serve_worker_metrics(port) is srv
+        assert srv is not None and metrics_server.serve_worker_metrics(port) is srv
         assert not (mp / "counter_99999.db").exists()
         _child(mp, "ftjob-c", 1, finish=True)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -334,7 +333,7 @@ def test_serve_worker_metrics_http(tmp_path: Path, monkeypatch) -> None:
         assert len(names) == len(set(names)), "one family per metric name"
     finally:
         srv.close()
-    assert telemetry.serve_worker_metrics(0) is None
+    assert metrics_server.serve_worker_metrics(0) is None
 
 
 def test_on_event_from_trainer_events(tel) -> None:
@@ -367,7 +366,7 @@ def test_on_event_from_trainer_events(tel) -> None:
         step_seconds=0.5,
         stall_seconds=0.1,
         stall_fraction=0.2,
-        engine=_step(1).as_dict(),
+        engine=_step(1),
     )
     t.on_event(ev)
     t.on_event(LogEvent(message="hello"))
@@ -383,7 +382,9 @@ def test_on_event_from_trainer_events(tel) -> None:
             step_seconds=0.25,
             stall_seconds=0.0,
             stall_fraction=0.0,
-            engine={},
+            engine=_step(2, wall_seconds=0.25, compute_seconds=0.25, stall_seconds=0.0,
+                         cpu_optimizer_seconds=0.0, bytes_device_to_host=0, bytes_host_to_device=0,
+                         device_optimizer_state_bytes=0),
         )
     )
     lo = {**L, "mode": "offload"}

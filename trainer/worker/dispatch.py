@@ -13,7 +13,7 @@ reaper thread of every worker each round, then
    acknowledged is not counted) and compares with the queued jobs that have been dispatched; when the
    broker holds fewer, messages were lost, and each of those jobs dispatched more than the grace ago
    is dispatched again (which of them lost theirs cannot be told; a duplicate is harmless, since
-   ``trainer.worker.claim_job`` runs a job only while it is queued). The broker is counted before the
+   ``store.jobs.claim`` runs a job only while it is queued). The broker is counted before the
    database is read, so a message taken and claimed in between is never mistaken for a lost one;
    only a message taken but not yet claimed at that very moment can be, and costs a duplicate.
 
@@ -37,10 +37,10 @@ from store.db import session_scope
 from store.jobs import add_event, mark_dispatched
 from store.models import FineTuningJob, JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
+from trainer.worker.broker import Enqueue, celery_app, enqueue_job
 
 log = logging.getLogger("zenflow.dispatch")
 
-Enqueue = Callable[[str, str], object]
 #: Messages waiting in each of the given queues; None for a queue the broker cannot count.
 CountMessages = Callable[[list[str]], dict[str, int | None]]
 
@@ -49,8 +49,6 @@ LOST_EVENT = "Broker message lost; re-queued"
 
 
 def _default_enqueue(job_id: str, queue: str) -> object:
-    from trainer.worker import enqueue_job
-
     return enqueue_job(job_id, queue=queue)
 
 
@@ -62,13 +60,11 @@ def dispatch_job(url: str, job_id: str, queue: str, *, enqueue: Enqueue | None =
 
 
 def broker_message_counts(queues: Iterable[str]) -> dict[str, int | None]:
-    """Ready messages in each queue on ``trainer.worker.celery_app``'s broker (None: cannot tell).
+    """Ready messages in each queue on ``celery_app``'s broker (None: cannot tell).
 
     Declares each queue as Celery's own consumers and producers do (idempotent), which answers with
     its message count. A broker that cannot be reached gives None for every queue.
     """
-    from trainer.worker import celery_app
-
     queues = list(queues)
     counts: dict[str, int | None] = dict.fromkeys(queues)
     try:

@@ -11,7 +11,7 @@ once at start-up, since a restarted node is not running any job it had.
 
 Every worker runs :func:`start_reaper_thread` (started on ``worker_ready``; the embedded worker
 starts its own; ``zenflow serve --reaper`` without a worker starts one too); each round it also runs
-:func:`trainer.dispatch.redispatch_lost_jobs`, which re-sends queued jobs whose broker message never
+:func:`trainer.worker.dispatch.redispatch_lost_jobs`, which re-sends queued jobs whose broker message never
 existed or was lost. Does not import torch.
 """
 
@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from sqlalchemy import func, or_, select
 
+from store import jobs
 from store.db import session_scope
-from store.jobs import lock_job, set_status
 from store.models import FineTuningJob, JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
-from trainer.dispatch import dispatch_job, redispatch_lost_jobs
+from trainer.worker.broker import Enqueue
+from trainer.worker.dispatch import dispatch_job, redispatch_lost_jobs
 
 log = logging.getLogger("zenflow.reaper")
 
@@ -39,7 +39,7 @@ def reap_stale_jobs(
     own_hostname: str | None = None,
     own_before: datetime | None = None,
     now: datetime | None = None,
-    enqueue: Callable[[str, str | None], object] | None = None,
+    enqueue: Enqueue | None = None,
 ) -> list[str]:
     """Re-queue (or fail / cancel) running jobs that lost their worker; the ids of jobs re-queued."""
     settings = settings or get_settings()
@@ -57,7 +57,7 @@ def reap_stale_jobs(
     for job_id in ids:
         queue: str | None = None
         with session_scope(url) as s:
-            job = lock_job(s, job_id)
+            job = jobs.lock_job(s, job_id)
             if job is None or job.status != JobStatus.running.value:
                 continue
             last = as_utc(job.heartbeat_at or job.started_at or job.created_at)
@@ -67,16 +67,11 @@ def reap_stale_jobs(
             age = f"{(now - last).total_seconds():.0f}s" if last is not None else "ever"
             why = f"Worker {job.worker_hostname} lost (no heartbeat for {age})"
             if job.cancel_requested:
-                set_status(s, job, JobStatus.cancelled, message=f"{why}; job cancelled")
+                jobs.cancel(s, job, f"{why}; job cancelled")
             elif job.attempts >= settings.max_job_attempts:
-                msg = f"{why} on attempt {job.attempts}/{settings.max_job_attempts}"
-                set_status(s, job, JobStatus.failed, message=f"Job failed: {msg}",
-                           error={"code": "worker_lost", "message": msg, "param": None})
+                jobs.fail(s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}")
             else:
-                job.worker_hostname = None
-                job.heartbeat_at = None
-                set_status(s, job, JobStatus.queued, message=f"{why}; re-queued to resume from step {job.global_step}")
-                queue = job.queue
+                queue = jobs.requeue(s, job, why)
         if queue is not None:
             dispatch_job(url, job_id, queue, enqueue=enqueue)
             requeued.append(job_id)
@@ -86,7 +81,7 @@ def reap_stale_jobs(
 
 class ReaperThread(threading.Thread):
     """Every ``interval`` seconds: reap_stale_jobs (own_hostname only on the first round), then
-    trainer.dispatch.redispatch_lost_jobs (queued jobs without a message in the broker)."""
+    trainer.worker.dispatch.redispatch_lost_jobs (queued jobs without a message in the broker)."""
 
     def __init__(self, *, own_hostname: str | None, interval: float, settings: Settings | None) -> None:
         super().__init__(name="zenflow-reaper", daemon=True)

@@ -1,0 +1,55 @@
+"""Celery signal hooks of a worker process: its node name, its /metrics server, its reaper thread, and
+preemption of the running job on a warm shutdown.
+
+Connected when this module is imported: through ``trainer.worker.celery_app`` (what ``celery -A
+trainer.worker`` loads) or the embedded worker. A metrics problem never stops a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signals
+
+from trainer.worker import task
+from trainer.worker.metrics_server import serve_worker_metrics
+from trainer.worker.reaper import ReaperThread, start_reaper_thread
+
+log = logging.getLogger("zenflow.worker")
+
+_reaper: ReaperThread | None = None
+
+
+def serve_metrics() -> None:
+    """Serve this worker's /metrics (port settings.worker_metrics_port, 0 = off) before any job runs, so
+    every runner inherits PROMETHEUS_MULTIPROC_DIR."""
+    try:
+        serve_worker_metrics()
+    except Exception:
+        log.exception("worker metrics: could not start")
+
+
+@signals.celeryd_init.connect
+def _on_celeryd_init(sender: Any = None, **_: Any) -> None:
+    if isinstance(sender, str) and sender:
+        task.set_node_hostname(sender)
+
+
+@signals.worker_init.connect
+def _on_worker_init(**_: Any) -> None:
+    serve_metrics()
+
+
+@signals.worker_ready.connect
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    global _reaper
+    hostname = getattr(sender, "hostname", None) or getattr(getattr(sender, "controller", None), "hostname", None)
+    if _reaper is None:
+        _reaper = start_reaper_thread(own_hostname=hostname)
+
+
+@signals.worker_shutting_down.connect
+def _on_worker_shutting_down(**_: Any) -> None:
+    if task.preempt_current():
+        log.warning("worker shutting down: preempting the running job (it will be re-queued)")
