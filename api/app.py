@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import gc
 import importlib
-import importlib.util
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from fastapi import FastAPI
@@ -22,13 +21,15 @@ from api.auth import KeyCache
 from api.body_limit import BodyLimitMiddleware
 from api.config import ApiSettings, get_api_settings
 from api.errors import install_error_handlers
-from api.routers import files, health, jobs
+from api.metrics import install_metrics
+from api.routers import events, files, health, jobs
 from store.db import make_engine
 from store.settings import Settings, get_settings
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from trainer.worker.broker import Enqueue
 
-Enqueue = Callable[[str, str], None]
+log = logging.getLogger(__name__)
 
 
 def create_app(
@@ -37,7 +38,7 @@ def create_app(
     *,
     enqueue: Enqueue | None = None,
 ) -> FastAPI:
-    """Build the app. ``enqueue(job_id, queue)`` defaults to trainer.worker.enqueue_job."""
+    """Build the app. ``enqueue(job_id, queue)`` defaults to trainer.worker.broker.enqueue_job."""
     settings = settings or get_settings()
     api_settings = api_settings or get_api_settings()
     url = settings.resolved_database_url
@@ -72,6 +73,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(files.router)
+    app.include_router(events.router)  # ahead of the other /v1/fine_tuning/jobs routes: none can shadow it
     app.include_router(jobs.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
     _install_metrics(app)
@@ -79,7 +81,8 @@ def create_app(
     return app
 
 
-#: What requests import on first use (upload validation, create's checks, the default enqueue).
+#: What requests use (upload validation, create's checks), imported before the heap is frozen; with
+#: ``with_broker`` also the default enqueue's ``trainer.worker.broker``, which loads on first use.
 _REQUEST_PATH_MODULES = ("trainer.data", "trainer.models", "trainer.spec", "offload.config")
 
 
@@ -93,7 +96,7 @@ def freeze_startup_heap(*, with_broker: bool = True) -> None:
     (``gc.freeze``); later collections walk only what was allocated since. Process-wide and harmless
     to repeat (a second app in the same process just freezes a little more).
     """
-    names = (*_REQUEST_PATH_MODULES, "trainer.worker") if with_broker else _REQUEST_PATH_MODULES
+    names = (*_REQUEST_PATH_MODULES, "trainer.worker.broker") if with_broker else _REQUEST_PATH_MODULES
     for name in names:
         try:
             importlib.import_module(name)
@@ -132,9 +135,5 @@ def _pool_size(engine: Engine) -> int:
 
 
 def _install_metrics(app: FastAPI) -> None:
-    """Prometheus /metrics from api.metrics (deploy's module) when it is present."""
-    if importlib.util.find_spec("api.metrics") is None:
-        return
-    from api.metrics import install_metrics  # type: ignore[import-not-found]
-
+    """Prometheus /metrics (api.metrics)."""
     install_metrics(app)

@@ -18,7 +18,7 @@ from datetime import timedelta
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
-from store.models import ApiKey, Team, utcnow
+from store.models import ApiKey, Team, as_utc, utcnow
 
 KEY_PREFIX = "zf-"
 PREFIX_LEN = 11  # "zf-" and 8 random characters
@@ -126,9 +126,7 @@ def authenticate(
     for row, team_name in rows:
         if hmac.compare_digest(row.key_hash, digest) and row.revoked_at is None:
             now = utcnow()
-            last = row.last_used_at
-            if last is not None and last.tzinfo is None:
-                last = last.replace(tzinfo=now.tzinfo)
+            last = as_utc(row.last_used_at)
             if last is None or now - last > timedelta(seconds=touch_seconds):
                 row.last_used_at = now
                 session.commit()

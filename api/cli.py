@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
-def _settings():  # type: ignore[no-untyped-def]
+    from store.settings import Settings
+
+
+def _settings() -> Settings:
     from store.settings import get_settings
 
     return get_settings()
 
 
-def _session():  # type: ignore[no-untyped-def]
+def _session() -> Session:
     from sqlalchemy.orm import sessionmaker
 
     from store.db import make_engine
@@ -164,10 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--team", required=True)
     p.set_defaults(func=cmd_keys)
 
-    if importlib.util.find_spec("trainer.cli") is not None:
-        from trainer.cli import register
+    from trainer.cli import register
 
-        register(sub)
+    register(sub)
     return parser
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,11 @@ from typing import Any
 
 import yaml
 
+from api.server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 #: 128 examples / batch 8 = 16 steps an epoch; the tiny model does a few steps a second on 2 cores.
 N_EPOCHS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(data_dir: Path) -> dict[str, str]:
@@ -97,7 +92,8 @@ def _follow_events(base: str, key: str, job_id: str, timeout: float) -> None:
 
 def _print_event(ev: dict[str, Any]) -> None:
     """One line per event; per-step metrics events only every 16th step (the rest are in /metrics)."""
-    data = ev.get("data") if isinstance(ev.get("data"), dict) else {}
+    raw = ev.get("data")
+    data: dict[str, Any] = raw if isinstance(raw, dict) else {}
     step = data.get("step")
     if ev.get("type") == "metrics" and isinstance(step, int) and step % 16 and step not in (1, data.get("total_steps")):
         return
@@ -112,16 +108,15 @@ def _load_and_generate(model_dir: Path) -> str:
     """Load the fine-tuned model with transformers and answer one sample question."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
     from trainer.models import load_tokenizer
 
     transformers.utils.logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
     model.eval()
+    tok: PreTrainedTokenizerBase
     try:
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError):
         tok = load_tokenizer("tiny-llama")
@@ -130,7 +125,7 @@ def _load_and_generate(model_dir: Path) -> str:
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
 
 def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
@@ -150,7 +145,7 @@ def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
     key = _cli(env, "keys", "create", "--team", team, "--name", "demo", "-q").splitlines()[-1]
     print(f"API key created for {team}: {key[:11]}... (shown once)")
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = data_dir / "serve.log"
     log_file = log_path.open("wb")

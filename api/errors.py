@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -123,7 +123,7 @@ def _clean_msg(msg: str) -> str:
 
 
 def validation_error(
-    errors: Iterable[dict[str, Any]], *, prefix: str | None = None, fields: Iterable[str] = ()
+    errors: Iterable[Mapping[str, Any]], *, prefix: str | None = None, fields: Iterable[str] = ()
 ) -> APIError:
     """One 400 from pydantic errors: ``param`` is the first failing field, the message lists all."""
     errors = list(errors)

@@ -1,7 +1,10 @@
-"""The API's calls into trainer/ (validator, model registry, queue, embedded worker), imported lazily.
+"""The API's calls into trainer/: the dataset validator, the model registry, the job spec's checks,
+and the job queue.
 
-trainer/ pulls in torch and transformers; importing it only when a request needs it keeps the API's
-start-up and its tests light.
+trainer.data, trainer.models and trainer.spec do not import torch (tests/test_trainer_spec.py::
+test_light_imports), so they are imported here at start-up. The queue's sending side
+(``trainer.worker.broker``, which imports Celery) is imported on the first enqueue: an app given its
+own ``enqueue`` (tests, benchmarks) never loads it.
 """
 
 from __future__ import annotations
@@ -10,28 +13,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from api.errors import APIError, validation_error
+from offload.config import EngineConfig
+from trainer.data import DatasetValidationError, validate_file
+from trainer.models import BuiltinModel, UnknownModelError
+from trainer.models import resolve_model as resolve_trainer_model
+from trainer.spec import Hyperparameters, spec_from_job
 
 log = logging.getLogger(__name__)
 
 MAX_REPORTED_ERRORS = 20
-
-
-def _count_examples(result: Any) -> int:
-    if isinstance(result, bool):
-        return 0
-    if isinstance(result, int):
-        return result
-    for attr in ("num_examples", "n_examples", "examples", "count"):
-        v = getattr(result, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-        if isinstance(result, dict) and isinstance(result.get(attr), int):
-            return int(result[attr])
-    try:
-        return len(result)
-    except TypeError:
-        return 0
 
 
 def _format_dataset_errors(errors: list[dict[str, Any]], fallback: str) -> str:
@@ -44,10 +37,8 @@ def _format_dataset_errors(errors: list[dict[str, Any]], fallback: str) -> str:
 
 def validate_dataset(path: Path, *, param: str = "file") -> int:
     """Run the trainer's validator on an uploaded file; the number of examples, or a 400 naming the field."""
-    from trainer.data import DatasetValidationError, validate_file
-
     try:
-        result = validate_file(path)
+        report = validate_file(path)
     except DatasetValidationError as exc:
         errors = [dict(e) for e in (getattr(exc, "errors", None) or [])]
         first_field = next((e.get("field") for e in errors if e.get("field")), None)
@@ -60,16 +51,13 @@ def validate_dataset(path: Path, *, param: str = "file") -> int:
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError(400, f"Invalid fine-tuning file: {exc}", param=param, code="invalid_file_format") from exc
-    return _count_examples(result)
+    return report.num_examples
 
 
 def resolve_model(name: str) -> str:
     """The name a job records for a base model the trainer knows, or a 400 on ``model``."""
-    from trainer.models import BuiltinModel, UnknownModelError
-    from trainer.models import resolve_model as _resolve
-
     try:
-        m = _resolve(name)
+        m = resolve_trainer_model(name)
     except UnknownModelError as exc:
         raise APIError(400, f"Model {name!r} is not available for fine-tuning: {exc}", param="model",
                        code="model_not_found") from exc
@@ -92,11 +80,6 @@ def check_job_spec(
 ) -> None:
     """Build the trainer's JobSpec from the request so that every field is checked before any write;
     a refusal is a 400 whose ``param`` is the field path (``hyperparameters.max_steps``, ``engine.lr``)."""
-    from pydantic import ValidationError
-
-    from offload.config import EngineConfig
-    from trainer.spec import Hyperparameters, spec_from_job
-
     try:
         spec_from_job(
             model=model, training_file=training_file, validation_file=validation_file,
@@ -114,6 +97,7 @@ def check_job_spec(
 
 
 def enqueue(job_id: str, queue: str) -> None:
-    from trainer.worker import enqueue_job
+    """The default ``Enqueue``: send the job's run message to ``queue``'s workers."""
+    from trainer.worker import broker
 
-    enqueue_job(job_id, queue=queue)
+    broker.enqueue_job(job_id, queue=queue)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import Any, TypeVar
 
 from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 10_000
+
+T = TypeVar("T")
 
 
 def after_clause(
@@ -39,3 +42,16 @@ def page(
     order = [c.desc() if descending else c.asc() for c in cols]
     rows = list(session.scalars(stmt.order_by(*order).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+def list_object(data: list[T], has_more: bool, *, id_of: Callable[[T], str] = attrgetter("id")) -> dict[str, Any]:
+    """The OpenAI list object of one page, as plain data (validated by the endpoint's ``ListObject``
+    response model): ``first_id``/``last_id`` are ``id_of`` of the first and last items, None when
+    the page is empty."""
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": has_more,
+        "first_id": id_of(data[0]) if data else None,
+        "last_id": id_of(data[-1]) if data else None,
+    }

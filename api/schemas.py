@@ -8,27 +8,27 @@ Extras live beside the OpenAI fields: ``engine`` (offload.config.EngineConfig se
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from collections.abc import Callable
+from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
+
+from store.models import as_utc
 
 T = TypeVar("T")
 
 
 def unix(dt: datetime | None) -> int | None:
     """Unix seconds of a stored timestamp (SQLite hands back naive UTC values)."""
-    if dt is None:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=UTC)
-    return int(dt.timestamp())
+    dt = as_utc(dt)
+    return None if dt is None else int(dt.timestamp())
 
 
 # --- "auto" or a positive number, with one clean error per field (no union-member noise) ---------
 
 
-def _auto_or_number(kind: type, *, positive: bool = True):  # type: ignore[no-untyped-def]
+def _auto_or_number(kind: type, *, positive: bool = True) -> Callable[[Any], Any]:
     name = "an integer" if kind is int else "a number"
 
     def check(v: Any) -> Any:
@@ -130,6 +130,9 @@ class JobCreate(BaseModel):
 # --- responses -------------------------------------------------------------------------------------
 
 
+FileStatus = Literal["uploaded", "processed", "error"]
+
+
 class FileObject(BaseModel):
     id: str
     object: Literal["file"] = "file"
@@ -137,7 +140,7 @@ class FileObject(BaseModel):
     created_at: int
     filename: str
     purpose: str
-    status: Literal["uploaded", "processed", "error"] = "processed"
+    status: FileStatus = "processed"
     expires_at: int | None = None
     status_details: str | None = None
     #: Extras: what the validator found, and the content digest.
@@ -178,7 +181,8 @@ class Progress(BaseModel):
     attempts: int = 0
 
 
-class FineTuningJob(BaseModel):
+# A fine-tuning job as the API returns it (its row: ``store.models.FineTuningJob``).
+class FineTuningJobObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
     created_at: int
@@ -208,7 +212,8 @@ class FineTuningJob(BaseModel):
     output_dir: str | None = None
 
 
-class JobEvent(BaseModel):
+# One event of a job (its row: ``store.models.JobEvent``).
+class JobEventObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
     created_at: int
@@ -230,7 +235,8 @@ class CheckpointMetrics(BaseModel):
     full_valid_mean_token_accuracy: float | None = None
 
 
-class JobCheckpoint(BaseModel):
+# One checkpoint of a job (its row: ``store.models.JobCheckpoint``).
+class JobCheckpointObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
     created_at: int

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -23,9 +24,18 @@ def uvicorn_command(port: int, *, host: str = "127.0.0.1", workers: int = 1) -> 
             "--port", str(port), "--no-access-log", "--log-level", "warning", "--workers", str(workers)]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it), for a server started next: what the
+    load benchmark and the tests run their servers on."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
 def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
     """The in-process Celery worker (solo pool, default queue), with the reaper when asked."""
-    from trainer.worker import start_embedded_worker
+    from trainer.worker.embedded import start_embedded_worker
 
     worker = start_embedded_worker(settings=settings, reaper=reaper, loglevel="INFO")
     log.info("embedded worker %s consuming %s", worker.hostname, settings.default_queue)
@@ -34,7 +44,7 @@ def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
 
 def start_reaper(settings: Settings) -> Callable[[], None]:
     """The stale-heartbeat reaper alone (an API process beside separate workers)."""
-    from trainer.reaper import start_reaper_thread
+    from trainer.worker.reaper import start_reaper_thread
 
     return start_reaper_thread(settings=settings).stop
 

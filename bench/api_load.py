@@ -32,7 +32,6 @@ import ipaddress
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from urllib.parse import urlencode, urlparse
 
 import httpx
 
-from api.server import uvicorn_command
+from api.server import free_port, uvicorn_command
 
 ROOT = Path(__file__).resolve().parents[1]
 _json_dumps = json.dumps
@@ -60,12 +59,6 @@ def _is_loopback(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _training_jsonl(n: int = 20) -> bytes:
@@ -102,7 +95,7 @@ class Server:
 
 
 def start_server(data_dir: Path, database_url: str | None, broker_url: str | None, workers: int) -> Server:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "ZENFLOW_DATA_DIR": str(data_dir), "PYTHONPATH": str(ROOT)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if database_url:

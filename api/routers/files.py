@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
@@ -14,8 +14,8 @@ from starlette.concurrency import run_in_threadpool
 from api import integration
 from api.deps import SettingsDep, TeamDep, run_db
 from api.errors import APIError, error_responses, not_found
-from api.pagination import MAX_LIMIT, page
-from api.schemas import FileDeleted, FileObject, ListObject, unix
+from api.pagination import MAX_LIMIT, list_object, page
+from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, receive_upload
 from store.ids import new_id
 from store.models import File, FineTuningJob
@@ -43,6 +43,9 @@ _UPLOAD_DOC = {
 }
 
 
+_FILE_STATUSES: dict[str, FileStatus] = {"uploaded": "uploaded", "processed": "processed", "error": "error"}
+
+
 def file_object(row: File) -> FileObject:
     return FileObject(
         id=row.id,
@@ -50,7 +53,7 @@ def file_object(row: File) -> FileObject:
         created_at=unix(row.created_at) or 0,
         filename=row.filename,
         purpose=row.purpose,
-        status=row.status if row.status in ("uploaded", "processed", "error") else "processed",
+        status=_FILE_STATUSES.get(row.status, "processed"),
         num_examples=row.num_examples,
         sha256=row.sha256,
     )
@@ -121,13 +124,13 @@ async def list_files(
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = MAX_LIMIT,
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
-) -> ListObject[FileObject]:
+) -> dict[str, Any]:
     return await run_db(request, _list_files, team.team_id, after, limit, order, purpose)
 
 
 def _list_files(
     session: Session, team_id: str, after: str | None, limit: int, order: str, purpose: str | None
-) -> ListObject[FileObject]:
+) -> dict[str, Any]:
     stmt = select(File).where(File.team_id == team_id)
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
@@ -137,11 +140,7 @@ def _list_files(
         cursor = (cur.created_at, cur.id)
     rows, has_more = page(session, stmt, (File.created_at, File.id), after=cursor, limit=limit,
                           descending=order == "desc")
-    data = [file_object(r) for r in rows]
-    return ListObject[FileObject](
-        data=data, has_more=has_more,
-        first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
-    )
+    return list_object([file_object(r) for r in rows], has_more)
 
 
 @router.get("/files/{file_id}", response_model=FileObject, responses=error_responses(404))

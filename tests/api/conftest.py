@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.config import ApiSettings
+from api.server import free_port
 from store.settings import Settings
 from tests.support import create_database, drop_database, require_redis
 
@@ -189,12 +189,6 @@ def error_of(resp: Any) -> dict[str, Any]:
 def stored_files(settings: Settings) -> list[Path]:
     root = settings.resolved_files_dir
     return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import make_url
 
 from api.app import create_app
+from api.server import free_port
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, error_of, make_team
 
@@ -40,10 +41,7 @@ class TcpProxy:
         self.listener: socket.socket | None = None
         self.conns: list[socket.socket] = []
         self.lock = threading.Lock()
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
+        self.port = free_port()
 
     def start(self) -> None:
         ls = socket.socket()

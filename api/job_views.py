@@ -1,0 +1,230 @@
+"""The read side of fine-tuning jobs: how job, event, checkpoint and step-metric rows become API
+objects, the SQL of a job's ``queue_position``, and the prebuilt read statements the job and event
+routers run."""
+
+from __future__ import annotations
+
+import functools
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Select, bindparam, case, func, select
+from sqlalchemy.orm import Session, aliased
+
+from api.errors import not_found
+from api.pagination import after_clause
+from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject, StepMetric, unix
+from store.jobs import PENDING, lock_job
+from store.models import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, as_utc
+
+# --- queue position ----------------------------------------------------------------------------------
+
+
+def _queue_position_column() -> Any:
+    """SQL for one job row's ``queue_position``: 1 for the next job the queue's workers take, counted
+    over all teams (FIFO by creation: 1 + the waiting jobs of its queue created before it); NULL
+    unless the job is waiting. A correlated count: right for one row (retrieve, create, cancel)."""
+    ahead = aliased(FineTuningJob)
+    n_ahead = (
+        select(func.count())
+        .select_from(ahead)
+        .where(
+            ahead.queue == FineTuningJob.queue,
+            ahead.status.in_(PENDING),
+            ahead.created_at < FineTuningJob.created_at,
+        )
+        .correlate(FineTuningJob)
+        .scalar_subquery()
+    )
+    return case((FineTuningJob.status.in_(PENDING), n_ahead + 1), else_=None).label("queue_position")
+
+
+QUEUE_POSITION = _queue_position_column()
+
+#: The same figure for a page of jobs: every waiting job ranked once per queue (a window function; rank
+#: = 1 + the jobs of the partition strictly earlier, ties share a position, as the count above), joined
+#: to the page, so a list is one query however many of its jobs wait.
+_WAITING_RANKS = (
+    select(
+        FineTuningJob.id.label("job_id"),
+        func.rank().over(partition_by=FineTuningJob.queue, order_by=FineTuningJob.created_at).label("pos"),
+    )
+    .where(FineTuningJob.status.in_(PENDING))
+    .subquery("waiting_ranks")
+)
+
+#: What the job object is built from (a Row of these reads like the ORM object): no identity map or
+#: instance state to set up per row.
+JOB_COLUMNS = (
+    FineTuningJob.id,
+    FineTuningJob.created_at,
+    FineTuningJob.finished_at,
+    FineTuningJob.started_at,
+    FineTuningJob.model,
+    FineTuningJob.fine_tuned_model,
+    FineTuningJob.team_id,
+    FineTuningJob.status,
+    FineTuningJob.hyperparameters,
+    FineTuningJob.resolved_hyperparameters,
+    FineTuningJob.training_file_id,
+    FineTuningJob.validation_file_id,
+    FineTuningJob.trained_tokens,
+    FineTuningJob.result_files,
+    FineTuningJob.error,
+    FineTuningJob.seed,
+    FineTuningJob.suffix,
+    FineTuningJob.user_metadata,
+    FineTuningJob.engine,
+    FineTuningJob.cancel_requested,
+    FineTuningJob.global_step,
+    FineTuningJob.total_steps,
+    FineTuningJob.attempts,
+    FineTuningJob.output_dir,
+)
+
+
+def queue_position(session: Session, job: FineTuningJob) -> int | None:
+    """The queue position of one job already loaded (create, cancel)."""
+    if job.status not in PENDING:
+        return None
+    pos = session.scalar(select(QUEUE_POSITION).where(FineTuningJob.id == job.id))
+    return int(pos) if pos is not None else None
+
+
+# --- prebuilt read statements ------------------------------------------------------------------------
+
+# Built once (bound parameters): building a select of two dozen columns and its cache key costs more
+# per request than running it.
+
+#: The list cursor's job: ``job_id`` -> its team and creation time.
+JOB_CURSOR = select(FineTuningJob.team_id, FineTuningJob.created_at).where(
+    FineTuningJob.id == bindparam("job_id")
+)
+#: One team's job (``job_id``, ``team_id``) as ``JOB_COLUMNS`` with its ``queue_position``.
+GET_JOB = select(*JOB_COLUMNS, QUEUE_POSITION).where(
+    FineTuningJob.id == bindparam("job_id"), FineTuningJob.team_id == bindparam("team_id")
+)
+
+
+@functools.cache
+def list_statement(with_status: bool, with_cursor: bool) -> Select[Any]:
+    """A page of a team's jobs, newest first, with their queue positions (one query)."""
+    stmt = (
+        select(*JOB_COLUMNS, _WAITING_RANKS.c.pos)
+        .outerjoin(_WAITING_RANKS, _WAITING_RANKS.c.job_id == FineTuningJob.id)
+        .where(FineTuningJob.team_id == bindparam("team_id"))
+    )
+    if with_status:
+        stmt = stmt.where(FineTuningJob.status == bindparam("status"))
+    if with_cursor:
+        stmt = stmt.where(
+            after_clause((FineTuningJob.created_at, FineTuningJob.id),
+                         (bindparam("after_created_at"), bindparam("after_id")), descending=True)
+        )
+    return stmt.order_by(FineTuningJob.created_at.desc(), FineTuningJob.id.desc()).limit(bindparam("limit"))
+
+
+def get_team_job(session: Session, team_id: str, job_id: str, *, lock: bool = False) -> FineTuningJob:
+    job = lock_job(session, job_id) if lock else session.get(FineTuningJob, job_id)
+    if job is None or job.team_id != team_id:
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return job
+
+
+# --- serialization -----------------------------------------------------------------------------------
+
+
+def estimated_finish(job: Any) -> int | None:
+    started = as_utc(job.started_at)
+    if job.status != JobStatus.running.value or started is None or not job.total_steps or job.global_step <= 0:
+        return None
+    elapsed = (datetime.now(UTC) - started).total_seconds()
+    return int(started.timestamp() + elapsed * job.total_steps / job.global_step)
+
+
+def _error(job: Any) -> dict[str, Any] | None:
+    if not job.error:
+        return None
+    e = job.error
+    return {"code": str(e.get("code") or "error"), "message": str(e.get("message") or "The job failed"),
+            "param": e.get("param")}
+
+
+def job_dict(job: Any, position: int | None) -> dict[str, Any]:
+    """The job object's fields from a job row (ORM object or a Row of ``JOB_COLUMNS``), as plain data:
+    validated once, as a whole response, by the endpoint's response model."""
+    hp = {"n_epochs": "auto", "batch_size": "auto", "learning_rate_multiplier": "auto"}
+    hp.update({k: v for k, v in (job.hyperparameters or {}).items() if k in hp})
+    hp.update({k: v for k, v in (job.resolved_hyperparameters or {}).items() if k in hp and v is not None})
+    return {
+        "id": job.id,
+        "created_at": unix(job.created_at) or 0,
+        "finished_at": unix(job.finished_at),
+        "model": job.model,
+        "fine_tuned_model": job.fine_tuned_model,
+        "organization_id": job.team_id,
+        "status": job.status,
+        "hyperparameters": hp,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "training_file": job.training_file_id,
+        "validation_file": job.validation_file_id,
+        "trained_tokens": job.trained_tokens,
+        "result_files": list(job.result_files or []),
+        "error": _error(job),
+        "seed": job.seed,
+        "suffix": job.suffix,
+        "user_provided_suffix": job.suffix,
+        "metadata": job.user_metadata,
+        "estimated_finish": estimated_finish(job),
+        "engine": job.engine or {},
+        "queue_position": position,
+        "cancel_requested": job.cancel_requested,
+        "progress": {"step": job.global_step or 0, "total_steps": job.total_steps, "attempts": job.attempts or 0},
+        "output_dir": job.output_dir,
+    }
+
+
+def job_object(job: Any, position: int | None) -> FineTuningJobObject:
+    """The API object of a job row; ``position`` from ``QUEUE_POSITION`` or ``queue_position()``."""
+    return FineTuningJobObject.model_validate(job_dict(job, position))
+
+
+def job_out(session: Session, job: FineTuningJob) -> FineTuningJobObject:
+    """The API object of a job already loaded, with its queue position (create, cancel)."""
+    return job_object(job, queue_position(session, job))
+
+
+def event_object(ev: JobEvent) -> JobEventObject:
+    level = {"warning": "warn", "critical": "error", "debug": "info"}.get(ev.level, ev.level)
+    return JobEventObject(
+        id=ev.id,
+        created_at=unix(ev.created_at) or 0,
+        level=level if level in ("info", "warn", "error") else "info",  # type: ignore[arg-type]
+        message=ev.message,
+        type=ev.type if ev.type in ("message", "metrics") else "message",  # type: ignore[arg-type]
+        data=ev.data,
+    )
+
+
+def checkpoint_object(ck: JobCheckpoint) -> JobCheckpointObject:
+    metrics = dict(ck.metrics or {})
+    metrics.setdefault("step", ck.step_number)
+    return JobCheckpointObject(
+        id=ck.id,
+        created_at=unix(ck.created_at) or 0,
+        fine_tuned_model_checkpoint=ck.fine_tuned_model_checkpoint,
+        fine_tuning_job_id=ck.job_id,
+        step_number=ck.step_number,
+        metrics=metrics,  # type: ignore[arg-type]
+        path=ck.path,
+    )
+
+
+def step_metric_object(r: JobStepMetric) -> StepMetric:
+    return StepMetric(
+        step=r.step, created_at=unix(r.created_at) or 0, train_loss=r.train_loss, valid_loss=r.valid_loss,
+        lr=r.lr, tokens_per_second=r.tokens_per_second, step_seconds=r.step_seconds or 0.0,
+        stall_seconds=r.stall_seconds or 0.0, stall_fraction=r.stall_fraction or 0.0,
+        gpu_utilization=r.gpu_utilization, cpu_optimizer_seconds=r.cpu_optimizer_seconds or 0.0,
+        bytes_device_to_host=r.bytes_device_to_host or 0, bytes_host_to_device=r.bytes_host_to_device or 0,
+    )
