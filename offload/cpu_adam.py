@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -79,7 +79,8 @@ def _build_tag() -> str:
 def _compiler() -> str:
     from torch.utils import cpp_extension
 
-    return cpp_extension.get_cxx_compiler()
+    cxx: str = cpp_extension.get_cxx_compiler()
+    return cxx
 
 
 def load_extension(verbose: bool = False) -> ModuleType:
@@ -264,8 +265,15 @@ class CPUAdamW(torch.optim.Optimizer):
             raise ValueError("param_out must be contiguous with the same numel as its param")
         self._param_out[id(param)] = (param, out)
 
+    # torch.optim.Optimizer.step's overloads: no closure, no loss
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Perform one optimizer step over all params that have a gradient."""
         loss = None
         if closure is not None:

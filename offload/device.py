@@ -158,6 +158,9 @@ class DeviceOps:
         """An event on the compute stream (None on CPU)."""
         if not self.is_cuda:
             return None
+        return self._record_cuda()
+
+    def _record_cuda(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
         ev.record(self.compute_stream())
         return ev
@@ -180,7 +183,7 @@ class DeviceOps:
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
             return Transfer(None, nbytes)
-        ready = self.record()
+        ready = self._record_cuda()
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)
             if dsts:

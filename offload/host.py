@@ -11,7 +11,8 @@ Buffers are page-locked when the device is CUDA (see :mod:`offload.device`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -24,7 +25,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ACC_CHUNK = 1 << 20
 
 
-def _adam_step():  # resolved per call so tests can patch it; importing offload never builds the extension
+def _adam_step() -> Callable[..., None]:
+    # resolved per call so tests can patch it; importing offload never builds the extension
     from offload.cpu_adam import adam_step
 
     return adam_step
@@ -182,16 +184,16 @@ class HostStore:
             "numels": list(self.numels),
         }
 
-    def load_state_dict(self, sd: dict[str, object]) -> None:
-        if list(sd["numels"]) != self.numels:  # type: ignore[call-overload]
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if list(sd["numels"]) != self.numels:
             raise ValueError("host optimizer state was saved for differently shaped parameters")
-        self.master.copy_(sd["master"])  # type: ignore[arg-type]
-        self.exp_avg.copy_(sd["exp_avg"])  # type: ignore[arg-type]
-        self.exp_avg_sq.copy_(sd["exp_avg_sq"])  # type: ignore[arg-type]
+        self.master.copy_(sd["master"])
+        self.exp_avg.copy_(sd["exp_avg"])
+        self.exp_avg_sq.copy_(sd["exp_avg_sq"])
         if self.out is not None:
             out = sd["out"]
-            self.out.copy_(out if out is not None else self.master)  # type: ignore[arg-type]
+            self.out.copy_(out if out is not None else self.master)
         idx = sd["acc_index"]
         if idx is not None and sd["acc"] is not None:
-            self.acc[int(idx)].copy_(sd["acc"])  # type: ignore[arg-type, call-overload]
-        self.steps = [int(s) for s in sd["steps"]]  # type: ignore[attr-defined]
+            self.acc[int(idx)].copy_(sd["acc"])
+        self.steps = [int(s) for s in sd["steps"]]

@@ -9,7 +9,7 @@ so the whole update is stall. The optimizer runs in the training thread on all t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -46,7 +46,8 @@ class OffloadMode(Mode):
             for store, group in self.groups:
                 have = [i for i, (_, p) in enumerate(group) if p.grad is not None]
                 staging = store.staging[0]
-                t = self.ops.d2h([(store.flat(staging, i), group[i][1].grad) for i in have])
+                pairs = [(store.flat(staging, i), group[i][1].grad) for i in have]
+                t = self.ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # grads in `have`
                 t.wait()
                 stats.bytes_d2h += t.nbytes
                 stats.cpu_optimizer_seconds += store.adam_now(

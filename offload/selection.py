@@ -68,4 +68,5 @@ def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return b.clone()
     if b.numel() == 0:
         return a.clone()
-    return torch.unique(torch.cat([a, b]), sorted=True)
+    out: torch.Tensor = torch.unique(torch.cat([a, b]), sorted=True)
+    return out

@@ -34,7 +34,7 @@ class WorkerClosedError(RuntimeError):
     """A task was submitted to (or left in) a worker that has been closed."""
 
 
-_Task = tuple[Callable[[], Any], Future]
+_Task = tuple[Callable[[], Any], "Future[Any]"]
 
 
 class Worker:
@@ -66,8 +66,8 @@ class Worker:
             torch.set_num_threads(main_threads)
 
     # --- training-thread side -------------------------------------------------------------------
-    def submit(self, fn: Callable[[], Any], *, urgent: bool = False) -> Future:
-        fut: Future = Future()
+    def submit(self, fn: Callable[[], Any], *, urgent: bool = False) -> Future[Any]:
+        fut: Future[Any] = Future()
         with self._cv:
             self.check()
             if self._stop:
@@ -83,7 +83,7 @@ class Worker:
         if err is not None:
             raise BackgroundWorkerError(f"background CPU optimizer failed: {type(err).__name__}: {err}") from err
 
-    def wait(self, fut: Future) -> Any:
+    def wait(self, fut: Future[Any]) -> Any:
         """Block until ``fut`` is done; a worker failure surfaces as BackgroundWorkerError."""
         try:
             return fut.result()
@@ -127,23 +127,24 @@ class Worker:
             self._error = exc
         finally:
             ready.set()
-        gen: Generator[Any, None, Any] | None = None
-        gen_fut: Future | None = None
+        gen: Generator[Any, Any, Any] | None = None
+        gen_fut: Future[Any] | None = None
+        task: _Task | None  # None: advance the running generator by one chunk
         while self._error is None:
             with self._cv:
                 while not (self._urgent or self._normal or gen is not None or self._stop):
                     self._cv.wait()
                 if self._urgent:
-                    task, action = self._urgent.popleft(), "run"
+                    task = self._urgent.popleft()
                 elif gen is not None:
-                    task, action = None, "advance"
+                    task = None
                 elif self._normal:
-                    task, action = self._normal.popleft(), "run"
+                    task = self._normal.popleft()
                 else:
                     break  # stopped and nothing left
-            current = gen_fut if action == "advance" else task[1]  # type: ignore[index]
+            current = gen_fut if task is None else task[1]
             try:
-                if action == "advance":
+                if task is None:
                     assert gen is not None
                     try:
                         next(gen)
@@ -151,7 +152,7 @@ class Worker:
                         self._finish(gen_fut, stop.value)
                         gen, gen_fut = None, None
                 else:
-                    fn, fut = task  # type: ignore[misc]
+                    fn, fut = task
                     out = fn()
                     if inspect.isgenerator(out):
                         gen, gen_fut = out, fut
@@ -161,14 +162,14 @@ class Worker:
                 self._fail(exc, current, gen_fut)
                 return
 
-    def _finish(self, fut: Future | None, value: Any) -> None:
+    def _finish(self, fut: Future[Any] | None, value: Any) -> None:
         if fut is not None:
             fut.set_result(value)
         with self._cv:
             self._busy -= 1
             self._cv.notify_all()
 
-    def _fail(self, exc: BaseException, *futs: Future | None) -> None:
+    def _fail(self, exc: BaseException, *futs: Future[Any] | None) -> None:
         with self._cv:
             self._error = exc
             pending = [f for _, f in self._urgent] + [f for _, f in self._normal]

@@ -53,7 +53,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -82,7 +82,7 @@ class _Split:
 
 @dataclass(slots=True)
 class _Pending:
-    future: Future
+    future: Future[Any]
     #: The selection of the window this result was computed for (its columns are void in the result).
     sel: dict[str, torch.Tensor]
     h2d_bytes: int
@@ -147,7 +147,7 @@ class ZenFlowMode(Mode):
         self.pending: _Pending | None = None
         self.stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.slot = 0
-        self.slot_futs: list[Future | None] = [None, None]
+        self.slot_futs: list[Future[Any] | None] = [None, None]
         self.merge_done: torch.cuda.Event | None = None
         self.dacc_free: torch.cuda.Event | None = None  # the last device-accumulator copy has been read
 
@@ -417,7 +417,7 @@ class ZenFlowMode(Mode):
         if self.on_device:  # the window's gradient leaves the device once, now
             for store in self.stores:
                 pairs = [(store.flat(store.acc[acc_i], s.index), s.dacc) for s in self.splits if s.store is store]
-                t_acc = ops.d2h(pairs)  # type: ignore[arg-type]
+                t_acc = ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # on_device: dacc set
                 stats.bytes_d2h += t_acc.nbytes
                 acc_copies.append(t_acc)
                 self.dacc_free = t_acc.event
@@ -470,7 +470,8 @@ class ZenFlowMode(Mode):
             for store in self.stores:
                 members = [s for s in self.splits if s.store is store and s.param.grad is not None]
                 staging = store.staging[0]
-                t = self.ops.d2h([(store.flat(staging, s.index), s.param.grad) for s in members])
+                pairs = [(store.flat(staging, s.index), s.param.grad) for s in members]
+                t = self.ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # grads of `members`
                 stats.bytes_d2h += t.nbytes
                 only = [s.index for s in members]
 
@@ -601,13 +602,13 @@ class ZenFlowMode(Mode):
         self.pending = None
         p = sd["pending"]
         if p is not None:
-            fut: Future = Future()
+            fut: Future[Any] = Future()
             fut.set_result(float(p["seconds"]))
             sel = {n: torch.as_tensor(c).to(self.ops.device) for n, c in p["sel"].items()}
             h2d_bytes = 0
             if self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
                 pairs = [(s.landing, s.store.flat(s.store.result, s.index)) for s in self.splits]
-                t = self.ops.h2d(pairs)  # type: ignore[arg-type]
+                t = self.ops.h2d(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # CUDA: landing set
                 t.wait()
                 h2d_bytes = t.nbytes
             self.pending = _Pending(fut, sel, h2d_bytes)
