@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import importlib
 import json
@@ -11,7 +13,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -21,8 +23,10 @@ from api.auth import KeyCache
 from api.body_limit import BodyLimitMiddleware
 from api.config import ApiSettings, get_api_settings
 from api.errors import install_error_handlers
+from api.guards import HeaderLimitMiddleware, no_nul_in_ids
 from api.metrics import install_metrics
-from api.routers import events, files, health, jobs
+from api.routers import events, files, health, jobs, quotas
+from api.storage import LocalFileStore
 from store.db import make_engine
 from store.settings import Settings, get_settings
 
@@ -50,10 +54,22 @@ def create_app(
 
             await run_in_threadpool(upgrade_with_retry, url)
         settings.resolved_files_dir.mkdir(parents=True, exist_ok=True)
+        swept = await run_in_threadpool(
+            LocalFileStore(settings.resolved_files_dir).sweep_incoming, api_settings.stale_upload_seconds
+        )
+        if swept:
+            log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
         if api_settings.gc_freeze:
             freeze_startup_heap(with_broker=enqueue is None)
-        yield
-        app.state.engine.dispose()
+        retention = asyncio.create_task(_retention_loop(app)) if api_settings.retention_interval_seconds else None
+        try:
+            yield
+        finally:
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
+            app.state.engine.dispose()
 
     app = FastAPI(
         title="ZenFlow fine-tuning API",
@@ -72,11 +88,17 @@ def create_app(
 
     install_error_handlers(app)
     app.include_router(health.router)
-    app.include_router(files.router)
-    app.include_router(events.router)  # ahead of the other /v1/fine_tuning/jobs routes: none can shadow it
-    app.include_router(jobs.router)
+    # Authenticated routers: an id with a NUL byte answers 404 on every database (api.guards).
+    ids_checked = [Depends(no_nul_in_ids)]
+    app.include_router(files.router, dependencies=ids_checked)
+    # events ahead of the other /v1/fine_tuning/jobs routes: none can shadow it
+    app.include_router(events.router, dependencies=ids_checked)
+    app.include_router(jobs.router, dependencies=ids_checked)
+    app.include_router(quotas.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
     _install_metrics(app)
+    app.add_middleware(HeaderLimitMiddleware, max_count=api_settings.max_header_count,
+                       max_bytes=api_settings.max_header_bytes)
     _install_openapi(app)
     return app
 
@@ -127,6 +149,22 @@ def _install_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _retention_loop(app: FastAPI) -> None:
+    """The retention sweep (api.retention) every ``retention_interval_seconds``, first one interval
+    after start; a failed round is logged and the next one tried."""
+    from api.retention import sweep
+
+    api_settings: ApiSettings = app.state.api_settings
+    settings: Settings = app.state.settings
+    while True:
+        await asyncio.sleep(api_settings.retention_interval_seconds)
+        try:
+            await run_in_threadpool(sweep, app.state.sessionmaker, keep=api_settings.retain_checkpoints,
+                                    jobs_dir=settings.resolved_jobs_dir)
+        except Exception:
+            log.exception("retention sweep failed")
 
 
 def _pool_size(engine: Engine) -> int:

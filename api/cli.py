@@ -1,4 +1,4 @@
-"""``zenflow``: serve, db upgrade/downgrade/current/check, teams, keys, and the trainer's ``train``."""
+"""``zenflow``: serve, db upgrade/downgrade/current/check, teams, keys, quotas, and the trainer's ``train``."""
 
 from __future__ import annotations
 
@@ -169,8 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--team", required=True)
     p.set_defaults(func=cmd_keys)
 
+    from api.cli_quotas import register as register_quotas
+    from api.cli_storage import register as register_storage
     from trainer.cli import register
 
+    register_storage(sub)  # jobs purge, storage usage, storage sweep
+    register_quotas(sub)  # quotas set, quotas show
     register(sub)
     return parser
 

@@ -35,6 +35,25 @@ class ApiSettings(BaseSettings):
     max_body_bytes: int = Field(1024 * 1024, gt=0)
     #: Timeout of the broker probe in /readyz.
     readiness_timeout_seconds: float = Field(2.0, gt=0)
+    #: Request line plus headers, in bytes: uvicorn (h11) stops buffering an incomplete request head
+    #: past this (answering 400 and closing), and the app refuses larger header lists with 431 (a head
+    #: that arrived whole in one read). The compose deployment's proxy (deploy/nginx) refuses heads
+    #: over 16 KiB itself; the compose file sets this above that, so what it passes on is taken.
+    max_header_bytes: int = Field(16 * 1024, ge=1024)
+    #: Header fields per request; more are answered 431.
+    max_header_count: int = Field(100, ge=8)
+    #: An idle keep-alive connection is closed after this long (uvicorn); the proxy's upstream
+    #: keep-alive is shorter, so it never reuses a connection the API is closing.
+    keep_alive_seconds: int = Field(5, ge=1)
+    #: Upload temp files (``files_dir/.incoming/*.part``) untouched this long are left over from a
+    #: killed API process and removed when the API starts; younger ones may be another replica's
+    #: upload in progress (the temp file is written to as the body streams in) and are kept.
+    stale_upload_seconds: float = Field(3600.0, gt=0)
+    #: Storage retention: a finished job keeps its newest ``retain_checkpoints`` checkpoints plus its
+    #: final model; older ones are removed by the retention sweep (api.retention), which the API runs
+    #: every ``retention_interval_seconds`` (0: never; ``zenflow storage sweep`` runs it once).
+    retain_checkpoints: int = Field(3, ge=0)
+    retention_interval_seconds: float = Field(3600.0, ge=0)
 
 
 @lru_cache(maxsize=1)

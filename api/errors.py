@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,10 @@ _DEFAULT_CODES = {
     413: "file_too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
+    429: "quota_exceeded",
+    431: "request_header_too_large",
     503: "service_unavailable",
+    507: "insufficient_storage",
 }
 
 # Pieces pydantic adds to ``loc`` for union members and wrapped validators; not field names.
@@ -82,7 +87,9 @@ ERROR_DESCRIPTIONS = {
     409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `file_in_use`)",
     413: "The upload is over `max_upload_bytes` (`file_too_large`), or another body over `max_body_bytes` (`request_too_large`)",
     415: "The upload is not multipart/form-data (`invalid_multipart`)",
+    429: "A quota of the team is used up (`quota_exceeded`; `param` names it); retry after `Retry-After` seconds when given",
     503: "The database or the job queue is unavailable; retry after `Retry-After` seconds",
+    507: "The server has no storage left to keep the upload (`insufficient_storage`); nothing was kept",
 }
 
 
@@ -151,6 +158,39 @@ def validation_error(
     return APIError(400, f"Invalid request: {message}", param=param, code=code)
 
 
+#: Validation errors of a body that is not a JSON object at all.
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "dict_type", "model_type"})
+
+
+def _is_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def body_type_error(errors: Sequence[Mapping[str, Any]], content_type: str | None) -> APIError | None:
+    """The 400 for a body that failed as a whole (not a field of it): with no JSON Content-Type the
+    body was never parsed as JSON, so say that, not "Input should be a valid dictionary"."""
+    if not any(tuple(e.get("loc", ())) == ("body",) and e.get("type") in _NOT_AN_OBJECT for e in errors):
+        return None
+    if not _is_json(content_type):
+        got = f"got {content_type!r}" if content_type else "no Content-Type header was sent"
+        return APIError(400, f"Send the request body as JSON with 'Content-Type: application/json' ({got})",
+                        param="Content-Type", code="invalid_content_type")
+    return APIError(400, "The request body must be a JSON object", code="invalid_value")
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(scope: Scope) -> list[str]:
+    """Every method some route of the app serves at ``scope``'s path, sorted (each method is tried
+    against the routes, so routers included with their own matching are asked too)."""
+    router = scope.get("router") or getattr(scope.get("app"), "router", None)
+    routes = list(getattr(router, "routes", ()))
+    return [m for m in _METHODS
+            if any(route.matches({**scope, "method": m})[0] == Match.FULL for route in routes)]
+
+
 def _db_unavailable(exc: Exception) -> bool:
     if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.DisconnectionError):
         return True
@@ -167,11 +207,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
         # A body that is not JSON at all.
         if any(e.get("type") == "json_invalid" for e in errors):
             return APIError(400, "Request body is not valid JSON", code="invalid_json").response()
+        wrong_body = body_type_error(errors, request.headers.get("content-type"))
+        if wrong_body is not None:
+            return wrong_body.response()
         return validation_error(errors).response()
 
     @app.exception_handler(ValidationError)
@@ -179,12 +222,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed"
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL"
         err = APIError(exc.status_code, message, code=getattr(exc, "error_code", None))
         err.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route that matched the path; a path served by
+            # several routes (GET and DELETE /v1/files/{id}) has them all.
+            methods = allowed_methods(request.scope)
+            if methods:
+                err.headers["Allow"] = ", ".join(methods)
+                err.message = f"Method {request.method} is not allowed here; use {', '.join(methods)}"
         return err.response()
 
     @app.exception_handler(sa_exc.SQLAlchemyError)

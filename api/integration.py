@@ -4,7 +4,9 @@ and the job queue.
 trainer.data, trainer.models and trainer.spec do not import torch (tests/test_trainer_spec.py::
 test_light_imports), so they are imported here at start-up. The queue's sending side
 (``trainer.worker.broker``, which imports Celery) is imported on the first enqueue: an app given its
-own ``enqueue`` (tests, benchmarks) never loads it.
+own ``enqueue`` (tests, benchmarks) never loads it. The check of LoRA ``target_modules`` builds the
+model on torch's meta device (trainer.lora.lora_target_problems), so the first job that names target
+modules imports torch in the API process (seconds, once; the module table is cached per model).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from pydantic import ValidationError
 
 from api.errors import APIError, validation_error
 from offload.config import EngineConfig
+from store.settings import Settings
 from trainer.data import DatasetValidationError, validate_file
 from trainer.models import BuiltinModel, UnknownModelError
 from trainer.models import resolve_model as resolve_trainer_model
-from trainer.spec import Hyperparameters, spec_from_job
+from trainer.spec import Hyperparameters, JobLimits, LoraSpec, limit_errors, spec_from_job
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,22 @@ def resolve_model(name: str) -> str:
     return m.name if isinstance(m, BuiltinModel) else str(m)
 
 
+def job_limits(settings: Settings) -> JobLimits:
+    """The trainer's JobLimits from the service settings (``ZENFLOW_MAX_TOTAL_STEPS``, ...)."""
+    return JobLimits(**{name: getattr(settings, name) for name in JobLimits.model_fields})
+
+
+def _request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, ...]:
+    """A spec location as the request spells it: hyperparameters (and the LoRA settings, which the
+    request gives inside them) under ``hyperparameters_param``."""
+    where = hyperparameters_param.split(".")
+    if loc and loc[0] == "hyperparameters":
+        return (*where, *loc[1:])
+    if loc and loc[0] == "lora":
+        return (*where, *loc)
+    return loc
+
+
 def check_job_spec(
     *,
     model: str,
@@ -77,23 +96,31 @@ def check_job_spec(
     engine: dict[str, Any],
     seed: int,
     output_dir: Path,
+    limits: JobLimits | None = None,
+    num_examples: int | None = None,
 ) -> None:
     """Build the trainer's JobSpec from the request so that every field is checked before any write;
-    a refusal is a 400 whose ``param`` is the field path (``hyperparameters.max_steps``, ``engine.lr``)."""
+    a refusal is a 400 whose ``param`` is the field path (``hyperparameters.max_steps``, ``engine.lr``).
+
+    With ``limits``, the service's bounds are checked too (trainer.spec.limit_errors: totals from
+    ``num_examples``, the training file's count; LoRA target modules against the model's modules).
+    """
+    fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
     try:
-        spec_from_job(
+        spec = spec_from_job(
             model=model, training_file=training_file, validation_file=validation_file,
             hyperparameters=hyperparameters, engine=engine, seed=seed, output_dir=output_dir,
         )
     except ValidationError as exc:
-        errors = []
-        for e in exc.errors():
-            loc = list(e.get("loc", ()))
-            if loc and loc[0] == "hyperparameters" and hyperparameters_param != "hyperparameters":
-                loc = [*hyperparameters_param.split("."), *loc[1:]]
-            errors.append({**e, "loc": tuple(loc)})
-        fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields)
+        errors = [{**e, "loc": _request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()]
         raise validation_error(errors, fields=fields) from exc
+    if limits is None:
+        return
+    refused = limit_errors(spec, limits, num_examples=num_examples)
+    if refused:
+        errors = [{"loc": _request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
+                  for r in refused]
+        raise validation_error(errors, fields=fields)
 
 
 def enqueue(job_id: str, queue: str) -> None:

@@ -8,50 +8,33 @@ import functools
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Select, bindparam, case, func, select
+from sqlalchemy import Select, bindparam, select
 from sqlalchemy.orm import Session, aliased
 
 from api.errors import not_found
 from api.pagination import after_clause
 from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject, StepMetric, unix
+from store.fairshare import fair_order
 from store.jobs import PENDING, lock_job
 from store.models import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, as_utc
 
 # --- queue position ----------------------------------------------------------------------------------
 
+# A waiting job's ``queue_position`` (1 = the next job its queue's workers take, all teams counted;
+# NULL unless waiting) is its rank by fair share (store.fairshare.fair_order), the order the workers'
+# claim (store.jobs.claim_next) follows.
 
-def _queue_position_column() -> Any:
-    """SQL for one job row's ``queue_position``: 1 for the next job the queue's workers take, counted
-    over all teams (FIFO by creation: 1 + the waiting jobs of its queue created before it); NULL
-    unless the job is waiting. A correlated count: right for one row (retrieve, create, cancel)."""
-    ahead = aliased(FineTuningJob)
-    n_ahead = (
-        select(func.count())
-        .select_from(ahead)
-        .where(
-            ahead.queue == FineTuningJob.queue,
-            ahead.status.in_(PENDING),
-            ahead.created_at < FineTuningJob.created_at,
-        )
-        .correlate(FineTuningJob)
-        .scalar_subquery()
-    )
-    return case((FineTuningJob.status.in_(PENDING), n_ahead + 1), else_=None).label("queue_position")
-
-
-QUEUE_POSITION = _queue_position_column()
-
-#: The same figure for a page of jobs: every waiting job ranked once per queue (a window function; rank
-#: = 1 + the jobs of the partition strictly earlier, ties share a position, as the count above), joined
-#: to the page, so a list is one query however many of its jobs wait.
-_WAITING_RANKS = (
-    select(
-        FineTuningJob.id.label("job_id"),
-        func.rank().over(partition_by=FineTuningJob.queue, order_by=FineTuningJob.created_at).label("pos"),
-    )
-    .where(FineTuningJob.status.in_(PENDING))
-    .subquery("waiting_ranks")
+#: The one job's queue (its id is the statement's ``job_id``) while it waits, so that retrieving a job
+#: ranks that queue alone, and nothing for a job that does not wait (NULL matches no queue).
+_RANKED = aliased(FineTuningJob, name="ranked_job")
+_JOB_QUEUE = (
+    select(_RANKED.queue).where(_RANKED.id == bindparam("job_id"), _RANKED.status.in_(PENDING)).scalar_subquery()
 )
+_JOB_QUEUE_RANKS = fair_order(_JOB_QUEUE, name="job_queue_ranks")
+
+#: Every waiting job ranked once per queue, joined to a page, so a list is one query however many of
+#: its jobs wait.
+_WAITING_RANKS = fair_order(name="waiting_ranks")
 
 #: What the job object is built from (a Row of these reads like the ORM object): no identity map or
 #: instance state to set up per row.
@@ -87,7 +70,8 @@ def queue_position(session: Session, job: FineTuningJob) -> int | None:
     """The queue position of one job already loaded (create, cancel)."""
     if job.status not in PENDING:
         return None
-    pos = session.scalar(select(QUEUE_POSITION).where(FineTuningJob.id == job.id))
+    ranks = fair_order(job.queue, name="queue_ranks")
+    pos = session.scalar(select(ranks.c.pos).where(ranks.c.job_id == job.id))
     return int(pos) if pos is not None else None
 
 
@@ -101,8 +85,10 @@ JOB_CURSOR = select(FineTuningJob.team_id, FineTuningJob.created_at).where(
     FineTuningJob.id == bindparam("job_id")
 )
 #: One team's job (``job_id``, ``team_id``) as ``JOB_COLUMNS`` with its ``queue_position``.
-GET_JOB = select(*JOB_COLUMNS, QUEUE_POSITION).where(
-    FineTuningJob.id == bindparam("job_id"), FineTuningJob.team_id == bindparam("team_id")
+GET_JOB = (
+    select(*JOB_COLUMNS, _JOB_QUEUE_RANKS.c.pos.label("queue_position"))
+    .outerjoin(_JOB_QUEUE_RANKS, _JOB_QUEUE_RANKS.c.job_id == FineTuningJob.id)
+    .where(FineTuningJob.id == bindparam("job_id"), FineTuningJob.team_id == bindparam("team_id"))
 )
 
 
@@ -185,7 +171,7 @@ def job_dict(job: Any, position: int | None) -> dict[str, Any]:
 
 
 def job_object(job: Any, position: int | None) -> FineTuningJobObject:
-    """The API object of a job row; ``position`` from ``QUEUE_POSITION`` or ``queue_position()``."""
+    """The API object of a job row; ``position`` from ``GET_JOB``, a list's ranks or ``queue_position()``."""
     return FineTuningJobObject.model_validate(job_dict(job, position))
 
 

@@ -307,3 +307,33 @@ class ReadinessCheck(BaseModel):
 class Readiness(BaseModel):
     status: Literal["ok", "unavailable"]
     checks: dict[str, ReadinessCheck]
+
+
+class QuotaLimits(BaseModel):
+    """A team's limits (null = unlimited)."""
+
+    max_running_jobs: int | None = Field(description="Jobs of the team running at once (more wait their turn)")
+    max_queued_jobs: int | None = Field(description="Jobs of the team waiting at once (a create beyond: 429)")
+    gpu_hours: float | None = Field(description="GPU-hours per rolling period (a create beyond: 429)")
+    storage_bytes: int | None = Field(description="Bytes stored: files, results, job outputs (a create beyond: 400)")
+
+
+class QuotaUsage(BaseModel):
+    """What the team uses now."""
+
+    running_jobs: int
+    queued_jobs: int
+    gpu_hours: float = Field(description="GPU-hours used in the current rolling period")
+    storage_bytes: int
+
+
+class QuotaObject(BaseModel):
+    """``GET /v1/quotas``: the calling team's quota limits and its usage (our extra)."""
+
+    object: Literal["organization.quota"] = "organization.quota"
+    organization_id: str
+    period_days: float = Field(description="The rolling window of the gpu_hours quota")
+    limits: QuotaLimits
+    usage: QuotaUsage
+    #: The limits that are the team's own; the others are the server's defaults.
+    custom: list[str]

@@ -10,18 +10,35 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from api.config import get_api_settings
+from api.config import ApiSettings, get_api_settings
 from store.settings import Settings, get_settings
 
 log = logging.getLogger("zenflow.serve")
 
 
+def uvicorn_options(api_settings: ApiSettings | None = None) -> dict[str, Any]:
+    """The uvicorn settings of every way the API is run (``zenflow serve``, :func:`uvicorn_command`).
+
+    The HTTP implementation is h11, not httptools (uvicorn's "auto" choice when installed): h11 stops
+    buffering a request head (request line and headers) past ``max_incomplete_event_size``, answering
+    400 and closing the connection, while uvicorn's httptools protocol has no bound at all (a 64 MB
+    header was read into memory). The cost is h11's pure-Python parsing per request.
+    """
+    s = api_settings or get_api_settings()
+    return {"http": "h11", "h11_max_incomplete_event_size": s.max_header_bytes,
+            "timeout_keep_alive": s.keep_alive_seconds}
+
+
 def uvicorn_command(port: int, *, host: str = "127.0.0.1", workers: int = 1) -> list[str]:
     """argv that runs the API alone (no worker) under uvicorn, from the app factory, quietly: what the
-    load benchmark and the multi-process tests start."""
+    load benchmark and the multi-process tests start (with :func:`uvicorn_options`)."""
+    opts = uvicorn_options()
     return [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--host", host,
-            "--port", str(port), "--no-access-log", "--log-level", "warning", "--workers", str(workers)]
+            "--port", str(port), "--no-access-log", "--log-level", "warning", "--workers", str(workers),
+            "--http", opts["http"], "--h11-max-incomplete-event-size", str(opts["h11_max_incomplete_event_size"]),
+            "--timeout-keep-alive", str(opts["timeout_keep_alive"])]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,7 +103,9 @@ def serve(
             "embedded worker on queue " + settings.default_queue if run_worker else "no worker in this process",
         )
         with _after_uvicorn_signals():
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")).run()
+            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                    **uvicorn_options(api_settings))
+            uvicorn.Server(config).run()
     finally:
         for stop in reversed(stops):
             try:

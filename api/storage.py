@@ -1,16 +1,21 @@
 """Uploads: a streaming multipart reader that hashes and size-checks while it writes a temp file.
 
-Nothing is kept for a refused upload: the body is streamed to ``files_dir/.incoming/<random>``
+Nothing is kept for a refused upload: the body is streamed to ``files_dir/.incoming/<random>.part``
 (same filesystem as the final place), the size limit is enforced while streaming, and only after the
 validator accepted the content is it moved into ``files_dir/<team>/<file id>.jsonl`` with os.replace.
+A full disk (or quota) while storing is 507 ``insufficient_storage``, the temp file removed. Temp
+files a killed process left behind are removed when the API starts (:meth:`LocalFileStore.sweep_incoming`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -21,6 +26,10 @@ from starlette.requests import Request
 
 from api.errors import APIError
 
+log = logging.getLogger(__name__)
+
+#: OSError numbers that mean "no room left here": a full file system or a disk quota.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 MAX_FIELD_BYTES = 64 * 1024
 MAX_FIELDS = 16
 #: Slack for multipart framing and small fields when pre-checking Content-Length.
@@ -47,6 +56,20 @@ def too_large(limit: int) -> APIError:
         f"File is too large: the limit is {limit} bytes",
         param="file",
         code="file_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE
+
+
+def insufficient_storage() -> APIError:
+    return APIError(
+        507,
+        "The server has no storage left for this file; nothing was kept. Retry later, or ask the operator to free space",
+        param="file",
+        code="insufficient_storage",
         headers={"Connection": "close"},
     )
 
@@ -142,9 +165,9 @@ async def receive_upload(request: Request, incoming_dir: Path, limit: int) -> Re
     if length and length.isdigit() and int(length) > limit + FRAMING_SLACK:
         raise too_large(limit)
 
-    incoming_dir.mkdir(parents=True, exist_ok=True)
     upload = ReceivedUpload(tmp_path=incoming_dir / f"{secrets.token_hex(12)}.part")
     try:
+        incoming_dir.mkdir(parents=True, exist_ok=True)
         with open(upload.tmp_path, "xb") as out:
             recv = _Receiver(out, upload, limit)
             parser = MultipartParser(
@@ -168,6 +191,12 @@ async def receive_upload(request: Request, incoming_dir: Path, limit: int) -> Re
     except FormParserError as exc:
         upload.discard()
         raise APIError(400, "Malformed multipart body", param="file", code="invalid_multipart") from exc
+    except OSError as exc:
+        upload.discard()
+        if no_space(exc):
+            log.warning("upload refused: no space left in %s (%s)", incoming_dir, exc.strerror)
+            raise insufficient_storage() from exc
+        raise
     except BaseException:  # ClientDisconnect, a 413 or 400 from a callback, cancellation
         upload.discard()
         raise
@@ -186,9 +215,32 @@ class LocalFileStore:
 
     def place(self, tmp: Path, team_id: str, file_id: str) -> Path:
         final = self.root / team_id / f"{file_id}.jsonl"
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, final)
+        try:  # a new directory, or a directory entry, can need a block too
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+        except OSError as exc:
+            if no_space(exc):
+                raise insufficient_storage() from exc
+            raise
         return final
+
+    def sweep_incoming(self, max_age_seconds: float) -> list[Path]:
+        """Remove upload temp files not written to for ``max_age_seconds``: left by an API process
+        that was killed mid-upload. Younger ones may be another replica's upload in progress."""
+        removed: list[Path] = []
+        cutoff = time.time() - max_age_seconds
+        try:
+            entries = list(os.scandir(self.incoming))
+        except FileNotFoundError:
+            return removed
+        for entry in entries:
+            if not entry.name.endswith(".part") or not entry.is_file(follow_symlinks=False):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+        return removed
 
     @staticmethod
     def remove(path: str | Path) -> None:

@@ -31,3 +31,16 @@ if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1 \
          && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } \
     || echo "bootstrap: could not install prometheus (apt-get); its tests will skip" >&2
 fi
+# nginx from Debian (nginx-light) for tests/api/test_proxy.py, which runs the compose deployment's proxy
+# config (deploy/nginx) in front of the API: installed only when missing, only as root with apt-get
+# (the package's own service start is refused in containers; the tests run their own nginx).
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  nginx_install() {  # nginx-light where Debian still has it (bookworm), else nginx
+    apt-get install -y -q --no-install-recommends nginx-light >/dev/null 2>&1 \
+      || apt-get install -y -q --no-install-recommends nginx >/dev/null 2>&1
+  }
+  nginx_install || { apt-get update -q >/dev/null 2>&1 && nginx_install; } \
+    || echo "bootstrap: could not install nginx (apt-get); tests/api/test_proxy.py will skip" >&2
+fi

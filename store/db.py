@@ -15,6 +15,16 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from store.settings import get_settings
 
+#: libpq connection parameters for every PostgreSQL connection: give up a connect after 10 s, and find a
+#: dead peer by TCP keepalives within about a minute.
+PG_CONNECT_ARGS: dict[str, int] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
 
 def normalize_url(url: str) -> str:
     """Use the psycopg (v3) driver for bare postgresql:// URLs."""
@@ -41,7 +51,10 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800)
+    # pool_pre_ping replaces a connection found dead at checkout; the libpq timeouts bound how long a
+    # connect to an unreachable server, or a connection whose peer vanished, can hang a caller.
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800,
+                         connect_args=dict(PG_CONNECT_ARGS))
 
 
 @lru_cache(maxsize=8)

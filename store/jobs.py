@@ -7,19 +7,23 @@ transaction (and, where several writers race, the row lock of :func:`lock_job`):
 ==================  =========================================  ==================================
 function            from -> to                                 callers
 ==================  =========================================  ==================================
-:func:`claim`       queued (or a dead run) -> running          the worker task, a runner by hand
+:func:`claim_next`  the queue's next job by fair share         the worker task
+                    (or the message's dead run) -> running
+:func:`claim`       queued (or a dead run) -> running          claim_next, a runner by hand
 :func:`requeue`     running -> queued (resume from checkpoint)  the worker task, the reaper
 :func:`fail`        any -> failed, with an error object        worker, reaper, job runner
 :func:`succeed`     running -> succeeded                       the job runner
 :func:`cancel`      any -> cancelled                           API, worker, reaper, job runner
 ==================  =========================================  ==================================
 
-:func:`set_status` is the one primitive under them all (timestamps, ``dispatched_at``, the event).
+:func:`set_status` is the one primitive under them all (timestamps, ``dispatched_at``, the event,
+and the run ledger: a job leaving ``running`` ends its run, see store.runs).
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -27,10 +31,14 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
+from store import quotas
+from store.fairshare import WAITING, fair_order
 from store.models import FineTuningJob, JobEvent, JobStatus, as_utc, utcnow
+from store.runs import end_runs, open_run
+from store.settings import Settings
 
 #: Jobs waiting for a worker (they have a queue position).
-PENDING = (JobStatus.validating_files.value, JobStatus.queued.value)
+PENDING = WAITING
 
 
 def add_event(
@@ -61,7 +69,9 @@ def set_status(
     error: dict[str, Any] | None = None,
 ) -> None:
     """Move a job to ``status`` and record an event; terminal states stamp finished_at, queued clears
-    dispatched_at (the new wait needs a message)."""
+    dispatched_at (the new wait needs a message), leaving running ends the job's run (store.runs)."""
+    if job.status == JobStatus.running.value:
+        end_runs(session, job.id)
     job.status = status.value
     if status is JobStatus.queued:
         job.dispatched_at = None  # a new wait in the queue: its message is still to be sent
@@ -112,6 +122,10 @@ class Claim(enum.StrEnum):
     running_elsewhere = "running-elsewhere"
     cancelled = "cancelled"
     failed = "failed"
+    #: claim_next: only jobs of teams at their max_running_jobs quota wait (or teams being claimed for).
+    held = "held"
+    #: claim_next: no job waits on the queue.
+    idle = "idle"
 
 
 def claim(
@@ -121,6 +135,7 @@ def claim(
     *,
     max_attempts: int,
     heartbeat_timeout_seconds: float,
+    gpus: int = 1,
 ) -> Claim:
     """Decide, under the row lock, whether ``hostname`` runs ``job`` now, and mark it running if so.
 
@@ -151,7 +166,93 @@ def claim(
     resume = f", resuming from step {job.global_step}" if job.global_step else ""
     set_status(session, job, JobStatus.running,
                message=f"Attempt {job.attempts}/{max_attempts} started on {hostname}{resume}")
+    open_run(session, job, hostname, gpus=gpus)
     return Claim.claimed
+
+
+@dataclass(frozen=True)
+class NextClaim:
+    """What :func:`claim_next` decided, and the job: the one claimed (or cancelled, failed), or for
+    ``held`` one of the jobs held back (the message goes back to the queue for it)."""
+
+    outcome: Claim
+    job_id: str | None = None
+    #: The queue the claim looked at.
+    queue: str | None = None
+
+
+def claim_next(
+    session: Session,
+    hostname: str,
+    settings: Settings,
+    *,
+    message_job_id: str | None,
+    queue: str | None = None,
+    gpus: int = 1,
+) -> NextClaim:
+    """A worker took a message from ``queue``: claim the job fair share puts first (store.fairshare).
+
+    Each queued job has one message, and each message claims one job, so the broker still holds as
+    many messages as there are queued jobs (trainer.worker.dispatch counts on it); which message
+    runs which job does not matter. The message's own job comes first only when it is a dead run to
+    take over (running on this node, or with a stale heartbeat): that is what :func:`claim` would do.
+
+    Each candidate is locked with ``SKIP LOCKED`` (a job another worker is claiming, or the API is
+    cancelling, is passed over) and re-checked; a team at its ``max_running_jobs`` quota is skipped
+    under its own row lock (also ``SKIP LOCKED``), so racing claims never exceed it. A candidate that
+    turns out cancelled or out of attempts is settled and the next one tried. The queue is the
+    message's job's, else ``queue``.
+    """
+    def run_here(job: FineTuningJob | None) -> Claim:
+        return claim(session, job, hostname, max_attempts=settings.max_job_attempts,
+                     heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds, gpus=gpus)
+
+    def locked(job_id: str, *, skip_locked: bool) -> FineTuningJob | None:
+        # populate_existing: the row as it is under the lock, not as an earlier read left it.
+        return session.execute(
+            select(FineTuningJob).where(FineTuningJob.id == job_id)
+            .with_for_update(skip_locked=skip_locked).execution_options(populate_existing=True)
+        ).scalar_one_or_none()
+
+    own = session.get(FineTuningJob, message_job_id) if message_job_id else None
+    if own is not None:
+        queue = own.queue
+        dead = own.worker_hostname == hostname or not heartbeat_is_fresh(
+            own.heartbeat_at, settings.heartbeat_timeout_seconds)
+        if own.status == JobStatus.running.value and dead:
+            outcome = run_here(locked(own.id, skip_locked=False))
+            if outcome is not Claim.running_elsewhere:  # else another worker took it over first
+                return NextClaim(outcome, own.id, queue)
+    if queue is None:
+        return NextClaim(Claim.missing)
+    order = fair_order(queue)
+    candidates = session.execute(select(order.c.job_id, order.c.team_id).order_by(order.c.pos)).all()
+    held: str | None = None
+    teams: dict[str, bool] = {}  # team -> may start a job now
+    for job_id, team_id in candidates:
+        if team_id not in teams:
+            teams[team_id] = _may_start(session, team_id, settings)
+        if not teams[team_id]:
+            held = held or job_id
+            continue
+        job = locked(job_id, skip_locked=True)
+        if job is None or job.status not in PENDING:
+            continue
+        outcome = run_here(job)
+        if outcome is Claim.claimed:
+            return NextClaim(outcome, job.id, queue)
+    return NextClaim(Claim.held, held, queue) if held else NextClaim(Claim.idle, None, queue)
+
+
+def _may_start(session: Session, team_id: str, settings: Settings) -> bool:
+    """Whether the team is below its max_running_jobs quota; a team with one is checked under its row
+    lock, and one whose row another transaction holds (a create, another claim) is passed over now."""
+    limit = quotas.limits_for(session, team_id, settings).max_running_jobs
+    if limit is None:
+        return True
+    if not quotas.try_lock_team(session, team_id):
+        return False
+    return quotas.running_jobs(session, team_id) < limit
 
 
 def requeue(session: Session, job: FineTuningJob, why: str) -> str:

@@ -110,6 +110,8 @@ class FineTuningJob(Base):
         Index("ix_fine_tuning_jobs_team_created", "team_id", "created_at"),
         #: Queue position (waiting jobs of one queue, FIFO) and the dispatch reconciler's per-queue scan.
         Index("ix_fine_tuning_jobs_queue_status_created", "queue", "status", "created_at"),
+        #: A team's running and waiting jobs (quotas at create, fair share's per-team counts).
+        Index("ix_fine_tuning_jobs_team_status", "team_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftjob"))
@@ -214,3 +216,45 @@ class JobStepMetric(Base):
     cpu_optimizer_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     bytes_device_to_host: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_host_to_device: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class TeamQuota(Base):
+    """A team's own quota limits; a NULL column takes the settings' default (``default_*``, which may
+    be unlimited). See store.quotas."""
+
+    __tablename__ = "team_quotas"
+
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), primary_key=True)
+    max_running_jobs: Mapped[int | None] = mapped_column(Integer)
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)
+    #: GPU-hours per rolling quota period (``quota_period_days``).
+    gpu_hours: Mapped[float | None] = mapped_column(Float)
+    storage_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class JobRun(Base):
+    """One attempt of a job on a worker: opened by the claim, ended when the job leaves running.
+
+    The GPU-hours quota sums ``gpus`` x run time over these (an open run counts up to now), and fair
+    share orders teams by their last run's start (store.fairshare). Kept when a job row is deleted.
+    """
+
+    __tablename__ = "fine_tuning_job_runs"
+    __table_args__ = (
+        Index("ix_fine_tuning_job_runs_team_queue_started", "team_id", "queue", "started_at"),
+        Index("ix_fine_tuning_job_runs_team_ended", "team_id", "ended_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("ftrun"))
+    job_id: Mapped[str | None] = mapped_column(
+        ForeignKey("fine_tuning_jobs.id", ondelete="SET NULL"), index=True
+    )
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    queue: Mapped[str] = mapped_column(String(64))
+    worker_hostname: Mapped[str | None] = mapped_column(String(255))
+    gpus: Mapped[int] = mapped_column(Integer, default=1)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: gpus x (ended_at - started_at), set when the run ends.
+    gpu_seconds: Mapped[float | None] = mapped_column(Float)

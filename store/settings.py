@@ -42,6 +42,43 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(0, ge=0, le=65535)
     #: Name of this worker in metrics labels (default: hostname).
     worker_name: str = ""
+    #: How long a job process keeps training while its database writes fail (its rows wait in memory,
+    #: written in order once the database is back); longer, and the job stops as interrupted: it
+    #: checkpoints, exits, and is re-queued (the attempt counted) to resume from its checkpoint.
+    job_db_outage_seconds: float = Field(300.0, gt=0)
+    #: At most this many training events (about 2 KB each) wait in a job process's memory for the
+    #: database; when full, training waits for it (bounded memory over any number of steps).
+    job_db_buffer_items: int = Field(20_000, ge=1)
+    #: A job stopped by a full disk is re-queued after this long without counting an attempt (doubled for
+    #: each such re-queue in a row, at most 15 minutes) ...
+    disk_full_backoff_seconds: float = Field(60.0, ge=0)
+    #: ... and fails after this many re-queues in a row without a new checkpoint in between.
+    disk_full_max_requeues: int = Field(5, ge=0)
+
+    # --- bounds of one job, checked at create (trainer.spec.JobLimits; 400 naming the field) ---
+    max_n_epochs: int = Field(10_000, ge=1, le=2**31 - 1)
+    max_batch_size: int = Field(4096, ge=1, le=2**31 - 1)
+    #: Shortest max_seq_length a job may give (shorter cannot hold a chat template and one exchange).
+    min_seq_length: int = Field(32, ge=2, le=2**31 - 1)
+    max_seq_length: int = Field(32_768, ge=2, le=2**31 - 1)
+    #: Training steps of one job, counted from its training file (n_epochs x steps per epoch, or max_steps).
+    max_total_steps: int = Field(1_000_000, ge=1, le=2**31 - 1)
+    #: Token positions of one job: total steps x batch size x max_seq_length.
+    max_total_tokens: int = Field(100_000_000_000, ge=1)
+    #: Largest learning rate (hyperparameters.learning_rate, or the model's rate x learning_rate_multiplier).
+    max_learning_rate: float = Field(1.0, gt=0, allow_inf_nan=False)
+    max_lora_rank: int = Field(256, ge=1, le=65_536)
+    # --- per-team quotas (store.quotas): defaults for teams without their own (None = unlimited) ---
+    default_max_running_jobs: int | None = Field(None, ge=0)
+    default_max_queued_jobs: int | None = Field(None, ge=0)
+    #: GPU-hours a team may use per rolling quota period (run time x GPUs of every attempt).
+    default_gpu_hours: float | None = Field(None, ge=0, allow_inf_nan=False)
+    default_storage_bytes: int | None = Field(None, ge=0)
+    #: The rolling window the GPU-hours quota counts, in days.
+    quota_period_days: float = Field(30.0, gt=0, le=3660)
+    #: A worker whose message finds only jobs of teams at their max_running_jobs waiting re-checks for
+    #: this long (once a second) before it hands the message back to the queue.
+    quota_hold_seconds: float = Field(30.0, ge=0)
 
     @property
     def resolved_database_url(self) -> str:

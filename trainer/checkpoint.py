@@ -17,11 +17,13 @@ A directory is written as ``<name>.tmp-<random>``, every file and the directory 
 to ``<name>`` (atomic on POSIX), and the parent fsynced. A directory counts as complete only when
 its manifest parses and every file listed there has the recorded size, so a half-written checkpoint
 (a crash mid-write leaves only the ``.tmp-`` name) is never picked for resume; leftovers are removed
-by :func:`cleanup_partial`.
+by :func:`cleanup_partial`. A write that fails for want of space raises :class:`DiskFullError` ("no space left
+while writing checkpoint N"), the partial directory removed and an existing one of the same name kept.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -44,6 +46,43 @@ WEIGHTS = "model.safetensors"
 FINAL_DIR = "final"
 RESULT_FILE = "result.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+#: A write that failed while less than this was left on its filesystem failed for want of space: torch.save
+#: reports ENOSPC as ``RuntimeError: [enforce fail at inline_container.cc:...]``, with no errno to go by.
+_FULL_BELOW_BYTES = 1 << 20
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+
+
+class DiskFullError(OSError):
+    """A checkpoint (or another output) could not be written: no space left on its filesystem."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(errno.ENOSPC, f"no space left while writing {what}")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def is_out_of_space(exc: BaseException, where: Path | None = None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a write that failed for want of space:
+    ENOSPC/EDQUOT, the same in a library's message (safetensors), or any error while less than 1 MiB is
+    left at ``where``."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS):
+            return True
+        if any(t in str(e) for t in _NO_SPACE_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    if where is not None and isinstance(exc, Exception):
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < _FULL_BELOW_BYTES
+    return False
 
 
 def checkpoint_name(step: int) -> str:
@@ -77,11 +116,18 @@ def _listing(root: Path) -> dict[str, int]:
 
 
 def write_atomic_dir(
-    target: Path, write: Callable[[Path], None], manifest: dict[str, Any], *, durable: bool = True
+    target: Path,
+    write: Callable[[Path], None],
+    manifest: dict[str, Any],
+    *,
+    durable: bool = True,
+    what: str | None = None,
 ) -> Path:
     """Run ``write(tmp_dir)``, add the manifest, fsync, and rename the directory to ``target``.
 
-    An existing ``target`` (a re-save of the same step) is replaced.
+    An existing ``target`` (a re-save of the same step) is replaced. A write that runs out of space
+    raises :class:`DiskFullError` naming ``what`` (default: "checkpoint N", "the final model" or the
+    directory's name); the partial directory is removed and ``target`` left as it was.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,10 +157,20 @@ def write_atomic_dir(
             _fsync_path(target.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
+        full = is_out_of_space(e, tmp)  # before the partial directory's space is given back
         shutil.rmtree(tmp, ignore_errors=True)
+        if full and not isinstance(e, DiskFullError):
+            raise DiskFullError(what or _describe(target)) from e
         raise
     return target
+
+
+def _describe(target: Path) -> str:
+    m = _CKPT_RE.match(target.name)
+    if m:
+        return f"checkpoint {int(m.group(1))}"
+    return "the final model" if target.name == FINAL_DIR else target.name
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:
@@ -280,11 +336,17 @@ def set_rng_state(state: dict[str, Any], seed: int) -> None:
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to a temporary sibling, fsync it, and rename it over ``path``."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as fh:
-        json.dump(data, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if is_out_of_space(e):
+            raise DiskFullError(path.name) from e
+        raise
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -24,6 +24,7 @@ This module does not import torch.
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,15 @@ def _lines(path: Path) -> Iterator[tuple[int, str | None]]:
                 yield no, text
 
 
+def _shown(value: Any) -> str:
+    """A bounded repr for messages: deep or long values are cut short (``reprlib``), never recursed into."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 2, 60, 60, 4, 4
+
+
 def _check_chat(no: int, messages: Any) -> list[DataError]:
     if not isinstance(messages, list):
         return [_err(no, "messages", "expected a list of messages")]
@@ -130,7 +140,7 @@ def _check_chat(no: int, messages: Any) -> list[DataError]:
         if "role" not in m:
             errs.append(_err(no, f"{f}.role", "missing"))
         elif role not in ROLES:
-            errs.append(_err(no, f"{f}.role", f"unknown role {role!r} (expected {', '.join(ROLES)})"))
+            errs.append(_err(no, f"{f}.role", f"unknown role {_shown(role)} (expected {', '.join(ROLES)})"))
         if "content" not in m or m["content"] is None:
             errs.append(_err(no, f"{f}.content", "missing"))
         elif not isinstance(m["content"], str):
@@ -212,6 +222,10 @@ def validate_file(
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
                 add([_err(no, None, f"invalid JSON: {e.msg} (column {e.colno})")])
+                continue
+            except RecursionError:  # the decoder recurses per nesting level: [[[[...]]]] 100,000 deep
+                add([_err(no, None, "invalid JSON: nested too deeply (a record is an object of messages, "
+                                    "or of prompt and completion)")])
                 continue
             if not isinstance(rec, dict):
                 add([_err(no, None, f"expected a JSON object, got {type(rec).__name__}")])

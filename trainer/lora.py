@@ -6,6 +6,7 @@ Importing this module does not import torch or peft (the functions do).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -73,3 +74,61 @@ def merged_lora_state(peft_model: Any, state: dict[str, torch.Tensor]) -> dict[s
             w = out[f"{mod_name}.weight"]
             out[f"{mod_name}.weight"] = (w.float() + delta).to(w.dtype)
     return out
+
+
+# --- checking target_modules before a job runs ------------------------------------------------------
+
+
+def _adaptable_types() -> tuple[type, ...]:
+    """The module classes peft's LoRA can wrap (it refuses any other class a target names)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    nn = torch.nn
+    return (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
+
+
+@functools.lru_cache(maxsize=16)
+def _module_table(model: str, config_stamp: float) -> tuple[tuple[str, str, bool], ...]:
+    """(name, class name, LoRA can adapt it) of every module of ``model``, built from its config on
+    torch's meta device (no weights read or allocated). ``config_stamp`` keys the cache to a local
+    directory's config.json."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.models import BuiltinModel, builtin_config, resolve_model
+
+    m = resolve_model(model)
+    config = builtin_config(model) if isinstance(m, BuiltinModel) else AutoConfig.from_pretrained(
+        str(m), local_files_only=True)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    ok = _adaptable_types()
+    return tuple((name, type(mod).__name__, isinstance(mod, ok)) for name, mod in net.named_modules() if name)
+
+
+def lora_target_problems(model: str, targets: list[str]) -> list[str]:
+    """Why LoRA with these ``target_modules`` would fail (or silently adapt less) on ``model``: each
+    entry that matches no module, or matches one that LoRA cannot adapt; empty when all is well.
+
+    Matching is peft's for a list: a module whose name equals the entry or ends with ``"." + entry``.
+    Raises ValueError when the model cannot be built from its config at all.
+    """
+    from trainer.models import BuiltinModel, resolve_model
+
+    m = resolve_model(model)
+    stamp = 0.0 if isinstance(m, BuiltinModel) else (m / "config.json").stat().st_mtime
+    try:
+        table = _module_table(model, stamp)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"cannot build the model from its config to check target_modules: {exc}") from exc
+    problems = []
+    for target in targets:
+        hits = [(name, cls, ok) for name, cls, ok in table if name == target or name.endswith("." + target)]
+        if not hits:
+            leaves = sorted({name.rsplit(".", 1)[-1] for name, _, ok in table if ok})
+            problems.append(f"{target!r} matches no module of the model (adaptable names: {', '.join(leaves)})")
+        elif not all(ok for _, _, ok in hits):
+            bad = sorted({cls for _, cls, ok in hits if not ok})
+            problems.append(f"{target!r} matches {', '.join(bad)} modules, which LoRA cannot adapt")
+    return problems

@@ -16,13 +16,19 @@ Resolution rules for ``auto``:
 - ``max_seq_length``: the model's maximum, capped at 2048.
 - ``eval_every``: about 10 evaluations per run when there is a validation file, else disabled.
 - ``checkpoint_every``: about 5 checkpoints per run (and always one at the end).
+
+Bounds: every number is finite and bounded on construction (no count above ``MAX_COUNT``, the
+largest a job's step counters hold in the database). The service's configurable limits
+(:class:`JobLimits`: total steps, total tokens, sequence length, LoRA rank, ...) and the checks of
+values that would only fail once the job runs (learning rate, LoRA target modules, a sequence
+length too short for one example) are :func:`limit_errors`, run when a job is created.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -30,6 +36,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from offload.config import EngineConfig
 
 Auto = Literal["auto"]
+
+#: The largest step, epoch, batch or length count a job may have: its step counters are 32-bit
+#: integer columns in the database.
+MAX_COUNT = 2**31 - 1
 
 
 class EngineSettings(EngineConfig):
@@ -48,13 +58,31 @@ class EngineSettings(EngineConfig):
 class LoraSpec(BaseModel):
     """LoRA through peft: only the adapter trains; the export is the merged model plus the adapter."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
+    r: int = Field(8, ge=1, le=65_536)
+    alpha: float = Field(16.0, gt=0, le=65_536)
     dropout: float = Field(0.0, ge=0, lt=1)
-    #: Module names to adapt, or "all-linear" (every linear layer but the output head).
+    #: Module names to adapt (peft's rule: a module whose name is the entry or ends with "." + the
+    #: entry), or "all-linear" (every linear layer but the output head).
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+    @field_validator("r", mode="before")
+    @classmethod
+    def _no_bool(cls, v: object) -> object:
+        if isinstance(v, bool):
+            raise ValueError("must be an integer, not a boolean")
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list):
+            if not 1 <= len(v) <= 256:
+                raise ValueError("give between 1 and 256 module names, or 'all-linear'")
+            if any(not 1 <= len(name) <= 256 for name in v):
+                raise ValueError("each module name must be 1 to 256 characters long")
+        return v
 
 
 class ResolvedHyperparameters(BaseModel):
@@ -101,7 +129,7 @@ class ResolvedHyperparameters(BaseModel):
 class Hyperparameters(BaseModel):
     """Requested hyperparameters (OpenAI names where they exist), each number or ``"auto"``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     n_epochs: int | Auto = "auto"
     batch_size: int | Auto = "auto"
@@ -114,18 +142,29 @@ class Hyperparameters(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     max_seq_length: int | Auto = "auto"
     #: Stop after this many steps in all (None: n_epochs full epochs).
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=MAX_COUNT)
     #: Validation loss every N steps (and at the end); None or 0 disables it.
     eval_every: int | Auto | None = "auto"
     #: A resumable checkpoint every N steps (and always at the end).
     checkpoint_every: int | Auto = "auto"
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+
+    @field_validator(
+        "n_epochs", "batch_size", "max_seq_length", "max_steps", "eval_every", "checkpoint_every", "seed",
+        mode="before",
+    )
+    @classmethod
+    def _no_bool(cls, v: object) -> object:
+        # bool is an int subclass: True would silently become 1.
+        if isinstance(v, bool):
+            raise ValueError("must be an integer, not a boolean")
+        return v
 
     @field_validator("n_epochs", "batch_size", "max_seq_length", "checkpoint_every")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v < 1:
-            raise ValueError("must be >= 1 or 'auto'")
+        if isinstance(v, int) and not 1 <= v <= MAX_COUNT:
+            raise ValueError(f"must be an integer in [1, {MAX_COUNT}] or 'auto'")
         return v
 
     @field_validator("learning_rate", "learning_rate_multiplier")
@@ -140,8 +179,8 @@ class Hyperparameters(BaseModel):
     def _warmup(cls, v: int | float | str) -> int | float | str:
         if isinstance(v, bool):
             raise ValueError("must be a number of steps, a ratio in [0, 1), or 'auto'")
-        if isinstance(v, int) and v < 0:
-            raise ValueError("steps must be >= 0")
+        if isinstance(v, int) and not 0 <= v <= MAX_COUNT:
+            raise ValueError(f"steps must be in [0, {MAX_COUNT}]")
         if isinstance(v, float) and not 0 <= v < 1:
             raise ValueError("a ratio must be in [0, 1); give an integer for a number of steps")
         return v
@@ -149,8 +188,8 @@ class Hyperparameters(BaseModel):
     @field_validator("eval_every")
     @classmethod
     def _eval_every(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and v < 0:
-            raise ValueError("must be >= 1, 0/null (disabled) or 'auto'")
+        if isinstance(v, int) and not 0 <= v <= MAX_COUNT:
+            raise ValueError(f"must be in [1, {MAX_COUNT}], 0/null (disabled) or 'auto'")
         return None if v == 0 else v
 
     def resolve(
@@ -195,6 +234,8 @@ class Hyperparameters(BaseModel):
         else:
             eval_every = self.eval_every
         ckpt = max(1, math.ceil(total / 5)) if self.checkpoint_every == "auto" else self.checkpoint_every
+        if total > MAX_COUNT:
+            raise ValueError(f"{total} training steps: more than a job can run ({MAX_COUNT})")
         return ResolvedHyperparameters(
             n_epochs=n_epochs,
             batch_size=batch_size,
@@ -330,3 +371,112 @@ def spec_from_job(
             "output_dir": str(output_dir),
         }
     )
+
+
+# --- the service's limits, checked when a job is created ---------------------------------------------
+
+
+class JobLimits(BaseModel):
+    """Configurable maxima of one job (the service sets them from its settings; see :func:`limit_errors`)."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    max_n_epochs: int = Field(10_000, ge=1, le=MAX_COUNT)
+    max_batch_size: int = Field(4096, ge=1, le=MAX_COUNT)
+    #: Shortest max_seq_length: below it no chat template holds one prompt and its answer.
+    min_seq_length: int = Field(32, ge=2, le=MAX_COUNT)
+    max_seq_length: int = Field(32_768, ge=2, le=MAX_COUNT)
+    #: Training steps of one job, after its data is counted (n_epochs x steps per epoch, or max_steps).
+    max_total_steps: int = Field(1_000_000, ge=1, le=MAX_COUNT)
+    #: Token positions one job may process: total steps x batch size x max_seq_length.
+    max_total_tokens: int = Field(100_000_000_000, ge=1)
+    max_learning_rate: float = Field(1.0, gt=0)
+    max_lora_rank: int = Field(256, ge=1, le=65_536)
+
+
+class LimitError(NamedTuple):
+    """One refused value: where it is in the spec (``("hyperparameters", "n_epochs")``) and why."""
+
+    loc: tuple[str, ...]
+    message: str
+
+
+def _steps_loc(hp: Hyperparameters) -> tuple[str, ...]:
+    """The field to blame for too many steps: max_steps when given, else n_epochs."""
+    return ("hyperparameters", "max_steps" if hp.max_steps is not None else "n_epochs")
+
+
+def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None = None) -> list[LimitError]:
+    """What in ``spec`` is over ``limits`` or would only fail once the job runs; empty when it may run.
+
+    With ``num_examples`` (the training file's count) the totals are checked too: training steps,
+    token positions and the resolved learning rate (the model's base rate times the multiplier).
+    LoRA ``target_modules`` are matched against the model's modules (built on torch's meta device:
+    no weights are read; see trainer.lora.lora_target_problems).
+    """
+    from trainer.models import model_max_length
+
+    hp, errors = spec.hyperparameters, []
+
+    def check(field: str, value: object, maximum: float, what: str = "must be") -> None:
+        if isinstance(value, int | float) and value > maximum:
+            shown = f"{maximum:,}" if isinstance(maximum, int) else f"{maximum:g}"
+            errors.append(LimitError(("hyperparameters", field), f"{what} at most {shown} on this server"))
+
+    check("n_epochs", hp.n_epochs, limits.max_n_epochs)
+    check("batch_size", hp.batch_size, limits.max_batch_size)
+    for field in ("max_steps", "eval_every", "checkpoint_every"):
+        check(field, getattr(hp, field), limits.max_total_steps)
+    if isinstance(hp.warmup, int):
+        check("warmup", hp.warmup, limits.max_total_steps, "warm-up steps must be")
+    check("learning_rate", hp.learning_rate, limits.max_learning_rate)
+    model_max = model_max_length(spec.model)
+    if isinstance(hp.max_seq_length, int):
+        if hp.max_seq_length < limits.min_seq_length:
+            errors.append(LimitError(("hyperparameters", "max_seq_length"), (
+                f"must be at least {limits.min_seq_length}: a shorter sequence cannot hold one example's "
+                "prompt and answer with the chat template")))
+        elif hp.max_seq_length > limits.max_seq_length:
+            check("max_seq_length", hp.max_seq_length, limits.max_seq_length)
+        elif hp.max_seq_length > model_max:
+            errors.append(LimitError(("hyperparameters", "max_seq_length"),
+                                     f"must be at most {model_max}, the model's maximum sequence length"))
+    if spec.lora is not None:
+        if spec.lora.r > limits.max_lora_rank:
+            errors.append(LimitError(("lora", "r"), f"must be at most {limits.max_lora_rank} on this server"))
+        if isinstance(spec.lora.target_modules, list):
+            from trainer.lora import lora_target_problems
+
+            try:
+                problems = lora_target_problems(spec.model, spec.lora.target_modules)
+            except ValueError as exc:
+                problems = [str(exc)]
+            if problems:
+                errors.append(LimitError(("lora", "target_modules"), "; ".join(problems)))
+    if errors or num_examples is None:
+        return errors
+    try:
+        r = spec.resolve(num_examples)
+    except ValueError as exc:
+        return [LimitError(_steps_loc(hp), str(exc))]
+    if r.learning_rate > limits.max_learning_rate:
+        field = "learning_rate_multiplier" if hp.learning_rate_multiplier != "auto" else "learning_rate"
+        errors.append(LimitError(("hyperparameters", field), (
+            f"the learning rate ({r.base_learning_rate:g} x multiplier {r.learning_rate_multiplier:g} = "
+            f"{r.learning_rate:g}) must be at most {limits.max_learning_rate:g}")))
+    if r.max_seq_length > limits.max_seq_length:
+        errors.append(LimitError(("hyperparameters", "max_seq_length"), (
+            f"resolves to {r.max_seq_length}, over this server's {limits.max_seq_length}: give a smaller value")))
+    if r.total_steps > limits.max_total_steps:
+        errors.append(LimitError(_steps_loc(hp), (
+            f"{r.total_steps:,} training steps ({r.n_epochs} epochs x {r.steps_per_epoch} steps of batch size "
+            f"{r.batch_size} over {num_examples} examples) is over this server's limit of "
+            f"{limits.max_total_steps:,}: lower n_epochs or set max_steps")))
+    tokens = r.total_steps * r.batch_size * r.max_seq_length
+    if not errors and tokens > limits.max_total_tokens:
+        given = [f for f in ("max_seq_length", "batch_size", "max_steps") if getattr(hp, f) not in ("auto", None)]
+        field = given[0] if given else "n_epochs"
+        errors.append(LimitError(("hyperparameters", field), (
+            f"up to {tokens:,} token positions ({r.total_steps} steps x batch size {r.batch_size} x "
+            f"max_seq_length {r.max_seq_length}) is over this server's limit of {limits.max_total_tokens:,}")))
+    return errors

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
-from sqlalchemy import select
+from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -18,7 +18,9 @@ from api.pagination import MAX_LIMIT, list_object, page
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, receive_upload
 from store.ids import new_id
-from store.models import File, FineTuningJob
+from store.models import File, FineTuningJob, JobStatus
+from store.results import RESULTS_PURPOSE
+from store.usage import DELETED_FILE_STATUS
 
 router = APIRouter(prefix="/v1", tags=["files"], responses=error_responses(401, 503))
 
@@ -59,14 +61,19 @@ def file_object(row: File) -> FileObject:
     )
 
 
-def get_team_file(session: Session, team_id: str, file_id: str, *, param: str = "file_id") -> File:
-    row = session.get(File, file_id)
-    if row is None or row.team_id != team_id:
+def get_team_file(
+    session: Session, team_id: str, file_id: str, *, param: str = "file_id", lock: bool = False
+) -> File:
+    """The team's file, or 404 (another team's, unknown, and deleted ones alike)."""
+    stmt = select(File).where(File.id == file_id)
+    row = session.execute(stmt.with_for_update() if lock else stmt).scalar_one_or_none()
+    if row is None or row.team_id != team_id or row.status == DELETED_FILE_STATUS:
         raise not_found("File", file_id, param=param)
     return row
 
 
-@router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC, responses=error_responses(400, 413, 415))
+@router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC,
+             responses=error_responses(400, 413, 415, 507))
 async def create_file(request: Request, team: TeamDep, settings: SettingsDep) -> FileObject:
     """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``)."""
     store = LocalFileStore(settings.resolved_files_dir)
@@ -131,7 +138,7 @@ async def list_files(
 def _list_files(
     session: Session, team_id: str, after: str | None, limit: int, order: str, purpose: str | None
 ) -> dict[str, Any]:
-    stmt = select(File).where(File.team_id == team_id)
+    stmt = select(File).where(File.team_id == team_id, File.status != DELETED_FILE_STATUS)
     if purpose:
         stmt = stmt.where(File.purpose == purpose)
     cursor = None
@@ -150,25 +157,48 @@ async def retrieve_file(file_id: str, request: Request, team: TeamDep) -> FileOb
 
 @router.delete("/files/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))
 async def delete_file(file_id: str, request: Request, team: TeamDep) -> FileDeleted:
-    """Delete a file; refused (409) while a job still refers to it."""
+    """Delete a file and its bytes; refused (409) while a queued or running job uses it. A result file
+    also leaves its job's ``result_files``."""
     return await run_db(request, _delete_file, team.team_id, file_id)
 
 
 def _delete_file(session: Session, team_id: str, file_id: str) -> FileDeleted:
-    row = get_team_file(session, team_id, file_id)
-    user = session.scalar(
-        select(FineTuningJob.id)
+    row = get_team_file(session, team_id, file_id, lock=True)
+    users = session.execute(
+        select(FineTuningJob.id, FineTuningJob.status)
         .where((FineTuningJob.training_file_id == file_id) | (FineTuningJob.validation_file_id == file_id))
-        .limit(1)
-    )
-    if user is not None:
-        raise APIError(409, f"File {file_id} is used by fine-tuning job {user}", param="file_id",
-                       code="file_in_use")
+        .order_by(FineTuningJob.created_at)
+    ).all()
+    active = [u for u in users if not JobStatus(u.status).terminal]
+    if active:
+        raise APIError(409, f"File {file_id} is used by fine-tuning job {active[0].id}, which is {active[0].status}; "
+                       "cancel the job or wait until it finishes", param="file_id", code="file_in_use")
     path = row.storage_path
-    session.delete(row)
+    if users:
+        # Finished jobs keep naming it (training_file, validation_file): the row stays, as a tombstone
+        # that is no longer listed, served, counted or usable; the bytes go.
+        row.status = DELETED_FILE_STATUS
+    else:
+        session.delete(row)
+    if row.purpose == RESULTS_PURPOSE:
+        _drop_from_result_files(session, team_id, file_id)
     session.commit()
     LocalFileStore.remove(path)
     return FileDeleted(id=file_id)
+
+
+def _drop_from_result_files(session: Session, team_id: str, file_id: str) -> None:
+    """Remove a result file's id from the ``result_files`` of the team's jobs that list it (a text
+    search narrows the JSON lists portably, the exact test is done here)."""
+    jobs = session.scalars(
+        select(FineTuningJob)
+        .where(FineTuningJob.team_id == team_id,
+               cast(FineTuningJob.result_files, Text).contains(file_id, autoescape=True))
+        .with_for_update()
+    ).all()
+    for job in jobs:
+        if file_id in (job.result_files or []):
+            job.result_files = [f for f in job.result_files or [] if f != file_id]
 
 
 @router.get("/files/{file_id}/content", response_class=FileResponse, responses=error_responses(404))

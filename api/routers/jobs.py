@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import secrets
 from operator import itemgetter
 from pathlib import Path
@@ -43,6 +44,7 @@ from api.schemas import (
     StepMetric,
 )
 from offload.config import EngineConfig
+from store import quotas
 from store.ids import new_id
 from store.jobs import add_event, mark_dispatched, request_cancel
 from store.models import File, FineTuningJob, JobCheckpoint, JobStatus, JobStepMetric
@@ -112,7 +114,54 @@ def _replay(session: Session, team_id: str, key: str, digest: str) -> FineTuning
     return prior
 
 
-@router.post("", response_model=FineTuningJobObject, responses=error_responses(400, 409, 413))
+#: Inserts tried by one create whose Idempotency-Key raced another request's (see _insert_or_replay).
+_INSERT_ATTEMPTS = 3
+
+
+def _insert_or_replay(
+    session: Session, job: FineTuningJob, idempotency_key: str | None, digest: str
+) -> FineTuningJob | None:
+    """Insert and commit ``job`` with its first events; or, when a concurrent request with the same
+    ``Idempotency-Key`` got there first, the job that request made (the caller replays it).
+
+    The unique constraint on (team_id, idempotency_key) fires at the flush: on PostgreSQL the loser's
+    INSERT waits for the winner's transaction and fails once it commits, so after the rollback the
+    winner's row is visible. Should the winner's row be gone again (its enqueue failed and it removed
+    it), the insert is tried again, a bounded number of times.
+    """
+    for attempt in range(1, _INSERT_ATTEMPTS + 1):
+        session.add(job)
+        try:
+            session.flush()
+            add_event(session, job.id, f"Created fine-tuning job: {job.id}", data={"status": job.status})
+            add_event(session, job.id, f"Job queued on {job.queue}", data={"status": job.status, "queue": job.queue})
+            session.commit()
+            return None
+        except IntegrityError:
+            session.rollback()
+            if not idempotency_key:
+                raise
+            prior = _replay(session, job.team_id, idempotency_key, digest)
+            if prior is not None:
+                return prior
+            if attempt == _INSERT_ATTEMPTS:
+                raise
+            log.info("job create with Idempotency-Key: the racing job is gone, inserting again (%d)", attempt)
+    raise AssertionError("unreachable")
+
+
+def _admit(session: Session, team_id: str, settings: Settings) -> None:
+    """The team's quotas (store.quotas) as API errors: 429 ``quota_exceeded`` for limits that free up
+    by themselves (with ``Retry-After`` when known), 400 for hard ones; ``param`` names the quota."""
+    try:
+        quotas.admit_job(session, team_id, settings)
+    except quotas.QuotaExceeded as exc:
+        headers = {"Retry-After": str(math.ceil(exc.retry_after))} if exc.retry_after is not None else None
+        raise APIError(exc.status_code, exc.message, param=exc.quota, code="quota_exceeded",
+                       headers=headers) from exc
+
+
+@router.post("", response_model=FineTuningJobObject, responses=error_responses(400, 409, 413, 429))
 async def create_job(
     body: JobCreate,
     request: Request,
@@ -123,7 +172,8 @@ async def create_job(
     """Create a fine-tuning job and put it on its queue.
 
     With an ``Idempotency-Key`` header, a retry with the same body returns the job created the first
-    time; the same key with a different body is refused with 409.
+    time; the same key with a different body is refused with 409. A value over the server's bounds is
+    a 400 naming the field; a create over one of the team's quotas a 429 (or 400) ``quota_exceeded``.
     """
     return await run_db(request, _create_job, request, body, team, settings, idempotency_key)
 
@@ -162,7 +212,15 @@ def _create_job(
         engine=engine,
         seed=seed,
         output_dir=settings.resolved_jobs_dir / job_id,
+        limits=integration.job_limits(settings),
+        num_examples=training.num_examples or None,
     )
+    # Quotas, counted under the team's row lock (held to the commit): racing creates go one by one.
+    quotas.lock_team(session, team.team_id)
+    if idempotency_key and (prior := _replay(session, team.team_id, idempotency_key, digest)) is not None:
+        # a request with this key committed while we waited for the lock: replay it, whatever the quota
+        return JSONResponse(job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"})
+    _admit(session, team.team_id, settings)
 
     job = FineTuningJob(
         id=job_id,
@@ -180,20 +238,9 @@ def _create_job(
         request_hash=digest,
         queue=settings.default_queue,
     )
-    session.add(job)
-    session.flush()
-    add_event(session, job.id, f"Created fine-tuning job: {job.id}", data={"status": job.status})
-    add_event(session, job.id, f"Job queued on {job.queue}", data={"status": job.status, "queue": job.queue})
-    try:
-        session.commit()
-    except IntegrityError:
-        session.rollback()
-        if idempotency_key:
-            prior = _replay(session, team.team_id, idempotency_key, digest)
-            if prior is not None:  # a concurrent request with the same key won the race
-                return JSONResponse(job_out(session, prior).model_dump(mode="json"),
-                                    headers={"Idempotent-Replayed": "true"})
-        raise
+    prior = _insert_or_replay(session, job, idempotency_key, digest)
+    if prior is not None:  # a concurrent request with the same key won the race
+        return JSONResponse(job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"})
 
     try:
         request.app.state.enqueue(job.id, job.queue)

@@ -9,10 +9,11 @@ from pathlib import Path
 import yaml
 
 from api.config import ApiSettings
+from api.storage import FRAMING_SLACK
 from store.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"api", "worker", "redis", "postgres", "prometheus", "grafana"}
+SERVICES = {"proxy", "api", "worker", "redis", "postgres", "prometheus", "grafana"}
 
 
 def _compose() -> dict:
@@ -84,3 +85,51 @@ def test_dockerfile_defaults() -> None:
     assert re.search(r"ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu", text)
     assert "HEALTHCHECK" in text and "/readyz" in text and "zenflow" in text
     assert ".venv" in (ROOT / ".dockerignore").read_text()
+
+
+def _default(value: object) -> str:
+    """``${X:-default}`` -> ``default``; anything else as it is."""
+    m = re.fullmatch(r"\$\{\w+:-(.*)\}", str(value))
+    return m.group(1) if m else str(value)
+
+
+def _nginx_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", text)
+    assert m, text
+    return int(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
+
+
+def test_api_is_reached_only_through_the_proxy() -> None:
+    c = _compose()
+    api, proxy = c["services"]["api"], c["services"]["proxy"]
+    assert "ports" not in api and "8000" in [str(p) for p in api["expose"]]
+    assert proxy["image"].startswith("nginx:")
+    assert [p.split(":")[-1] for p in proxy["ports"]] == ["8080"]
+    assert "${ZENFLOW_API_PORT:-8000}" in proxy["ports"][0]
+    assert proxy["depends_on"]["api"]["condition"] == "service_healthy"
+    assert proxy["environment"]["PROXY_UPSTREAM"] == "api:8000"
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in proxy["volumes"]}
+    assert (ROOT / mounts["/etc/nginx/templates"] / "default.conf.template").is_file()
+    assert "8080" in " ".join(proxy["healthcheck"]["test"])
+
+
+def test_proxy_limits_match_the_api() -> None:
+    """The proxy refuses before the API would, never something the API takes: its body limits are the
+    API's (uploads: max_upload_bytes plus the multipart framing the API allows for), and the API's
+    header bound is above the proxy's (16 KiB plus the headers the proxy adds)."""
+    c = _compose()
+    proxy_env, api_env = c["services"]["proxy"]["environment"], c["services"]["api"]["environment"]
+    template = (ROOT / "deploy/nginx/templates/default.conf.template").read_text()
+    upload = int(_default(c["x-zenflow-env"]["ZENFLOW_MAX_UPLOAD_BYTES"]))
+    assert upload == Settings.model_fields["max_upload_bytes"].default
+    assert _nginx_size(_default(proxy_env["PROXY_UPLOAD_BODY_LIMIT"])) >= upload + FRAMING_SLACK
+    body = int(_default(proxy_env["ZENFLOW_API_MAX_BODY_BYTES"]))
+    assert body == int(_default(api_env["ZENFLOW_API_MAX_BODY_BYTES"])) == ApiSettings.model_fields["max_body_bytes"].default
+    m = re.search(r"large_client_header_buffers (\d+) (\w+);", template)
+    assert m, "the proxy bounds request heads"
+    proxy_heads = int(m.group(1)) * _nginx_size(m.group(2))
+    assert int(api_env["ZENFLOW_API_MAX_HEADER_BYTES"]) >= proxy_heads + 4096
+    upstream = re.search(r"^upstream zenflow_api \{\n(.*?)^\}", template, re.S | re.M)
+    idle = re.search(r"keepalive_timeout (\d+)s;", upstream.group(1) if upstream else "")
+    assert idle, "the upstream keep-alive is bounded"
+    assert int(idle.group(1)) < ApiSettings.model_fields["keep_alive_seconds"].default

@@ -1,5 +1,6 @@
 """The read path: list and retrieve are one SQL statement each and agree on queue positions (all
-teams, per queue, ties shared); the per-process key cache and the throttled ``last_used_at``."""
+teams, per queue, by fair share: store.fairshare); the per-process key cache and the throttled
+``last_used_at``."""
 
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ def test_queue_positions_in_one_query(client: TestClient, app: FastAPI, team: Te
     q1, q2 = f"q1-{secrets.token_hex(4)}", f"q2-{secrets.token_hex(4)}"
     t0 = datetime(2021, 1, 1, tzinfo=UTC)
     at = [t0 + timedelta(seconds=i) for i in range(6)]
+    # The other team's job comes first in q1 (team already runs one there: its first waiting job is in
+    # round two); team's own jobs follow in creation order, two created at the same instant by id.
     specs = [  # (team, queue, status, created_at, expected queue_position)
         (other_team, q1, "queued", at[0], 1),
         (team, q1, "queued", at[1], 2),
         (team, q1, "running", at[2], None),
+        (team, q1, "queued", at[3], 3),  # created at the same instant: 3 and 4, in id order
         (team, q1, "queued", at[3], 3),
-        (team, q1, "queued", at[3], 3),  # created at the same instant: the same position
         (team, q1, "validating_files", at[4], 5),
         (team, q1, "cancelled", at[5], None),
         (team, q2, "queued", at[2], 1),
@@ -59,6 +62,8 @@ def test_queue_positions_in_one_query(client: TestClient, app: FastAPI, team: Te
         s.add_all(rows)
         s.commit()
         mine = [(r.id, st, pos) for r, (t, _, st, _, pos) in zip(rows, specs, strict=True) if t is team]
+    tied = sorted(job_id for job_id, _, pos in mine if pos == 3)
+    mine = [(job_id, st, 4 if job_id == tied[1] else pos) for job_id, st, pos in mine]
     expected = {job_id: pos for job_id, _, pos in mine}
 
     assert client.get(JOBS, headers=team.headers).status_code == 200  # the key is cached from here on

@@ -1,19 +1,27 @@
 """Run one job from the database: ``python -m trainer.worker.job_runner JOB_ID``.
 
 The worker task spawns this as a subprocess (a killable PID, CUDA initialised only here). It loads the
-job and file rows, builds the JobSpec (:func:`trainer.spec.spec_from_job`), runs
-:func:`trainer.loop.run_training` with a :class:`~trainer.worker.reporter.DBReporter` (events ->
-rows) inside :func:`~trainer.worker.telemetry.track_job` (Prometheus), while a
+job and file rows, builds the JobSpec (:func:`trainer.spec.spec_from_job`), makes the job's checkpoint
+rows match its output directory, runs :func:`trainer.loop.run_training` with a
+:class:`~trainer.worker.reporter.DBReporter` (events -> rows, written in order by a
+:class:`~trainer.worker.writer.ReportWriter` that waits out database outages) inside
+:func:`~trainer.worker.telemetry.track_job` (Prometheus), while a
 :class:`~trainer.worker.monitor.JobMonitor` beats the heartbeat and polls for a cancel, and writes the
 end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model directory,
 ``trained_tokens``, the metrics CSV as a result file), cancelled, or failed with ``error = {code,
-message, param}``; data errors name the file param.
+message, param}``; data errors name the file param. Every database write is retried across
+connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries
+SQL (:func:`trainer.worker.errors.public_message`).
 
 Exit codes: 0 the job reached a terminal state; 75 preempted by SIGTERM (checkpoint written, job left
-running for the worker to re-queue, attempt not counted); 3 the job is not ours: already claimed
-elsewhere, or taken away while running (re-queued by the reaper, finished elsewhere), in which case
-the process exits at once without writing more (another process may own the output directory); any other
-exit (a crash, a signal) leaves the job running for the worker or the reaper to re-queue.
+running for the worker to re-queue, attempt not counted); 69 interrupted: the database was unreachable
+for longer than the outage window (checkpoint written if the disk allowed, unwritten reports saved in
+the output directory for the next run; the worker re-queues the job, the attempt counted); 74 no space
+left while writing a checkpoint (the previous one kept; the worker re-queues after a backoff, the
+attempt not counted); 3 the job is not ours: already claimed elsewhere, or taken away while running
+(re-queued by the reaper, finished elsewhere), in which case the process exits at once without writing
+more (another process may own the output directory); any other exit (a crash, a signal) leaves the job
+running for the worker or the reaper to re-queue.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,18 +44,29 @@ from store.db import session_scope
 from store.models import File, FineTuningJob, JobStatus, utcnow
 from store.results import add_results_file
 from store.settings import Settings, get_settings
-from trainer.worker.monitor import EXIT_LOST, JobMonitor
+from trainer.worker.errors import public_message, scrub
+from trainer.worker.monitor import EXIT_LOST, JobMonitor, exit_lost
 from trainer.worker.reporter import DBReporter
+from trainer.worker.retry import DatabaseUnavailable, retry_db
+from trainer.worker.writer import SPOOL_NAME, ReportWriter
 
 log = logging.getLogger("zenflow.job_runner")
 
 EXIT_DONE = 0
 EXIT_PREEMPTED = 75
+#: The database stayed unreachable for longer than the outage window (sysexits EX_UNAVAILABLE).
+EXIT_DB_UNAVAILABLE = 69
+#: No space left while writing a checkpoint (sysexits EX_IOERR).
+EXIT_DISK_FULL = 74
 HOSTNAME_ENV = "ZENFLOW_WORKER_HOSTNAME"
 #: What the worker task runs with ``python -m``.
 JOB_RUNNER_MODULE = "trainer.worker.job_runner"
+#: After an interruption, how long the unwritten reports may still try the database before they are
+#: saved to the spool file.
+_LAST_TRY_SECONDS = 10.0
 
-__all__ = ["EXIT_DONE", "EXIT_LOST", "EXIT_PREEMPTED", "HOSTNAME_ENV", "JOB_RUNNER_MODULE", "run_job_process"]
+__all__ = ["EXIT_DB_UNAVAILABLE", "EXIT_DISK_FULL", "EXIT_DONE", "EXIT_LOST", "EXIT_PREEMPTED", "HOSTNAME_ENV",
+           "JOB_RUNNER_MODULE", "run_job_process"]
 
 EndState = Callable[[Session, FineTuningJob], None]
 
@@ -56,16 +76,24 @@ def runner_hostname() -> str:
     return os.environ.get(HOSTNAME_ENV) or f"runner@{socket.gethostname()}:{os.getpid()}"
 
 
-def _finish(url: str, job_id: str, hostname: str, end: EndState) -> bool:
-    """Write the end state (``end``, a :mod:`store.jobs` transition) if the job is still ours; False when
-    it was taken away meanwhile."""
-    with session_scope(url) as s:
-        job = jobs.lock_job(s, job_id)
-        if job is None or job.status != JobStatus.running.value or job.worker_hostname != hostname:
-            return False
-        job.heartbeat_at = utcnow()
-        end(s, job)
-    return True
+def _finish(url: str, job_id: str, hostname: str, end: EndState, window: float) -> int:
+    """Write the end state (``end``, a :mod:`store.jobs` transition) if the job is still ours, retrying
+    across connection drops; the exit code: done, lost (taken away meanwhile) or database unavailable."""
+
+    def once() -> bool:
+        with session_scope(url) as s:
+            job = jobs.lock_job(s, job_id)
+            if job is None or job.status != JobStatus.running.value or job.worker_hostname != hostname:
+                return False
+            job.heartbeat_at = utcnow()
+            end(s, job)
+        return True
+
+    try:
+        return EXIT_DONE if retry_db(once, window=window, what=f"job {job_id}: end state") else EXIT_LOST
+    except DatabaseUnavailable as e:
+        log.error("job %s: could not write its end state: %s", job_id, e)
+        return EXIT_DB_UNAVAILABLE
 
 
 def _failed(code: str, message: str, *, param: str | None = None, event: str) -> EndState:
@@ -99,13 +127,8 @@ def _claim_standalone(s: Session, job: FineTuningJob, hostname: str, settings: S
                       heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds) is jobs.Claim.claimed
 
 
-def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
-    """Run the job to an end state; see the module docstring for the exit codes."""
-    from trainer.spec import spec_from_job
-
-    settings = settings or get_settings()
-    url = settings.resolved_database_url
-    hostname = runner_hostname()
+def _load(url: str, job_id: str, hostname: str, settings: Settings) -> int | tuple[dict[str, Any], dict[str, str]]:
+    """The spec's fields and the data files' params, or the exit code when the job is not to run here."""
     with session_scope(url) as s:
         job = jobs.lock_job(s, job_id)
         if job is None:
@@ -129,64 +152,129 @@ def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
             seed=job.seed,
             output_dir=output_dir,
         )
-        paths = {str(Path(p)): name for p, name in ((fields["training_file"], "training_file"),
-                                                     (fields["validation_file"], "validation_file")) if p}
+    paths = {str(Path(p)): name for p, name in ((fields["training_file"], "training_file"),
+                                                 (fields["validation_file"], "validation_file")) if p}
+    return fields, paths
+
+
+def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
+    """Run the job to an end state; see the module docstring for the exit codes."""
+    from trainer.spec import spec_from_job
+
+    settings = settings or get_settings()
+    url, window = settings.resolved_database_url, settings.job_db_outage_seconds
+    hostname = runner_hostname()
+    try:
+        loaded = retry_db(lambda: _load(url, job_id, hostname, settings), window=window, what=f"job {job_id}: start")
+    except DatabaseUnavailable as e:
+        log.error("job %s: cannot start: %s", job_id, e)
+        return EXIT_DB_UNAVAILABLE
+    if isinstance(loaded, int):
+        return loaded
+    fields, paths = loaded
 
     try:
         spec = spec_from_job(**fields)
     except Exception as e:
-        _finish(url, job_id, hostname, _failed("invalid_job", str(e), event=f"Invalid job: {e}"))
-        return EXIT_DONE
+        msg = scrub(str(e))
+        return _finish(url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window)
 
-    monitor = JobMonitor(job_id, url, hostname, settings.heartbeat_interval_seconds)
+    interrupted = threading.Event()  # the database away for longer than the window
+    monitor = JobMonitor(job_id, url, hostname, settings.heartbeat_interval_seconds,
+                         outage_seconds=window, interrupted=interrupted)
+
+    def on_lost() -> None:
+        monitor.lost.set()
+        exit_lost(job_id)
+
+    writer = ReportWriter(url, job_id, hostname, outage_seconds=window, max_items=settings.job_db_buffer_items,
+                          on_lost=on_lost, interrupted=interrupted)
+    writer.start()
     monitor.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: monitor.preempted.set())
     try:
-        return _run(spec, job_id, url, hostname, monitor, paths, settings.resolved_files_dir)
+        return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
+        writer.close()
 
 
-def _run(
-    spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, paths: dict[str, str], files_dir: Path
-) -> int:
-    from trainer.data import DatasetValidationError
-    from trainer.loop import run_training
-    from trainer.models import UnknownModelError
-    from trainer.worker.telemetry import track_job
+class _Run:
+    """One run of the job in this process, from the reconciliation of its checkpoints to its exit code."""
 
-    try:
+    def __init__(self, spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, writer: ReportWriter,
+                 paths: dict[str, str], settings: Settings) -> None:
+        self.spec, self.job_id, self.url, self.hostname = spec, job_id, url, hostname
+        self.monitor, self.writer, self.paths = monitor, writer, paths
+        self.window, self.files_dir = settings.job_db_outage_seconds, settings.resolved_files_dir
+        self.out = Path(spec.output_dir)
+        self.spool = self.out / SPOOL_NAME
+
+    def run(self) -> int:
+        from trainer.checkpoint import DiskFullError, is_out_of_space, prune_checkpoints
+        from trainer.data import DatasetValidationError
+        from trainer.loop import run_training
+        from trainer.models import UnknownModelError
+        from trainer.worker.telemetry import track_job
+
+        reporter = DBReporter(self.writer)
+        if n := self.writer.load_spool(self.spool):
+            log.info("job %s: writing %d reports a previous run could not", self.job_id, n)
+        prune_checkpoints(self.out, self.spec.keep_checkpoints)
+        reporter.sync_checkpoints(self.out)
+        spec, monitor = self.spec, self.monitor
+        end: EndState
         try:
-            # Prometheus telemetry of this run sees every event after the database.
-            with track_job(job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
-                result = run_training(spec, on_event=tj.wrap(DBReporter(job_id, url, hostname)),
-                                      should_cancel=monitor.should_stop)
-        finally:
-            monitor.stop()
-    except DatasetValidationError as e:
-        param = paths.get(str(Path(e.path)), "training_file")
-        _finish(url, job_id, hostname,
-                _failed(f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}"))
-        return EXIT_DONE
-    except UnknownModelError as e:
-        _finish(url, job_id, hostname, _failed("model_not_found", str(e), param="model", event=str(e)))
-        return EXIT_DONE
-    except Exception as e:
-        log.exception("job %s failed", job_id)
-        msg = f"{type(e).__name__}: {e}"
-        if not monitor.lost.is_set():
-            _finish(url, job_id, hostname, _failed("training_error", msg, event=f"Training failed: {msg}"))
-        return EXIT_LOST if monitor.lost.is_set() else EXIT_DONE
-    if monitor.lost.is_set():
-        return EXIT_LOST
-    if result.cancelled:
-        if monitor.cancel.is_set():
-            _finish(url, job_id, hostname,
-                    lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}"))
-            return EXIT_DONE
-        return EXIT_PREEMPTED
-    return EXIT_DONE if _finish(url, job_id, hostname, _succeeded(result, files_dir)) else EXIT_LOST
+            try:
+                # Prometheus telemetry of this run sees every event after the database.
+                with track_job(self.job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
+                    result = run_training(spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop)
+            finally:
+                monitor.stop()
+        except DatasetValidationError as e:
+            param = self.paths.get(str(Path(e.path)), "training_file")
+            end = _failed(f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}")
+        except UnknownModelError as e:
+            end = _failed("model_not_found", str(e), param="model", event=str(e))
+        except Exception as e:
+            if isinstance(e, DiskFullError) or is_out_of_space(e):
+                log.error("job %s: %s", self.job_id, e)
+                self._drain()
+                return EXIT_DISK_FULL
+            log.exception("job %s failed", self.job_id)
+            msg = public_message(e)
+            end = _failed("training_error", msg, event=f"Training failed: {msg}")
+        else:
+            if result.cancelled and monitor.cancel.is_set():
+                end = lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")  # noqa: E731
+            elif result.cancelled:  # preempted, or the database away for too long (interrupted)
+                self._drain()
+                return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
+            else:
+                end = _succeeded(result, self.files_dir)
+        if monitor.lost.is_set():
+            return EXIT_LOST
+        if not self._drain():
+            if self.writer.fatal is None:
+                return EXIT_DB_UNAVAILABLE
+            msg = public_message(self.writer.fatal)
+            end = _failed("training_error", msg, event=f"Training failed: {msg}")
+        return _finish(self.url, self.job_id, self.hostname, end, self.window)
+
+    def _drain(self) -> bool:
+        """Wait for the reports to be written (within the outage window; after an interruption, a last
+        short try); what cannot be is saved to the spool file for the next run. True when all went."""
+        w = self.writer
+        if w.flush() or w.fatal is not None:
+            return w.fatal is None
+        w.flush(min(_LAST_TRY_SECONDS, self.window), past_interruption=True)
+        left = w.close()
+        if left:
+            saved = w.save_spool(self.spool, left)
+            log.error("job %s: database unavailable; %d reports %s", self.job_id, len(left),
+                      f"saved to {self.spool} for the next run" if saved else "lost")
+        return not left
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,23 +1,22 @@
 """Training events -> database rows: the job process's ``on_event`` callback.
 
-Each :mod:`trainer.events` class has its handler: messages become ``fine_tuning_job_events`` rows
-(a ``metrics`` event per step), each step a ``fine_tuning_job_step_metrics`` row, each checkpoint a
+Each :mod:`trainer.events` class has its handler, which describes the rows the event makes as a
+:class:`~trainer.worker.writer.Write`: messages become ``fine_tuning_job_events`` rows (a ``metrics``
+event per step), each step a ``fine_tuning_job_step_metrics`` row, each checkpoint a
 ``fine_tuning_job_checkpoints`` row (removed again when the checkpoint is pruned); the job row gets
-total_steps, resolved_hyperparameters, global_step and last_checkpoint_path. One short transaction
-per event.
+total_steps, resolved_hyperparameters, global_step and last_checkpoint_path. The
+:class:`~trainer.worker.writer.ReportWriter` writes them in order in the background, waiting out
+database outages; a step replayed after a resume updates its metrics row and gets no second event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
-
-from store.db import session_scope
-from store.jobs import add_event
-from store.models import FineTuningJob, JobCheckpoint, JobStepMetric, utcnow
+from store.models import utcnow
+from trainer.checkpoint import list_checkpoints
 from trainer.events import (
     CheckpointRemoved,
     CheckpointSaved,
@@ -28,16 +27,18 @@ from trainer.events import (
     RunStarted,
     StepEvent,
 )
+from trainer.worker.errors import scrub
+from trainer.worker.writer import ReportWriter, Write, event_row
 
 
 class DBReporter:
-    """The on_event callback of a job run from the database."""
+    """The on_event callback of a job run from the database: events -> writes for ``writer``."""
 
-    def __init__(self, job_id: str, url: str, hostname: str) -> None:
-        self.job_id, self.url, self.hostname = job_id, url, hostname
+    def __init__(self, writer: ReportWriter) -> None:
+        self.writer = writer
         self.total_steps: int | None = None
         self.on_cuda = False
-        self._handlers: dict[type[Event], Callable[[Session, Any], None]] = {
+        self._handlers: dict[type[Event], Callable[[Any], Write]] = {
             LogEvent: self._on_log,
             RunStarted: self._on_run_started,
             StepEvent: self._on_step,
@@ -50,56 +51,46 @@ class DBReporter:
     def __call__(self, ev: Event) -> None:
         handler = self._handlers.get(type(ev))
         if handler is not None:
-            with session_scope(self.url) as s:
-                handler(s, ev)
+            self.writer.put(handler(ev))
 
-    def _job_update(self, s: Session, **values: Any) -> None:
-        s.execute(update(FineTuningJob).where(FineTuningJob.id == self.job_id).values(**values))
+    def sync_checkpoints(self, output_dir: Path) -> None:
+        """Make the job's checkpoint rows match the complete checkpoints in ``output_dir`` (at the start
+        of a run: one written while the database was away, or by a run that died before its row was
+        written, is registered; rows of checkpoints no longer on disk go)."""
+        found = [{"step": c.step, "path": str(c.path), "metrics": c.manifest.get("metrics") or {}}
+                 for c in list_checkpoints(output_dir)]
+        self.writer.put(Write(job={"last_checkpoint_path": found[-1]["path"] if found else None},
+                              checkpoints_on_disk=found))
 
-    def _checkpoint_row(self, s: Session, step: int) -> JobCheckpoint | None:
-        return s.execute(
-            select(JobCheckpoint).where(JobCheckpoint.job_id == self.job_id, JobCheckpoint.step_number == step)
-        ).scalar_one_or_none()
+    def _on_log(self, ev: LogEvent) -> Write:
+        return Write(events=[event_row(ev.message, level=ev.level, data=ev.data or None)])
 
-    def _on_log(self, s: Session, ev: LogEvent) -> None:
-        add_event(s, self.job_id, ev.message, level=ev.level, data=ev.data or None)
-
-    def _on_run_started(self, s: Session, ev: RunStarted) -> None:
+    def _on_run_started(self, ev: RunStarted) -> Write:
         self.total_steps = ev.total_steps
         self.on_cuda = ev.device.startswith("cuda")
-        self._job_update(s, total_steps=ev.total_steps, resolved_hyperparameters=ev.hyperparameters)
         what = f"Training resumed at step {ev.start_step}" if ev.start_step else "Training started"
-        add_event(
-            s,
-            self.job_id,
-            f"{what}: {ev.total_steps} steps, {ev.num_examples} examples, {ev.trainable_parameters:,} trainable "
-            f"parameters on {ev.device} ({ev.dtype}, engine mode {ev.mode})",
-            data=ev.as_dict(),
-        )
+        msg = (f"{what}: {ev.total_steps} steps, {ev.num_examples} examples, {ev.trainable_parameters:,} trainable "
+               f"parameters on {ev.device} ({ev.dtype}, engine mode {ev.mode})")
+        return Write(job={"total_steps": ev.total_steps, "resolved_hyperparameters": ev.hyperparameters},
+                     events=[event_row(msg, data=ev.as_dict())])
 
-    def _on_step(self, s: Session, ev: StepEvent) -> None:
+    def _on_step(self, ev: StepEvent) -> Write:
         eng = ev.engine
-        s.merge(
-            JobStepMetric(
-                job_id=self.job_id,
-                step=ev.step,
-                created_at=utcnow(),
-                train_loss=ev.loss,
-                lr=ev.lr,
-                tokens_per_second=ev.tokens_per_second,
-                step_seconds=ev.step_seconds,
-                stall_seconds=ev.stall_seconds,
-                stall_fraction=ev.stall_fraction,
-                gpu_utilization=(1.0 - ev.stall_fraction) if self.on_cuda else None,
-                cpu_optimizer_seconds=float(eng.cpu_optimizer_seconds),
-                bytes_device_to_host=int(eng.bytes_device_to_host),
-                bytes_host_to_device=int(eng.bytes_host_to_device),
-            )
-        )
-        self._job_update(s, global_step=ev.step, heartbeat_at=utcnow())
-        add_event(
-            s,
-            self.job_id,
+        metric = {
+            "step": ev.step,
+            "created_at": utcnow().isoformat(),
+            "train_loss": ev.loss,
+            "lr": ev.lr,
+            "tokens_per_second": ev.tokens_per_second,
+            "step_seconds": ev.step_seconds,
+            "stall_seconds": ev.stall_seconds,
+            "stall_fraction": ev.stall_fraction,
+            "gpu_utilization": (1.0 - ev.stall_fraction) if self.on_cuda else None,
+            "cpu_optimizer_seconds": float(eng.cpu_optimizer_seconds),
+            "bytes_device_to_host": int(eng.bytes_device_to_host),
+            "bytes_host_to_device": int(eng.bytes_host_to_device),
+        }
+        event = event_row(
             f"Step {ev.step}/{ev.total_steps}: training loss={ev.loss:.4f}",
             type="metrics",
             data={
@@ -111,42 +102,26 @@ class DBReporter:
                 "stall_fraction": ev.stall_fraction,
             },
         )
+        return Write(job={"global_step": ev.step}, metric=metric, events=[event])
 
-    def _on_eval(self, s: Session, ev: EvalEvent) -> None:
-        row = s.get(JobStepMetric, (self.job_id, ev.step))
-        if row is not None:
-            row.valid_loss = ev.valid_loss
-        add_event(
-            s,
-            self.job_id,
-            f"Step {ev.step}: validation loss={ev.valid_loss:.4f}",
-            type="metrics",
-            data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens},
-        )
+    def _on_eval(self, ev: EvalEvent) -> Write:
+        event = event_row(f"Step {ev.step}: validation loss={ev.valid_loss:.4f}", type="metrics",
+                          data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens})
+        return Write(valid_loss={"step": ev.step, "valid_loss": ev.valid_loss}, events=[event])
 
-    def _on_checkpoint(self, s: Session, ev: CheckpointSaved) -> None:
-        row = self._checkpoint_row(s, ev.step)
+    def _on_checkpoint(self, ev: CheckpointSaved) -> Write:
         metrics = {k: v for k, v in ev.metrics.items() if v is not None}
-        if row is None:
-            s.add(
-                JobCheckpoint(
-                    job_id=self.job_id,
-                    step_number=ev.step,
-                    path=ev.path,
-                    fine_tuned_model_checkpoint=ev.path,
-                    metrics=metrics,
-                )
-            )
-        else:
-            row.path = row.fine_tuned_model_checkpoint = ev.path
-            row.metrics = metrics
-        self._job_update(s, last_checkpoint_path=ev.path, heartbeat_at=utcnow())
-        add_event(s, self.job_id, f"Checkpoint saved at step {ev.step}", data={"step": ev.step, "path": ev.path})
+        return Write(job={"last_checkpoint_path": ev.path},
+                     checkpoint={"step": ev.step, "path": ev.path, "metrics": metrics},
+                     events=[event_row(f"Checkpoint saved at step {ev.step}", data={"step": ev.step, "path": ev.path})])
 
-    def _on_checkpoint_removed(self, s: Session, ev: CheckpointRemoved) -> None:
-        row = self._checkpoint_row(s, ev.step)
-        if row is not None:
-            s.delete(row)
+    def _on_checkpoint_removed(self, ev: CheckpointRemoved) -> Write:
+        return Write(removed_checkpoint=ev.step)
 
-    def _on_error(self, s: Session, ev: ErrorEvent) -> None:
-        add_event(s, self.job_id, ev.message, level="error", data={"error_type": ev.error_type, "errors": ev.errors[:20]})
+    def _on_error(self, ev: ErrorEvent) -> Write:
+        data: dict[str, Any] = {"error_type": ev.error_type, "errors": ev.errors[:20]}
+        message, level = scrub(ev.message), "error"
+        if ev.error_type == "DiskFullError" or "No space left on device" in message:  # re-queued after a backoff
+            message, level = message.removeprefix("DiskFullError: "), "warning"
+            data["disk_full"] = message
+        return Write(events=[event_row(message, level=level, data=data)])

@@ -2,14 +2,19 @@
 
 :func:`run_job`:
 
-1. claims the job under its row lock (:func:`store.jobs.claim`): a terminal job, or one running
-   elsewhere with a fresh heartbeat, is not run (a redelivered message never starts a second run);
+1. takes the message as a turn on its queue and claims, under the row locks, the job fair share
+   puts first (:func:`store.jobs.claim_next`; the message's own job only when it is a dead run to
+   take over): a terminal job, or one running elsewhere with a fresh heartbeat, is never run twice;
+   while only jobs of teams at their running quota wait, it re-checks for ``quota_hold_seconds``
+   and then sends the message back to the queue;
 2. runs ``python -m trainer.worker.job_runner JOB_ID`` in a fresh subprocess (a killable PID; CUDA is
    initialised only there; ``PR_SET_PDEATHSIG`` makes it die with the worker; it inherits
    ``CUDA_VISIBLE_DEVICES``) and waits, escalating a cancel the runner does not honour within
    ``CANCEL_GRACE_SECONDS`` to SIGTERM and then SIGKILL;
 3. if the subprocess ended without a terminal state (crash, OOM kill, preemption), re-queues the job
-   (it resumes from its last checkpoint) while attempts remain, else fails it.
+   (it resumes from its last checkpoint) while attempts remain, else fails it; a runner interrupted by
+   a database outage is re-queued, never failed for it, and one stopped by a full disk is re-queued
+   after a backoff without counting an attempt (:mod:`trainer.worker.requeue`).
 
 A worker that is killed outright leaves its job running with a heartbeat that goes stale;
 :mod:`trainer.worker.reaper` re-queues it, and a restarted worker re-queues its own node's jobs at
@@ -35,12 +40,13 @@ from sqlalchemy import select
 
 from store import jobs
 from store.db import session_scope
-from store.models import FineTuningJob, JobStatus
+from store.models import FineTuningJob
 from store.settings import Settings, get_settings
 from trainer.worker.broker import TASK_NAME, celery_app, enqueue_job
-from trainer.worker.dispatch import dispatch_job
-from trainer.worker.job_runner import EXIT_PREEMPTED, HOSTNAME_ENV, JOB_RUNNER_MODULE
+from trainer.worker.errors import public_message
+from trainer.worker.job_runner import HOSTNAME_ENV, JOB_RUNNER_MODULE
 from trainer.worker.metrics_server import job_process_exited
+from trainer.worker.requeue import describe_exit, end_backoff, settle_after_exit
 
 log = logging.getLogger("zenflow.worker")
 
@@ -74,43 +80,42 @@ def claim_job(job_id: str, hostname: str, settings: Settings) -> str:
                           heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)
 
 
-def _describe_exit(rc: int) -> str:
-    if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            name = f"signal {-rc}"
-        hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
-        return f"killed by {name}{hint}"
-    return f"exit code {rc}"
+#: While only jobs held back by their team's max_running_jobs quota wait, how often a worker re-checks.
+HOLD_POLL_SECONDS = 1.0
+
+
+def claim_next_job(message_job_id: str, hostname: str, settings: Settings, *,
+                   queue: str | None = None) -> jobs.NextClaim:
+    """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next)."""
+    with session_scope(settings.resolved_database_url) as s:
+        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue)
+
+
+def claim_for_message(message_job_id: str, hostname: str, settings: Settings, *,
+                      queue: str | None = None) -> jobs.NextClaim:
+    """:func:`claim_next_job`, re-checked every second for up to ``quota_hold_seconds`` while only jobs
+    held back by their team's running quota wait; then the message goes back to the queue (for one of
+    them), so the broker keeps one message per queued job."""
+    deadline = time.monotonic() + settings.quota_hold_seconds
+    while True:
+        result = claim_next_job(message_job_id, hostname, settings, queue=queue)
+        if result.outcome is not jobs.Claim.held or time.monotonic() >= deadline:
+            break
+        time.sleep(HOLD_POLL_SECONDS)
+    if result.outcome is jobs.Claim.held and result.job_id and result.queue:
+        enqueue_job(result.job_id, queue=result.queue)
+    return result
 
 
 def finish_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool = False) -> str:
-    """After the runner exits: leave a terminal job alone, else re-queue it (or fail: no attempts left).
+    """After the runner exits: leave a terminal job alone, else re-queue it (or fail: no attempts left);
+    see :mod:`trainer.worker.requeue` (interrupted and disk-full exits too). What happened, for the logs.
 
     ``preempted``: we sent the runner SIGTERM (worker shutdown), so its death is not the job's fault.
     """
-    with session_scope(settings.resolved_database_url) as s:
-        job = jobs.lock_job(s, job_id)
-        if job is None or JobStatus(job.status).terminal:
-            return "done"
-        if job.status != JobStatus.running.value or job.worker_hostname != hostname:
-            return "not-ours"
-        if job.cancel_requested:
-            jobs.cancel(s, job, f"Job cancelled at step {job.global_step}")
-            return "cancelled"
-        if rc == EXIT_PREEMPTED or (preempted and rc == -signal.SIGTERM):
-            job.attempts = max(0, job.attempts - 1)  # preemption is not the job's fault
-            why = "Training preempted (worker shutting down)"
-        else:
-            why = f"Training process ended abnormally ({_describe_exit(rc)})"
-            if job.attempts >= settings.max_job_attempts:
-                jobs.fail(s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}")
-                return "failed"
-        queue = jobs.requeue(s, job, why)
     # enqueue_job is looked up at call time (tests patch it).
-    dispatch_job(settings.resolved_database_url, job_id, queue, enqueue=lambda j, q: enqueue_job(j, queue=q))
-    return "requeued"
+    return settle_after_exit(job_id, rc, hostname, settings, preempted=preempted,
+                             enqueue=lambda j, q: enqueue_job(j, queue=q))
 
 
 def _pdeathsig(parent_pid: int) -> None:
@@ -134,6 +139,9 @@ def child_env(settings: Settings, hostname: str) -> dict[str, str]:
         ZENFLOW_FILES_DIR=str(settings.resolved_files_dir),
         ZENFLOW_HEARTBEAT_INTERVAL_SECONDS=str(settings.heartbeat_interval_seconds),
         ZENFLOW_MAX_JOB_ATTEMPTS=str(settings.max_job_attempts),
+        ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS=str(settings.heartbeat_timeout_seconds),
+        ZENFLOW_JOB_DB_OUTAGE_SECONDS=str(settings.job_db_outage_seconds),
+        ZENFLOW_JOB_DB_BUFFER_ITEMS=str(settings.job_db_buffer_items),
         **{HOSTNAME_ENV: hostname},
     )
     return env
@@ -145,11 +153,12 @@ _preempted = threading.Event()
 
 
 def preempt_current(sig: int = signal.SIGTERM) -> bool:
-    """Signal the running job's subprocess (SIGTERM: checkpoint and exit 75); False when none."""
+    """Signal the running job's subprocess (SIGTERM: checkpoint and exit 75), or end the disk-full
+    backoff of a job waiting here (it is re-queued at once); False when neither."""
     with _current_lock:
         proc = _current
     if proc is None or proc.poll() is not None:
-        return False
+        return end_backoff()
     _preempted.set()
     proc.send_signal(sig)
     return True
@@ -195,8 +204,8 @@ def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: f
                 try:
                     if cancel_seen is None and _cancel_requested(job_id, settings):
                         cancel_seen = now
-                except Exception:
-                    log.exception("job %s: cancel check failed", job_id)
+                except Exception as e:  # the database is away: try again next round
+                    log.warning("job %s: cancel check failed: %s", job_id, public_message(e))
             if cancel_seen is not None and now - cancel_seen > cancel_grace:
                 log.warning("job %s: runner ignored the cancel for %.0fs; terminating it", job_id, cancel_grace)
                 proc.terminate()
@@ -219,14 +228,17 @@ def run_job(self: Any, job_id: str) -> str:
     """Run one job (see the module docstring); returns what happened, for the logs."""
     settings = get_settings()
     hostname = _node_hostname or self.request.hostname or f"celery@{socket.gethostname()}"
-    outcome = claim_job(job_id, hostname, settings)
-    if outcome != "claimed":
-        log.info("job %s: %s, not run", job_id, outcome)
-        return outcome
+    # The message is a turn on its queue: the job that runs is the one fair share puts first.
+    routing_key = (self.request.delivery_info or {}).get("routing_key")
+    claimed = claim_for_message(job_id, hostname, settings, queue=routing_key)
+    if claimed.outcome is not jobs.Claim.claimed or claimed.job_id is None:
+        log.info("message for job %s: %s, nothing run", job_id, claimed.outcome.value)
+        return claimed.outcome.value
+    job_id = claimed.job_id
     log.info("job %s: running on %s", job_id, hostname)
     rc = run_child(job_id, hostname, settings)
     outcome = finish_after_exit(job_id, rc, hostname, settings, preempted=_preempted.is_set())
-    log.info("job %s: runner exited (%s): %s", job_id, _describe_exit(rc), outcome)
+    log.info("job %s: runner exited (%s): %s", job_id, describe_exit(rc), outcome)
     return outcome
 
 

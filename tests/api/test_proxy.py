@@ -1,0 +1,165 @@
+"""The compose deployment's reverse proxy (deploy/nginx/templates/default.conf.template) with the real
+nginx binary: the template rendered as the official image renders it (envsubst of the variables the
+compose file gives the proxy), checked by ``nginx -t``, then run in front of the API (uvicorn with the
+production options): requests pass, uploads stream, events stream unbuffered, and over-long heads,
+over-large bodies and /metrics are refused in the API's error envelope."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+import yaml
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from api.server import free_port, uvicorn_options
+from tests.api.conftest import TEST_API_SETTINGS, TeamKey, chat_jsonl, make_team
+from tests.support import unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "deploy" / "nginx" / "templates" / "default.conf.template"
+_VAR = re.compile(r"\$\{(\w+)\}")
+_DEFAULT = re.compile(r"^\$\{\w+:-(.*)\}$")
+
+
+def proxy_environment() -> dict[str, str]:
+    """The proxy service's environment in docker-compose.yml, with each ``${X:-default}`` at its default."""
+    env = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["proxy"]["environment"]
+    out = {}
+    for k, v in env.items():
+        m = _DEFAULT.match(str(v))
+        out[k] = m.group(1) if m else str(v)
+    return out
+
+
+def render(env: dict[str, str]) -> str:
+    """What the image's envsubst step makes of the template: the named variables replaced, nothing else."""
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), TEMPLATE.read_text())
+
+
+def test_template_uses_only_variables_the_compose_file_sets() -> None:
+    env = proxy_environment()
+    used = set(_VAR.findall(TEMPLATE.read_text()))
+    assert used and used <= set(env), used - set(env)
+    assert "${" not in render(env)
+
+
+def _nginx() -> str:
+    exe = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
+    if exe is None:
+        unavailable("nginx not installed (scripts/bootstrap.sh installs Debian's nginx-light as root)")
+    return exe
+
+
+def _write_config(tmp: Path, upstream: str, port: int) -> Path:
+    rendered = render({**proxy_environment(), "PROXY_UPSTREAM": upstream})
+    assert rendered.count("listen 8080 default_server;") == 1
+    (tmp / "default.conf").write_text(rendered.replace("listen 8080 default_server;", f"listen 127.0.0.1:{port};"))
+    temps = "\n".join(f"    {k}_temp_path {tmp / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    conf = tmp / "nginx.conf"
+    conf.write_text(f"""user root;
+worker_processes 1;
+daemon off;
+pid {tmp / "nginx.pid"};
+error_log {tmp / "error.log"} warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+{temps}
+    include {tmp / "default.conf"};
+}}
+""")
+    return conf
+
+
+def test_nginx_accepts_the_config(tmp_path: Path) -> None:
+    conf = _write_config(tmp_path, "127.0.0.1:9", free_port())
+    r = subprocess.run([_nginx(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "syntax is ok" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def proxied(app: FastAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """nginx on a loopback port in front of the app under uvicorn (h11, the production options)."""
+    tmp = tmp_path_factory.mktemp("nginx")
+    api_port, proxy_port = free_port(), free_port()
+    api_settings = TEST_API_SETTINGS.model_copy(update={"max_header_bytes": 24 * 1024})
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=api_port, log_level="error", lifespan="off",
+                                           **uvicorn_options(api_settings)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    conf = _write_config(tmp, f"127.0.0.1:{api_port}", proxy_port)
+    proc = subprocess.Popen([_nginx(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{proxy_port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            with contextlib.suppress(httpx.HTTPError):
+                if server.started and httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "nginx or uvicorn did not come up"
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+def _error(r: httpx.Response) -> dict[str, object]:
+    assert r.headers["content-type"].startswith("application/json"), r.text[:200]
+    body = json.loads(r.text)
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return dict(body["error"])
+
+
+def test_requests_pass_and_limits_hold_at_the_proxy(proxied: str, app: FastAPI, client: TestClient) -> None:
+    team: TeamKey = make_team(app)
+    with httpx.Client(base_url=proxied, headers={"Authorization": f"Bearer {team.key}"}, timeout=30) as c:
+        up = c.post("/v1/files", data={"purpose": "fine-tune"},
+                    files={"file": ("t.jsonl", chat_jsonl(4), "application/jsonl")})
+        assert up.status_code == 200, up.text
+        fid = up.json()["id"]
+        assert c.get(f"/v1/files/{fid}").json()["id"] == fid
+
+        r = c.get("/v1/files", headers={"X-Big": "a" * 9000})  # one field over 8 KiB
+        assert r.status_code == 431 and _error(r)["code"] == "request_header_too_large"
+        r = c.get("/v1/files", headers={f"X-H{i}": "a" * 6000 for i in range(4)})  # 24 KiB in all
+        assert r.status_code == 431
+        r = c.get("/v1/files?after=" + "a" * 9000)
+        assert r.status_code == 414 and _error(r)["code"] == "uri_too_long"
+
+        r = c.post("/v1/fine_tuning/jobs", content=b"{" + b" " * (1024 * 1024 + 10) + b"}",
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
+        r = c.get("/metrics")
+        assert r.status_code == 404 and _error(r)["code"] == "not_found"
+
+        job = c.post("/v1/fine_tuning/jobs", json={"model": "tiny-llama", "training_file": fid})
+        assert job.status_code == 200, job.text
+        # The event stream is passed on as it comes: the job's first events arrive while the stream stays open.
+        t0 = time.monotonic()
+        with c.stream("GET", f"/v1/fine_tuning/jobs/{job.json()['id']}/events", params={"stream": "true"},
+                      timeout=httpx.Timeout(10, read=5)) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            lines = s.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+        assert "Created fine-tuning job" in first and time.monotonic() - t0 < 5
