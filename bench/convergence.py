@@ -1,8 +1,17 @@
-"""Convergence of the engine modes side by side on a real job (default: the sample tiny-llama spec).
+"""Convergence of the engine modes side by side, fine-tuning a pretrained base (or any job spec).
 
     python -m bench.convergence                                   # device, offload, zenflow, seed 0
-    python -m bench.convergence --seeds 0,1,2 --json
+    python -m bench.convergence --seeds 0,1,2,3 --max-ratio 1.01 --json
+    python -m bench.convergence --seeds 0,1,2,3 --modes device,zenflow --scale-cpu-lr
     python -m bench.convergence --variant paper=zenflow,topk_ratio=0.1,update_interval=4,select_interval=auto
+    python -m bench.convergence --spec trainer/samples/tiny-llama.yaml   # a job spec instead (random init)
+
+Base (default, ``--base pretrained``): a small Llama-shaped model pretrained by ``bench.pretrained`` on
+the Python standard library's sources and docstrings (cached after the first run), fine-tuned on a
+different task, short chat exchanges about words and numbers (``bench.pretrained.write_chat_task``),
+``--epochs`` epochs at ``--lr`` (cosine, 5% warm-up), batch 8. That is where ZenFlow's premise holds
+(fine-tuning a pretrained model: a few stable columns carry most of the gradient). With ``--spec`` the
+job is that spec instead (the sample tiny-llama job starts from a random init).
 
 Every variant runs the whole job through ``trainer.loop.run_training`` (same data, same seed, same
 hyperparameters; only ``engine`` differs) into a temporary output directory, and reports the final
@@ -11,11 +20,15 @@ the wall time. Then, per variant, the mean over the seeds and the ratio of that 
 mode's (``offload`` should be 1.000; zenflow is the one to watch). ``--max-ratio R`` makes the exit
 status 1 when a non-device variant's mean validation loss exceeds R times device's.
 
-Variants: ``device``, ``offload`` and ``zenflow`` are the spec's engine settings with that mode;
-``--variant NAME=MODE[,KEY=VALUE...]`` adds one with EngineConfig overrides (values are parsed as
-YAML: 4, 0.25, auto, true). ``--modes`` picks among the variants (default: all; device first, the
-ratios need it). The job runs on ``--device`` (default cpu) with ``--threads`` torch threads for
-forward/backward (the zenflow worker takes its own share of the cores, see offload.engine).
+Variants: ``device``, ``offload`` and ``zenflow`` (with the pretrained base: the paper's defaults,
+topk_ratio 0.1, update_interval 4, selection per epoch; with ``--spec``: the spec's engine settings
+with that mode); ``--scale-cpu-lr`` adds zenflow with ``scale_cpu_lr`` true and false at update
+intervals 4 and 8 (``zf-u4-sum``, ``zf-u4-plain``, ``zf-u8-sum``, ``zf-u8-plain``: the window's summed
+learning rates against the boundary's plain one); ``--variant NAME=MODE[,KEY=VALUE...]`` adds one with
+EngineConfig overrides (values are parsed as YAML: 4, 0.25, auto, true). ``--modes`` picks among the
+variants (default: all; device first, the ratios need it). The job runs on ``--device`` (default cpu)
+with ``--threads`` torch threads for forward/backward (the zenflow worker takes its own share of the
+cores, see offload.engine).
 """
 
 from __future__ import annotations
@@ -33,6 +46,13 @@ from typing import Any
 import yaml
 
 BASE_MODES = ("device", "offload", "zenflow")
+#: The paper's fine-tuning defaults (and EngineConfig's).
+PAPER = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": "auto", "full_warm_up_rounds": 0}
+SCALE_CPU_LR = {
+    f"zf-u{ui}-{'sum' if on else 'plain'}": {"mode": "zenflow", **PAPER, "update_interval": ui, "scale_cpu_lr": on}
+    for ui in (4, 8)
+    for on in (True, False)
+}
 
 
 @dataclass
@@ -81,6 +101,38 @@ def run_one(spec_path: Path, engine: dict[str, Any], seed: int, device: str, max
         return Run("", seed, res.steps, res.train_loss, res.valid_loss, time.perf_counter() - t0)
 
 
+@dataclass(frozen=True)
+class PretrainedJob:
+    """The fine-tuning job on the pretrained base."""
+
+    base: Path
+    train: Path
+    valid: Path
+    epochs: int
+    lr: float
+    batch_size: int = 8
+
+
+def run_pretrained(job: PretrainedJob, engine: dict[str, Any], seed: int, device: str, max_steps: int | None) -> Run:
+    from trainer.loop import run_training
+    from trainer.spec import JobSpec
+
+    hp: dict[str, Any] = {
+        "n_epochs": job.epochs, "batch_size": job.batch_size, "learning_rate": job.lr, "warmup": 0.05,
+        "max_seq_length": 128, "eval_every": 100_000, "checkpoint_every": 100_000, "seed": seed,
+    }
+    if max_steps is not None:
+        hp["max_steps"] = max_steps
+    with tempfile.TemporaryDirectory(prefix="zenflow-convergence-") as tmp:
+        spec = JobSpec.model_validate({
+            "model": str(job.base), "training_file": str(job.train), "validation_file": str(job.valid),
+            "hyperparameters": hp, "output_dir": tmp, "device": device, "engine": engine,
+        })
+        t0 = time.perf_counter()
+        res = run_training(spec, resume=False, progress=False)
+        return Run("", seed, res.steps, res.train_loss, res.valid_loss, time.perf_counter() - t0)
+
+
 def _mean(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.fmean(vals) if vals else None
@@ -113,9 +165,12 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--spec", type=Path, default=None, help="job spec (default: trainer/samples/tiny-llama.yaml)"
-    )
+    ap.add_argument("--spec", type=Path, default=None, help="run this job spec instead of the pretrained base")
+    ap.add_argument("--epochs", type=int, default=3, help="pretrained base: fine-tuning epochs")
+    ap.add_argument("--lr", type=float, default=1e-3, help="pretrained base: peak learning rate")
+    ap.add_argument("--pretrain-steps", type=int, default=0, help="pretrained base: pretraining steps (0: default)")
+    ap.add_argument("--scale-cpu-lr", action="store_true",
+                    help="add zenflow scale_cpu_lr true/false at update intervals 4 and 8")
     ap.add_argument("--modes", default="", help="comma list of variants to run (default: all, device first)")
     ap.add_argument(
         "--variant",
@@ -140,12 +195,25 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from trainer.samples import SPEC_FILE
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec_path = args.spec or SPEC_FILE
     variants: dict[str, dict[str, Any]] = {m: {"mode": m} for m in BASE_MODES}
+    job: PretrainedJob | None = None
+    workdir = None
+    if args.spec is None:
+        from bench.pretrained import Recipe, build, write_chat_task
+
+        recipe = Recipe(steps=args.pretrain_steps) if args.pretrain_steps else Recipe()
+        base = build(recipe, log=lambda m: print(m, file=sys.stderr, flush=True))
+        workdir = tempfile.TemporaryDirectory(prefix="zenflow-convergence-data-")
+        train, valid = write_chat_task(Path(workdir.name))
+        job = PretrainedJob(base, train, valid, args.epochs, args.lr)
+        variants["zenflow"] = {"mode": "zenflow", **PAPER}
+        spec_label = f"pretrained base {base.name}, chat task, {args.epochs} epochs at lr {args.lr:g}"
+    else:
+        spec_label = args.spec.name
+    if args.scale_cpu_lr:
+        variants.update(SCALE_CPU_LR)
     variants.update(dict(args.variant))
     names = [n.strip() for n in args.modes.split(",") if n.strip()] or list(variants)
     unknown = [n for n in names if n not in variants]
@@ -158,16 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     for seed in seeds:
         for name in names:
-            r = run_one(spec_path, variants[name], seed, args.device, args.max_steps)
+            if job is not None:
+                r = run_pretrained(job, variants[name], seed, args.device, args.max_steps)
+            else:
+                assert args.spec is not None
+                r = run_one(args.spec, variants[name], seed, args.device, args.max_steps)
             r.variant = name
             runs.append(r)
-            if not args.json:
-                print(
-                    f"  {name:<12} seed {seed}: {r.steps} steps, train {_fmt(r.train_loss)}, "
-                    f"valid {_fmt(r.valid_loss)}, {r.seconds:.1f} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            print(  # progress on stderr, also with --json (these runs are long)
+                f"  {name:<12} seed {seed}: {r.steps} steps, train {_fmt(r.train_loss)}, "
+                f"valid {_fmt(r.valid_loss)}, {r.seconds:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     summary = summarize(runs, names)
     bad = [
         n
@@ -181,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             json.dumps(
                 {
-                    "spec": str(spec_path),
+                    "job": spec_label,
                     "variants": {n: variants[n] for n in names},
                     "runs": [asdict(r) for r in runs],
                     "summary": summary,
@@ -192,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        print(f"{spec_path.name}, seeds {','.join(map(str, seeds))} (means over seeds; ratios to device)")
+        print(f"{spec_label}, seeds {','.join(map(str, seeds))} (means over seeds; ratios to device)")
         print(
             f"{'variant':<12} {'train':>8} {'valid':>8} {'train/dev':>10} {'valid/dev':>10} {'s/run':>7}  engine"
         )
@@ -205,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if bad:
             print(f"FAIL: valid loss above {args.max_ratio}x device: {', '.join(bad)}")
+    if workdir is not None:
+        workdir.cleanup()
     return 1 if bad else 0
 
 

@@ -11,6 +11,13 @@ Bandwidth references (GB/s = 1e9 B/s):
   rmw:   torch a.add_(b), 12 B/elem
 The bound is the largest of the three; bandwidth_fraction = ours' effective GB/s / bound.
 
+Window accumulation (zenflow, accumulate_on="host": every step's gradient added into an fp32 window
+accumulator, ``acc += alpha * g``): the C++ pass (``offload.cpu_adam.accumulate``: SIMD, OpenMP, GIL
+released) against the engine's previous torch path (``offload.host.accumulate_torch``: one ATen op
+for fp32 gradients, 1M-element chunks through fp32 scratch for bf16/fp16 ones, the GIL held between
+chunks), on the same buffers in the same rounds. Byte model: read acc and g, write acc = 12 B/elem
+(10 with bf16/fp16 gradients); acc_bandwidth_fraction = its effective GB/s / the same bound.
+
     python -m bench.cpu_adam --params 50000000 --threads 2 --steps 10 --grad-dtype bf16 --json
 """
 
@@ -57,6 +64,7 @@ def run(
     param_out: str,
     with_torch: bool = True,
     with_foreach: bool = True,
+    with_accumulate: bool = True,
 ) -> dict[str, Any]:
     """Time all variants for ``n`` params; returns the result dict (see module docstring)."""
     torch.set_num_threads(threads)
@@ -97,6 +105,13 @@ def run(
         fns["torch_fused"] = torch.optim.AdamW([param], **_HP, fused=True).step
         if with_foreach:
             fns["torch_foreach"] = torch.optim.AdamW([param], **_HP, foreach=True).step
+    if with_accumulate:
+        from offload.host import accumulate_torch
+
+        acc = torch.zeros(n)
+        tmp = torch.empty(min(n, 1 << 20))
+        fns["acc_ours"] = lambda: cpu_adam.accumulate(acc, g, alpha=0.25, first=False, num_threads=threads)
+        fns["acc_torch"] = lambda: accumulate_torch(acc, g, alpha=0.25, first=False, tmp=tmp)
     # probe on the same buffers as ours (only the timing matters; values stay finite)
     fns["probe"] = lambda: ext._stream_probe(p, g32, m, v, threads)
     nb = min(n, 32_000_000)
@@ -145,6 +160,17 @@ def run(
         if kind in med:
             res[f"{kind}_GBps"] = 28 * n / med[kind] / 1e9
             res[f"speedup_vs_{kind}"] = med[kind] / med["ours"]
+    if "acc_ours" in med:
+        acc_bpp = 8 + (4 if grad_dtype == "fp32" else 2)
+        res.update(
+            acc_bytes_per_param=acc_bpp,
+            acc_ours_ms=med["acc_ours"] * 1e3,
+            acc_torch_ms=med["acc_torch"] * 1e3,
+            acc_speedup_vs_torch=med["acc_torch"] / med["acc_ours"],
+            acc_ours_GBps=acc_bpp * n / med["acc_ours"] / 1e9,
+            acc_torch_GBps=acc_bpp * n / med["acc_torch"] / 1e9,
+            acc_bandwidth_fraction=acc_bpp * n / med["acc_ours"] / 1e9 / bound,
+        )
     return res
 
 
@@ -176,6 +202,12 @@ def _print_table(res: dict[str, Any]) -> None:
     if res.get("speedup_vs_torch_foreach") is not None:
         print(f", {res['speedup_vs_torch_foreach']:.2f}x torch foreach", end="")
     print()
+    if "acc_ours_ms" in res:
+        b = res["acc_bytes_per_param"]
+        print(f"  window accumulation acc += alpha * g ({b} B/param): C++ {res['acc_ours_ms']:.2f} ms "
+              f"({res['acc_ours_GBps']:.1f} GB/s, {res['acc_bandwidth_fraction'] * 100:.1f}% of the bound), "
+              f"torch path {res['acc_torch_ms']:.2f} ms ({res['acc_torch_GBps']:.1f} GB/s): "
+              f"{res['acc_speedup_vs_torch']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -188,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--param-out", choices=["none", "bf16", "fp16"], default="none")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch optimizers")
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow on CPU)")
+    ap.add_argument("--no-accumulate", action="store_true", help="skip the window-accumulation comparison")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
     res = run(
@@ -199,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.param_out,
         with_torch=not args.no_torch,
         with_foreach=not args.no_foreach,
+        with_accumulate=not args.no_accumulate,
     )
     if args.json:
         print(json.dumps(res))

@@ -12,6 +12,11 @@ per-step fractions), device optimizer-state bytes per parameter (and transfer-bu
 parameter), CPU optimizer seconds and transfer bytes per step, final training and held-out loss;
 then zenflow's ratios against offload and device. ``--json`` prints the same as one JSON object.
 
+Reselections happen inside the timed steps, as in training: the benchmark calls ``engine.new_epoch()``
+before the first step and then every ``--epoch-steps`` timed steps (default: half of ``--steps``), so
+with the default ``--select-interval auto`` zenflow reselects at the first window end after each; the
+per-step rows say which steps reselected and which were skipped (non-finite gradient norm).
+
 Variants: ``device``, ``offload``, ``zenflow`` (host accumulation, the default engine config) and
 ``zenflow-dacc`` (``accumulate_on="device"``). The offload variant can run fewer steps
 (``--offload-steps``): it is the slow one; its losses then are not comparable with the others'.
@@ -72,6 +77,18 @@ class Result:
     #: a late window (the CPU optimizer behind) from per-step waits (gradient copies, accumulation).
     stall_s_on_window_ends: float = 0.0
     stall_s_on_other_steps: float = 0.0
+    #: zenflow reselections inside the timed steps (after the first selection).
+    reselections: int = 0
+    #: Steps skipped (global gradient norm not finite).
+    skipped_steps: int = 0
+    #: zenflow: the CPU worker's time holding the GIL per timed step (an upper bound: task time outside
+    #: its GIL-free C++ calls and waits), in ms and as a fraction of the mean step wall time; the
+    #: training thread's Python can be delayed by at most this much.
+    worker_gil_ms_per_step: float = 0.0
+    worker_gil_fraction: float = 0.0
+    worker_busy_ms_per_step: float = 0.0
+    #: The engine's core placement (offload.placement.Placement.as_dict()).
+    placement: dict[str, Any] = field(default_factory=dict)
     #: Every timed step: wall, stall and CPU optimizer seconds, whether a window update landed.
     per_step: list[dict[str, Any]] = field(default_factory=list)
 
@@ -121,7 +138,7 @@ def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
         "max_grad_norm": 1.0,
         "cpu_threads": args.threads or None,
         "cpu_optimizer_cores_ratio": args.cores_ratio,
-        "bind_worker_cores": args.bind,
+        "bind_worker_cores": not args.no_bind,
     }
     if variant in ("device", "offload"):
         return EngineConfig(mode=variant, **common)
@@ -160,19 +177,32 @@ def run_variant(
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":  # same forward/backward resources in every variant
         torch.set_num_threads(args.train_threads or engine.cpu_split[0])
+    epoch = args.epoch_steps or max(1, steps // 2)
+    reselected: list[bool] = []
+    c0: dict[str, float] = {}
     try:
+        engine.new_epoch()
         for i in range(args.warmup + steps):
+            if i == args.warmup:
+                c0 = engine.counters()
+            j = i - args.warmup
+            if j > 0 and j % epoch == 0:
+                engine.new_epoch()
             x = batches[i % len(batches)].to(device, non_blocking=True)
             loss = model(input_ids=x, labels=x).loss
-            loss.backward()
+            engine.scale_loss(loss).backward()
+            before = engine.counters()["reselections"]
             m = engine.step()
             engine.zero_grad()
             losses.append(loss.item())
             if i >= args.warmup:
                 metrics.append(m)
+                reselected.append(engine.counters()["reselections"] > before)
             if args.verbose:
                 print(f"  {variant} step {i + 1}: loss {losses[-1]:.4f} wall {m.wall_seconds:.3f}s "
                       f"stall {m.stall_seconds:.3f}s", file=sys.stderr, flush=True)
+        c1 = engine.counters()
+        placement = engine.placement.as_dict()
         engine.flush()
         model.eval()
         with torch.no_grad():
@@ -188,6 +218,8 @@ def run_variant(
     wall = sum(m.wall_seconds for m in metrics)
     stall = sum(m.stall_seconds for m in metrics)
     n = max(1, len(metrics))
+    gil_ms = 1e3 * (c1["worker_gil_seconds"] - c0.get("worker_gil_seconds", 0.0)) / n
+    busy_ms = 1e3 * (c1["worker_busy_seconds"] - c0.get("worker_busy_seconds", 0.0)) / n
     result = Result(
         variant=variant,
         params=n_params,
@@ -206,11 +238,17 @@ def run_variant(
         seconds_total=time.perf_counter() - t_start,
         stall_s_on_window_ends=sum(m.stall_seconds for m in metrics if m.applied_cpu_update),
         stall_s_on_other_steps=sum(m.stall_seconds for m in metrics if not m.applied_cpu_update),
+        reselections=sum(reselected),
+        placement=placement,
+        worker_gil_ms_per_step=gil_ms,
+        worker_gil_fraction=gil_ms / 1e3 / (wall / n) if wall > 0 else 0.0,
+        worker_busy_ms_per_step=busy_ms,
+        skipped_steps=sum(m.skipped for m in metrics),
         per_step=[
             {"wall_s": round(m.wall_seconds, 6), "stall_s": round(m.stall_seconds, 6),
              "cpu_opt_s": round(m.cpu_optimizer_seconds, 6), "window_end": m.applied_cpu_update,
-             "synchronous": m.synchronous}
-            for m in metrics
+             "synchronous": m.synchronous, "reselected": rs, "skipped": m.skipped}
+            for m, rs in zip(metrics, reselected, strict=True)
         ],
     )
     del engine, model
@@ -260,7 +298,7 @@ def print_table(results: dict[str, Result], rat: dict[str, float], header: str) 
     print(header)
     cols = (
         f"{'variant':<13} {'steps':>5} {'steps/s':>8} {'stall':>6} {'stall(mean)':>11} {'state B/p':>9} "
-        f"{'buf B/p':>7} {'cpu-opt s':>9} {'D2H MB/st':>9} {'H2D MB/st':>9} {'train':>7} {'final':>7}"
+        f"{'buf B/p':>7} {'cpu-opt s':>9} {'D2H MB/st':>9} {'H2D MB/st':>9} {'train':>7} {'final':>7} {'GIL':>6}"
     )
     print(cols)
     print("-" * len(cols))
@@ -269,7 +307,7 @@ def print_table(results: dict[str, Result], rat: dict[str, float], header: str) 
             f"{r.variant:<13} {r.steps:>5} {r.steps_per_s:>8.3f} {r.stall_fraction:>6.1%} "
             f"{r.mean_step_stall_fraction:>11.1%} {r.state_bytes_per_param:>9.2f} {r.buffer_bytes_per_param:>7.2f} "
             f"{r.cpu_optimizer_s_per_step:>9.4f} {r.d2h_bytes_per_step / 1e6:>9.1f} {r.h2d_bytes_per_step / 1e6:>9.1f} "
-            f"{r.train_loss:>7.4f} {r.final_loss:>7.4f}"
+            f"{r.train_loss:>7.4f} {r.final_loss:>7.4f} {r.worker_gil_fraction:>6.2%}"
         )
     for k, v in rat.items():
         print(f"  {k}: {v:.3f}")
@@ -302,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads the engine plans with (0 = all)")
     ap.add_argument("--train-threads", type=int, default=0, help="CPU only: torch threads for forward/backward")
     ap.add_argument("--cores-ratio", type=float, default=0.5, help="cpu_optimizer_cores_ratio")
-    ap.add_argument("--bind", action="store_true", help="bind the zenflow worker to its cores")
+    ap.add_argument("--no-bind", action="store_true", help="no core placement (bind_worker_cores=False)")
     ap.add_argument("--batch", type=int, default=0)
     ap.add_argument("--seq", type=int, default=0)
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
@@ -310,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", default="4")
     ap.add_argument("--select-interval", default="auto")
+    ap.add_argument("--epoch-steps", type=int, default=0,
+                    help="call engine.new_epoch() every N timed steps (0: at half of --steps)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (less activation memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
@@ -355,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "topk_ratio": args.topk_ratio,
         "update_interval": args.update_interval,
         "select_interval": args.select_interval,
+        "epoch_steps": args.epoch_steps or max(1, args.steps // 2),
         "cores_ratio": args.cores_ratio,
         "lr": args.lr,
     }
@@ -371,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             r = results[v]
             print(f"[{v}] {r.steps} steps, {r.steps_per_s:.3f} steps/s, stall {r.stall_fraction:.1%}, "
-                  f"{r.seconds_total:.0f}s total", file=sys.stderr, flush=True)
+                  f"{r.reselections} reselections, worker GIL {r.worker_gil_ms_per_step:.3f} ms/step "
+                  f"({r.worker_gil_fraction:.2%} of a step), {r.seconds_total:.0f}s total", file=sys.stderr, flush=True)
         if args.json_out:  # after every variant: a run cut short keeps what finished
             with open(args.json_out, "w", encoding="utf-8") as f:
                 json.dump(document(), f, indent=2)

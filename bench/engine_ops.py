@@ -1,21 +1,50 @@
-"""Dispatched ATen ops per engine step, and the engine's share of the step time, per mode.
+"""Dispatched ATen ops and host syncs per engine step, and the engine's share of the step time, per mode.
 
-    python -m bench.engine_ops --model-size deep --steps 12
-    python -m bench.engine_ops --model-size tiny --modes zenflow --update-interval 4 --json
+    python -m bench.engine_ops --model-size deep --steps 24
+    python -m bench.engine_ops --model-size deep --modes zenflow --select-interval 4 --json
+    python -m bench.engine_ops --model-size tiny --modes zenflow --dtype bf16 --json
 
 Counts the ATen ops the training thread dispatches inside ``engine.step()`` (clipping plus the mode's
 update; the model's forward and backward are excluded) with a ``TorchDispatchMode``: every op that
 reaches the dispatcher from Python-visible code counts once (a ``torch._foreach_*`` op is one op, as
-it is one launch per chunk of tensors on CUDA). "kernels" leaves out view ops (no device launch);
-on a GPU each of the rest is (at least) one kernel launch or copy. Ops run by the background worker
-thread are not counted (the mode is thread-local). Reported per variant: mean ops per step over the
-counted steps, split into window-boundary steps and the others (zenflow), and, from a separate
-uncounted run, steps/s of the whole training step, the mean milliseconds of ``engine.step()`` in it,
-and ("alone") of ``engine.step()`` called again and again on one backward's gradients (no forward or
-backward competing for the cores: the steadiest figure of the engine's own cost on CPU).
+it is one launch per chunk of tensors on CUDA). "kernels" leaves out view ops (no device launch) and
+ops on host memory only (on a GPU host they run on the CPU: e.g. writing a reselection's dropped
+columns into the CPU master); on a GPU each of the rest is (at least) one kernel launch or copy. Ops run by the background worker
+thread are not counted (the mode is thread-local).
+
+Host syncs per step: the ops that make the host wait for the device (``_local_scalar_dense``/``item``,
+``equal``, ``nonzero``, ``is_nonzero``, ``unique``, ``masked_select``, boolean-mask indexing, and
+copies between host and device memory that are not ``non_blocking``), unless every tensor they touch
+is host memory (a read of a copy that has landed costs nothing: ``engine.is_host_memory``); plus the
+engine's own counted reads (``engine.counters()``: ``host_syncs``, its deliberate blocking reads, and
+``host_waits``, reads of a step's scalars whose copy had not landed). On a CPU-only run ``.cpu()`` of a
+CPU tensor dispatches nothing, so the engine routes every read of device data through its counted
+paths; on CUDA (``bench/gpu_check.sh``) the dispatch-level counts see every real device-to-host copy.
+
+Reselections: the counted steps include them, as training does (``select_interval="auto"`` reselects
+at the first window end after ``engine.new_epoch()``, which this benchmark calls every
+``--epoch-steps`` counted steps, by default at half of them; or give ``--select-interval N``).
+Reported per variant: mean kernels and host syncs per step, split into plain steps and window ends
+(zenflow), each before the first reselection and after it, and the reselection steps themselves;
+from a separate uncounted run with the same schedule, steps/s of the whole training step, the mean
+milliseconds of ``engine.step()`` in it, and ("alone") of ``engine.step()`` called again and again on
+one backward's gradients (no forward or backward competing for the cores: the steadiest figure of the
+engine's own cost on CPU).
+
+Bad gradients: ``--bad-steps 5,9`` poisons the gradient (a NaN) before those counted steps; the row
+then reports whether each was skipped and left every trainable parameter exactly as it was
+(``bad_steps_ok``), and the host syncs of skipped steps. ``--dtype fp16`` trains with the engine's
+loss scaling. On CUDA (``--device cuda``, what ``bench/gpu_check.sh`` runs) ``--profile-steps N``
+also profiles N counted steps with ``torch.profiler`` and reports, per kind of step, the CUDA kernel
+launches and the CUDA runtime calls that block the host (stream/event/device synchronizations,
+synchronous copies): the ground truth behind the dispatch-level counts. ``step()`` begins with one
+stream synchronization by design (it waits for the queued backward pass, so that the compute/stall
+split of its metrics is exact); it is reported apart (``sync_compute``).
 
 The default ``deep`` preset (bench.engine's ``PRESETS``) is a narrow Llama with many layers, i.e.
 many small parameters, where the per-op dispatch overhead dominates the optimizer's time on CPU.
+Targets (issue 11, deep preset): zero host syncs on a plain zenflow step, at most one on a window
+end; kernels per plain step after a reselection within 10% of the steady state.
 """
 
 from __future__ import annotations
@@ -26,44 +55,128 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from bench.engine import PRESETS, VARIANTS, build_model, engine_config, make_batches
 from offload.engine import ZenFlowEngine
 
+#: Ops that make the host wait for the device when they read device memory.
+SYNC_OPS = frozenset({
+    "_local_scalar_dense", "item", "equal", "nonzero", "nonzero_static", "is_nonzero", "_unique", "_unique2",
+    "unique_dim", "unique_consecutive", "unique_dim_consecutive", "masked_select", "allclose", "_assert_async",
+})
+COPY_OPS = frozenset({"copy_", "_to_copy", "_foreach_copy_", "_copy_from"})
+
+
+def _is_bool_index(func_name: str, args: tuple[Any, ...]) -> bool:
+    if func_name not in ("index", "index_put_", "index_put", "_index_put_impl_"):
+        return False
+    indices = args[1] if len(args) > 1 else []
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or [])
+
 
 class OpCounter(TorchDispatchMode):
-    """Counts the ATen ops dispatched by the thread that entered it."""
+    """Counts the ATen ops, and the host syncs among them, dispatched by the thread that entered it.
 
-    def __init__(self) -> None:
+    ``is_host``: whether a tensor is host memory (a sync op touching only host memory is no sync).
+    """
+
+    def __init__(self, is_host: Callable[[torch.Tensor], bool] | None = None) -> None:
         super().__init__()
         self.thread = threading.get_ident()
         self.ops: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
         self.views = 0
+        self.host_ops = 0
+        self._is_host = is_host or (lambda t: False)
+        # outputs of host-only ops are host memory too (tracked by object: addresses get reused)
+        self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self._derived.get(id(t))
+        return (ref is not None and ref() is t) or self._is_host(t)
+
+    def _sync(self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if name in SYNC_OPS or _is_bool_index(name, args):
+            return not all(self.is_host(t) for t in tensors)
+        if name in COPY_OPS and not kwargs.get("non_blocking", False):
+            if name == "_to_copy":
+                dev = kwargs.get("device")
+                return dev is not None and torch.device(dev) != args[0].device
+            if name == "_foreach_copy_":
+                nb = args[2] if len(args) > 2 else False
+                return not nb and any(d.device != s.device for d, s in zip(args[0], args[1], strict=False))
+            nb = args[2] if len(args) > 2 else False
+            return not nb and len(args) > 1 and args[0].device != args[1].device
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if threading.get_ident() == self.thread:
-            self.ops[str(func.overloadpacket.__name__)] += 1
-            if func.is_view:
-                self.views += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if threading.get_ident() != self.thread:
+            return func(*args, **kwargs)
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] += 1
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        host_only = bool(tensors) and all(self.is_host(t) for t in tensors)
+        if func.is_view:
+            self.views += 1
+        elif host_only:
+            self.host_ops += 1
+        if self._sync(name, func, tuple(args), kwargs):
+            self.syncs[name] += 1
+        out = func(*args, **kwargs)
+        if host_only:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._derived[id(t)] = weakref.ref(t)
+        return out
 
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def kernels(self) -> int:
+        return self.total - self.views - self.host_ops
+
+    @property
+    def total_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+
+@dataclass
+class _Step:
+    ops: int
+    kernels: int
+    syncs: int  # dispatch-level host syncs + the engine's counted reads
+    boundary: bool
+    reselected: bool
+    after_reselection: bool
+    skipped: bool = False
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", choices=sorted(PRESETS), default="deep")
     ap.add_argument("--modes", default="device,offload,zenflow,zenflow-dacc")
-    ap.add_argument("--steps", type=int, default=12, help="counted steps (after --warmup); also the timed ones")
+    ap.add_argument("--steps", type=int, default=24, help="counted steps (after --warmup); also the timed ones")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--epoch-steps", type=int, default=0,
+                    help="call engine.new_epoch() every N counted steps (0: at half of --steps)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--bad-steps", default="", help="counted steps (0-based) whose gradient gets a NaN")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="CUDA: profile this many counted steps (kernel launches, blocking runtime calls)")
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", default="4")
     ap.add_argument("--select-interval", default="auto")
@@ -71,68 +184,211 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--train-threads", type=int, default=0)
     ap.add_argument("--cores-ratio", type=float, default=0.5)
-    ap.add_argument("--bind", action="store_true")
+    ap.add_argument("--no-bind", action="store_true", help="no core placement (bind_worker_cores=False)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=0, help="also print the N most frequent ops per variant")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 
 
+def _mean(xs: list[int]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def summarize(steps: list[_Step]) -> dict[str, Any]:
+    """Mean kernels and host syncs per step of each kind (None where the run had no such step)."""
+
+    def pick(boundary: bool, after: bool) -> list[_Step]:
+        return [s for s in steps if s.boundary == boundary and s.after_reselection == after
+                and not s.reselected and not s.skipped]
+
+    out: dict[str, Any] = {}
+    for suffix, after in (("", False), ("_after_reselection", True)):
+        for kind, boundary in (("plain", False), ("boundary", True)):
+            sel = pick(boundary, after)
+            out[f"kernels_{kind}_step{suffix}"] = _mean([s.kernels for s in sel])
+            out[f"host_syncs_{kind}_step{suffix}"] = _mean([s.syncs for s in sel])
+            out[f"max_host_syncs_{kind}_step{suffix}"] = max((s.syncs for s in sel), default=None)
+    res = [s for s in steps if s.reselected]
+    bad = [s for s in steps if s.skipped]
+    out["kernels_skipped_step"] = _mean([s.kernels for s in bad])
+    out["host_syncs_skipped_step"] = _mean([s.syncs for s in bad])
+    out["max_host_syncs_skipped_step"] = max((s.syncs for s in bad), default=None)
+    out["kernels_reselection_step"] = _mean([s.kernels for s in res])
+    out["host_syncs_reselection_step"] = _mean([s.syncs for s in res])
+    out["max_host_syncs_reselection_step"] = max((s.syncs for s in res), default=None)
+    steady, after = out["kernels_plain_step"], out["kernels_plain_step_after_reselection"]
+    out["plain_after_reselection_vs_steady"] = after / steady if steady and after is not None else None
+    return out
+
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+               "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol")
+
+
+def _kind(s: _Step) -> str:
+    if s.skipped:
+        return "skipped"
+    if s.reselected:
+        return "reselection"
+    return ("boundary" if s.boundary else "plain") + ("_after_reselection" if s.after_reselection else "")
+
+
+def profile_counts(prof: Any, kinds: dict[str, str]) -> dict[str, Any]:
+    """Per kind of step: mean CUDA kernel launches and blocking runtime calls inside ``engine.step()``.
+
+    ``kinds`` maps each profiled step's record_function label to its kind. The first blocking call of
+    a step is its sync_compute (reported apart)."""
+    events = list(prof.events())
+    labels = [e for e in events if e.name in kinds]
+    acc: dict[str, dict[str, list[int]]] = {}
+    for lab in labels:
+        lo, hi = lab.time_range.start, lab.time_range.end
+        inside = sorted((e for e in events if e is not lab and lo <= e.time_range.start <= hi
+                         and e.name.startswith("cuda")), key=lambda e: e.time_range.start)
+        launches = sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in inside)
+        blocking = [e.name for e in inside if e.name in _SYNC_CALLS]
+        d = acc.setdefault(kinds[lab.name], {"launches": [], "sync_compute": [], "blocking_calls": []})
+        d["launches"].append(launches)
+        d["sync_compute"].append(1 if blocking[:1] == ["cudaStreamSynchronize"] else 0)
+        d["blocking_calls"].append(len(blocking) - d["sync_compute"][-1])
+    return {k: {m: statistics.fmean(v) for m, v in d.items()} | {"steps": len(d["launches"])}
+            for k, d in acc.items()}
+
+
 def measure(variant: str, args: argparse.Namespace, preset: dict[str, int], batches: list[torch.Tensor],
             *, count: bool) -> dict[str, Any]:
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = build_model(preset, torch.device("cpu"), dtype, args.seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)
+    device = torch.device(args.device)
+    model = build_model(preset, device, dtype, args.seed)
     model.train()
     engine = ZenFlowEngine(model, engine_config(variant, args))
     prev = torch.get_num_threads()
-    torch.set_num_threads(args.train_threads or engine.cpu_split[0])
-    per_step: list[tuple[int, int, bool]] = []  # (ops, kernels, boundary)
+    if device.type == "cpu":
+        torch.set_num_threads(args.train_threads or engine.cpu_split[0])
+    epoch = args.epoch_steps or max(1, args.steps // 2)
+    bad_at = {int(b) for b in args.bad_steps.split(",") if b.strip()}
+    steps: list[_Step] = []
     ops: Counter[str] = Counter()
+    syncs: Counter[str] = Counter()
     step_s: list[float] = []
+    bad_ok: list[bool] = []
     t0 = only_ms = 0.0
+    profiling = count and args.profile_steps > 0 and device.type == "cuda"
+    prof_kinds: dict[str, str] = {}
+    prof = None
+    if profiling:
+        from torch.profiler import ProfilerActivity, profile
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     try:
+        engine.new_epoch()
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 t0 = time.perf_counter()
-            x = batches[i % len(batches)]
-            model(input_ids=x, labels=x).loss.backward()
+            j = i - args.warmup
+            if j > 0 and j % epoch == 0:
+                engine.new_epoch()
+            x = batches[i % len(batches)].to(device)
+            engine.scale_loss(model(input_ids=x, labels=x).loss).backward()
+            poisoned = j in bad_at
+            if poisoned:
+                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+                snapshot = [p.detach().clone() for p in model.parameters()]
             ts = time.perf_counter()
+            before = engine.counters()
             if count and i >= args.warmup:
-                with OpCounter() as c:
-                    m = engine.step()
-                per_step.append((c.total, c.total - c.views, m.applied_cpu_update))
+                if prof is not None and j < args.profile_steps:
+                    if j == 0:
+                        prof.start()
+                    label = f"zenflow-step-{j}"
+                    with torch.profiler.record_function(label), OpCounter(engine.is_host_memory) as c:
+                        m = engine.step()
+                    if j == min(args.profile_steps, args.steps) - 1:
+                        prof.stop()
+                else:
+                    label = ""
+                    with OpCounter(engine.is_host_memory) as c:
+                        m = engine.step()
+                after = engine.counters()
+                own = int(after["host_syncs"] - before["host_syncs"]) + int(after["host_waits"] - before["host_waits"])
+                steps.append(_Step(
+                    c.total, c.kernels, c.total_syncs + own, after["windows"] > before["windows"],
+                    after["reselections"] > before["reselections"], before["reselections"] > 0, m.skipped,
+                ))
+                if label:
+                    prof_kinds[label] = _kind(steps[-1])
                 ops.update(c.ops)
+                syncs.update(c.syncs)
+                if own:
+                    syncs["engine.to_host/late landing"] += own
             else:
                 m = engine.step()
+            if poisoned:
+                same = all(torch.equal(a, b) for a, b in zip(snapshot, model.parameters(), strict=True))
+                bad_ok.append(bool(m.skipped) and same)
             if i >= args.warmup:
                 step_s.append(time.perf_counter() - ts)
             engine.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
         if not count:  # the engine alone: one backward, then step() again and again on its gradients
-            x = batches[0]
-            model(input_ids=x, labels=x).loss.backward()
+            x = batches[0].to(device)
+            engine.scale_loss(model(input_ids=x, labels=x).loss).backward()
             t1 = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             only_ms = 1e3 * (time.perf_counter() - t1) / args.steps
         engine.flush()
+        reselections = engine.counters()["reselections"]
     finally:
         engine.close()
         torch.set_num_threads(prev)
     out: dict[str, Any] = {"variant": variant, "params": len(list(model.parameters()))}
     if count:
-        plain = [p for p in per_step if not p[2]]
-        bound = [p for p in per_step if p[2]]
         out.update(
-            ops_per_step=statistics.fmean(p[0] for p in per_step),
-            kernels_per_step=statistics.fmean(p[1] for p in per_step),
-            kernels_plain_step=statistics.fmean(p[1] for p in plain) if plain else None,
-            kernels_boundary_step=statistics.fmean(p[1] for p in bound) if bound else None,
+            ops_per_step=statistics.fmean(s.ops for s in steps),
+            kernels_per_step=statistics.fmean(s.kernels for s in steps),
+            host_syncs_per_step=statistics.fmean(s.syncs for s in steps),
+            **summarize(steps),
+            reselections=reselections,
+            bad_steps=sorted(bad_at),
+            bad_steps_ok=all(bad_ok) if bad_ok else None,
+            sync_ops=dict(syncs),
+            placement=engine.placement.as_dict(),
             top_ops=ops.most_common(args.top) if args.top else [],
         )
+        if prof is not None and prof_kinds:
+            out["profile"] = profile_counts(prof, prof_kinds)
     else:
         out.update(steps_per_s=args.steps / wall, engine_step_ms=1e3 * statistics.fmean(step_s),
                    engine_only_ms=only_ms)
+    return out
+
+
+def targets(row: dict[str, Any]) -> dict[str, bool]:
+    """Issue 11's targets for a zenflow row (meaningful on the deep preset)."""
+    out: dict[str, bool] = {}
+    if not str(row["variant"]).startswith("zenflow"):
+        return out
+    for suffix in ("", "_after_reselection"):
+        plain, bound = row.get(f"max_host_syncs_plain_step{suffix}"), row.get(f"max_host_syncs_boundary_step{suffix}")
+        if plain is not None:
+            out[f"zero_host_syncs_plain_step{suffix}"] = plain == 0
+        if bound is not None:
+            out[f"at_most_one_host_sync_boundary_step{suffix}"] = bound <= 1
+    if row.get("max_host_syncs_reselection_step") is not None:
+        out["at_most_one_host_sync_reselection_step"] = row["max_host_syncs_reselection_step"] <= 1
+    if row.get("max_host_syncs_skipped_step") is not None:
+        out["zero_host_syncs_skipped_step"] = row["max_host_syncs_skipped_step"] == 0
+    if row.get("bad_steps_ok") is not None:
+        out["bad_steps_skipped_and_changed_nothing"] = bool(row["bad_steps_ok"])
+    ratio = row.get("plain_after_reselection_vs_steady")
+    if ratio is not None:
+        out["plain_kernels_after_reselection_within_10%"] = ratio <= 1.10
     return out
 
 
@@ -149,27 +405,39 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown mode {v!r}; choose from {', '.join(VARIANTS)}")
         counted = measure(v, args, preset, batches, count=True)
         timed = measure(v, args, preset, batches, count=False)
-        rows.append({**counted, **timed})
+        row = {**counted, **timed}
+        row["targets"] = targets(row)
+        rows.append(row)
         print(f"[{v}] done", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"args": vars(args), "results": rows}, indent=2))
         return 0
     print(f"engine ops per step: {args.model_size} ({rows[0]['params'] if rows else 0} param tensors, {args.dtype}), "
-          f"topk {args.topk_ratio}, update_interval {args.update_interval}, {torch.get_num_threads()} threads")
-    hdr = (f"{'variant':<13} {'ops/st':>8} {'kern/st':>8} {'kern plain':>10} {'kern bound':>10} {'steps/s':>8} "
-           f"{'step() ms':>9} {'alone ms':>8}")
+          f"topk {args.topk_ratio}, update_interval {args.update_interval}, select_interval {args.select_interval}, "
+          f"{torch.get_num_threads()} threads")
+
+    def f(x: float | None, spec: str = ">7.1f") -> str:
+        return format(x, spec) if x is not None else "      -"
+
+    hdr = (f"{'variant':<13} {'kern plain':>10} {'kern bound':>10} {'plain+rs':>8} {'bound+rs':>8} {'reselect':>8} "
+           f"{'sync pl':>7} {'sync bd':>7} {'sync rs':>7} {'steps/s':>8} {'step() ms':>9} {'alone ms':>8}")
     print(hdr)
     print("-" * len(hdr))
-
-    def f(x: float | None, spec: str) -> str:
-        return format(x, spec) if x is not None else "-"
-
     for r in rows:
-        print(f"{r['variant']:<13} {r['ops_per_step']:>8.1f} {r['kernels_per_step']:>8.1f} "
-              f"{f(r['kernels_plain_step'], '>10.1f'):>10} {f(r['kernels_boundary_step'], '>10.1f'):>10} "
-              f"{r['steps_per_s']:>8.3f} {r['engine_step_ms']:>9.2f} {r['engine_only_ms']:>8.2f}")
+        if "kernels_plain_step" not in r:
+            continue
+        print(f"{r['variant']:<13} {f(r['kernels_plain_step'], '>10.1f')} {f(r['kernels_boundary_step'], '>10.1f')} "
+              f"{f(r['kernels_plain_step_after_reselection'], '>8.1f')} "
+              f"{f(r['kernels_boundary_step_after_reselection'], '>8.1f')} {f(r['kernels_reselection_step'], '>8.1f')} "
+              f"{f(r['host_syncs_plain_step'], '>7.2f')} {f(r['host_syncs_boundary_step'], '>7.2f')} "
+              f"{f(r['host_syncs_reselection_step'], '>7.2f')} {r['steps_per_s']:>8.3f} {r['engine_step_ms']:>9.2f} "
+              f"{r['engine_only_ms']:>8.2f}")
         for name, n in r["top_ops"]:
             print(f"    {name}: {n / args.steps:.1f}/step")
+        if r["sync_ops"]:
+            print(f"    host syncs: {r['sync_ops']}")
+        for k, ok in r["targets"].items():
+            print(f"    target {k}: {'PASS' if ok else 'FAIL'}")
     return 0
 
 

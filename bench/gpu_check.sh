@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
-# GPU check of the ZenFlow engine: bench/engine.py on CUDA with a ~1.1B-parameter Llama (TinyLlama-1.1B
-# shape, bf16 device params, random init), variants device / offload / zenflow (host accumulation) /
-# zenflow-dacc (device accumulation), one run, then the table and the JSON. Sized for well under
-# 8 minutes on one H200 (16 CPU cores): 60 timed steps per variant (+3 untimed), 8 for the slow offload
-# variant (its losses are then not compared); batch 8 x 2048 tokens; zenflow topk_ratio 0.1,
-# update_interval 4, 12 of the 16 cores for the CPU optimizer worker (bound).
-#
-# Targets (issue 3): zenflow stall fraction <= 5%, >= 3x the steps/s of offload, loss within 1% of device.
+# GPU check of the ZenFlow engine, one run that answers issues 3 and 11 on a lent GPU. In order (the new
+# paths first, so a run cut short keeps them), every section bounded by one deadline (DEADLINE seconds
+# from the start, default 540, under the lent machine's 10-minute limit per command):
+#  1. bench/engine_ops.py on CUDA, deep preset, bf16, zenflow and zenflow-dacc: a reselection inside the
+#     counted steps (new_epoch at half of them), NaN gradients injected before two steps, the first
+#     OPS_PROFILE_STEPS steps under torch.profiler: kernels and host syncs per plain / window-end step,
+#     before and after the reselection, on the reselection and on the skipped steps; CUDA kernel launches
+#     and blocking runtime calls per step (profiler); whether the bad steps changed nothing
+#     -> engine_ops_bf16.json (targets: zero host syncs on a plain zenflow step, at most one on a window
+#     end and on a reselection, plain-step kernels after a reselection within 10% of before)
+#  2. the same with fp16 parameters (the engine's dynamic loss scaling) and select_interval 4 (a
+#     reselection at every window end) -> engine_ops_fp16.json
+#  3. bench/engine.py on CUDA, small preset, zenflow and zenflow-dacc: the CPU worker's GIL hold per step
+#     as a fraction of a GPU step (issue 11 item 5: move the worker out of the GIL if over 1%)
+#     -> gil_small.json
+#  4. bench/engine.py on CUDA with a ~1.1B-parameter Llama (TinyLlama-1.1B shape, bf16 device params,
+#     random init), variants zenflow-dacc / zenflow / device / offload with a reselection in the timed
+#     steps: 40 timed steps per variant (+3 untimed), 8 for the slow offload variant (its losses are then
+#     not compared); batch 8 x 2048 tokens; zenflow topk_ratio 0.1, update_interval 4, 12 of the 16
+#     cores for the CPU optimizer worker (core placement on) -> gpu_check.json
+#     Targets (issue 3): zenflow stall fraction <= 5%, >= 3x the steps/s of offload, loss within 1% of device.
 #
 # Usage
 #   bash bench/gpu_check.sh                 # on the GPU machine, from anywhere in the repo
@@ -16,8 +29,9 @@
 #   DEVICE=cpu MODEL_SIZE=tiny STEPS=2 OFFLOAD_STEPS=2 WARMUP=1 BATCH=2 SEQ=32 bash bench/gpu_check.sh
 #                                           # the same pipeline on the CPU, tiny (what tests/test_bench_smoke.py runs)
 # Environment: STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL, DEVICE,
-# MODEL_SIZE, BENCH_TIMEOUT override the defaults below; OUT (if set, e.g. by the device runner) receives
-# gpu_check.json (rewritten after every variant, so a timeout keeps what finished) and gpu_check.log.
+# MODEL_SIZE, BENCH_TIMEOUT, DEADLINE, OPS_MODEL_SIZE, OPS_STEPS, OPS_PROFILE_STEPS, GIL_MODEL_SIZE,
+# GIL_STEPS override the defaults below; OUT (if set, e.g. by the device runner) receives the JSON files
+# above (gpu_check.json rewritten after every variant, so a timeout keeps what finished) and the logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -35,7 +49,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit 0
 fi
 
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-40}
 OFFLOAD_STEPS=${OFFLOAD_STEPS:-8}
 WARMUP=${WARMUP:-3}
 BATCH=${BATCH:-8}
@@ -47,7 +61,14 @@ TOPK=${TOPK:-0.1}
 UPDATE_INTERVAL=${UPDATE_INTERVAL:-4}
 DEVICE=${DEVICE:-cuda}
 MODEL_SIZE=${MODEL_SIZE:-1b}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-360}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
+DEADLINE=${DEADLINE:-540}
+OPS_MODEL_SIZE=${OPS_MODEL_SIZE:-deep}
+OPS_STEPS=${OPS_STEPS:-24}
+OPS_PROFILE_STEPS=${OPS_PROFILE_STEPS:-16}
+GIL_MODEL_SIZE=${GIL_MODEL_SIZE:-small}
+GIL_STEPS=${GIL_STEPS:-30}
+T_START=$(date +%s)
 OUTDIR=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
@@ -105,17 +126,44 @@ start=$(date +%s)
 "$PY" -c 'from offload.cpu_adam import load_extension, simd_width; load_extension(); print("cpu_adam ready:", simd_width())'
 echo "build/load took $(( $(date +%s) - start ))s"
 
-# 5. The benchmark: table on stdout, JSON to a file (printed after). libgomp affinity variables from the
-#    image would override the worker's core binding: drop them.
+# 5. The checks. libgomp affinity variables from the image would override the engine's core placement:
+#    drop them. Each section gets min(its timeout, what is left before the deadline).
 unset OMP_PROC_BIND GOMP_CPU_AFFINITY OMP_PLACES
-echo "== bench/engine.py ($MODEL_SIZE preset, $DEVICE)"
-rm -f "$OUTDIR/gpu_check.json"
+left() { local l=$(( DEADLINE - ($(date +%s) - T_START) )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+section() {  # section NAME TIMEOUT JSON_FILE -- command...
+  local name=$1 limit; limit=$(left "$2"); local json=$3; shift 4
+  if [ "$limit" -le 5 ]; then echo "== $name: skipped (deadline)"; return 0; fi
+  echo "== $name (up to ${limit}s)"
+  local rc=0
+  timeout "$limit" "$@" > "$OUTDIR/$json.tmp" 2> >(tee "$OUTDIR/${json%.json}.log" >&2) || rc=$?
+  if [ "$rc" = 0 ]; then mv "$OUTDIR/$json.tmp" "$OUTDIR/$json"; cat "$OUTDIR/$json"; else
+    echo "$name exited with $rc (124: cut at ${limit}s)"; rm -f "$OUTDIR/$json.tmp"; fi
+}
+rm -f "$OUTDIR"/engine_ops_bf16.json "$OUTDIR"/engine_ops_fp16.json "$OUTDIR"/gil_small.json "$OUTDIR/gpu_check.json"
+section "bench/engine_ops.py: reselection, bad gradients, host syncs, launches ($OPS_MODEL_SIZE, bf16, $DEVICE)" \
+  120 engine_ops_bf16.json -- "$PY" -m bench.engine_ops --device "$DEVICE" --model-size "$OPS_MODEL_SIZE" \
+  --modes zenflow,zenflow-dacc --dtype bf16 --steps "$OPS_STEPS" --bad-steps 5,13 \
+  --profile-steps "$OPS_PROFILE_STEPS" --cores-ratio "$CORES_RATIO" --json
+section "bench/engine_ops.py: fp16 loss scaling, a reselection every window ($OPS_MODEL_SIZE, $DEVICE)" \
+  90 engine_ops_fp16.json -- "$PY" -m bench.engine_ops --device "$DEVICE" --model-size "$OPS_MODEL_SIZE" \
+  --modes zenflow --dtype fp16 --select-interval 4 --steps 16 --bad-steps 6 --profile-steps 8 \
+  --cores-ratio "$CORES_RATIO" --json
+section "bench/engine.py: worker GIL hold per step ($GIL_MODEL_SIZE, $DEVICE)" \
+  100 gil_small.json -- "$PY" -m bench.engine --device "$DEVICE" --model-size "$GIL_MODEL_SIZE" \
+  --modes zenflow,zenflow-dacc --steps "$GIL_STEPS" --warmup 2 --cores-ratio "$CORES_RATIO" --json
+
+# 6. The end-to-end benchmark: table on stdout, JSON to a file (printed after).
+limit=$(left "$BENCH_TIMEOUT")
+echo "== bench/engine.py ($MODEL_SIZE preset, $DEVICE, up to ${limit}s)"
 rc=0
-timeout "$BENCH_TIMEOUT" "$PY" -m bench.engine --device "$DEVICE" --model-size "$MODEL_SIZE" --modes "$MODES" \
+if [ "$limit" -le 5 ]; then echo "skipped (deadline)"; rc=124; else
+timeout "$limit" "$PY" -m bench.engine --device "$DEVICE" --model-size "$MODEL_SIZE" --modes "$MODES" \
   --steps "$STEPS" --offload-steps "$OFFLOAD_STEPS" --warmup "$WARMUP" --batch "$BATCH" --seq "$SEQ" \
-  --cores-ratio "$CORES_RATIO" --bind --topk-ratio "$TOPK" --update-interval "$UPDATE_INTERVAL" \
+  --cores-ratio "$CORES_RATIO" --topk-ratio "$TOPK" --update-interval "$UPDATE_INTERVAL" \
   --json-out "$OUTDIR/gpu_check.json" 2>&1 | tee "$OUTDIR/gpu_check.log" || rc=$?
-[ "$rc" = 0 ] || echo "bench/engine.py exited with $rc (124: cut at ${BENCH_TIMEOUT}s; the JSON holds the variants that finished)"
+fi
+[ "$rc" = 0 ] || echo "bench/engine.py exited with $rc (124: cut at ${limit}s; the JSON holds the variants that finished)"
 echo "== JSON"
 cat "$OUTDIR/gpu_check.json" 2>/dev/null || echo "(no JSON written)"
+echo "== done in $(( $(date +%s) - T_START ))s"
 exit "$rc"

@@ -16,11 +16,17 @@ def grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_(grads: list[torch.Tensor], max_norm: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip in place. Returns ``(total_norm, coef)`` as device scalars (total before clipping)."""
+def clip_(
+    grads: list[torch.Tensor], max_norm: float | None, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip in place. Returns ``(total_norm, coef)`` as device scalars (total before clipping).
+
+    A non-finite total gives a coefficient of 0 or NaN and leaves non-finite gradients: the caller
+    skips such a step (:mod:`offload.guard`). ``device``: where the scalars live when ``grads`` is empty.
+    """
     if not grads:
-        z = torch.zeros(())
-        return z, torch.ones(())
+        z = torch.zeros((), device=device)
+        return z, torch.ones((), device=device)
     norms = grad_norms(grads)
     total = torch.linalg.vector_norm(norms)
     if max_norm is None:

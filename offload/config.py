@@ -54,7 +54,9 @@ class EngineConfig(BaseModel):
     max_update_interval: int = Field(16, ge=1, le=MAX_INTERVAL_STEPS)
     # Fraction of this process's CPU cores given to the CPU optimizer worker.
     cpu_optimizer_cores_ratio: float = Field(0.5, gt=0, le=1)
-    # Run the CPU window update in the background (True) or block on it at the boundary (False, an ablation).
+    # Run the CPU window update in the background, its result applied one window later (True), or at the
+    # window end with the training thread waiting for it and its result applied at once (False: no
+    # staleness, DeepSpeed's default).
     overlap_step: bool = True
 
     # --- extensions (not in the original contract; defaults keep the documented behaviour) ---
@@ -63,14 +65,20 @@ class EngineConfig(BaseModel):
     select_interval_fallback: int = Field(100, ge=1, le=MAX_INTERVAL_STEPS)
     # CPU cores the engine plans its split with; None = the cores this process may run on.
     cpu_threads: int | None = Field(None, ge=1, le=MAX_CPU_THREADS)
-    # Pin the CPU optimizer worker (and the threads it starts) to its own cores (Linux only).
-    bind_worker_cores: bool = False
-    # zenflow: the CPU's once-per-window AdamW step on the window-mean gradient uses the sum of the window's
-    # per-step learning rates (the linear scaling rule: lr * window length at a constant lr), so unselected
-    # weights move as far per training step as the selected ones, during lr warm-up and decay too; False =
-    # the boundary's plain lr once per window (gradient-accumulation semantics), which lets them lag by
-    # about update_interval times early in training.
-    scale_cpu_lr: bool = True
+    # Core placement (offload.placement; Linux, where the host allows it): zenflow's CPU optimizer worker
+    # and the training thread on disjoint physical cores (hyperthread siblings together), and on a host
+    # with several GPUs each GPU's process on its own share of the cores, NUMA-local to its GPU. False:
+    # the engine changes no thread's CPU affinity (the off switch).
+    bind_worker_cores: bool = True
+    # zenflow: the learning rate of the CPU's once-per-window AdamW step on the window-mean gradient. False
+    # (default, DeepSpeed's rule): the boundary's plain lr (gradient-accumulation semantics: the unselected
+    # weights move more slowly than the selected ones). True: the sum of the window's per-step learning
+    # rates (the linear scaling rule: lr * window length at a constant lr). Fine-tuning a pretrained model
+    # (python -m bench.convergence --seeds 0,1,2,3 --scale-cpu-lr), the summed lr ends at 1.25x (window 4)
+    # and 1.35x (window 8) device mode's validation loss, the plain one at 1.006x and 0.998x: a full-size
+    # step that lands a window late overshoots (Adam's step on a window mean is also larger than the
+    # per-step ones it replaces, the mean's noise being smaller).
+    scale_cpu_lr: bool = False
     # Where zenflow accumulates the unselected gradient over a window: "host" = every step's gradient is
     # copied to pinned host staging and added into an fp32 host accumulator by the worker (no extra device
     # memory; ~10 CPU bytes/param/step); "device" = an fp32 accumulator on the device (+4 device
@@ -79,10 +87,19 @@ class EngineConfig(BaseModel):
     accumulate_on: Literal["host", "device"] = "host"
     # Largest slice (elements) the CPU optimizer updates before it lets waiting gradient copies run.
     cpu_chunk_elements: int = Field(1 << 23, ge=1024, le=MAX_CHUNK_ELEMENTS)
+    # fp16 parameters: dynamic loss scaling with torch.amp.GradScaler's rule (the caller backpropagates
+    # engine.scale_loss(loss); the step unscales before clipping; a skipped step multiplies the scale by
+    # the backoff factor, growth_interval finite steps in a row by the growth factor). "auto": on exactly
+    # when a trainable parameter is fp16; "dynamic": always; "off": never (fp16 gradients may underflow).
+    loss_scaling: Literal["auto", "dynamic", "off"] = "auto"
+    loss_scale_init: float = Field(2.0**16, gt=0, le=2.0**64)
+    loss_scale_growth_factor: float = Field(2.0, gt=1, le=1e3)
+    loss_scale_backoff_factor: float = Field(0.5, gt=0, lt=1)
+    loss_scale_growth_interval: int = Field(2000, ge=1, le=MAX_INTERVAL_STEPS)
 
     @field_validator(
         "update_interval", "select_interval", "full_warm_up_rounds", "max_update_interval",
-        "select_interval_fallback", "cpu_threads", "cpu_chunk_elements",
+        "select_interval_fallback", "cpu_threads", "cpu_chunk_elements", "loss_scale_growth_interval",
         mode="before",
     )
     @classmethod

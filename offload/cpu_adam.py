@@ -10,7 +10,9 @@ to those torch ops except for sqrt, which is correctly rounded here while torch'
 VML) may be 1 ulp off; after many steps ours stays within rtol=1e-6/atol=1e-7 of torch.optim.
 
 ``adam_step`` releases the GIL while computing and keeps no per-call state, so it may be called from
-several Python threads at once (on disjoint buffers).
+several Python threads at once (on disjoint buffers). So does ``accumulate``, the zenflow window
+accumulation (``acc = alpha * g`` or ``acc += alpha * g`` with an fp32/bf16/fp16 ``g``, bitwise equal
+to ATen's ``acc.add_(g.float(), alpha=alpha)``), SIMD and OpenMP like the step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 __all__ = [
     "CPUAdamW",
     "CpuAdamBuildError",
+    "accumulate",
     "adam_step",
     "get_num_threads",
     "load_extension",
@@ -165,6 +168,18 @@ def adam_step(
         bool(bias_correction),
         0 if num_threads is None else int(num_threads),
     )
+
+
+def accumulate(
+    acc: torch.Tensor, src: torch.Tensor, *, alpha: float, first: bool, num_threads: int | None = None
+) -> None:
+    """``acc = alpha * src`` (``first``) or ``acc += alpha * src`` in place, in one GIL-free pass.
+
+    ``acc``: fp32; ``src``: fp32, bf16 or fp16 of the same numel; both contiguous CPU tensors. Same
+    numbers as ``torch.mul(src.float(), alpha, out=acc)`` / ``acc.add_(src.float(), alpha=alpha)``.
+    """
+    ext = _ext if _ext is not None else load_extension()
+    ext.accumulate(acc, src, float(alpha), bool(first), 0 if num_threads is None else int(num_threads))
 
 
 def set_num_threads(n: int) -> None:

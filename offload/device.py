@@ -9,6 +9,14 @@ compute stream). Source tensors read by a side stream are ``record_stream``-ed, 
 allocator cannot hand their memory out again (``zero_grad(set_to_none=True)``) before the copy ends.
 
 On CPU ("the device is the CPU") the same calls copy synchronously and events are ``None``.
+
+Host reads. The engine never reads a device tensor's value on the training thread in a plain step:
+device scalars it needs (the gradient norm, whether the step is finite, "auto" window masses) go
+through :meth:`DeviceOps.read_later` (one stacked non-blocking copy into page-locked memory, queued
+before the step's optimizer kernels) and are read with :meth:`Landing.values` once the step's work is
+queued, by which time the copy has landed; a read that would have to wait is counted
+(``DeviceOps.host_waits``). The deliberate blocking reads (one per reselection at most) go through
+:meth:`DeviceOps.to_host` and are counted in ``DeviceOps.host_syncs``.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -38,6 +46,35 @@ class Transfer:
 
     def done(self) -> bool:
         return self.event is None or bool(self.event.query())
+
+
+class Landing:
+    """Device scalars on their way to host memory (:meth:`DeviceOps.read_later`).
+
+    ``values()`` reads them; if the copy has not landed yet it waits for it (and the wait is counted
+    in ``DeviceOps.host_waits``), otherwise it is a plain read of host memory.
+    """
+
+    __slots__ = ("_event", "_host", "_ops", "_values")
+
+    def __init__(self, ops: DeviceOps, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self._ops = ops
+        self._host = host
+        self._event = event
+        self._values: list[float] | None = None
+
+    def landed(self) -> bool:
+        return self._values is not None or self._event is None or bool(self._event.query())
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            if not self.landed():
+                assert self._event is not None
+                self._ops.host_waits += 1
+                self._event.synchronize()
+            # tolist() reads the host buffer directly (no ATen op: nothing to count or wait for)
+            self._values = [float(x) for x in self._host.tolist()]
+        return self._values
 
 
 _PAGE = 4096
@@ -74,8 +111,26 @@ class HostAllocator:
         self.register = pin
         self._registered: list[tuple[torch.Tensor, int]] = []
         self._lock = threading.Lock()
+        #: Storage addresses of every buffer handed out (see :meth:`owns`).
+        self._storages: set[int] = set()
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (or the buffer it views) is host memory from this allocator.
+
+        On a CPU-only run host and "device" memory are both CPU memory; benchmarks use this to tell
+        a read of a landed host copy (free) from a read of a device tensor (a host sync on a GPU).
+        """
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._storages
+
+    def _keep(self, t: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self._storages.add(t.untyped_storage().data_ptr())
+        return t
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._keep(self._empty(numel, dtype))
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if not self.pin or numel == 0:
             return torch.empty(numel, dtype=dtype)
         if not self.register:
@@ -108,6 +163,7 @@ class HostAllocator:
         """Unregister every page-locked buffer (call after all copies that touch them have ended)."""
         with self._lock:
             regs, self._registered = self._registered, []
+            self._storages.clear()
         for _t, ptr in regs:
             with contextlib.suppress(Exception):
                 torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -143,7 +199,13 @@ class DeviceOps:
             self.d2h_stream = torch.cuda.Stream(device=device)
             self.h2d_stream = torch.cuda.Stream(device=device)
         self._last_d2h: torch.cuda.Event | None = None
-        self._scalar: torch.Tensor | None = None  # page-locked landing spot of scalar_later (CUDA)
+        # page-locked landing slots of read_later, a small ring per length (each read within its step)
+        self._slots: dict[int, list[torch.Tensor]] = {}
+        self._slot_next: dict[int, int] = {}
+        #: Reads of landed scalars that had to wait for the copy (Landing.values on an unfinished copy).
+        self.host_waits = 0
+        #: Deliberate blocking device-to-host reads (to_host): reselection's one read of new columns.
+        self.host_syncs = 0
 
     # --- compute stream -------------------------------------------------------------------------
     def compute_stream(self) -> torch.cuda.Stream:
@@ -216,26 +278,50 @@ class DeviceOps:
             done.record(self.h2d_stream)
         return Transfer(done, nbytes)
 
-    def scalar_later(self, t: torch.Tensor) -> Callable[[], float]:
-        """Start copying the 0-dim ``t`` to the host; the returned call waits for it and reads it.
+    def read_later(self, scalars: Sequence[torch.Tensor]) -> Landing:
+        """Start copying 0-dim device tensors to host memory; read them later with ``values()``.
 
-        On CUDA the copy goes into one reused page-locked scalar behind the compute stream's queued
-        work, so reading it later waits only for the work queued before this call.
+        One stacked fp32 copy, queued on the compute stream behind the work queued so far (on CUDA
+        into a reused page-locked slot, non-blocking), so reading it after more work has been queued
+        costs no wait. Slots are reused in a ring of 4 per length: read a landing before making 4
+        more of the same length.
+        """
+        vec = torch.stack([t.reshape(()).to(torch.float32) for t in scalars])
+        n = vec.numel()
+        ring = self._slots.get(n)
+        if ring is None:
+            ring = self._slots[n] = [self.host.empty(n, torch.float32) for _ in range(4)]
+        i = self._slot_next.get(n, 0)
+        self._slot_next[n] = (i + 1) % 4
+        host = ring[i]
+        if not self.is_cuda:
+            host.copy_(vec)
+            return Landing(self, host, None)
+        host.copy_(vec, non_blocking=True)
+        return Landing(self, host, self._record_cuda())
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of device tensor ``t``, waited for: a deliberate host sync (counted)."""
+        self.host_syncs += 1
+        if not self.is_cuda:
+            return t.detach().clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        self._record_cuda().synchronize()
+        return out
+
+    def upload(self, host: torch.Tensor) -> tuple[torch.Tensor, Transfer]:
+        """A device copy of (page-locked) host tensor ``host`` that compute-stream work may use at once.
+
+        On CUDA the copy runs on the H2D stream and the compute stream waits for it (no host wait);
+        ``host`` must not be written again before the returned transfer is done.
         """
         if not self.is_cuda:
-            return lambda: float(t)
-        if self._scalar is None or self._scalar.dtype != t.dtype:
-            self._scalar = torch.empty((), dtype=t.dtype, pin_memory=True)
-        host = self._scalar
-        host.copy_(t, non_blocking=True)
-        ev = self.record()
-        assert ev is not None
-
-        def read() -> float:
-            ev.synchronize()
-            return float(host)
-
-        return read
+            return host.clone(), Transfer(None, host.numel() * host.element_size())
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        t = self.h2d([(out, host)])
+        self.compute_wait(t.event)
+        return out, t
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A small synchronous upload (selection bookkeeping)."""

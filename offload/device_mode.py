@@ -1,7 +1,8 @@
 """``device`` mode: plain AdamW on the device, the memory-hungry baseline.
 
-``torch.optim.AdamW`` (fused on CUDA, the multi-tensor for-each path on CPU) over the trainable
-parameters. bf16/fp16 parameters get an fp32 master copy on the device (mixed precision: the
+``torch.optim.AdamW(fused=True)`` over the trainable parameters (CPU and CUDA), told of a skipped
+step through its ``found_inf`` (as ``torch.amp.GradScaler`` does), so a skipped step changes
+nothing without a host sync. bf16/fp16 parameters get an fp32 master copy on the device (mixed precision: the
 optimizer updates the master, the model sees it rounded), so device optimizer state is 8 bytes per
 parameter for fp32 models and 12 for bf16/fp16 ones.
 """
@@ -14,6 +15,7 @@ import torch
 
 from offload.config import EngineConfig
 from offload.device import DeviceOps
+from offload.guard import Gate
 from offload.mode_base import Mode, NamedParams, to_cpu
 from offload.timing import StepStats
 
@@ -32,16 +34,23 @@ class DeviceMode(Mode):
                 opt_params.append(m)
             else:
                 opt_params.append(p)
-        # CPU: the multi-tensor path (same elementwise math as the single-tensor one torch picks there)
-        kw: dict[str, Any] = {"fused": True} if ops.is_cuda else {"foreach": True}
         self.opt = torch.optim.AdamW(
-            opt_params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **kw
+            opt_params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
         )
+        # torch creates the state on the first step, skipped or not; create it now, as torch would
+        # (so a skipped first step leaves the state as it was, and its size is known from the start)
+        for t in opt_params:
+            self.opt.state[t] = {
+                "step": torch.zeros((), dtype=torch.float32, device=t.device),
+                "exp_avg": torch.zeros_like(t, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(t, memory_format=torch.preserve_format),
+            }
 
     @torch.no_grad()
-    def step(self, stats: StepStats, lr: float) -> None:
+    def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr
+        self.opt.found_inf = gate.bad_f  # type: ignore[attr-defined]  # read by the fused step
         low = [(p, self.masters[n]) for n, p in self.named if n in self.masters]
         for p, m in low:
             m.grad = None if p.grad is None else p.grad.float()
@@ -54,7 +63,7 @@ class DeviceMode(Mode):
     def state_bytes(self) -> int:
         total = sum(m.numel() * m.element_size() for m in self.masters.values())
         for st in self.opt.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq", "step"):  # fused: the step count lives on the device
                 t = st.get(key)
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()

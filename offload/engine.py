@@ -6,7 +6,7 @@ Use::
     with engine:
         for batch in data:
             loss = model(**batch).loss
-            loss.backward()
+            engine.scale_loss(loss).backward()  # the loss itself unless fp16 loss scaling is on
             metrics = engine.step()        # clip + update (per mode); returns a StepMetrics
             engine.zero_grad()             # set_to_none=True by default
             engine.set_lr(schedule(step))  # optional, per step
@@ -19,6 +19,12 @@ module's docstring gives its exact semantics). The engine owns the parameters wi
 or fp16. Clipping (:mod:`offload.clipping`) is global over all of them and happens before any part
 is updated, in every mode.
 
+Bad gradients (:mod:`offload.guard`): a step whose global gradient norm is not finite is skipped in
+every mode and part (``StepMetrics.skipped``) and training continues. fp16 parameters get dynamic
+loss scaling (``EngineConfig.loss_scaling``): backpropagate ``engine.scale_loss(loss)``; the scale
+is part of ``state_dict()``. Neither needs a host sync: the verdict is applied on the device and read
+by the host from a copy that has landed by the time it is needed.
+
 Timing (:class:`~offload.metrics.StepMetrics`): ``wall_seconds`` runs from the end of the previous
 ``step()`` (the engine's construction for the first) to the end of this one; ``stall_seconds`` is
 the time ``step()`` spent blocked on the CPU optimizer or on transfers; ``compute_seconds`` is the
@@ -30,12 +36,20 @@ worker gets ``round(cpu_optimizer_cores_ratio * n)`` (at least 1, and at most ``
 ``n > 1``); ``cpu_split`` reports ``(training, optimizer)``. The engine does not change the training
 thread's torch thread count: on a CPU-only run call ``torch.set_num_threads(engine.cpu_split[0])``.
 The synchronous ``offload`` mode uses all ``n`` cores for its CPU step.
+
+Core placement (``bind_worker_cores``, on by default; :mod:`offload.placement`): where the host
+allows it, the split is made of whole physical cores from the sysfs topology, the worker thread is
+pinned to the optimizer's and every other thread of the process to the training's, torch's intra-op
+thread count capped at the training CPUs (all restored at ``close()``), and on a multi-GPU host the
+process first takes its GPU's NUMA-local share of the cores (all modes). ``placement`` describes
+what was done, or why nothing was.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -45,11 +59,15 @@ from offload.clipping import clip_
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
+from offload.guard import Gate, LossScaler
 from offload.metrics import StepMetrics
 from offload.mode_base import Mode, NamedParams
 from offload.offload_mode import OffloadMode
+from offload.placement import Placement, device_pci_address, plan, read_topology
+from offload.placement import apply as apply_placement
+from offload.placement import restore as restore_placement
 from offload.timing import StepStats
-from offload.worker import BackgroundWorkerError
+from offload.worker import BackgroundWorkerError, live_native_ids
 from offload.zenflow_mode import ZenFlowMode
 
 __all__ = ["BackgroundWorkerError", "ZenFlowEngine"]
@@ -98,23 +116,80 @@ class ZenFlowEngine:
         cores = _available_cores()
         total = self.config.cpu_threads or len(cores)
         self.cpu_split = cpu_split(total, self.config.cpu_optimizer_cores_ratio)
+        self.placement = self._plan_placement(cores)
+        self._pinned: dict[int, set[int]] = {}
+        self._pin_target: tuple[int, ...] = ()
+        self._torch_threads = 0  # the training thread's torch thread count before pinning capped it
+        pl = self.placement
+        worker_cores: list[int] | None = None
+        if self.config.mode == "zenflow" and pl.placed:
+            self.cpu_split = (len(pl.training), len(pl.optimizer))
+            total, worker_cores, self._pin_target = len(pl.process), list(pl.optimizer), pl.training
+        elif pl.gpu_slot is not None and pl.process:  # device/offload on a multi-GPU host: the GPU's share
+            total, self._pin_target = len(pl.process), pl.process
+            self.cpu_split = cpu_split(total, self.config.cpu_optimizer_cores_ratio)
         self._ops = DeviceOps(self.device)
         self._lr = float(self.config.lr)
         self._step = 0
         self._closed = False
         self.last_metrics: StepMetrics | None = None
-        self._mode: Mode = self._build_mode(total, cores)
+        cfg = self.config
+        fp16 = any(p.dtype == torch.float16 for p in self._params)
+        self._scaler: LossScaler | None = None
+        if cfg.loss_scaling == "dynamic" or (cfg.loss_scaling == "auto" and fp16):
+            self._scaler = LossScaler(
+                self.device, init_scale=cfg.loss_scale_init, growth_factor=cfg.loss_scale_growth_factor,
+                backoff_factor=cfg.loss_scale_backoff_factor, growth_interval=cfg.loss_scale_growth_interval,
+            )
+        self._mode: Mode = self._build_mode(total, worker_cores)
+        self._pin()
         self._t_last = time.perf_counter()
 
-    def _build_mode(self, total: int, cores: list[int]) -> Mode:
+    def _plan_placement(self, cores: list[int]) -> Placement:
+        cfg = self.config
+        if not cfg.bind_worker_cores:
+            return Placement(note="bind_worker_cores is off")
+        if not hasattr(os, "sched_setaffinity"):
+            return Placement(note="this platform has no CPU affinity")
+        if cfg.mode != "zenflow" and self.device.type != "cuda":
+            return Placement(note=f"mode {cfg.mode} on the CPU has no CPU optimizer worker to keep apart")
+        allowed = cores[: cfg.cpu_threads] if cfg.cpu_threads else cores
+        gpu = device_pci_address(self.device) if self.device.type == "cuda" else None
+        try:
+            topo = read_topology()
+        except (OSError, ValueError) as exc:
+            return Placement(note=f"no CPU topology: {exc}")
+        p = plan(topo, set(allowed), cfg.cpu_optimizer_cores_ratio, gpu)
+        if cfg.mode != "zenflow" and p.gpu_slot is None:
+            return Placement(process=p.process, note=f"mode {cfg.mode}: no CPU optimizer worker to keep apart")
+        return p
+
+    def _pin(self) -> None:
+        """Pin the process's other threads to their cores (the worker pinned itself); never fatal."""
+        if not self._pin_target:
+            return
+        worker = getattr(self._mode, "worker", None)
+        worker_ok = worker is None or worker.pinned is not False
+        try:
+            if not worker_ok:
+                raise OSError("the CPU optimizer worker could not be pinned")
+            self._pinned = apply_placement(self._pin_target, skip=set(live_native_ids))
+        except OSError as exc:
+            self.placement = replace(self.placement, applied=False, note=f"affinity refused: {exc}")
+            return
+        self.placement = replace(self.placement, applied=True)
+        # More intra-op threads than pinned CPUs would spin against each other (OpenMP busy-waits)
+        if torch.get_num_threads() > len(self._pin_target):
+            self._torch_threads = torch.get_num_threads()
+            torch.set_num_threads(len(self._pin_target))
+
+    def _build_mode(self, total: int, worker_cores: list[int] | None) -> Mode:
         cfg, ops = self.config, self._ops
         if cfg.mode == "device":
             return DeviceMode(self._named, cfg, ops)
         if cfg.mode == "offload":
             return OffloadMode(self._named, cfg, ops, threads=total)
-        opt_threads = self.cpu_split[1]
-        worker_cores = cores[-opt_threads:] if cfg.bind_worker_cores and len(cores) >= opt_threads else None
-        return ZenFlowMode(self._named, cfg, ops, threads=opt_threads, worker_cores=worker_cores)
+        return ZenFlowMode(self._named, cfg, ops, threads=self.cpu_split[1], worker_cores=worker_cores)
 
     # --- the training-loop API ------------------------------------------------------------------
     @property
@@ -135,6 +210,15 @@ class ZenFlowEngine:
     def global_step(self) -> int:
         return self._step
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate: times the loss scale with fp16 loss scaling, else ``loss`` itself."""
+        return loss if self._scaler is None else self._scaler.scale_loss(loss)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale (None without loss scaling); reading it waits for the device."""
+        return None if self._scaler is None else float(self._scaler.scale)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
@@ -146,12 +230,22 @@ class ZenFlowEngine:
         self._ops.sync_compute()
         stats = StepStats()
         grads = [p.grad for p in self._params if p.grad is not None]
-        total_norm, _ = clip_(grads, self.config.max_grad_norm)
-        # read once the mode has queued its work, so the device is not drained for it (CUDA)
-        read_norm = self._ops.scalar_later(total_norm) if grads else None
-        self._mode.step(stats, self._lr)
+        scaler = self._scaler
+        if scaler is not None:
+            scaler.unscale_(grads)
+        total_norm, _ = clip_(grads, self.config.max_grad_norm, self.device)
+        ok = torch.isfinite(total_norm)
+        # The verdict and the norm leave the device now, before the mode queues its kernels, so reading
+        # them once those are queued waits for nothing.
+        scalars = [total_norm, ok] if scaler is None else [total_norm, ok, scaler.scale]
+        landing = self._ops.read_later(scalars)
+        gate = Gate(ok, landing, at=1)
+        self._mode.step(stats, self._lr, gate)
+        if scaler is not None:
+            scaler.update(gate)
         self._step += 1
-        grad_norm = read_norm() if read_norm is not None else None
+        vals = landing.values()
+        grad_norm = vals[0] if grads else None
         end = time.perf_counter()
         wall = end - self._t_last
         self._t_last = end
@@ -171,6 +265,8 @@ class ZenFlowEngine:
             mode=self.config.mode,
             device_buffer_bytes=self._mode.buffer_bytes(),
             synchronous=stats.synchronous,
+            skipped=not gate.finite(),
+            loss_scale=vals[2] if scaler is not None else None,
         )
         self.last_metrics = m
         return m
@@ -222,13 +318,16 @@ class ZenFlowEngine:
         """
         self._check_open()
         self._mode.check()
-        return {
+        sd = {
             "version": _STATE_VERSION,
             "mode": self.config.mode,
             "step": self._step,
             "lr": self._lr,
             "mode_state": self._mode.state_dict(),
         }
+        if self._scaler is not None:
+            sd["loss_scale"] = self._scaler.state_dict()
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore a state saved by ``state_dict()`` of an engine with the same model and mode."""
@@ -238,6 +337,8 @@ class ZenFlowEngine:
         if sd.get("mode") != self.config.mode:
             raise ValueError(f"engine state is for mode {sd.get('mode')!r}, this engine runs {self.config.mode!r}")
         self._mode.load_state_dict(sd["mode_state"])
+        if self._scaler is not None and "loss_scale" in sd:  # states saved without it: the initial scale
+            self._scaler.load_state_dict(sd["loss_scale"])
         self._step = int(sd["step"])
         self._lr = float(sd["lr"])
         self._t_last = time.perf_counter()
@@ -246,6 +347,30 @@ class ZenFlowEngine:
     @property
     def device_optimizer_state_bytes(self) -> int:
         return self._mode.state_bytes()
+
+    def counters(self) -> dict[str, float]:
+        """Running totals (benchmarks): ``host_syncs``, the engine's deliberate blocking reads of device
+        data (at most one per reselection); ``host_waits``, reads of a step's landed scalars that had
+        to wait for the copy; ``reselections`` (zenflow, after the first selection) and ``windows``
+        (zenflow: windows ended); ``worker_busy_seconds`` and ``worker_gil_seconds``, the CPU worker's
+        time running tasks and, of that, outside GIL-free calls (an upper bound of its GIL hold)."""
+        worker = getattr(self._mode, "worker", None)
+        return {
+            "host_syncs": self._ops.host_syncs,
+            "host_waits": self._ops.host_waits,
+            "reselections": getattr(self._mode, "reselections", 0),
+            "windows": getattr(self._mode, "window", 0),
+            "worker_busy_seconds": worker.busy_seconds if worker is not None else 0.0,
+            "worker_gil_seconds": worker.gil_seconds if worker is not None else 0.0,
+        }
+
+    def is_host_memory(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is host memory as the engine sees it: on CUDA any CPU tensor; on a CPU-only
+        run (device and host the same memory) a host buffer the engine allocated (benchmarks use this
+        to tell a read of landed host data from a read of device data)."""
+        if self._ops.is_cuda:
+            return t.device.type == "cpu"
+        return self._ops.host.owns(t)
 
     def selection(self) -> dict[str, torch.Tensor]:
         """zenflow: the selected columns of each split 2-D weight (empty in the other modes)."""
@@ -258,6 +383,11 @@ class ZenFlowEngine:
             return
         self._closed = True
         self._mode.close()
+        if self._pinned:
+            restore_placement(self._pinned, self._pin_target)
+            self._pinned = {}
+            if self._torch_threads and torch.get_num_threads() == len(self._pin_target):
+                torch.set_num_threads(self._torch_threads)
 
     def __enter__(self) -> ZenFlowEngine:
         return self

@@ -18,10 +18,11 @@ import torch
 
 from offload.config import EngineConfig
 from offload.device import HostAllocator
+from offload.worker import gil_released
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
-# Elements per accumulation chunk: ATen's fp32 += bf16 with type promotion runs ~10x slower than
-# a bf16 -> fp32 copy into a cache-sized scratch followed by a same-dtype add.
+# Elements per chunk of the torch accumulation path (accumulate_torch): ATen's fp32 += bf16 with type
+# promotion runs ~10x slower than a bf16 -> fp32 copy into a cache-sized scratch and a same-dtype add.
 _ACC_CHUNK = 1 << 20
 
 
@@ -30,6 +31,42 @@ def _adam_step() -> Callable[..., None]:
     from offload.cpu_adam import adam_step
 
     return adam_step
+
+
+def _accumulate() -> Callable[..., None]:
+    from offload.cpu_adam import accumulate
+
+    return accumulate
+
+
+def accumulate_torch(
+    acc: torch.Tensor, src: torch.Tensor, *, alpha: float, first: bool, tmp: torch.Tensor | None = None
+) -> None:
+    """The accumulation in torch ops (the engine's path before the C++ one; a reference and a
+    benchmark baseline): fp32 in one op each, bf16/fp16 in 1M-element chunks through fp32 scratch
+    ``tmp``, the GIL held between the chunks."""
+    if src.dtype not in _LOW_PRECISION:
+        if first and alpha != 1.0:
+            torch.mul(src, alpha, out=acc)
+        elif first:
+            acc.copy_(src)
+        else:
+            acc.add_(src, alpha=alpha)
+        return
+    n = acc.numel()
+    if tmp is None:
+        tmp = torch.empty(min(n, _ACC_CHUNK), dtype=torch.float32)
+    for lo in range(0, n, _ACC_CHUNK):
+        hi = min(n, lo + _ACC_CHUNK)
+        a = acc[lo:hi]
+        if first:
+            a.copy_(src[lo:hi])
+            if alpha != 1.0:
+                a.mul_(alpha)
+        else:
+            t = tmp[: hi - lo]
+            t.copy_(src[lo:hi])
+            a.add_(t, alpha=alpha)
 
 
 class HostStore:
@@ -68,8 +105,6 @@ class HostStore:
         self.acc = [alloc.zeros(n, torch.float32) for _ in range(accumulators)]
         #: Adam step count per parameter (the C++ step takes it explicitly).
         self.steps = [0] * len(params)
-        # fp32 scratch for accumulating low-precision gradients chunk by chunk (worker thread only).
-        self._tmp = torch.empty(min(n, _ACC_CHUNK), dtype=torch.float32) if self.dtype in _LOW_PRECISION else None
 
     # --- views ----------------------------------------------------------------------------------
     def flat(self, buf: torch.Tensor, i: int) -> torch.Tensor:
@@ -90,28 +125,14 @@ class HostStore:
         return sum(b.numel() * b.element_size() for b in bufs)
 
     # --- gradient accumulation ------------------------------------------------------------------
-    def accumulate(self, acc_index: int, slot: int, *, alpha: float, first: bool) -> None:
-        """``acc = alpha * staging`` (first step of a window) or ``acc += alpha * staging``."""
-        acc, src = self.acc[acc_index], self.staging[slot]
-        if self._tmp is None:  # fp32 gradients: one pass each
-            if first and alpha != 1.0:
-                torch.mul(src, alpha, out=acc)
-            elif first:
-                acc.copy_(src)
-            else:
-                acc.add_(src, alpha=alpha)
-            return
-        for lo in range(0, self.numel, _ACC_CHUNK):
-            hi = min(self.numel, lo + _ACC_CHUNK)
-            a = acc[lo:hi]
-            if first:
-                a.copy_(src[lo:hi])
-                if alpha != 1.0:
-                    a.mul_(alpha)
-            else:
-                t = self._tmp[: hi - lo]
-                t.copy_(src[lo:hi])
-                a.add_(t, alpha=alpha)
+    def accumulate(
+        self, acc_index: int, slot: int, *, alpha: float, first: bool, num_threads: int | None = None
+    ) -> None:
+        """``acc = alpha * staging`` (first step of a window) or ``acc += alpha * staging``: one pass of
+        the C++ extension (SIMD, OpenMP on ``num_threads``, the GIL released throughout), bitwise
+        equal to :func:`accumulate_torch`."""
+        with gil_released():
+            _accumulate()(self.acc[acc_index], self.staging[slot], alpha=alpha, first=first, num_threads=num_threads)
 
     # --- the CPU optimizer ----------------------------------------------------------------------
     def adam(
@@ -125,41 +146,47 @@ class HostStore:
         num_threads: int,
         chunk: int,
         only: Sequence[int] | None = None,
-    ) -> Iterator[int]:
+    ) -> Iterator[list[int]]:
         """AdamW on the params (all, or the indices in ``only``) with gradient buffer ``grad``.
 
-        A generator: it yields the index of a parameter after that parameter is fully updated, and
-        otherwise after every ``chunk`` elements, so a cooperative worker can run waiting gradient
-        copies in between. Each updated parameter's step count goes up by one.
+        A generator: after every ``chunk`` elements (and at the end of each parameter) it yields the
+        indices of the parameters fully updated since the last yield (maybe none), so a cooperative
+        worker can run waiting gradient copies in between and start copying finished parameters back.
+        Each updated parameter's step count goes up by one. When all the params are updated and share
+        one step count (zenflow's windows), the chunks run over the flat buffers across parameter
+        boundaries: one C++ call per chunk, not per parameter (same numbers: the update is elementwise).
         """
         step_fn = _adam_step()
         b1, b2 = betas
+        hyper = {"lr": lr, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay, "adamw": True,
+                 "num_threads": num_threads}
+
+        def run(lo: int, hi: int, step: int) -> None:
+            with gil_released():
+                step_fn(
+                    self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step=step,
+                    param_out=None if self.out is None else self.out[lo:hi], **hyper,
+                )
+
+        if only is None and len(set(self.steps)) == 1:
+            self.steps = [s + 1 for s in self.steps]
+            step, done = self.steps[0], 0
+            for lo in range(0, self.numel, chunk):
+                hi = min(self.numel, lo + chunk)
+                run(lo, hi, step)
+                finished = []
+                while done < len(self.numels) and self.offsets[done] + self.numels[done] <= hi:
+                    finished.append(done)
+                    done += 1
+                yield finished
+            return
         for i in range(len(self.numels)) if only is None else only:
             self.steps[i] += 1
-            p, g = self.flat(self.master, i), self.flat(grad, i)
-            m, v = self.flat(self.exp_avg, i), self.flat(self.exp_avg_sq, i)
-            o = None if self.out is None else self.flat(self.out, i)
-            n = self.numels[i]
+            base, n = self.offsets[i], self.numels[i]
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                step_fn(
-                    p[lo:hi],
-                    g[lo:hi],
-                    m[lo:hi],
-                    v[lo:hi],
-                    step=self.steps[i],
-                    lr=lr,
-                    beta1=b1,
-                    beta2=b2,
-                    eps=eps,
-                    weight_decay=weight_decay,
-                    adamw=True,
-                    param_out=None if o is None else o[lo:hi],
-                    num_threads=num_threads,
-                )
-                if hi < n:
-                    yield -1
-            yield i
+                run(base + lo, base + hi, self.steps[i])
+                yield [i] if hi == n else []
 
     def adam_now(self, grad: torch.Tensor, *, config: EngineConfig, lr: float, num_threads: int,
                  only: Sequence[int] | None = None) -> float:

@@ -31,6 +31,11 @@ class StepMetrics:
     device_buffer_bytes: int = 0
     #: Whether this step ran as a synchronous full update (offload mode, zenflow warm-up).
     synchronous: bool = False
+    #: Whether the step was skipped because its global gradient norm was not finite (nothing was
+    #: updated, accumulated or counted; see offload.guard).
+    skipped: bool = False
+    #: The fp16 loss scale this step's gradients were unscaled by (None without loss scaling).
+    loss_scale: float | None = None
 
     @property
     def stall_fraction(self) -> float:

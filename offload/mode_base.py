@@ -8,6 +8,7 @@ import torch
 
 from offload.config import EngineConfig
 from offload.device import DeviceOps
+from offload.guard import Gate
 from offload.timing import StepStats
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
@@ -36,8 +37,9 @@ class Mode:
         self.cfg = cfg
         self.ops = ops
 
-    def step(self, stats: StepStats, lr: float) -> None:
-        """Update the parameters from their (already clipped) gradients."""
+    def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
+        """Update the parameters from their (already clipped) gradients; change nothing at all when
+        ``gate`` says the step is skipped (see :mod:`offload.guard`)."""
         raise NotImplementedError
 
     def flush(self, stats: StepStats, lr: float) -> None:

@@ -4,7 +4,8 @@ Every step: all gradients go to the host (one D2H copy), the C++ CPU AdamW updat
 master parameters and moments (writing the bf16/fp16 copy in the same pass), the new values come
 back (one H2D copy) straight into the device parameters. The training thread waits for all of it,
 so the whole update is stall. The optimizer runs in the training thread on all the engine's cores
-(nothing else runs meanwhile). Device optimizer state: none.
+(nothing else runs meanwhile). Device optimizer state: none. A skipped step (:mod:`offload.guard`)
+moves nothing: the host reads the step's verdict first (synchronous anyway).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from offload.config import EngineConfig
 from offload.device import DeviceOps
+from offload.guard import Gate
 from offload.host import HostStore
 from offload.mode_base import Mode, NamedParams
 from offload.timing import StepStats
@@ -39,10 +41,12 @@ class OffloadMode(Mode):
         ]
 
     @torch.no_grad()
-    def step(self, stats: StepStats, lr: float) -> None:
+    def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
         stats.synchronous = True
         cfg = self.cfg
         with stats.blocked():
+            if not gate.finite():
+                return
             for store, group in self.groups:
                 have = [i for i, (_, p) in enumerate(group) if p.grad is not None]
                 staging = store.staging[0]

@@ -22,11 +22,19 @@ def num_selected(cols: int, topk_ratio: float) -> int:
     return min(cols, max(1, math.ceil(topk_ratio * cols - 1e-9)))
 
 
-def column_scores(grad: torch.Tensor) -> torch.Tensor:
-    """Importance of each column of a 2-D gradient: ``sum |g|`` over dim 0, in fp32, shape ``[cols]``."""
+def column_scores(grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance of each column of a 2-D gradient: ``sum |g|`` over dim 0, in fp32, shape ``[cols]``.
+
+    One reduction (the L1 norm of each column), no gradient-sized temporary; ``out`` receives it.
+    """
     if grad.dim() != 2:
         raise ValueError(f"column_scores needs a 2-D gradient, got shape {tuple(grad.shape)}")
-    return grad.abs().sum(dim=0, dtype=torch.float32)
+    scores: torch.Tensor = (
+        torch.linalg.vector_norm(grad, 1, dim=0, dtype=torch.float32)
+        if out is None
+        else torch.linalg.vector_norm(grad, 1, dim=0, dtype=torch.float32, out=out)
+    )
+    return scores
 
 
 def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
@@ -42,15 +50,17 @@ def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def remap(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each of ``new``'s columns sat in ``old`` (both sorted).
+    """Where each of ``new``'s columns sat in ``old`` (both sorted along the last dim; ``[k]`` or a
+    batch of rows ``[n, k]``).
 
-    Returns ``(present, pos)``: ``present[j]`` is True when ``new[j]`` is also in ``old``, and then
-    ``old[pos[j]] == new[j]``; ``pos`` is clamped to a valid index where ``present`` is False.
+    Returns ``(present, pos)``: ``present[..., j]`` is True when ``new[..., j]`` is also in ``old``'s
+    row, and then ``old[..., pos[..., j]] == new[..., j]``; ``pos`` is clamped to a valid index where
+    ``present`` is False. Fixed shapes, no host sync.
     """
-    if old.numel() == 0:
+    if old.shape[-1] == 0:
         return torch.zeros_like(new, dtype=torch.bool), torch.zeros_like(new)
-    pos = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)
-    present = old[pos] == new
+    pos = torch.searchsorted(old, new).clamp_(max=old.shape[-1] - 1)
+    present = old.gather(-1, pos) == new
     return present, pos
 
 

@@ -10,6 +10,13 @@ Failure handling: the first exception raised by a task is kept with its tracebac
 task's future fails with it, the thread exits, and ``check()``/``wait()`` raise
 :class:`BackgroundWorkerError` in the calling (training) thread, chained ``from`` the original.
 ``close()`` lets queued work finish, then joins the thread; it is idempotent.
+
+GIL accounting: the worker thread's CPU time (``time.thread_time``: time blocked waiting for the GIL
+does not count) over every stretch of task execution, less its CPU time inside the calls tasks mark
+as releasing the GIL (:func:`gil_released`: the C++ optimizer and accumulation, waits on transfers),
+is ``gil_seconds``: how long the worker ran Python holding the GIL, i.e. could delay the training
+thread's Python (an upper bound: torch ops a task calls count as held, though ATen releases the GIL
+during them).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import contextlib
 import inspect
 import os
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,6 +43,20 @@ class WorkerClosedError(RuntimeError):
 
 
 _Task = tuple[Callable[[], Any], "Future[Any]"]
+
+_tls = threading.local()
+#: Native thread ids of the live workers (core placement pins every other thread of the process).
+live_native_ids: set[int] = set()
+
+
+@contextlib.contextmanager
+def gil_released() -> Iterator[None]:
+    """Mark a call that releases the GIL (the worker's GIL-hold figure leaves its time out)."""
+    t0 = time.thread_time()
+    try:
+        yield
+    finally:
+        _tls.released = getattr(_tls, "released", 0.0) + (time.thread_time() - t0)
 
 
 class Worker:
@@ -52,9 +74,15 @@ class Worker:
         self._stop = False
         self._error: BaseException | None = None
         self._busy = 0  # tasks submitted and not finished
+        #: Wall seconds the worker ran tasks, and its CPU seconds outside gil_released() calls in them.
+        self.busy_seconds = 0.0
+        self.gil_seconds = 0.0
         self._torch_threads = torch_threads
         self._cores = cores
         self._cuda_device = cuda_device
+        self.native_id = 0  # the worker thread's, once started
+        #: Whether the worker thread runs on ``cores`` (None: no cores asked for).
+        self.pinned: bool | None = None
         ready = threading.Event()
         main_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
@@ -112,11 +140,15 @@ class Worker:
 
     # --- worker thread --------------------------------------------------------------------------
     def _setup(self) -> None:
+        self.native_id = threading.get_native_id()
+        live_native_ids.add(self.native_id)
         if self._torch_threads is not None:
             torch.set_num_threads(self._torch_threads)
         if self._cores and hasattr(os, "sched_setaffinity"):
+            self.pinned = False
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self._cores)  # pid 0 = the calling thread on Linux
+                self.pinned = True
         if self._cuda_device is not None:
             torch.cuda.set_device(self._cuda_device)
 
@@ -127,6 +159,12 @@ class Worker:
             self._error = exc
         finally:
             ready.set()
+        try:
+            self._loop()
+        finally:
+            live_native_ids.discard(threading.get_native_id())
+
+    def _loop(self) -> None:
         gen: Generator[Any, Any, Any] | None = None
         gen_fut: Future[Any] | None = None
         task: _Task | None  # None: advance the running generator by one chunk
@@ -143,6 +181,7 @@ class Worker:
                 else:
                     break  # stopped and nothing left
             current = gen_fut if task is None else task[1]
+            t0, c0, r0 = time.perf_counter(), time.thread_time(), getattr(_tls, "released", 0.0)
             try:
                 if task is None:
                     assert gen is not None
@@ -161,6 +200,10 @@ class Worker:
             except BaseException as exc:
                 self._fail(exc, current, gen_fut)
                 return
+            finally:
+                self.busy_seconds += time.perf_counter() - t0
+                cpu = time.thread_time() - c0
+                self.gil_seconds += max(0.0, cpu - (getattr(_tls, "released", 0.0) - r0))
 
     def _finish(self, fut: Future[Any] | None, value: Any) -> None:
         if fut is not None:

@@ -27,30 +27,42 @@ a. waits for ``R_{v-1}``, the CPU AdamW result of the previous window (the only 
 b. writes into the CPU master the stashed device values of the columns dropped from the selection
    at the previous boundary (the device was authoritative for them; this must wait for ``R_{v-1}``);
 c. reselects if due (``select_interval`` steps since the last selection; "auto": when the caller
-   called ``new_epoch()``, or every ``select_interval_fallback`` steps if it never does). Columns
-   that stay keep their device moments; new columns start at zero moments, step 0, their fp32
-   device master taken from the CPU master; dropped columns' newest fp32 values are stashed for (b);
-d. submits AdamW on the window's mean gradient to the worker: one CPU step per window, at the sum
-   of the learning rates of the window's steps (``scale_cpu_lr``, default: the linear scaling rule,
-   ``lr * window length`` at a constant lr, so unselected weights travel as far per training step as
-   selected ones, also while the schedule warms up or decays) or at the lr current at the boundary.
+   called ``new_epoch()``, or every ``select_interval_fallback`` steps if it never does), every
+   split weight batched with fixed shapes on the device. Columns that stay keep their device
+   moments; new columns start at zero moments, step 0, their fp32 device master taken from the CPU
+   master (one blocking read of the new columns for all bf16/fp16 weights together: the only host
+   sync of a reselection; none for fp32); the old columns' newest fp32 values and which of them were
+   dropped go to page-locked memory asynchronously, for (b);
+d. submits AdamW on the window's mean gradient to the worker: one CPU step per window, at the lr
+   current at the boundary (default, gradient-accumulation semantics, as DeepSpeed's ZenFlow) or with
+   ``scale_cpu_lr`` at the sum of the learning rates of the window's steps (the linear scaling rule;
+   it converges worse, see ``EngineConfig.scale_cpu_lr``).
    On CUDA the worker then prefetches the result into device landing buffers on the H2D stream, so
    (a) at the next boundary is a device-to-device copy.
 
 So the unimportant weights are exactly one window stale: the update from window ``v``'s gradients
-reaches the model at the end of window ``v + 1``. A column that becomes selected loses the CPU
+reaches the model at the end of window ``v + 1``. With ``overlap_step=False`` the boundary instead
+waits for window ``v``'s CPU step and applies it at once (no staleness, the CPU step is stall). A column that becomes selected loses the CPU
 update of the window it was selected in (the device takes over from its value at that boundary).
 
 "auto" window length: a window ends when the summed squared norm of the unselected gradient over
 the window reaches the mean squared norm of the selected gradient per step, i.e. when the update
 waiting on the CPU weighs as much as one step of what the device applies; at most
-``max_update_interval`` steps. Warm-up: the first ``full_warm_up_rounds`` steps update the split
-params synchronously on the CPU (offload style) and select nothing.
+``max_update_interval`` steps. The two norms leave the device in a non-blocking copy queued before
+the optimizer's kernels and are read after those are queued (no host sync per step). Warm-up: the
+first ``full_warm_up_rounds`` steps update the split params synchronously on the CPU (offload style)
+and select nothing.
+
+Skipped steps (:mod:`offload.guard`): the device part is gated on the device; the host learns the
+verdict once the step's device work is queued and then neither accumulates the step's gradient nor
+counts it (window length, its learning rates, steps since the selection, warm-up rounds). A skipped
+first step leaves nothing selected, so the next step selects afresh.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
@@ -58,14 +70,15 @@ from typing import Any, cast
 import torch
 
 from offload.config import EngineConfig
-from offload.device import DeviceOps
+from offload.device import DeviceOps, Landing, Transfer
+from offload.guard import Gate, zero_if_bad_
 from offload.host import HostStore
 from offload.mode_base import Mode, NamedParams
 from offload.offload_mode import group_by_dtype
-from offload.selection import num_selected, select_columns, union
-from offload.selective_adamw import AdamWHyper, SelectiveAdamW
+from offload.selection import num_selected, union
+from offload.selective_adamw import AdamWHyper, Dropped, SelectiveAdamW
 from offload.timing import StepStats
-from offload.worker import Worker
+from offload.worker import Worker, gil_released
 
 
 @dataclass(slots=True)
@@ -78,6 +91,26 @@ class _Split:
     landing: torch.Tensor | None  # device buffer the CPU result is prefetched into (CUDA)
     dacc: torch.Tensor | None  # fp32 device accumulator (accumulate_on="device")
     staging: list[torch.Tensor]  # this param's (shaped) view of each of the store's staging slots
+
+
+@dataclass(slots=True)
+class _Staged:
+    """This step's gradients on their way to a staging slot (host accumulation)."""
+
+    slot: int
+    transfers: list[tuple[HostStore, Transfer]]
+
+
+@dataclass(slots=True)
+class _Stash:
+    """A reselection's old columns of one group, copied to page-locked memory (applied at the next
+    boundary: the dropped columns' values go into the CPU master)."""
+
+    names: list[str]
+    cols: torch.Tensor  # int64 [n, k]
+    mask: torch.Tensor  # bool [n, k]: dropped
+    values: torch.Tensor  # fp32 [n, rows, k]
+    transfer: Transfer
 
 
 @dataclass(slots=True)
@@ -140,12 +173,19 @@ class ZenFlowMode(Mode):
         self.win_len = 0  # steps accumulated in the current window
         self.win_lr = 0.0  # sum of the learning rates of those steps (scale_cpu_lr)
         self.since_select = 0
+        self.reselections = 0  # reselections after the first selection (not persisted)
         self.win_sel = 0.0  # "auto": summed selected / unselected squared norms in the window
         self.win_unsel = 0.0
         self.epoch_seen = False  # the caller has called new_epoch() at least once
         self.epoch_flag = False  # ... and not since the last selection
         self.pending: _Pending | None = None
+        # columns dropped at the previous reselection: batched host copies, and (from a loaded
+        # state) per name (cols, fp32 values)
+        self.stash_groups: list[_Stash] = []
         self.stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stash_bufs: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._value_bufs: dict[tuple[str, ...], tuple[torch.Tensor, Transfer | None]] = {}
+        self.low = any(s.param.dtype != torch.float32 for s in self.splits)
         self.slot = 0
         self.slot_futs: list[Future[Any] | None] = [None, None]
         self.merge_done: torch.cuda.Event | None = None
@@ -172,48 +212,64 @@ class ZenFlowMode(Mode):
         self.epoch_flag = True
 
     @torch.no_grad()
-    def step(self, stats: StepStats, lr: float) -> None:
+    def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
         self.check()
         if self.warm_left > 0:
-            self.dev.step(lr)
-            self._synchronous_update(stats, lr)
-            self.warm_left -= 1
+            self.dev.step(lr, gate)
             stats.synchronous = True
+            if gate.finite():  # a synchronous step: the host waits for its verdict anyway
+                self._synchronous_update(stats, lr)
+                self.warm_left -= 1
             return
         if not self.splits:
-            self.dev.step(lr)
+            self.dev.step(lr, gate)
             return
-        if not self.started:
+        starting = not self.started
+        if starting:
             self._start(stats)
         auto = self.cfg.update_interval == "auto"
-        if self.on_device:
-            sel_sq = self.dev.step(lr, want_sq=auto)
-            self._accumulate_on_device()
-        else:
+        # 1. queue the device work (gated on the device: nothing here waits for the verdict)
+        staged = None
+        if not self.on_device:
             # Both only read the (clipped) gradients: the copy off the device starts before the
             # device optimizer's kernels, not after them.
-            self._stage(stats)
-            sel_sq = self.dev.step(lr, want_sq=auto)
+            staged = self._stage(stats)
+        sq = self.dev.prepare(gate, want_sq=auto)
+        masses = self._masses(sq) if sq is not None else None
+        self.dev.update(lr)
+        if self.on_device:
+            self._accumulate_on_device(gate)
+        # 2. host bookkeeping, from the verdict (landed by now: no wait)
+        ok = gate.finite()
+        if staged is not None:
+            self._queue_accumulation(staged, ok)
+        if not ok:
+            if starting:  # nothing was updated: select afresh from the next step's gradient
+                self.dev.reset_columns()
+                self.started = False
+            return
         self.win_len += 1
         self.win_lr += lr
         self.since_select += 1
-        if auto:
-            assert sel_sq is not None
-            ends = self._auto_window_ends(sel_sq)
+        if masses is not None:
+            ends = self._auto_window_ends(masses)
         else:
             ends = self.win_len >= int(self.cfg.update_interval)
         if ends:
             self._boundary(stats, lr, sync=not self.cfg.overlap_step, reselect=True)
 
-    def _auto_window_ends(self, sel_sq: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        full_sq, cols_sq = sel_sq  # the device's gradient parts: whole tensors, selected columns
+    def _masses(self, sq: tuple[torch.Tensor, torch.Tensor]) -> Landing:
+        """Start copying this step's selected and unselected gradient masses to the host ("auto")."""
+        full_sq, cols_sq = sq  # the device's gradient parts: whole tensors, selected columns
         grads = [g for g in (s.param.grad for s in self.splits) if g is not None]
         if grads:
             total_split = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
         else:
             total_split = torch.zeros((), device=cols_sq.device)
-        # one host sync per step: the window's end decides what this step does next
-        sel_v, unsel_v = torch.stack([full_sq + cols_sq, (total_split - cols_sq).clamp(min=0)]).tolist()
+        return self.ops.read_later([full_sq + cols_sq, (total_split - cols_sq).clamp(min=0)])
+
+    def _auto_window_ends(self, masses: Landing) -> bool:
+        sel_v, unsel_v = masses.values()
         self.win_sel += sel_v
         self.win_unsel += unsel_v
         mean_sel = self.win_sel / self.win_len
@@ -221,28 +277,50 @@ class ZenFlowMode(Mode):
 
     def _start(self, stats: StepStats) -> None:
         """First zenflow step: choose the initial selection from the current gradient."""
-        for s in self.splits:
-            g = s.param.grad
-            cols = (
-                select_columns(g, s.k)
-                if g is not None
-                else torch.arange(s.k, device=s.param.device)
-            )
-            self.dev.add_columns(s.name, s.param, cols, self._master_columns(s, cols, stats))
+        for s in self.splits:  # placeholders, replaced at once by the batched selection below
+            self.dev.add_columns(s.name, s.param, torch.arange(s.k, device=s.param.device))
+        self.dev.reselect(self._values_from_master(stats), fresh=True)
         self.started = True
         self.since_select = 0
         self.epoch_flag = False
 
-    def _master_columns(self, s: _Split, cols: torch.Tensor, stats: StepStats) -> torch.Tensor | None:
-        """fp32 CPU-master values of ``cols`` on the device (for bf16/fp16 params; None for fp32)."""
-        if s.param.dtype == torch.float32:
-            return None
-        vals = s.store.shaped(s.store.master, s.index).index_select(1, cols.cpu())
-        stats.bytes_h2d += vals.numel() * vals.element_size()
-        return vals.to(s.param.device)
+    def _values_from_master(
+        self, stats: StepStats
+    ) -> Callable[[list[tuple[list[str], torch.Tensor]]], list[torch.Tensor]] | None:
+        """For bf16/fp16 weights: the CPU master's fp32 values of newly selected columns, on the device.
 
-    def _stage(self, stats: StepStats) -> None:
-        """Copy the split params' gradients off the device and queue their accumulation."""
+        One blocking read of every group's new columns together (the reselection's one host sync),
+        a gather from the CPU masters into page-locked buffers, and an asynchronous upload.
+        """
+        if not self.low:
+            return None
+
+        def values(groups: list[tuple[list[str], torch.Tensor]]) -> list[torch.Tensor]:
+            host = self.ops.to_host(torch.cat([c.reshape(-1) for _, c in groups]))
+            out, off = [], 0
+            for names, cols in groups:
+                n, k = cols.shape
+                rows = self.by_name[names[0]].param.shape[0]
+                key = tuple(names)
+                buf, last = self._value_bufs.get(key) or (self.ops.host.empty(n * rows * k, torch.float32), None)
+                if last is not None:
+                    last.wait()  # the previous upload from this buffer has run
+                vals = buf.view(n, rows, k)
+                for j, name in enumerate(names):
+                    s = self.by_name[name]
+                    master = s.store.shaped(s.store.master, s.index)
+                    torch.index_select(master, 1, host[off + j * k : off + (j + 1) * k], out=vals[j])
+                off += n * k
+                dev_vals, t = self.ops.upload(vals)
+                self._value_bufs[key] = (buf, t)
+                stats.bytes_h2d += t.nbytes
+                out.append(dev_vals)
+            return out
+
+        return values
+
+    def _stage(self, stats: StepStats) -> _Staged:
+        """Start copying the split params' gradients off the device into the next staging slot."""
         assert self.worker is not None
         slot = self.slot
         prev = self.slot_futs[slot]
@@ -263,21 +341,31 @@ class ZenFlowMode(Mode):
             t = self.ops.d2h(pairs)
             stats.bytes_d2h += t.nbytes
             transfers.append((store, t))
+        self.slot ^= 1
+        return _Staged(slot, transfers)
+
+    def _queue_accumulation(self, staged: _Staged, ok: bool) -> None:
+        """Have the worker add the staged gradient into the window's accumulator (not if skipped)."""
+        assert self.worker is not None
+        if not ok:
+            self.slot_futs[staged.slot] = None  # the copy into the slot is ordered before the next one
+            return
         ui = self.cfg.update_interval
         alpha = 1.0 / ui if isinstance(ui, int) else 1.0
+        transfers, slot = staged.transfers, staged.slot
 
         def accumulate(first: bool = self.win_len == 0, acc_i: int = self._acc_index()) -> None:
             for store, t in transfers:
-                t.wait()
-                store.accumulate(acc_i, slot, alpha=alpha, first=first)
+                with gil_released():
+                    t.wait()
+                store.accumulate(acc_i, slot, alpha=alpha, first=first, num_threads=self.threads)
 
         self.slot_futs[slot] = self.worker.submit(accumulate, urgent=True)
-        self.slot ^= 1
 
-    def _accumulate_on_device(self) -> None:
+    def _accumulate_on_device(self, gate: Gate) -> None:
         ui = self.cfg.update_interval
         alpha = 1.0 / ui if isinstance(ui, int) else 1.0
-        first = self.win_len == 0
+        first = self.win_len == 0  # a skipped first step writes zeros, then the next one is first again
         if first:
             self.ops.compute_wait(self.dacc_free)  # the previous window's copy has left the accumulator
         accs: list[torch.Tensor] = []
@@ -292,6 +380,7 @@ class ZenFlowMode(Mode):
                 s.dacc.zero_()
         if not accs:
             return
+        zero_if_bad_(grads, gate)  # a skipped step adds exact zeros
         if first:
             torch._foreach_copy_(accs, grads)  # then scale in fp32 (a multiply would round in the grad's dtype)
             if alpha != 1.0:
@@ -313,10 +402,10 @@ class ZenFlowMode(Mode):
             if reselect and self._reselect_due():
                 self._reselect(stats)
         self._submit_window(lr, stats, window_sel)
-        if sync:
-            assert self.worker is not None and self.pending is not None
+        if sync:  # no staleness: this window's result goes in now (the training thread waits for it)
+            self._collect(stats)
             with stats.blocked():
-                self.worker.wait(self.pending.future)
+                self._apply_stash()
         self.window += 1
         self.win_len = 0
         self.win_lr = 0.0
@@ -352,12 +441,20 @@ class ZenFlowMode(Mode):
 
     def _apply_stash(self) -> None:
         """CPU master of columns dropped at the previous reselection := their last device values."""
+        for st in self.stash_groups:
+            st.transfer.wait()
+            for j, name in enumerate(st.names):
+                keep = st.mask[j]
+                self._write_master(name, st.cols[j][keep], st.values[j][:, keep])
         for name, (cols, vals) in self.stash.items():
-            s = self.by_name[name]
-            s.store.shaped(s.store.master, s.index).index_copy_(1, cols, vals)
-            if s.store.out is not None:
-                s.store.shaped(s.store.out, s.index).index_copy_(1, cols, vals.to(s.store.dtype))
-        self.stash = {}
+            self._write_master(name, cols, vals)
+        self.stash_groups, self.stash = [], {}
+
+    def _write_master(self, name: str, cols: torch.Tensor, vals: torch.Tensor) -> None:
+        s = self.by_name[name]
+        s.store.shaped(s.store.master, s.index).index_copy_(1, cols, vals)
+        if s.store.out is not None:
+            s.store.shaped(s.store.out, s.index).index_copy_(1, cols, vals.to(s.store.dtype))
 
     def _reselect_due(self) -> bool:
         si = self.cfg.select_interval
@@ -368,22 +465,27 @@ class ZenFlowMode(Mode):
         return self.since_select >= int(si)
 
     def _reselect(self, stats: StepStats) -> None:
-        for s in self.splits:
-            g = s.param.grad
-            if g is None:
-                continue
-            new = select_columns(g, s.k)
-            old = self.dev.columns(s.name)
-            assert old is not None
-            if torch.equal(new, old):
-                continue
-            values = self._master_columns(s, new, stats)
-            dropped, dropped_fp32 = self.dev.reselect(s.name, new, values)
-            if dropped.numel():
-                stats.bytes_d2h += dropped_fp32.numel() * dropped_fp32.element_size()
-                self.stash[s.name] = (dropped.cpu(), dropped_fp32.cpu())
+        for d in self.dev.reselect(self._values_from_master(stats)):
+            self._stash_out(d, stats)
+        self.reselections += 1
         self.since_select = 0
         self.epoch_flag = False
+
+    def _stash_out(self, d: Dropped, stats: StepStats) -> None:
+        """Start copying a group's old columns, dropped mask and values to page-locked memory."""
+        key = tuple(d.names)
+        bufs = self._stash_bufs.get(key)
+        if bufs is None:  # the previous stash of this group was applied at this boundary already
+            h = self.ops.host
+            bufs = self._stash_bufs[key] = (
+                h.empty(d.cols.numel(), torch.int64).view(d.cols.shape),
+                h.empty(d.mask.numel(), torch.bool).view(d.mask.shape),
+                h.empty(d.values.numel(), torch.float32).view(d.values.shape),
+            )
+        cols, mask, values = bufs
+        t = self.ops.d2h([(cols, d.cols), (mask, d.mask), (values, d.values)])
+        stats.bytes_d2h += t.nbytes
+        self.stash_groups.append(_Stash(d.names, cols, mask, values, t))
 
     def _current_selection(self) -> dict[str, torch.Tensor]:
         sel = {}
@@ -404,9 +506,8 @@ class ZenFlowMode(Mode):
         acc_i = self._acc_index()
         n = self.win_len
         scale = 1.0 / n if cfg.update_interval == "auto" and n > 1 else None
-        # scale_cpu_lr: the window's steps' learning rates summed (= lr * n at a constant lr), so the
-        # unselected weights travel as far as the device's per-step updates would have, also while the
-        # schedule warms up or decays inside the window (lr * n at the boundary overshoots in warm-up).
+        # scale_cpu_lr: the window's steps' learning rates summed (= lr * n at a constant lr; the sum, not
+        # lr * n at the boundary, which would overshoot during warm-up).
         win_lr = self.win_lr if self.win_lr == self.win_lr else lr * n  # NaN: restored from an old state
         cpu_lr = win_lr if cfg.scale_cpu_lr else lr
         by_store = {id(st): {s.index: s for s in self.splits if s.store is st} for st in self.stores}
@@ -426,14 +527,15 @@ class ZenFlowMode(Mode):
             busy = 0.0
             last = None
             first_copy = True
-            for t_acc in acc_copies:
-                t_acc.wait()
+            with gil_released():
+                for t_acc in acc_copies:
+                    t_acc.wait()
             t = time.perf_counter()
             for store in self.stores:
                 acc = store.acc[acc_i]
                 if scale is not None:
                     acc.mul_(scale)
-                for i in store.adam(
+                for done in store.adam(
                     acc,
                     lr=cpu_lr,
                     betas=cfg.betas,
@@ -442,19 +544,21 @@ class ZenFlowMode(Mode):
                     num_threads=self.threads,
                     chunk=cfg.cpu_chunk_elements,
                 ):
-                    if i >= 0 and ops.is_cuda:
-                        s = by_store[id(store)][i]
-                        assert s.landing is not None
-                        last = ops.h2d(
-                            [(s.landing, store.flat(store.result, i))], after=after if first_copy else None
-                        )
+                    if done and ops.is_cuda:  # prefetch the finished params' results, one batched copy
+                        pairs = []
+                        for i in done:
+                            landing = by_store[id(store)][i].landing
+                            assert landing is not None
+                            pairs.append((landing, store.flat(store.result, i)))
+                        last = ops.h2d(pairs, after=after if first_copy else None)
                         first_copy = False
                     busy += time.perf_counter() - t
                     yield
                     t = time.perf_counter()
             busy += time.perf_counter() - t
             if last is not None:
-                last.wait()
+                with gil_released():
+                    last.wait()
             return busy
 
         self.pending = _Pending(self.worker.submit(run), sel, h2d_bytes)
@@ -476,7 +580,8 @@ class ZenFlowMode(Mode):
                 only = [s.index for s in members]
 
                 def run(store: HostStore = store, t: Any = t, only: list[int] = only) -> float:
-                    t.wait()
+                    with gil_released():
+                        t.wait()
                     return store.adam_now(store.staging[0], config=cfg, lr=lr, num_threads=self.threads,
                                           only=only)
 
@@ -559,7 +664,7 @@ class ZenFlowMode(Mode):
             "device_optimizer": self.dev.state_dict(),
             "host": [st.state_dict(acc_index) for st in self.stores],
             "pending": pending,
-            "stash": {n: (c.clone(), v.clone()) for n, (c, v) in self.stash.items()},
+            "stash": self._stash_by_name(),
             "device_acc": {
                 s.name: s.dacc.to("cpu", copy=True) for s in self.splits if s.dacc is not None and self.win_len > 0
             },
@@ -576,6 +681,15 @@ class ZenFlowMode(Mode):
                 "epoch_flag": self.epoch_flag,
             },
         }
+
+    def _stash_by_name(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {n: (c.clone(), v.clone()) for n, (c, v) in self.stash.items()}
+        for st in self.stash_groups:
+            st.transfer.wait()
+            for j, name in enumerate(st.names):
+                keep = st.mask[j]
+                out[name] = (st.cols[j][keep].clone(), st.values[j][:, keep].clone())
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -594,6 +708,7 @@ class ZenFlowMode(Mode):
         for key, value in sched.items():
             setattr(self, key, value)
         self.stash = {n: (torch.as_tensor(c), torch.as_tensor(v)) for n, (c, v) in sd["stash"].items()}
+        self.stash_groups = []
         for name, t in sd.get("device_acc", {}).items():
             dacc = self.by_name[name].dacc
             assert dacc is not None

@@ -625,3 +625,83 @@ def test_build_errors_are_clear(monkeypatch, tmp_path):
     with pytest.raises(CpuAdamBuildError, match=r"(?s)build log tail:.*broken\.cpp"):
         cpu_adam.load_extension()
     assert cpu_adam._ext is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# window accumulation (zenflow, accumulate_on="host")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 15, 33, 1000, (1 << 16) + 7])
+def test_accumulate_equals_the_torch_path_bitwise(dtype, n, monkeypatch):
+    """C++ ``acc = alpha * g`` / ``acc += alpha * g`` equals offload.host.accumulate_torch (the engine's
+    torch path: fp32 ops, or bf16/fp16 upcast in chunks) bitwise, ragged tails and chunks included."""
+    import offload.host as host
+
+    monkeypatch.setattr(host, "_ACC_CHUNK", 1000)  # several torch chunks and a ragged one
+    gen = torch.Generator().manual_seed(n)
+    src = [torch.randn(n, generator=gen).to(dtype) for _ in range(3)]
+    for alpha in (1.0, 0.25, 1 / 3):
+        ours, ref = torch.empty(n), torch.empty(n)
+        for i, g in enumerate(src):
+            cpu_adam.accumulate(ours, g, alpha=alpha, first=i == 0, num_threads=2)
+            host.accumulate_torch(ref, g, alpha=alpha, first=i == 0)
+        assert torch.equal(ours, ref), (alpha, (ours - ref).abs().max())
+
+
+def test_accumulate_threads_give_identical_results():
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(1 << 18, generator=gen).to(torch.bfloat16)
+    base = torch.randn(1 << 18, generator=gen)
+    out = []
+    for t in (1, 2, 3):
+        a = base.clone()
+        cpu_adam.accumulate(a, g, alpha=0.5, first=False, num_threads=t)
+        out.append(a)
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+@pytest.mark.parametrize(
+    ("acc", "src", "match"),
+    [
+        (torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8), "acc must be float32"),
+        (torch.zeros(8), torch.zeros(8, dtype=torch.int32), "src must be float32, bfloat16 or float16"),
+        (torch.zeros(8), torch.zeros(9), "src has 9 elements, acc has 8"),
+        (torch.zeros(16)[::2], torch.zeros(8), "acc must be contiguous"),
+        (torch.zeros(8, device="meta"), torch.zeros(8), "acc must be a CPU tensor"),
+    ],
+)
+def test_accumulate_bad_inputs(acc, src, match):
+    with pytest.raises(RuntimeError, match=match):
+        cpu_adam.accumulate(acc, src, alpha=1.0, first=False)
+    a = torch.zeros(8)
+    with pytest.raises(RuntimeError, match="must not share memory"):
+        cpu_adam.accumulate(a, a, alpha=1.0, first=False)
+
+
+def test_accumulate_releases_gil():
+    """As test_releases_gil: a thread accumulating in a loop must not starve the main thread."""
+    n = 1 << 21
+    acc, g = torch.zeros(n), torch.randn(n).to(torch.bfloat16)
+    stop = threading.Event()
+    calls = [0]
+
+    def work():
+        while not stop.is_set():
+            calls[0] += 1
+            cpu_adam.accumulate(acc, g, alpha=0.25, first=False, num_threads=1)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        t0 = time.perf_counter()
+        t = threading.Thread(target=work)
+        t.start()
+        time.sleep(0.05)
+        stop.set()
+        t.join(10)
+        elapsed = time.perf_counter() - t0
+    finally:
+        sys.setswitchinterval(old)
+    assert not t.is_alive() and calls[0] >= 1
+    assert elapsed < 2.0

@@ -34,6 +34,16 @@ class LogEvent(Event):
     data: dict[str, Any] = field(default_factory=dict)
 
 
+def skipped_step_warning(m: StepMetrics, step: int) -> LogEvent:
+    """The warning for a step the engine skipped (its gradient norm was not finite; nothing changed)."""
+    scale = f" at loss scale {m.loss_scale:g}" if m.loss_scale is not None else ""
+    return LogEvent(
+        f"Step {step}: gradient norm is {m.grad_norm}{scale}; the step was skipped (no weight changed)",
+        level="warning",
+        data={"step": step, "grad_norm": str(m.grad_norm), "loss_scale": m.loss_scale},  # str: inf/nan
+    )
+
+
 @dataclass(frozen=True)
 class RunStarted(Event):
     type: ClassVar[str] = "run_started"

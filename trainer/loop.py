@@ -76,6 +76,7 @@ from trainer.events import (
     RunFinished,
     RunStarted,
     StepEvent,
+    skipped_step_warning,
 )
 from trainer.lora import apply_lora, current_state, merged_lora_state
 from trainer.spec import JobSpec, ResolvedHyperparameters
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
 STATE_VERSION = 1
 #: Steps averaged for TrainResult.train_loss.
 LOSS_WINDOW = 20
+MAX_SKIPPED_IN_A_ROW = 100  # steps the engine may skip in a row (fp16 loss scale 2**16 -> 1 takes 16)
 
 
 class ResumeMismatchError(RuntimeError):
@@ -213,6 +215,7 @@ class _Run:
         self.trained_tokens = 0
         self.valid_loss: float | None = None
         self.step = 0
+        self.skipped_in_a_row = 0
         self.last_saved: int | None = None
         self.last_checkpoint: str | None = None
 
@@ -264,10 +267,12 @@ class _Run:
                     f"{ckpt.path} was made with different hyperparameters ({theirs}) than this spec "
                     f"resolves to ({hp.training_signature()}); start afresh (no resume) or use another output_dir"
                 )
+        threads = torch.get_num_threads()  # before the engine's core placement caps it
         self.engine = ZenFlowEngine(model, spec.engine.engine_config(hp.lr_at(0)))
+        self.emit(LogEvent(self.engine.placement.describe(), data=self.engine.placement.as_dict()))
         if self.device.type == "cpu" and spec.engine.mode != "device":
             # The engine's CPU optimizer worker gets its share of the cores; training keeps the rest.
-            self._threads = torch.get_num_threads()
+            self._threads = threads
             torch.set_num_threads(self.engine.cpu_split[0])
         if state is not None and ckpt is not None:
             # The engine state holds the device values of the trainable parameters too.
@@ -408,12 +413,17 @@ class _Run:
                 self.engine.set_lr(lr)
                 ls, count = loss_sum(self.model, batch)
                 loss = ls / count.clamp(min=1)
-                loss.backward()
+                self.engine.scale_loss(loss).backward()  # scaled only with fp16 loss scaling
                 m = self.engine.step()
                 self.engine.zero_grad()
                 loss_value = float(loss.detach())
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"loss is {loss_value} at step {self.step + 1}")
+                self.skipped_in_a_row = self.skipped_in_a_row + 1 if m.skipped else 0
+                if m.skipped:  # gradient norm not finite: nothing was updated
+                    self.emit(skipped_step_warning(m, self.step + 1))
+                if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise FloatingPointError(f"gradient norm not finite for {self.skipped_in_a_row} steps in a row")
                 dt = time.perf_counter() - t0
                 self.step += 1
                 self.losses = [*self.losses[-(LOSS_WINDOW - 1) :], loss_value]

@@ -271,6 +271,46 @@ void run_range(float* p, const void* g, float* m, float* v, void* out, int64_t b
 
 using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, int64_t, const AdamScalars&);
 
+// Window accumulation over [begin, end): acc = x * alpha (FIRST) or fma(x, alpha, acc).
+template <GradKind GK, bool FIRST>
+void acc_range(float* acc, const void* src, int64_t begin, int64_t end, float alpha) {
+  int64_t i = begin;
+#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
+  const vf a = vset(alpha);
+  for (; i + kWidth <= end; i += kWidth) {
+    const vf x = vload_grad<GK>(src, i);
+    if constexpr (FIRST) {
+      vstore(acc + i, vmul(x, a));
+    } else {
+      vstore(acc + i, vfma(x, a, vload(acc + i)));
+    }
+  }
+#endif
+  for (; i < end; ++i) {
+    const float x = load_grad_scalar<GK>(src, i);
+    if constexpr (FIRST) {
+      acc[i] = x * alpha;
+    } else {
+      acc[i] = std::fma(x, alpha, acc[i]);
+    }
+  }
+}
+
+using AccFn = void (*)(float*, const void*, int64_t, int64_t, float);
+
+template <GradKind GK>
+AccFn pick_acc_first(bool first) {
+  return first ? &acc_range<GK, true> : &acc_range<GK, false>;
+}
+
+AccFn pick_acc(GradKind gk, bool first) {
+  switch (gk) {
+    case GradKind::BF16: return pick_acc_first<GradKind::BF16>(first);
+    case GradKind::F16: return pick_acc_first<GradKind::F16>(first);
+    default: return pick_acc_first<GradKind::F32>(first);
+  }
+}
+
 template <GradKind GK>
 RangeFn pick_out(OutKind ok, bool nt) {
   switch (ok) {
@@ -365,6 +405,12 @@ void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void*
   if (n <= 0) return;
   const RangeFn fn = pick(gk, ok, ok != OutKind::None && n >= kStreamOutMin);
   for_chunks(n, p, num_threads, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, s); });
+}
+
+void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads) {
+  if (n <= 0) return;
+  const AccFn fn = pick_acc(gk, first);
+  for_chunks(n, acc, num_threads, [&](int64_t b, int64_t e) { fn(acc, src, b, e, alpha); });
 }
 
 double stream_probe(float* p, const float* g, float* m, float* v, int64_t n, int num_threads) {
@@ -493,6 +539,35 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
   if (out_ptr != nullptr) bump(*param_out);
 }
 
+GradKind grad_kind(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return GradKind::F32;
+    case at::kBFloat16: return GradKind::BF16;
+    case at::kHalf: return GradKind::F16;
+    default: break;
+  }
+  TORCH_CHECK(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  return GradKind::F32;  // unreachable
+}
+
+void accumulate(const at::Tensor& acc, const at::Tensor& src, double alpha, bool first, int64_t num_threads) {
+  check_dense_cpu(acc, "acc");
+  check_dense_cpu(src, "src");
+  TORCH_CHECK(acc.scalar_type() == at::kFloat, "acc must be float32, got ", acc.scalar_type());
+  const GradKind gk = grad_kind(src, "src");
+  TORCH_CHECK(src.numel() == acc.numel(), "src has ", src.numel(), " elements, acc has ", acc.numel());
+  check_disjoint(acc, "acc", src, "src");
+  TORCH_CHECK(std::isfinite(alpha), "alpha must be finite");
+  TORCH_CHECK(num_threads >= 0, "num_threads must be >= 0 (0 = default), got ", num_threads);
+  float* a = acc.data_ptr<float>();
+  const void* s = src.data_ptr();
+  {
+    py::gil_scoped_release no_gil;
+    zenflow::accumulate(a, s, gk, acc.numel(), static_cast<float>(alpha), first, static_cast<int>(num_threads));
+  }
+  bump(acc);
+}
+
 // Benchmark hook: time the fp32 step's memory streams with trivial arithmetic (seconds).
 double stream_probe_py(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
                        int64_t num_threads) {
@@ -540,6 +615,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"), py::arg("num_threads"),
         "In-place fused Adam/AdamW step (releases the GIL while computing).");
+  m.def("accumulate", &accumulate, py::arg("acc"), py::arg("src"), py::arg("alpha"), py::arg("first"),
+        py::arg("num_threads"),
+        "acc = src * alpha (first) or acc += src * alpha, src fp32/bf16/fp16 (releases the GIL).");
   m.def("set_num_threads", [](int n) {
     TORCH_CHECK(n >= 0, "num_threads must be >= 0 (0 = follow torch.get_num_threads()), got ", n);
     zenflow::set_default_threads(n);

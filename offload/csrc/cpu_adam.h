@@ -46,6 +46,11 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
 void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void* out, OutKind ok,
                  int64_t n, const AdamScalars& s, int num_threads);
 
+// Window accumulation (zenflow, accumulate_on="host"): acc = src * alpha when first, else
+// acc = fma(src, alpha, acc), i.e. ATen's `acc.add_(src, alpha=alpha)` (vectorised with a fused
+// multiply-add) on src upcast to fp32; src is float / bf16 / fp16 (gk). num_threads <= 0: default.
+void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads);
+
 // Bandwidth reference: the fp32 step's memory streams with trivial arithmetic; returns seconds.
 double stream_probe(float* p, const float* g, float* m, float* v, int64_t n, int num_threads);
 

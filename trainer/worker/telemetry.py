@@ -123,6 +123,12 @@ class WorkerTelemetry:
             STEP_LABELS,
             registry=r,
         )
+        self.steps_skipped = Counter(
+            "zenflow_steps_skipped",
+            "Steps the engine skipped because the global gradient norm was not finite (nothing updated).",
+            STEP_LABELS,
+            registry=r,
+        )
         self.train_loss = Gauge(
             "zenflow_train_loss",
             "Training loss of the last step of the running job.",
@@ -216,6 +222,9 @@ class WorkerTelemetry:
             d2h.inc(max(int(metrics.bytes_device_to_host), 0))
             h2d.inc(max(int(metrics.bytes_host_to_device), 0))
             self.tokens.labels(*ls).inc(max(int(tokens), 0))
+            skipped = self.steps_skipped.labels(*ls)
+            if metrics.skipped:
+                skipped.inc()
             if loss is not None and math.isfinite(float(loss)):
                 self.train_loss.labels(*ls).set(float(loss))
             self.gpu_utilization.labels(*ls).set(1.0 - stall / wall if wall > 0 else 0.0)
