@@ -160,8 +160,10 @@ class ZenFlowEngine:
         except (OSError, ValueError) as exc:
             return Placement(note=f"no CPU topology: {exc}")
         p = plan(topo, set(allowed), cfg.cpu_optimizer_cores_ratio, gpu)
-        if cfg.mode != "zenflow" and p.gpu_slot is None:
-            return Placement(process=p.process, note=f"mode {cfg.mode}: no CPU optimizer worker to keep apart")
+        if cfg.mode != "zenflow":  # no worker to keep apart; on a multi-GPU host the GPU's share still holds
+            share = p.process if p.gpu_slot is not None else ()
+            return replace(p, training=(), optimizer=(), process=share,
+                           note=f"mode {cfg.mode} has no CPU optimizer worker to keep apart")
         return p
 
     def _pin(self) -> None:

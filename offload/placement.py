@@ -146,14 +146,16 @@ class Placement:
         }
 
     def describe(self) -> str:
-        if not self.placed:
-            return f"CPU placement off: {self.note}"
         where = ""
         if self.gpu_slot is not None:
             node = f", NUMA node {self.numa_node}" if self.numa_node is not None else ""
             where = f" (GPU {self.gpu_slot + 1} of {self.gpus}{node})"
-        return (f"CPU placement{where}: training thread on CPUs {format_cpulist(self.training)}, "
-                f"CPU optimizer on CPUs {format_cpulist(self.optimizer)}")
+        if self.placed:
+            return (f"CPU placement{where}: training thread on CPUs {format_cpulist(self.training)}, "
+                    f"CPU optimizer on CPUs {format_cpulist(self.optimizer)}")
+        if self.gpu_slot is not None and self.process:
+            return f"CPU placement{where}: this process on CPUs {format_cpulist(self.process)} ({self.note})"
+        return f"CPU placement off: {self.note}"
 
 
 def _split_even(items: list[tuple[int, ...]], parts: int, index: int) -> list[tuple[int, ...]]:

@@ -152,3 +152,13 @@ def test_the_engine_pins_worker_and_training_apart_and_restores() -> None:
         assert os.sched_getaffinity(0) == before
     with ZenFlowEngine(torch.nn.Linear(8, 8), EngineConfig(mode="device")) as eng:
         assert not eng.placement.placed and os.sched_getaffinity(0) == before
+
+
+def test_descriptions_say_what_was_placed(tmp_path: Path) -> None:
+    gpus = [("0000:1a:00.0", 0), ("0000:86:00.0", 1)]
+    topo = read_topology(_smt_host(tmp_path, gpus))
+    p = plan(topo, topo.online, 0.5, gpu="0000:86:00.0")
+    assert p.describe().startswith("CPU placement (GPU 2 of 2, NUMA node 1): training thread on CPUs 8-11,24-27")
+    share_only = Placement(process=p.process, gpu_slot=1, gpus=2, numa_node=1, note="mode device has none")
+    assert share_only.describe() == "CPU placement (GPU 2 of 2, NUMA node 1): this process on CPUs 8-15,24-31 (mode device has none)"
+    assert Placement(note="bind_worker_cores is off").describe() == "CPU placement off: bind_worker_cores is off"

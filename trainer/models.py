@@ -39,7 +39,9 @@ class BuiltinModel:
 #: ZenFlow settings for tiny-llama, measured with ``python -m bench.convergence --seeds 0,1,2,3,4,5``
 #: (the reasoning is in trainer/samples/tiny-llama.yaml): from a random init at lr 3e-3 the column
 #: importance is neither skewed nor stable, and the paper's fine-tuning defaults (topk 0.1, window 4,
-#: selection per epoch) end at ~3.6x device mode's validation loss; these end within ~2-3% of it.
+#: selection per epoch) ended at ~3.6x device mode's validation loss (measured under the old summed-lr
+#: CPU step, scale_cpu_lr=True); these end within ~2-3% of it. On a pretrained base the paper's defaults
+#: are within 1% (bench/convergence.py).
 TINY_LLAMA_ZENFLOW = {"topk_ratio": 0.25, "update_interval": 1, "select_interval": 1, "full_warm_up_rounds": 16}
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
