@@ -12,19 +12,7 @@ import torch
 
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
-
-HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-
-
-def _mlp(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Embedding(20, 12),
-        torch.nn.Linear(12, 24),
-        torch.nn.GELU(),
-        torch.nn.LayerNorm(24),
-        torch.nn.Linear(24, 20),
-    ).to(dtype)
+from tests.test_engine import HYPER, _mlp
 
 
 def _loss(model: torch.nn.Module, i: int) -> torch.Tensor:
