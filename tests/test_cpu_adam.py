@@ -254,19 +254,16 @@ def test_concurrent_calls_from_threads():
         assert all(torch.equal(x, y) for x, y in zip(b, r, strict=True))
 
 
-def test_releases_gil():
+def _assert_releases_gil(call) -> None:
     """With a huge switch interval a thread holding the GIL would starve the main thread for 5 s;
-    the main thread can only stop the worker promptly if adam_step releases the GIL."""
-    n = 1 << 20
-    p, m, v, gen = _state(n)
-    g = torch.randn(n, generator=gen)
+    the main thread can only stop a thread calling ``call(i)`` in a loop promptly if it releases the GIL."""
     stop = threading.Event()
     calls = [0]
 
     def work():
         while not stop.is_set():
             calls[0] += 1
-            adam_step(p, g, m, v, step=calls[0], num_threads=1, **HP)
+            call(calls[0])
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(5.0)
@@ -282,6 +279,13 @@ def test_releases_gil():
         sys.setswitchinterval(old)
     assert not t.is_alive() and calls[0] >= 1
     assert elapsed < 2.0
+
+
+def test_releases_gil():
+    n = 1 << 20
+    p, m, v, gen = _state(n)
+    g = torch.randn(n, generator=gen)
+    _assert_releases_gil(lambda i: adam_step(p, g, m, v, step=i, num_threads=1, **HP))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -680,28 +684,6 @@ def test_accumulate_bad_inputs(acc, src, match):
 
 
 def test_accumulate_releases_gil():
-    """As test_releases_gil: a thread accumulating in a loop must not starve the main thread."""
     n = 1 << 21
     acc, g = torch.zeros(n), torch.randn(n).to(torch.bfloat16)
-    stop = threading.Event()
-    calls = [0]
-
-    def work():
-        while not stop.is_set():
-            calls[0] += 1
-            cpu_adam.accumulate(acc, g, alpha=0.25, first=False, num_threads=1)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5.0)
-    try:
-        t0 = time.perf_counter()
-        t = threading.Thread(target=work)
-        t.start()
-        time.sleep(0.05)
-        stop.set()
-        t.join(10)
-        elapsed = time.perf_counter() - t0
-    finally:
-        sys.setswitchinterval(old)
-    assert not t.is_alive() and calls[0] >= 1
-    assert elapsed < 2.0
+    _assert_releases_gil(lambda _i: cpu_adam.accumulate(acc, g, alpha=0.25, first=False, num_threads=1))
