@@ -22,10 +22,12 @@ from api import integration
 from api.auth import KeyCache
 from api.body_limit import BodyLimitMiddleware
 from api.config import ApiSettings, get_api_settings
+from api.console import install_console
 from api.errors import install_error_handlers
 from api.guards import HeaderLimitMiddleware, no_nul_in_ids
+from api.inference.service import InferenceService
 from api.metrics import install_metrics
-from api.routers import events, files, health, jobs, quotas
+from api.routers import chat, events, files, health, jobs, models, quotas
 from api.storage import LocalFileStore
 from store.db import make_engine
 from store.settings import Settings, get_settings
@@ -59,6 +61,7 @@ def create_app(
         )
         if swept:
             log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
+        await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
         if api_settings.gc_freeze:
             freeze_startup_heap(with_broker=enqueue is None)
         retention = asyncio.create_task(_retention_loop(app)) if api_settings.retention_interval_seconds else None
@@ -69,6 +72,7 @@ def create_app(
                 retention.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await retention
+            await app.state.inference.aclose()
             app.state.engine.dispose()
 
     app = FastAPI(
@@ -85,6 +89,7 @@ def create_app(
     app.state.enqueue = enqueue or integration.enqueue
     app.state.key_cache = KeyCache(api_settings.key_cache_seconds)
     app.state.db_limiter = anyio.CapacityLimiter(api_settings.db_threads or _pool_size(engine))
+    app.state.inference = InferenceService(api_settings)  # models load on first use
 
     install_error_handlers(app)
     app.include_router(health.router)
@@ -94,7 +99,10 @@ def create_app(
     # events ahead of the other /v1/fine_tuning/jobs routes: none can shadow it
     app.include_router(events.router, dependencies=ids_checked)
     app.include_router(jobs.router, dependencies=ids_checked)
+    app.include_router(models.router, dependencies=ids_checked)
     app.include_router(quotas.router)
+    app.include_router(chat.router)
+    install_console(app)  # the static self-serve console at /console (api/console.py)
     app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
     _install_metrics(app)
     app.add_middleware(HeaderLimitMiddleware, max_count=api_settings.max_header_count,
@@ -108,6 +116,34 @@ def create_app(
 _REQUEST_PATH_MODULES = ("trainer.data", "trainer.models", "trainer.spec", "offload.config")
 
 
+#: What job create (the plan, the model and data checks) and inference import on first use: torch
+#: and transformers take seconds, and transformers' lazy module is not safe to import from two
+#: threads at once (a create and a chat request racing on first use saw "cannot import name
+#: PreTrainedTokenizerFast"), so they are imported once, at start, before requests are served.
+_CREATE_PATH_MODULES = ("torch", "trainer.plan", "trainer.model_check", "trainer.chat_format")
+_TRANSFORMERS_NAMES = ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "LlamaConfig",
+                       "LlamaForCausalLM", "PreTrainedModel", "PreTrainedTokenizerBase", "PreTrainedTokenizerFast")
+
+
+def _import_quietly(names: tuple[str, ...]) -> None:
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # an optional part that fails to import fails again, visibly, on its request
+            log.debug("could not pre-import %s", name, exc_info=True)
+
+
+def _import_ml_stack() -> None:
+    _import_quietly(_CREATE_PATH_MODULES)
+    try:
+        import transformers
+
+        for name in _TRANSFORMERS_NAMES:  # resolves each lazy attribute (and its submodule) now
+            getattr(transformers, name)
+    except Exception:
+        log.debug("could not pre-import transformers", exc_info=True)
+
+
 def freeze_startup_heap(*, with_broker: bool = True) -> None:
     """Keep full collections of the cyclic GC off the request path.
 
@@ -118,12 +154,7 @@ def freeze_startup_heap(*, with_broker: bool = True) -> None:
     (``gc.freeze``); later collections walk only what was allocated since. Process-wide and harmless
     to repeat (a second app in the same process just freezes a little more).
     """
-    names = (*_REQUEST_PATH_MODULES, "trainer.worker.broker") if with_broker else _REQUEST_PATH_MODULES
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # an optional part that fails to import fails again, visibly, on its request
-            log.debug("could not pre-import %s", name, exc_info=True)
+    _import_quietly((*_REQUEST_PATH_MODULES, "trainer.worker.broker") if with_broker else _REQUEST_PATH_MODULES)
     gc.collect()
     gc.freeze()
 

@@ -172,10 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     from api.cli_quotas import register as register_quotas
     from api.cli_storage import register as register_storage
     from trainer.cli import register
+    from trainer.plan_cli import register as register_plan
 
     register_storage(sub)  # jobs purge, storage usage, storage sweep
     register_quotas(sub)  # quotas set, quotas show
     register(sub)
+    register_plan(sub)  # plan
     return parser
 
 

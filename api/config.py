@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +55,35 @@ class ApiSettings(BaseSettings):
     #: every ``retention_interval_seconds`` (0: never; ``zenflow storage sweep`` runs it once).
     retain_checkpoints: int = Field(3, ge=0)
     retention_interval_seconds: float = Field(3600.0, ge=0)
+
+    # --- inference (/v1/chat/completions, /v1/completions; api.inference) ---
+    #: ``builtin``: transformers ``generate`` in this process; ``vllm``: forward to ``inference_vllm_url``
+    #: the models vLLM serves (LoRA adapters loaded per model id), the others stay built-in.
+    inference_backend: Literal["builtin", "vllm"] = "builtin"
+    inference_vllm_url: str = ""
+    #: Requests forwarded to vLLM at once (it batches and queues them itself); more: 429.
+    inference_vllm_max_requests: int = Field(64, ge=1)
+    #: Generation threads of the built-in backend, and requests that may wait for one; more: 429.
+    inference_threads: int = Field(1, ge=1, le=64)
+    inference_queue_size: int = Field(8, ge=0)
+    #: ``Retry-After`` of that 429.
+    inference_retry_after_seconds: float = Field(2.0, gt=0)
+    #: A request (waiting included) ends with 504 / a stream error after this long, its generation stopped.
+    inference_timeout_seconds: float = Field(300.0, gt=0)
+    #: Loaded models kept (least recently used dropped first), and their memory budget in bytes.
+    inference_max_models: int = Field(2, ge=1)
+    inference_memory_bytes: int = Field(8 * 1024**3, gt=0)
+    #: ``auto``: the first GPU when there is one, else the CPU; dtype ``auto``: bf16/fp16 on a GPU, fp32 on the CPU.
+    inference_device: str = "auto"
+    inference_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: Largest ``max_tokens`` a request may ask for (and the default cap when it gives none).
+    inference_max_tokens: int = Field(2048, ge=1)
+
+    @model_validator(mode="after")
+    def _vllm_needs_its_url(self) -> ApiSettings:
+        if self.inference_backend == "vllm" and not self.inference_vllm_url:
+            raise ValueError("inference_vllm_url is required with inference_backend=vllm")
+        return self
 
 
 @lru_cache(maxsize=1)

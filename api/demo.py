@@ -5,7 +5,9 @@
    loopback port;
 3. with the official openai SDK: uploads the sample dataset, creates a job on ``tiny-llama``;
 4. follows the job's server-sent event stream to the end, printing each event;
-5. lists the checkpoints, prints where the model is, loads it and generates a few tokens.
+5. lists the checkpoints and the metrics, and how to download the model;
+6. chats with the fine-tuned model through the openai SDK (``chat.completions.create``, streamed) and
+   prints the console's URL; on a terminal it keeps serving until Ctrl-C so the console can be opened.
 
 Exits non-zero when any step fails (the server's log tail is printed).
 """
@@ -21,11 +23,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from api.server import free_port
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
 #: 128 examples / batch 8 = 16 steps an epoch; the tiny model does a few steps a second on 2 cores.
@@ -104,31 +109,14 @@ def _print_event(ev: dict[str, Any]) -> None:
     print(f"  {stamp} {ev['level']:5s} {msg}")
 
 
-def _load_and_generate(model_dir: Path) -> str:
-    """Load the fine-tuned model with transformers and answer one sample question."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
-
-    from trainer.models import load_tokenizer
-
-    transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
-    model.eval()
-    tok: PreTrainedTokenizerBase
-    try:
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError):
-        tok = load_tokenizer("tiny-llama")
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
-    return str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+def _chat(client: OpenAI, model: str, question: str) -> str:
+    """Ask ``model`` one question through the chat completions endpoint, streamed; the answer."""
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0, stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
-def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
+def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
     from openai import OpenAI
 
     from trainer.samples import SPEC_FILE, TRAIN_FILE, VALID_FILE
@@ -190,7 +178,6 @@ def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
         for c in ckpts:
             print(f"  checkpoint step {c.step_number}: {c.fine_tuned_model_checkpoint} "
                   f"train_loss={c.metrics.train_loss} valid_loss={c.metrics.valid_loss}")
-        raw = client.get(f"/fine_tuning/jobs/{job.id}", cast_to=dict)
         metrics = client.get(f"/fine_tuning/jobs/{job.id}/metrics", cast_to=dict)["data"]
         if metrics:
             stall = sum(m["stall_fraction"] for m in metrics) / len(metrics)
@@ -200,12 +187,22 @@ def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
             csv_text = client.files.content(file_id).text
             print(f"  result file {file_id}: {len(csv_text.splitlines()) - 1} rows, columns "
                   f"{csv_text.splitlines()[0] if csv_text else ''}")
-        model_dir = _model_dir(raw)
-        print(f"==> the model is in {model_dir}")
-        answer = _load_and_generate(model_dir)
-        print(f"loaded it with transformers; 'What is the capital of France?' -> {answer!r}")
+        model = job.fine_tuned_model
+        if not model:
+            raise RuntimeError("the job succeeded without a fine_tuned_model")
+        print(f"==> download it: curl -H 'Authorization: Bearer <key>' -o model.tar '{base}/v1/models/{model}/content'")
+        question = "What is the capital of France?"
+        print(f"==> chatting with {model} (client.chat.completions.create, stream=True)")
+        print(f"  user:  {question}")
+        print(f"  model: {_chat(client, model, question)}")
         ok = True
         print(f"==> demo finished in {time.monotonic() - t0:.0f} s")
+        if stay:
+            print(f"==> console: {base}/console/ (paste the key {key}); serving until Ctrl-C")
+            _wait_for_interrupt(proc)
+        else:
+            print(f"==> console: {base}/console/ (stops with this demo; `python -m api.demo --stay` keeps "
+                  "serving it; `zenflow serve` serves it too)")
         return 0
     except Exception as exc:
         print(f"demo failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
@@ -218,18 +215,13 @@ def run(data_dir: Path, *, timeout: float, keep: bool) -> int:
             print("---- zenflow serve log (tail) ----", *tail, sep="\n", file=sys.stderr)
 
 
-def _model_dir(job: dict[str, Any]) -> Path:
-    """The exported model directory of a finished job (a config.json lies in it)."""
-    if job.get("fine_tuned_model") and (Path(job["fine_tuned_model"]) / "config.json").is_file():
-        return Path(job["fine_tuned_model"])
-    out = Path(job.get("output_dir") or "")
-    for cand in (out / "final", out / "model", out / "export", out):
-        if (cand / "config.json").is_file():
-            return cand
-    found = sorted(out.rglob("config.json")) if out.is_dir() else []
-    if not found:
-        raise RuntimeError(f"no exported model under {out}")
-    return found[-1].parent
+def _wait_for_interrupt(proc: subprocess.Popen[bytes]) -> None:
+    """Keep the server up (for the console) until Ctrl-C or until it exits by itself."""
+    try:
+        while proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -248,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "var" / "demo")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the job")
     p.add_argument("--keep", action="store_true", help="keep the data dir of a previous run")
+    p.add_argument("--stay", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep serving after the demo, for the console (default: when stdin is a terminal)")
     args = p.parse_args(argv)
-    return run(args.data_dir.resolve(), timeout=args.timeout, keep=args.keep)
+    stay = sys.stdin.isatty() if args.stay is None else args.stay
+    return run(args.data_dir.resolve(), timeout=args.timeout, keep=args.keep, stay=stay)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ _DEFAULT_CODES = {
     422: "invalid_request",
     429: "quota_exceeded",
     431: "request_header_too_large",
+    502: "bad_gateway",
     503: "service_unavailable",
+    504: "timeout",
     507: "insufficient_storage",
 }
 
@@ -83,12 +85,15 @@ class APIError(Exception):
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: a parameter, header or the body failed validation (`param` names the field)",
     401: "No API key, or a malformed, unknown or revoked one (`invalid_api_key`)",
+    403: "The operation is not allowed on this object (`model_not_deletable`: a base model of the service)",
     404: "No such object for the calling team (`not_found`; another team's id answers the same)",
-    409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `file_in_use`)",
+    409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `file_in_use`, `job_not_finished`)",
     413: "The upload is over `max_upload_bytes` (`file_too_large`), or another body over `max_body_bytes` (`request_too_large`)",
     415: "The upload is not multipart/form-data (`invalid_multipart`)",
-    429: "A quota of the team is used up (`quota_exceeded`; `param` names it); retry after `Retry-After` seconds when given",
-    503: "The database or the job queue is unavailable; retry after `Retry-After` seconds",
+    429: "A quota of the team is used up (`quota_exceeded`; `param` names it), or every inference slot is taken (`rate_limit_exceeded`); retry after `Retry-After` seconds when given",
+    502: "The inference server (vLLM) failed (`inference_backend_error`)",
+    503: "The database, the job queue or the inference server is unavailable, or a model cannot be loaded; retry after `Retry-After` seconds when given",
+    504: "The request did not finish within the server's time limit (`timeout`); its generation was stopped",
     507: "The server has no storage left to keep the upload (`insufficient_storage`); nothing was kept",
 }
 

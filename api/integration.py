@@ -1,5 +1,5 @@
-"""The API's calls into trainer/: the dataset validator, the model registry, the job spec's checks,
-and the job queue.
+"""The API's calls into trainer/: the dataset validator, the job spec's checks, and the job queue
+(which models a job may name: api.model_registry).
 
 trainer.data, trainer.models and trainer.spec do not import torch (tests/test_trainer_spec.py::
 test_light_imports), so they are imported here at start-up. The queue's sending side
@@ -21,9 +21,10 @@ from api.errors import APIError, validation_error
 from offload.config import EngineConfig
 from store.settings import Settings
 from trainer.data import DatasetValidationError, validate_file
-from trainer.models import BuiltinModel, UnknownModelError
-from trainer.models import resolve_model as resolve_trainer_model
-from trainer.spec import Hyperparameters, JobLimits, LoraSpec, limit_errors, spec_from_job
+from trainer.limits import JobLimits, limit_errors
+from trainer.model_check import ModelFolderError
+from trainer.model_check import check_model_folder as check_folder
+from trainer.spec import Hyperparameters, JobSpec, LoraSpec, spec_from_job
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +58,22 @@ def validate_dataset(path: Path, *, param: str = "file") -> int:
     return report.num_examples
 
 
-def resolve_model(name: str) -> str:
-    """The name a job records for a base model the trainer knows, or a 400 on ``model``."""
+def check_model_folder(folder: Path | None, name: str) -> None:
+    """A base model folder's config, weights and tokenizer (trainer.model_check: read, no weights
+    loaded), or a 400 on ``model`` naming the cause; nothing to check for a built-in config (None)."""
+    if folder is None:
+        return
     try:
-        m = resolve_trainer_model(name)
-    except UnknownModelError as exc:
-        raise APIError(400, f"Model {name!r} is not available for fine-tuning: {exc}", param="model",
-                       code="model_not_found") from exc
-    except OSError as exc:  # not a usable local path either (e.g. a name too long for the filesystem)
-        raise APIError(400, f"Model {name[:100]!r} is not available for fine-tuning: {exc.strerror or exc}",
-                       param="model", code="model_not_found") from exc
-    return m.name if isinstance(m, BuiltinModel) else str(m)
+        check_folder(folder)
+    except ModelFolderError as exc:
+        raise APIError(400, f"Model {name[:200]!r} cannot be fine-tuned: {exc.problem}", param="model",
+                       code="invalid_model") from exc
+
+
+def resolved_hyperparameters(spec: JobSpec, num_examples: int | None) -> dict[str, Any] | None:
+    """The values the job will run with (trainer.spec.ResolvedHyperparameters), known at create from the
+    training file's example count; the run records them again once it has read the data."""
+    return spec.resolve(num_examples).model_dump(mode="json") if num_examples else None
 
 
 def job_limits(settings: Settings) -> JobLimits:
@@ -75,7 +81,7 @@ def job_limits(settings: Settings) -> JobLimits:
     return JobLimits(**{name: getattr(settings, name) for name in JobLimits.model_fields})
 
 
-def _request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, ...]:
+def request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, ...]:
     """A spec location as the request spells it: hyperparameters (and the LoRA settings, which the
     request gives inside them) under ``hyperparameters_param``."""
     where = hyperparameters_param.split(".")
@@ -98,11 +104,12 @@ def check_job_spec(
     output_dir: Path,
     limits: JobLimits | None = None,
     num_examples: int | None = None,
-) -> None:
-    """Build the trainer's JobSpec from the request so that every field is checked before any write;
-    a refusal is a 400 whose ``param`` is the field path (``hyperparameters.max_steps``, ``engine.lr``).
+) -> JobSpec:
+    """Build the trainer's JobSpec from the request so that every field is checked before any write
+    (returned, for the capacity check); a refusal is a 400 whose ``param`` is the field path
+    (``hyperparameters.max_steps``, ``engine.lr``).
 
-    With ``limits``, the service's bounds are checked too (trainer.spec.limit_errors: totals from
+    With ``limits``, the service's bounds are checked too (trainer.limits.limit_errors: totals from
     ``num_examples``, the training file's count; LoRA target modules against the model's modules).
     """
     fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
@@ -112,15 +119,16 @@ def check_job_spec(
             hyperparameters=hyperparameters, engine=engine, seed=seed, output_dir=output_dir,
         )
     except ValidationError as exc:
-        errors = [{**e, "loc": _request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()]
+        errors = [{**e, "loc": request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()]
         raise validation_error(errors, fields=fields) from exc
     if limits is None:
-        return
+        return spec
     refused = limit_errors(spec, limits, num_examples=num_examples)
     if refused:
-        errors = [{"loc": _request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
+        errors = [{"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
                   for r in refused]
         raise validation_error(errors, fields=fields)
+    return spec
 
 
 def enqueue(job_id: str, queue: str) -> None:

@@ -136,12 +136,25 @@ def _error(job: Any) -> dict[str, Any] | None:
             "param": e.get("param")}
 
 
+#: OpenAI's hyperparameters, first in the job object's ``hyperparameters``.
+OPENAI_HYPERPARAMETERS = ("n_epochs", "batch_size", "learning_rate_multiplier")
+
+
+def job_hyperparameters(job: Any) -> dict[str, Any]:
+    """What the job runs with: OpenAI's three first, then every other hyperparameter the request gave,
+    each replaced by its resolved value once known (trainer.spec.ResolvedHyperparameters, recorded at
+    create from the file's example count and again when the run starts), then the other resolved
+    values (learning_rate, max_seq_length, lora, warmup_steps, total_steps, ...)."""
+    hp: dict[str, Any] = dict.fromkeys(OPENAI_HYPERPARAMETERS, "auto")
+    hp.update(job.hyperparameters or {})
+    hp.update(job.resolved_hyperparameters or {})
+    return hp
+
+
 def job_dict(job: Any, position: int | None) -> dict[str, Any]:
     """The job object's fields from a job row (ORM object or a Row of ``JOB_COLUMNS``), as plain data:
     validated once, as a whole response, by the endpoint's response model."""
-    hp = {"n_epochs": "auto", "batch_size": "auto", "learning_rate_multiplier": "auto"}
-    hp.update({k: v for k, v in (job.hyperparameters or {}).items() if k in hp})
-    hp.update({k: v for k, v in (job.resolved_hyperparameters or {}).items() if k in hp and v is not None})
+    hp = job_hyperparameters(job)
     return {
         "id": job.id,
         "created_at": unix(job.created_at) or 0,

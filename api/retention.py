@@ -6,13 +6,13 @@ a job is finished (succeeded, failed, cancelled) nothing writes to its output di
 :func:`apply_retention` holds it to the policy: the newest ``keep`` complete checkpoints plus the
 final model (``final/``, whose weights are hard links, so removing the checkpoint it came from frees
 only the training state), leftovers of interrupted writes removed, and checkpoint rows matching the
-directories (a row whose directory is gone is deleted, so the checkpoints list never names a missing
-path; a kept checkpoint without a row gets one). :func:`sweep` applies it to every finished job (the API runs it periodically; ``zenflow
+directories (a row whose directory is gone is deleted, its model id with it, so the checkpoints list
+never names a missing path; a kept checkpoint without a row gets one, and its ``ft:`` id). :func:`sweep` applies it to every finished job (the API runs it periodically; ``zenflow
 storage sweep`` once).
 
 :func:`purge_job_outputs` removes all of a finished job's outputs (checkpoints, final model, run
-result) and its checkpoint rows, and records an event: ``zenflow jobs purge JOB_ID``, and what
-deleting a model will call. The job row, its events, metrics and result files stay (a result file
+result), its checkpoint rows and its model ids (store.model_registry), and records an event:
+``zenflow jobs purge JOB_ID``. (``DELETE /v1/models/{id}`` removes one model's folder: api.routers.models.) The job row, its events, metrics and result files stay (a result file
 is deleted on its own, ``DELETE /v1/files/{id}``). Only directories under ``jobs_dir`` are ever
 removed, whatever a row says.
 """
@@ -28,6 +28,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from store import model_registry
 from store.jobs import add_event
 from store.models import FineTuningJob, JobCheckpoint, JobStatus
 from store.usage import OUTPUT_SIZES, directory_bytes
@@ -100,12 +101,14 @@ def apply_retention(session: Session, job: FineTuningJob, *, keep: int, jobs_dir
     for step, row in rows.items():
         if step not in {ck.step for ck in kept}:
             session.delete(row)
+            model_registry.forget_checkpoint(session, job.id, step)
             result.rows_deleted += 1
     for ck in kept:  # a checkpoint written while its row could not be (the database was away)
         if ck.step not in rows:
             metrics = ck.manifest.get("metrics")
+            model_id = model_registry.register_checkpoint(session, job.id, ck.step, str(ck.path))
             session.add(JobCheckpoint(job_id=job.id, step_number=ck.step, path=str(ck.path),
-                                      fine_tuned_model_checkpoint=str(ck.path),
+                                      fine_tuned_model_checkpoint=model_id,
                                       metrics=metrics if isinstance(metrics, dict) else {}))
             result.rows_added += 1
     if result.removed:
@@ -164,6 +167,7 @@ def purge_job_outputs(session: Session, job_id: str, *, jobs_dir: Path, team_id:
     rows = session.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job.id)).all()
     for row in rows:
         session.delete(row)
+    model_registry.forget_job_models(session, job.id)
     result.rows_deleted = len(rows)
     add_event(session, job.id, f"Outputs removed (checkpoints and final model): {result.freed_bytes} bytes freed",
               data={"removed": result.removed, "freed_bytes": result.freed_bytes})

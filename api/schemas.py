@@ -146,6 +146,9 @@ class FileObject(BaseModel):
     #: Extras: what the validator found, and the content digest.
     num_examples: int | None = None
     sha256: str | None = None
+    #: Upload response only, when the upload named a ``model``: the data checked with that model's
+    #: tokenizer (api.dataset_check.upload_summary: tokens, truncated and dropped examples with lines).
+    validation: dict[str, Any] | None = None
 
 
 class FileDeleted(BaseModel):
@@ -155,6 +158,11 @@ class FileDeleted(BaseModel):
 
 
 class Hyperparameters(BaseModel):
+    """OpenAI's three, then every other hyperparameter given and every resolved value (api.job_views.
+    job_hyperparameters): learning_rate, max_seq_length, lora, warmup_steps, total_steps, ..."""
+
+    model_config = ConfigDict(extra="allow")
+
     n_epochs: int | str | None = "auto"
     batch_size: int | str | None = "auto"
     learning_rate_multiplier: float | str | None = "auto"
@@ -337,3 +345,21 @@ class QuotaObject(BaseModel):
     usage: QuotaUsage
     #: The limits that are the team's own; the others are the server's defaults.
     custom: list[str]
+
+
+class ModelObject(BaseModel):
+    """``GET /v1/models/{id}``: OpenAI's model object, plus ``kind`` (ours)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    kind: Literal["builtin", "base", "fine-tuned", "checkpoint"] = Field(
+        description="builtin: a random-init config; base: under the service's model roots; fine-tuned, "
+                    "checkpoint: the team's own (ft: ids, downloadable at /v1/models/{id}/content)")
+
+
+class ModelDeleted(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True

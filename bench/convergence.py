@@ -5,6 +5,7 @@
     python -m bench.convergence --seeds 0,1,2,3 --modes device,zenflow --scale-cpu-lr
     python -m bench.convergence --variant paper=zenflow,topk_ratio=0.1,update_interval=4,select_interval=auto
     python -m bench.convergence --spec trainer/samples/tiny-llama.yaml   # a job spec instead (random init)
+    python -m bench.convergence --modes device,zenflow --dtype bfloat16  # bf16 parameters (CUDA's default)
 
 Base (default, ``--base pretrained``): a small Llama-shaped model pretrained by ``bench.pretrained`` on
 the Python standard library's sources and docstrings (cached after the first run), fine-tuned on a
@@ -28,7 +29,9 @@ learning rates against the boundary's plain one); ``--variant NAME=MODE[,KEY=VAL
 EngineConfig overrides (values are parsed as YAML: 4, 0.25, auto, true). ``--modes`` picks among the
 variants (default: all; device first, the ratios need it). The job runs on ``--device`` (default cpu)
 with ``--threads`` torch threads for forward/backward (the zenflow worker takes its own share of the
-cores, see offload.engine).
+cores, see offload.engine), in the parameter dtype ``--dtype`` (default: the job's ``dtype``, "auto":
+fp32 on CPU, bf16 on CUDA). With bf16 parameters zenflow's window-mean gradient is accumulated and
+handed to the CPU optimizer in bf16 (offload.memory), which this benchmark checks against device mode.
 """
 
 from __future__ import annotations
@@ -82,7 +85,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, out
 
 
-def run_one(spec_path: Path, engine: dict[str, Any], seed: int, device: str, max_steps: int | None) -> Run:
+def run_one(
+    spec_path: Path, engine: dict[str, Any], seed: int, device: str, max_steps: int | None, dtype: str | None = None
+) -> Run:
     from trainer.loop import run_training
     from trainer.spec import EngineSettings, Hyperparameters, load_spec
 
@@ -93,9 +98,10 @@ def run_one(spec_path: Path, engine: dict[str, Any], seed: int, device: str, max
         if max_steps is not None:
             hp["max_steps"] = max_steps
         settings = EngineSettings(**{**spec.engine.model_dump(exclude={"lr"}), **engine})
-        spec = spec.model_copy(
-            update={"engine": settings, "hyperparameters": Hyperparameters(**hp), "device": device}
-        )
+        update: dict[str, Any] = {"engine": settings, "hyperparameters": Hyperparameters(**hp), "device": device}
+        if dtype is not None:
+            update["dtype"] = dtype
+        spec = spec.model_copy(update=update)
         t0 = time.perf_counter()
         res = run_training(spec, resume=False, progress=False)
         return Run("", seed, res.steps, res.train_loss, res.valid_loss, time.perf_counter() - t0)
@@ -113,7 +119,9 @@ class PretrainedJob:
     batch_size: int = 8
 
 
-def run_pretrained(job: PretrainedJob, engine: dict[str, Any], seed: int, device: str, max_steps: int | None) -> Run:
+def run_pretrained(
+    job: PretrainedJob, engine: dict[str, Any], seed: int, device: str, max_steps: int | None, dtype: str | None = None
+) -> Run:
     from trainer.loop import run_training
     from trainer.spec import JobSpec
 
@@ -127,6 +135,7 @@ def run_pretrained(job: PretrainedJob, engine: dict[str, Any], seed: int, device
         spec = JobSpec.model_validate({
             "model": str(job.base), "training_file": str(job.train), "validation_file": str(job.valid),
             "hyperparameters": hp, "output_dir": tmp, "device": device, "engine": engine,
+            **({"dtype": dtype} if dtype is not None else {}),
         })
         t0 = time.perf_counter()
         res = run_training(spec, resume=False, progress=False)
@@ -184,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=None, help="cut the job short (all variants)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training thread (0: leave)")
+    ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                    help="parameter dtype (default: the job's)")
     ap.add_argument(
         "--max-ratio",
         type=float,
@@ -227,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         for name in names:
             if job is not None:
-                r = run_pretrained(job, variants[name], seed, args.device, args.max_steps)
+                r = run_pretrained(job, variants[name], seed, args.device, args.max_steps, args.dtype)
             else:
                 assert args.spec is not None
-                r = run_one(args.spec, variants[name], seed, args.device, args.max_steps)
+                r = run_one(args.spec, variants[name], seed, args.device, args.max_steps, args.dtype)
             r.variant = name
             runs.append(r)
             print(  # progress on stderr, also with --json (these runs are long)

@@ -20,6 +20,8 @@
 #     not compared); batch 8 x 2048 tokens; zenflow topk_ratio 0.1, update_interval 4, 12 of the 16
 #     cores for the CPU optimizer worker (core placement on) -> gpu_check.json
 #     Targets (issue 3): zenflow stall fraction <= 5%, >= 3x the steps/s of offload, loss within 1% of device.
+#  5. (CUDA, in the time left) bench/memory.py --run: the plan's step time and memory against a short
+#     real run per engine mode (small-llama) -> memory_run.json
 #
 # Usage
 #   bash bench/gpu_check.sh                 # on the GPU machine, from anywhere in the repo
@@ -163,6 +165,14 @@ timeout "$limit" "$PY" -m bench.engine --device "$DEVICE" --model-size "$MODEL_S
   --json-out "$OUTDIR/gpu_check.json" 2>&1 | tee "$OUTDIR/gpu_check.log" || rc=$?
 fi
 [ "$rc" = 0 ] || echo "bench/engine.py exited with $rc (124: cut at ${limit}s; the JSON holds the variants that finished)"
+
+# 7. The plan against a short real run (issue 12), CUDA only, in the time left: per engine mode, the
+#    plan's step time, device bytes and engine host bytes against the measured ones -> memory_run.json
+if [ "$DEVICE" = cuda ]; then
+  section "bench/memory.py --run: planned vs measured (small-llama, bf16, $DEVICE)" 150 memory_run.json -- \
+    "$PY" -m bench.memory --models '' --gpus '' --no-packing --run --device "$DEVICE" --run-model small-llama \
+    --run-batch 8 --run-seq 1024 --run-steps 8 --json
+fi
 echo "== JSON"
 cat "$OUTDIR/gpu_check.json" 2>/dev/null || echo "(no JSON written)"
 echo "== done in $(( $(date +%s) - T_START ))s"

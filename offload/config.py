@@ -79,11 +79,13 @@ class EngineConfig(BaseModel):
     # step that lands a window late overshoots (Adam's step on a window mean is also larger than the
     # per-step ones it replaces, the mean's noise being smaller).
     scale_cpu_lr: bool = False
-    # Where zenflow accumulates the unselected gradient over a window: "host" = every step's gradient is
-    # copied to pinned host staging and added into an fp32 host accumulator by the worker (no extra device
-    # memory; ~10 CPU bytes/param/step); "device" = an fp32 accumulator on the device (+4 device
-    # bytes/param, reported as device_buffer_bytes), copied to the host once per window (CPU work per step
-    # is then only the window's AdamW / window length).
+    # Where zenflow accumulates the unselected gradient over a window: "host" = the worker streams every
+    # step's gradient off the device (through a fixed two-slot ring on CUDA) and adds it, in fp32, into a
+    # host accumulator in the parameters' dtype (no extra device memory; two accumulators: 16 host
+    # bytes/param with bf16 params, see offload.memory); "device" = an fp32 accumulator on the device (+4
+    # device bytes/param, reported as device_buffer_bytes), copied to the host, rounded to the parameters'
+    # dtype, once per window (14 host bytes/param; CPU work per step is then only the window's AdamW /
+    # window length).
     accumulate_on: Literal["host", "device"] = "host"
     # Largest slice (elements) the CPU optimizer updates before it lets waiting gradient copies run.
     cpu_chunk_elements: int = Field(1 << 23, ge=1024, le=MAX_CHUNK_ELEMENTS)

@@ -149,7 +149,8 @@ def adam_step(
     ``param``, ``exp_avg``, ``exp_avg_sq``: fp32. ``grad``: fp32, bf16 or fp16. ``step``: the step
     number after incrementing (1 for the first update). ``adamw=False`` is Adam with L2 weight decay
     (``grad += weight_decay * param``). ``param_out`` (bf16/fp16) receives the updated parameter,
-    rounded to nearest even. ``num_threads`` overrides the global thread count for this call.
+    rounded to nearest even; it may be ``grad`` itself (same dtype), the gradient being read before
+    it is overwritten. ``num_threads`` overrides the global thread count for this call.
     """
     ext = _ext if _ext is not None else load_extension()
     ext.adam_step(
@@ -175,8 +176,10 @@ def accumulate(
 ) -> None:
     """``acc = alpha * src`` (``first``) or ``acc += alpha * src`` in place, in one GIL-free pass.
 
-    ``acc``: fp32; ``src``: fp32, bf16 or fp16 of the same numel; both contiguous CPU tensors. Same
-    numbers as ``torch.mul(src.float(), alpha, out=acc)`` / ``acc.add_(src.float(), alpha=alpha)``.
+    ``acc``: fp32, or bf16/fp16 when ``src`` has that dtype; ``src``: fp32, bf16 or fp16 of the same
+    numel; both contiguous CPU tensors. Same numbers as ``torch.mul(src.float(), alpha, out=acc)`` /
+    ``acc.add_(src.float(), alpha=alpha)`` (a bf16/fp16 ``acc``: that fp32 result rounded to nearest
+    even, see :func:`offload.host.accumulate_torch`).
     """
     ext = _ext if _ext is not None else load_extension()
     ext.accumulate(acc, src, float(alpha), bool(first), 0 if num_threads is None else int(num_threads))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -159,6 +160,19 @@ class HostAllocator:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
+    def scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A transient host buffer in ordinary (pageable) memory, recognised by :meth:`owns` while it
+        lives: for rare copies (a reselection's columns) not worth page-locked memory held for good."""
+        t = torch.empty(numel, dtype=dtype)
+        ptr = t.untyped_storage().data_ptr()
+        self._keep(t)
+        weakref.finalize(t.untyped_storage(), self._forget, ptr)
+        return t
+
+    def _forget(self, ptr: int) -> None:
+        with self._lock:
+            self._storages.discard(ptr)
+
     def release(self) -> None:
         """Unregister every page-locked buffer (call after all copies that touch them have ended)."""
         with self._lock:
@@ -237,15 +251,24 @@ class DeviceOps:
         self.compute_wait(self._last_d2h)
 
     # --- copies ---------------------------------------------------------------------------------
-    def d2h(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Transfer:
-        """Copy each device ``src`` into its host ``dst`` (same numel; dst flat or of src's shape)."""
-        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+    def d2h(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], ready: torch.cuda.Event | None = None
+    ) -> Transfer:
+        """Copy each device ``src`` into its host ``dst`` (same numel; dst flat or of src's shape; a
+        ``dst`` of another dtype gets the values converted on the device first: the transfer's
+        ``nbytes`` are ``dst``'s).
+
+        On CUDA the copy starts after the work queued on the calling thread's compute stream, or, given
+        ``ready`` (from :meth:`record` on the training thread), after that event: how another thread
+        copies data the training thread has produced."""
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in pairs)
         dsts, srcs = _shaped_like(pairs, src_first=False)
         if not self.is_cuda:
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
             return Transfer(None, nbytes)
-        ready = self._record_cuda()
+        if ready is None:
+            ready = self._record_cuda()
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)
             if dsts:

@@ -16,7 +16,8 @@ import torch
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
-from offload.mode_base import Mode, NamedParams, to_cpu
+from offload.memory import EngineMemory
+from offload.mode_base import Mode, NamedParams, nbytes, to_cpu
 from offload.timing import StepStats
 
 
@@ -59,6 +60,14 @@ class DeviceMode(Mode):
             torch._foreach_copy_([p for p, _ in low], [m for _, m in low])
         for _, m in low:
             m.grad = None
+
+    def memory(self) -> EngineMemory:
+        state = {"exp_avg": 0, "exp_avg_sq": 0, "master": sum(nbytes(m) for m in self.masters.values()), "step": 0}
+        for st in self.opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                t = st.get(key)
+                state[key] += nbytes(t) if isinstance(t, torch.Tensor) else 0
+        return EngineMemory(self.name, self.params(), device_state=state)
 
     def state_bytes(self) -> int:
         total = sum(m.numel() * m.element_size() for m in self.masters.values())

@@ -60,6 +60,7 @@ from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
 from offload.guard import Gate, LossScaler
+from offload.memory import EngineMemory
 from offload.metrics import StepMetrics
 from offload.mode_base import Mode, NamedParams
 from offload.offload_mode import OffloadMode
@@ -142,6 +143,8 @@ class ZenFlowEngine:
                 backoff_factor=cfg.loss_scale_backoff_factor, growth_interval=cfg.loss_scale_growth_interval,
             )
         self._mode: Mode = self._build_mode(total, worker_cores)
+        #: Host bytes the mode allocated (fixed for the engine's life; reported in every StepMetrics).
+        self._host_bytes = self._mode.memory().host_bytes
         self._pin()
         self._t_last = time.perf_counter()
 
@@ -269,6 +272,7 @@ class ZenFlowEngine:
             synchronous=stats.synchronous,
             skipped=not gate.finite(),
             loss_scale=vals[2] if scaler is not None else None,
+            host_bytes=self._host_bytes,
         )
         self.last_metrics = m
         return m
@@ -279,6 +283,7 @@ class ZenFlowEngine:
             for p in self._params:
                 p.grad = None
             return
+        self._mode.before_zero_grad()
         self._ops.wait_last_d2h()
         for p in self._params:
             if p.grad is not None:
@@ -349,6 +354,12 @@ class ZenFlowEngine:
     @property
     def device_optimizer_state_bytes(self) -> int:
         return self._mode.state_bytes()
+
+    def memory(self) -> EngineMemory:
+        """What the engine holds now, measured from its tensors: host bytes (page-locked on CUDA) and
+        device optimizer state and buffers, by component; :func:`offload.memory.engine_memory` gives
+        the same from parameter shapes alone (device state and buffers at their steady-state size)."""
+        return self._mode.memory()
 
     def counters(self) -> dict[str, float]:
         """Running totals (benchmarks): ``host_syncs``, the engine's deliberate blocking reads of device

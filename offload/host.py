@@ -1,11 +1,13 @@
 """CPU-side optimizer state for a group of device parameters of one dtype.
 
-One flat fp32 buffer each for the master parameters and the two Adam moments, plus transfer
-buffers: ``out`` (the master rounded to the device dtype, written by the C++ step in the same pass;
-only when the device dtype is bf16/fp16), ``staging`` slots for gradients copied off the device (in
-the gradient's dtype) and fp32 ``acc`` window accumulators (zenflow). Parameter ``i`` occupies
-``[offsets[i], offsets[i] + numels[i])`` of every buffer, so one elementwise op covers all of them.
-Buffers are page-locked when the device is CUDA (see :mod:`offload.device`).
+One flat fp32 buffer each for the master parameters and the two Adam moments, plus ``bufs``: flat
+buffers in the parameters' dtype that hold gradients (``offload``: the gradient landing; ``zenflow``:
+the window accumulators, see :mod:`offload.memory`). The C++ step reads its gradient from one of them
+and, for bf16/fp16 parameters, writes the new parameters rounded to that dtype over it in the same
+pass, so that buffer is then the source of the copy back to the device (:meth:`HostStore.result`;
+fp32 parameters: the master itself). Parameter ``i`` occupies ``[offsets[i], offsets[i] + numels[i])``
+of every buffer, so one elementwise op covers all of them. Buffers are page-locked when the device is
+CUDA (see :mod:`offload.device`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def accumulate_torch(
 ) -> None:
     """The accumulation in torch ops (the engine's path before the C++ one; a reference and a
     benchmark baseline): fp32 in one op each, bf16/fp16 in 1M-element chunks through fp32 scratch
-    ``tmp``, the GIL held between the chunks."""
-    if src.dtype not in _LOW_PRECISION:
+    ``tmp``, the GIL held between the chunks. A bf16/fp16 ``acc`` gets each chunk's fp32 result
+    rounded to nearest even."""
+    low_acc = acc.dtype in _LOW_PRECISION
+    if src.dtype not in _LOW_PRECISION and not low_acc:
         if first and alpha != 1.0:
             torch.mul(src, alpha, out=acc)
         elif first:
@@ -59,7 +63,15 @@ def accumulate_torch(
     for lo in range(0, n, _ACC_CHUNK):
         hi = min(n, lo + _ACC_CHUNK)
         a = acc[lo:hi]
-        if first:
+        if low_acc:
+            t = tmp[: hi - lo]
+            if first:
+                torch.mul(src[lo:hi].float(), alpha, out=t)
+            else:
+                t.copy_(a)
+                t.add_(src[lo:hi].float(), alpha=alpha)
+            a.copy_(t)
+        elif first:
             a.copy_(src[lo:hi])
             if alpha != 1.0:
                 a.mul_(alpha)
@@ -70,15 +82,19 @@ def accumulate_torch(
 
 
 class HostStore:
-    """Master params, moments and transfer buffers for ``params`` (all of one dtype)."""
+    """Master params, moments and gradient buffers for ``params`` (all of one dtype).
+
+    ``buffers``: how many flat gradient buffers in the params' dtype; ``role`` names them in
+    :meth:`parts` (``"gradient"`` or ``"accumulators"``, see :mod:`offload.memory`).
+    """
 
     def __init__(
         self,
         params: Sequence[torch.Tensor],
         alloc: HostAllocator,
         *,
-        staging_slots: int,
-        accumulators: int,
+        buffers: int,
+        role: str = "gradient",
     ) -> None:
         if not params:
             raise ValueError("HostStore needs at least one parameter")
@@ -86,6 +102,8 @@ class HostStore:
         if len(dtypes) != 1:
             raise ValueError(f"HostStore needs parameters of one dtype, got {sorted(map(str, dtypes))}")
         self.dtype = params[0].dtype
+        self.low = self.dtype in _LOW_PRECISION
+        self.role = role
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [0]
@@ -98,11 +116,7 @@ class HostStore:
             self.flat(self.master, i).copy_(p.detach().reshape(-1))
         self.exp_avg = alloc.zeros(n, torch.float32)
         self.exp_avg_sq = alloc.zeros(n, torch.float32)
-        self.out = alloc.empty(n, self.dtype) if self.dtype in _LOW_PRECISION else None
-        if self.out is not None:
-            self.out.copy_(self.master)
-        self.staging = [alloc.zeros(n, self.dtype) for _ in range(staging_slots)]
-        self.acc = [alloc.zeros(n, torch.float32) for _ in range(accumulators)]
+        self.bufs = [alloc.zeros(n, self.dtype) for _ in range(buffers)]
         #: Adam step count per parameter (the C++ step takes it explicitly).
         self.steps = [0] * len(params)
 
@@ -113,26 +127,32 @@ class HostStore:
     def shaped(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         return self.flat(buf, i).view(self.shapes[i])
 
-    @property
-    def result(self) -> torch.Tensor:
-        """The buffer the device copies its new values from (``out`` if low precision, else master)."""
-        return self.out if self.out is not None else self.master
+    def result(self, index: int) -> torch.Tensor:
+        """The buffer the device copies its new values from after a CPU step that read ``bufs[index]``:
+        that buffer (bf16/fp16: the step wrote the rounded parameters over the gradient), else master."""
+        return self.bufs[index] if self.low else self.master
+
+    def parts(self) -> dict[str, int]:
+        """Bytes by component (the names of :mod:`offload.memory`)."""
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        return {"master": size(self.master), "exp_avg": size(self.exp_avg), "exp_avg_sq": size(self.exp_avg_sq),
+                self.role: sum(size(b) for b in self.bufs)}
 
     def nbytes(self) -> int:
-        bufs = [self.master, self.exp_avg, self.exp_avg_sq, *self.staging, *self.acc]
-        if self.out is not None:
-            bufs.append(self.out)
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return sum(self.parts().values())
 
     # --- gradient accumulation ------------------------------------------------------------------
+    @staticmethod
     def accumulate(
-        self, acc_index: int, slot: int, *, alpha: float, first: bool, num_threads: int | None = None
+        acc: torch.Tensor, src: torch.Tensor, *, alpha: float, first: bool, num_threads: int | None = None
     ) -> None:
-        """``acc = alpha * staging`` (first step of a window) or ``acc += alpha * staging``: one pass of
-        the C++ extension (SIMD, OpenMP on ``num_threads``, the GIL released throughout), bitwise
-        equal to :func:`accumulate_torch`."""
+        """``acc = alpha * src`` (first step of a window) or ``acc += alpha * src`` on flat views of
+        equal numel: one pass of the C++ extension (SIMD, OpenMP on ``num_threads``, the GIL released
+        throughout), bitwise equal to :func:`accumulate_torch`."""
         with gil_released():
-            _accumulate()(self.acc[acc_index], self.staging[slot], alpha=alpha, first=first, num_threads=num_threads)
+            _accumulate()(acc, src, alpha=alpha, first=first, num_threads=num_threads)
 
     # --- the CPU optimizer ----------------------------------------------------------------------
     def adam(
@@ -147,7 +167,8 @@ class HostStore:
         chunk: int,
         only: Sequence[int] | None = None,
     ) -> Iterator[list[int]]:
-        """AdamW on the params (all, or the indices in ``only``) with gradient buffer ``grad``.
+        """AdamW on the params (all, or the indices in ``only``) with gradient buffer ``grad`` (one of
+        ``bufs``: bf16/fp16 parameters are written over it, see :meth:`result`).
 
         A generator: after every ``chunk`` elements (and at the end of each parameter) it yields the
         indices of the parameters fully updated since the last yield (maybe none), so a cooperative
@@ -157,15 +178,18 @@ class HostStore:
         boundaries: one C++ call per chunk, not per parameter (same numbers: the update is elementwise).
         """
         step_fn = _adam_step()
+        # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
+        out = self.low and grad.dtype == self.dtype
         b1, b2 = betas
         hyper = {"lr": lr, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay, "adamw": True,
                  "num_threads": num_threads}
 
         def run(lo: int, hi: int, step: int) -> None:
+            g = grad[lo:hi]
             with gil_released():
                 step_fn(
-                    self.master[lo:hi], grad[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step=step,
-                    param_out=None if self.out is None else self.out[lo:hi], **hyper,
+                    self.master[lo:hi], g, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step=step,
+                    param_out=g if out else None, **hyper,
                 )
 
         if only is None and len(set(self.steps)) == 1:
@@ -200,12 +224,12 @@ class HostStore:
 
     # --- persistence ----------------------------------------------------------------------------
     def state_dict(self, acc_index: int | None) -> dict[str, object]:
+        """``acc_index``: the buffer holding a partial window sum to keep (None: none)."""
         return {
             "master": self.master.clone(),
             "exp_avg": self.exp_avg.clone(),
             "exp_avg_sq": self.exp_avg_sq.clone(),
-            "out": None if self.out is None else self.out.clone(),
-            "acc": None if acc_index is None else self.acc[acc_index].clone(),
+            "acc": None if acc_index is None else self.bufs[acc_index].clone(),
             "acc_index": acc_index,
             "steps": list(self.steps),
             "numels": list(self.numels),
@@ -217,10 +241,13 @@ class HostStore:
         self.master.copy_(sd["master"])
         self.exp_avg.copy_(sd["exp_avg"])
         self.exp_avg_sq.copy_(sd["exp_avg_sq"])
-        if self.out is not None:
-            out = sd["out"]
-            self.out.copy_(out if out is not None else self.master)
         idx = sd["acc_index"]
         if idx is not None and sd["acc"] is not None:
-            self.acc[int(idx)].copy_(sd["acc"])
+            self.bufs[int(idx)].copy_(sd["acc"])
         self.steps = [int(s) for s in sd["steps"]]
+
+    def restore_result(self, index: int) -> None:
+        """Rebuild a CPU step's result in ``bufs[index]`` from the master (bf16/fp16): the step wrote
+        exactly the master rounded to nearest even, and nothing changes the master before it is used."""
+        if self.low:
+            self.bufs[index].copy_(self.master)

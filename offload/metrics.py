@@ -36,6 +36,9 @@ class StepMetrics:
     skipped: bool = False
     #: The fp16 loss scale this step's gradients were unscaled by (None without loss scaling).
     loss_scale: float | None = None
+    #: Host bytes the engine holds (page-locked on CUDA): fp32 master and moments, gradient
+    #: accumulators and transfer buffers (see offload.memory); fixed for the engine's life.
+    host_bytes: int = 0
 
     @property
     def stall_fraction(self) -> float:

@@ -9,9 +9,23 @@ import torch
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
+from offload.memory import EngineMemory
 from offload.timing import StepStats
 
 NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def add_parts(parts: list[dict[str, int]]) -> dict[str, int]:
+    """Component-wise sum of byte counts."""
+    out: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def to_cpu(obj: Any) -> Any:
@@ -58,6 +72,16 @@ class Mode:
     def buffer_bytes(self) -> int:
         """Device bytes of transfer buffers (not optimizer state)."""
         return 0
+
+    def memory(self) -> EngineMemory:
+        """The bytes this mode holds, measured from its tensors (components as in :mod:`offload.memory`)."""
+        raise NotImplementedError
+
+    def params(self) -> int:
+        return sum(p.numel() for _, p in self.named)
+
+    def before_zero_grad(self) -> None:
+        """The caller is about to zero the gradients in place: finish every read of them first."""
 
     def consolidated(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in self.named}

@@ -1,8 +1,9 @@
 """``offload`` mode: synchronous ZeRO-Offload style.
 
-Every step: all gradients go to the host (one D2H copy), the C++ CPU AdamW updates the fp32
-master parameters and moments (writing the bf16/fp16 copy in the same pass), the new values come
-back (one H2D copy) straight into the device parameters. The training thread waits for all of it,
+Every step: all gradients go to the host (one D2H copy into one buffer in the parameters' dtype),
+the C++ CPU AdamW updates the fp32 master parameters and moments, writing the new bf16/fp16 values
+over the gradient in the same pass (host: 12 + 2 bytes per bf16 parameter, see :mod:`offload.memory`),
+and they come back (one H2D copy) straight into the device parameters. The training thread waits for all of it,
 so the whole update is stall. The optimizer runs in the training thread on all the engine's cores
 (nothing else runs meanwhile). Device optimizer state: none. A skipped step (:mod:`offload.guard`)
 moves nothing: the host reads the step's verdict first (synchronous anyway).
@@ -18,7 +19,8 @@ from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
 from offload.host import HostStore
-from offload.mode_base import Mode, NamedParams
+from offload.memory import EngineMemory
+from offload.mode_base import Mode, NamedParams, add_parts
 from offload.timing import StepStats
 
 
@@ -36,7 +38,7 @@ class OffloadMode(Mode):
         super().__init__(named, cfg, ops)
         self.threads = threads
         self.groups = [
-            (HostStore([p for _, p in g], ops.host, staging_slots=1, accumulators=0), g)
+            (HostStore([p for _, p in g], ops.host, buffers=1, role="gradient"), g)
             for g in group_by_dtype(named)
         ]
 
@@ -49,7 +51,7 @@ class OffloadMode(Mode):
                 return
             for store, group in self.groups:
                 have = [i for i, (_, p) in enumerate(group) if p.grad is not None]
-                staging = store.staging[0]
+                staging = store.bufs[0]
                 pairs = [(store.flat(staging, i), group[i][1].grad) for i in have]
                 t = self.ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # grads in `have`
                 t.wait()
@@ -57,13 +59,16 @@ class OffloadMode(Mode):
                 stats.cpu_optimizer_seconds += store.adam_now(
                     staging, config=cfg, lr=lr, num_threads=self.threads, only=have
                 )
-                t = self.ops.h2d([(group[i][1].data, store.flat(store.result, i)) for i in have])
+                t = self.ops.h2d([(group[i][1].data, store.flat(store.result(0), i)) for i in have])
                 t.wait()
                 stats.bytes_h2d += t.nbytes
             stats.applied_cpu_update = True
 
     def state_bytes(self) -> int:
         return 0
+
+    def memory(self) -> EngineMemory:
+        return EngineMemory(self.name, self.params(), host=add_parts([store.parts() for store, _ in self.groups]))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -339,6 +339,28 @@ class SelectiveAdamW:
                     total += t.numel() * t.element_size()
         return total + sum(g.state_bytes() for g in self._groups)
 
+    def memory_parts(self) -> tuple[dict[str, int], int]:
+        """Device bytes by component (:mod:`offload.memory`'s names), and of the column scratch."""
+        self._build()
+
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        state = {"exp_avg": 0, "exp_avg_sq": 0, "master": 0, "step": 0, "columns": 0}
+        for e in self._full.values():
+            state["exp_avg"] += size(e.exp_avg)
+            state["exp_avg_sq"] += size(e.exp_avg_sq)
+            state["master"] += size(e.master)
+            state["step"] += size(e.step)
+        scratch = 0
+        for g in self._groups:
+            state["exp_avg"] += size(g.exp_avg)
+            state["exp_avg_sq"] += size(g.exp_avg_sq)
+            state["master"] += size(g.master)
+            state["columns"] += size(g.cols) + size(g.steps)
+            scratch += size(g.grad) + size(g.lp) + size(g.work)
+        return state, scratch
+
     # --- the update -----------------------------------------------------------------------------
     def _gate_for(self, gate: Gate | None) -> Gate:
         if gate is not None:

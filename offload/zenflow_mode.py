@@ -10,12 +10,17 @@ Windows. Steps are grouped into windows ``v = 1, 2, ...`` of ``update_interval``
 below); the selection ``S_v`` is fixed within a window. Every step, after global clipping:
 
 1. the device updates the selected columns (and the device-only params);
-2. the split params' whole gradients are copied to a pinned staging slot (double-buffered; async on
-   a side stream on CUDA) and the worker adds them into the window's fp32 accumulator
-   (``acc[v % 2]``; each step's gradient times ``1/update_interval``, so the accumulator holds the
-   window *mean*; for "auto" the sum is divided by the window length at the boundary).
+2. the worker adds the split params' whole gradients into the window's host accumulator
+   (``bufs[v % 2]``, in the parameters' dtype: summed in fp32, rounded once per step; each step's
+   gradient times ``1/update_interval``, so the accumulator holds the window *mean*; for "auto" the
+   sum is divided by the window length at the boundary). On CUDA the worker streams them off the
+   device through a two-slot page-locked ring of ``cpu_chunk_elements`` (D2H stream, after an event
+   recorded once the step's gradients are final); on a CPU device it reads them in place. Up to two
+   steps' gradients are in flight; the engine keeps them referenced until read, and
+   ``zero_grad(set_to_none=False)`` waits for those reads.
    With ``accumulate_on="device"`` the gradients are instead added into an fp32 accumulator on the
-   device, which is copied into ``acc[v % 2]`` (async, D2H stream) once, at the boundary.
+   device, which is copied, rounded to the parameters' dtype, into ``bufs[0]`` (async, D2H stream)
+   once, at the boundary.
 
 At the boundary ending window ``v`` the training thread:
 
@@ -31,14 +36,17 @@ c. reselects if due (``select_interval`` steps since the last selection; "auto":
    split weight batched with fixed shapes on the device. Columns that stay keep their device
    moments; new columns start at zero moments, step 0, their fp32 device master taken from the CPU
    master (one blocking read of the new columns for all bf16/fp16 weights together: the only host
-   sync of a reselection; none for fp32); the old columns' newest fp32 values and which of them were
-   dropped go to page-locked memory asynchronously, for (b);
+   sync of a reselection; none for fp32; gathered in transient host memory); the old columns' newest
+   fp32 values and which of them were dropped stay on the device until (b) copies them to the host;
 d. submits AdamW on the window's mean gradient to the worker: one CPU step per window, at the lr
    current at the boundary (default, gradient-accumulation semantics, as DeepSpeed's ZenFlow) or with
    ``scale_cpu_lr`` at the sum of the learning rates of the window's steps (the linear scaling rule;
    it converges worse, see ``EngineConfig.scale_cpu_lr``).
-   On CUDA the worker then prefetches the result into device landing buffers on the H2D stream, so
-   (a) at the next boundary is a device-to-device copy.
+   The CPU step writes the new bf16/fp16 parameters over the accumulator it read (fp32: the master
+   is the result). On CUDA the worker then prefetches the result into device landing buffers on the
+   H2D stream, so (a) at the next boundary is a device-to-device copy. Host bytes per split element:
+   12 + 2 accumulators (or 1 with device accumulation) in the parameters' dtype, see
+   :mod:`offload.memory`.
 
 So the unimportant weights are exactly one window stale: the update from window ``v``'s gradients
 reaches the model at the end of window ``v + 1``. With ``overlap_step=False`` the boundary instead
@@ -73,7 +81,8 @@ from offload.config import EngineConfig
 from offload.device import DeviceOps, Landing, Transfer
 from offload.guard import Gate, zero_if_bad_
 from offload.host import HostStore
-from offload.mode_base import Mode, NamedParams
+from offload.memory import EngineMemory
+from offload.mode_base import Mode, NamedParams, add_parts, nbytes
 from offload.offload_mode import group_by_dtype
 from offload.selection import num_selected, union
 from offload.selective_adamw import AdamWHyper, Dropped, SelectiveAdamW
@@ -90,27 +99,28 @@ class _Split:
     k: int
     landing: torch.Tensor | None  # device buffer the CPU result is prefetched into (CUDA)
     dacc: torch.Tensor | None  # fp32 device accumulator (accumulate_on="device")
-    staging: list[torch.Tensor]  # this param's (shaped) view of each of the store's staging slots
 
 
 @dataclass(slots=True)
 class _Staged:
-    """This step's gradients on their way to a staging slot (host accumulation)."""
+    """This step's gradients, for the worker to add into the window's accumulator (host accumulation):
+    per store its params' gradients (None: no gradient), final once ``ready`` has passed (CUDA)."""
 
     slot: int
-    transfers: list[tuple[HostStore, Transfer]]
+    grads: list[tuple[int, list[torch.Tensor | None]]]  # (store index, gradients)
+    ready: torch.cuda.Event | None
 
 
 @dataclass(slots=True)
 class _Stash:
-    """A reselection's old columns of one group, copied to page-locked memory (applied at the next
-    boundary: the dropped columns' values go into the CPU master)."""
+    """A reselection's old columns of one group, kept on the device until the next boundary copies the
+    dropped columns' values into the CPU master."""
 
     names: list[str]
     cols: torch.Tensor  # int64 [n, k]
     mask: torch.Tensor  # bool [n, k]: dropped
     values: torch.Tensor  # fp32 [n, rows, k]
-    transfer: Transfer
+    ready: torch.cuda.Event | None  # recorded once they were final (CUDA)
 
 
 @dataclass(slots=True)
@@ -119,6 +129,8 @@ class _Pending:
     #: The selection of the window this result was computed for (its columns are void in the result).
     sel: dict[str, torch.Tensor]
     h2d_bytes: int
+    #: The host buffer the CPU step read its gradient from and wrote its bf16/fp16 result into.
+    acc_index: int
 
 
 class ZenFlowMode(Mode):
@@ -144,21 +156,25 @@ class ZenFlowMode(Mode):
             else:
                 self.full_names.append(n)
         self.on_device = cfg.accumulate_on == "device"
-        slots = 2 if not self.on_device else (1 if cfg.full_warm_up_rounds else 0)
         self.splits: list[_Split] = []
         self.stores: list[HostStore] = []
+        #: per store, host accumulation on CUDA: the two page-locked slots gradients stream through
+        self.rings: list[list[torch.Tensor] | None] = []
         for group in group_by_dtype(split_named):
             # host accumulation fills window v+1's accumulator while the worker reads window v's
             accs = 1 if self.on_device else 2
-            store = HostStore([p for _, p in group], ops.host, staging_slots=slots, accumulators=accs)
+            store = HostStore([p for _, p in group], ops.host, buffers=accs, role="accumulators")
             self.stores.append(store)
+            ring = None
+            if not self.on_device and ops.is_cuda:
+                ring = [ops.host.empty(min(store.numel, cfg.cpu_chunk_elements), store.dtype) for _ in range(2)]
+            self.rings.append(ring)
             for i, (n, p) in enumerate(group):
                 like = p.detach()
                 landing = torch.empty_like(like) if ops.is_cuda else None
                 dacc = torch.zeros(like.shape, dtype=torch.float32, device=like.device) if self.on_device else None
                 k = num_selected(p.shape[1], cfg.topk_ratio)
-                staging = [store.shaped(buf, i) for buf in store.staging]
-                self.splits.append(_Split(n, p, store, i, k, landing, dacc, staging))
+                self.splits.append(_Split(n, p, store, i, k, landing, dacc))
         self.by_name = {s.name: s for s in self.splits}
         self.dev = self._new_device_optimizer()
         self.worker: Worker | None = None
@@ -183,8 +199,6 @@ class ZenFlowMode(Mode):
         # state) per name (cols, fp32 values)
         self.stash_groups: list[_Stash] = []
         self.stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stash_bufs: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._value_bufs: dict[tuple[str, ...], tuple[torch.Tensor, Transfer | None]] = {}
         self.low = any(s.param.dtype != torch.float32 for s in self.splits)
         self.slot = 0
         self.slot_futs: list[Future[Any] | None] = [None, None]
@@ -301,18 +315,14 @@ class ZenFlowMode(Mode):
             for names, cols in groups:
                 n, k = cols.shape
                 rows = self.by_name[names[0]].param.shape[0]
-                key = tuple(names)
-                buf, last = self._value_bufs.get(key) or (self.ops.host.empty(n * rows * k, torch.float32), None)
-                if last is not None:
-                    last.wait()  # the previous upload from this buffer has run
-                vals = buf.view(n, rows, k)
+                # transient, not page-locked: the upload returns once it has read the buffer
+                vals = self.ops.host.scratch(n * rows * k, torch.float32).view(n, rows, k)
                 for j, name in enumerate(names):
                     s = self.by_name[name]
                     master = s.store.shaped(s.store.master, s.index)
                     torch.index_select(master, 1, host[off + j * k : off + (j + 1) * k], out=vals[j])
                 off += n * k
                 dev_vals, t = self.ops.upload(vals)
-                self._value_bufs[key] = (buf, t)
                 stats.bytes_h2d += t.nbytes
                 out.append(dev_vals)
             return out
@@ -320,47 +330,118 @@ class ZenFlowMode(Mode):
         return values
 
     def _stage(self, stats: StepStats) -> _Staged:
-        """Start copying the split params' gradients off the device into the next staging slot."""
+        """Take this step's split gradients for the worker (read after ``ready``); at most two steps'
+        gradients are in flight, so this first waits for the accumulation of the step before last."""
         assert self.worker is not None
         slot = self.slot
         prev = self.slot_futs[slot]
         if prev is not None:
             with stats.blocked():
                 self.worker.wait(prev)
-        transfers = []
-        for store in self.stores:
-            pairs = []
+            self.slot_futs[slot] = None
+        grads: list[tuple[int, list[torch.Tensor | None]]] = []
+        for si, store in enumerate(self.stores):
+            gs: list[torch.Tensor | None] = [None] * len(store.numels)
             for s in self.splits:
-                if s.store is not store:
-                    continue
-                g = s.param.grad
-                if g is None:
-                    s.staging[slot].zero_()
-                else:
-                    pairs.append((s.staging[slot], g))
-            t = self.ops.d2h(pairs)
-            stats.bytes_d2h += t.nbytes
-            transfers.append((store, t))
+                if s.store is store and s.param.grad is not None:
+                    g = s.param.grad
+                    gs[s.index] = g
+                    stats.bytes_d2h += g.numel() * g.element_size()
+            grads.append((si, gs))
         self.slot ^= 1
-        return _Staged(slot, transfers)
+        return _Staged(slot, grads, self.ops.record())
 
     def _queue_accumulation(self, staged: _Staged, ok: bool) -> None:
         """Have the worker add the staged gradient into the window's accumulator (not if skipped)."""
         assert self.worker is not None
         if not ok:
-            self.slot_futs[staged.slot] = None  # the copy into the slot is ordered before the next one
             return
         ui = self.cfg.update_interval
         alpha = 1.0 / ui if isinstance(ui, int) else 1.0
-        transfers, slot = staged.transfers, staged.slot
+        grads, ready = staged.grads, staged.ready
 
         def accumulate(first: bool = self.win_len == 0, acc_i: int = self._acc_index()) -> None:
-            for store, t in transfers:
-                with gil_released():
-                    t.wait()
-                store.accumulate(acc_i, slot, alpha=alpha, first=first, num_threads=self.threads)
+            try:
+                for si, gs in grads:
+                    store, ring = self.stores[si], self.rings[si]
+                    if ring is None:
+                        self._accumulate_in_place(store, gs, acc_i, alpha, first)
+                    else:
+                        self._accumulate_through(store, gs, ring, ready, acc_i, alpha, first)
+            finally:
+                grads.clear()  # release the gradients now, not when the worker's next task replaces this one
 
-        self.slot_futs[slot] = self.worker.submit(accumulate, urgent=True)
+        self.slot_futs[staged.slot] = self.worker.submit(accumulate, urgent=True)
+
+    def _accumulate_in_place(
+        self, store: HostStore, grads: list[torch.Tensor | None], acc_i: int, alpha: float, first: bool
+    ) -> None:
+        """The device is the CPU: add each gradient into the accumulator where it lies."""
+        acc = store.bufs[acc_i]
+        for i, g in enumerate(grads):
+            dst = store.flat(acc, i)
+            if g is not None:
+                store.accumulate(dst, g.reshape(-1), alpha=alpha, first=first, num_threads=self.threads)
+            elif first:
+                dst.zero_()
+
+    def _accumulate_through(
+        self,
+        store: HostStore,
+        grads: list[torch.Tensor | None],
+        ring: list[torch.Tensor],
+        ready: torch.cuda.Event | None,
+        acc_i: int,
+        alpha: float,
+        first: bool,
+    ) -> None:
+        """CUDA: stream the gradients off the device in slot-sized chunks of the store's flat layout,
+        copying chunk ``c + 1`` into one slot while chunk ``c`` is added from the other."""
+        acc, size = store.bufs[acc_i], ring[0].numel()
+        chunks = [(lo, min(store.numel, lo + size)) for lo in range(0, store.numel, size)]
+
+        def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
+            """(param, start, end) in the param's flat index of the chunk's parts."""
+            out = []
+            for i, (off, n) in enumerate(zip(store.offsets, store.numels, strict=True)):
+                a, b = max(lo, off), min(hi, off + n)
+                if a < b:
+                    out.append((i, a - off, b - off))
+            return out
+
+        def issue(c: int) -> Transfer:
+            lo, hi = chunks[c]
+            slot = ring[c % 2]
+            pairs = []
+            for i, a, b in pieces(lo, hi):
+                g = grads[i]
+                if g is not None:
+                    base = store.offsets[i] + a - lo
+                    pairs.append((slot[base : base + b - a], g.reshape(-1)[a:b]))
+            return self.ops.d2h(pairs, ready=ready)
+
+        pending = issue(0)
+        for c, (lo, hi) in enumerate(chunks):
+            nxt = issue(c + 1) if c + 1 < len(chunks) else None
+            with gil_released():
+                pending.wait()
+            slot = ring[c % 2]
+            for i, a, b in pieces(lo, hi):
+                if grads[i] is None:  # nothing was copied there
+                    base = store.offsets[i] + a - lo
+                    slot[base : base + b - a].zero_()
+            store.accumulate(acc[lo:hi], slot[: hi - lo], alpha=alpha, first=first, num_threads=self.threads)
+            if nxt is not None:
+                pending = nxt
+
+    def before_zero_grad(self) -> None:
+        """The gradients are about to be zeroed in place: let the worker finish reading them."""
+        if self.worker is None:
+            return
+        for i, fut in enumerate(self.slot_futs):
+            if fut is not None:
+                self.worker.wait(fut)
+                self.slot_futs[i] = None
 
     def _accumulate_on_device(self, gate: Gate) -> None:
         ui = self.cfg.update_interval
@@ -398,14 +479,14 @@ class ZenFlowMode(Mode):
         # CPU master only gets that value from the stash after the result is computed).
         window_sel = self._current_selection()
         with stats.blocked():
-            self._apply_stash()
+            self._apply_stash(stats)
             if reselect and self._reselect_due():
                 self._reselect(stats)
         self._submit_window(lr, stats, window_sel)
         if sync:  # no staleness: this window's result goes in now (the training thread waits for it)
             self._collect(stats)
             with stats.blocked():
-                self._apply_stash()
+                self._apply_stash(stats)
         self.window += 1
         self.win_len = 0
         self.win_lr = 0.0
@@ -428,7 +509,7 @@ class ZenFlowMode(Mode):
                 if s.landing is not None:
                     p.copy_(s.landing)
                 else:
-                    src = s.store.shaped(s.store.result, s.index)
+                    src = s.store.shaped(s.store.result(pending.acc_index), s.index)
                     p.copy_(src)
                     stats.bytes_h2d += src.numel() * src.element_size()
                 for keep, vals in zip(keeps, saved, strict=True):
@@ -439,13 +520,15 @@ class ZenFlowMode(Mode):
         stats.applied_cpu_update = True
         self.pending = None
 
-    def _apply_stash(self) -> None:
-        """CPU master of columns dropped at the previous reselection := their last device values."""
+    def _apply_stash(self, stats: StepStats) -> None:
+        """CPU master of columns dropped at the previous reselection := their last device values
+        (copied off the device now, into transient host memory)."""
         for st in self.stash_groups:
-            st.transfer.wait()
+            cols, mask, values = self._stash_to_host(st)
+            stats.bytes_d2h += sum(t.numel() * t.element_size() for t in (cols, mask, values))
             for j, name in enumerate(st.names):
-                keep = st.mask[j]
-                self._write_master(name, st.cols[j][keep], st.values[j][:, keep])
+                keep = mask[j]
+                self._write_master(name, cols[j][keep], values[j][:, keep])
         for name, (cols, vals) in self.stash.items():
             self._write_master(name, cols, vals)
         self.stash_groups, self.stash = [], {}
@@ -453,8 +536,14 @@ class ZenFlowMode(Mode):
     def _write_master(self, name: str, cols: torch.Tensor, vals: torch.Tensor) -> None:
         s = self.by_name[name]
         s.store.shaped(s.store.master, s.index).index_copy_(1, cols, vals)
-        if s.store.out is not None:
-            s.store.shaped(s.store.out, s.index).index_copy_(1, cols, vals.to(s.store.dtype))
+
+    def _stash_to_host(self, st: _Stash) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.ops.host
+        out = (h.scratch(st.cols.numel(), torch.int64).view(st.cols.shape),
+               h.scratch(st.mask.numel(), torch.bool).view(st.mask.shape),
+               h.scratch(st.values.numel(), torch.float32).view(st.values.shape))
+        self.ops.d2h(list(zip(out, (st.cols, st.mask, st.values), strict=True)), ready=st.ready).wait()
+        return out
 
     def _reselect_due(self) -> bool:
         si = self.cfg.select_interval
@@ -472,20 +561,8 @@ class ZenFlowMode(Mode):
         self.epoch_flag = False
 
     def _stash_out(self, d: Dropped, stats: StepStats) -> None:
-        """Start copying a group's old columns, dropped mask and values to page-locked memory."""
-        key = tuple(d.names)
-        bufs = self._stash_bufs.get(key)
-        if bufs is None:  # the previous stash of this group was applied at this boundary already
-            h = self.ops.host
-            bufs = self._stash_bufs[key] = (
-                h.empty(d.cols.numel(), torch.int64).view(d.cols.shape),
-                h.empty(d.mask.numel(), torch.bool).view(d.mask.shape),
-                h.empty(d.values.numel(), torch.float32).view(d.values.shape),
-            )
-        cols, mask, values = bufs
-        t = self.ops.d2h([(cols, d.cols), (mask, d.mask), (values, d.values)])
-        stats.bytes_d2h += t.nbytes
-        self.stash_groups.append(_Stash(d.names, cols, mask, values, t))
+        """Keep a group's old columns, dropped mask and values on the device until the next boundary."""
+        self.stash_groups.append(_Stash(d.names, d.cols, d.mask, d.values, self.ops.record()))
 
     def _current_selection(self) -> dict[str, torch.Tensor]:
         sel = {}
@@ -517,7 +594,8 @@ class ZenFlowMode(Mode):
         acc_copies = []
         if self.on_device:  # the window's gradient leaves the device once, now
             for store in self.stores:
-                pairs = [(store.flat(store.acc[acc_i], s.index), s.dacc) for s in self.splits if s.store is store]
+                # rounded to the parameters' dtype on the way (on the device, in transient memory)
+                pairs = [(store.flat(store.bufs[acc_i], s.index), s.dacc) for s in self.splits if s.store is store]
                 t_acc = ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # on_device: dacc set
                 stats.bytes_d2h += t_acc.nbytes
                 acc_copies.append(t_acc)
@@ -532,7 +610,7 @@ class ZenFlowMode(Mode):
                     t_acc.wait()
             t = time.perf_counter()
             for store in self.stores:
-                acc = store.acc[acc_i]
+                acc = store.bufs[acc_i]
                 if scale is not None:
                     acc.mul_(scale)
                 for done in store.adam(
@@ -549,7 +627,7 @@ class ZenFlowMode(Mode):
                         for i in done:
                             landing = by_store[id(store)][i].landing
                             assert landing is not None
-                            pairs.append((landing, store.flat(store.result, i)))
+                            pairs.append((landing, store.flat(store.result(acc_i), i)))
                         last = ops.h2d(pairs, after=after if first_copy else None)
                         first_copy = False
                     busy += time.perf_counter() - t
@@ -561,7 +639,7 @@ class ZenFlowMode(Mode):
                     last.wait()
             return busy
 
-        self.pending = _Pending(self.worker.submit(run), sel, h2d_bytes)
+        self.pending = _Pending(self.worker.submit(run), sel, h2d_bytes, acc_i)
 
     # --- warm-up --------------------------------------------------------------------------------
     def _synchronous_update(self, stats: StepStats, lr: float) -> None:
@@ -573,7 +651,7 @@ class ZenFlowMode(Mode):
         with stats.blocked():
             for store in self.stores:
                 members = [s for s in self.splits if s.store is store and s.param.grad is not None]
-                staging = store.staging[0]
+                staging = store.bufs[0]  # no window is open during the warm-up
                 pairs = [(store.flat(staging, s.index), s.param.grad) for s in members]
                 t = self.ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # grads of `members`
                 stats.bytes_d2h += t.nbytes
@@ -582,11 +660,11 @@ class ZenFlowMode(Mode):
                 def run(store: HostStore = store, t: Any = t, only: list[int] = only) -> float:
                     with gil_released():
                         t.wait()
-                    return store.adam_now(store.staging[0], config=cfg, lr=lr, num_threads=self.threads,
+                    return store.adam_now(store.bufs[0], config=cfg, lr=lr, num_threads=self.threads,
                                           only=only)
 
                 stats.cpu_optimizer_seconds += float(self.worker.wait(self.worker.submit(run)))
-                h = self.ops.h2d([(s.param.data, store.flat(store.result, s.index)) for s in members])
+                h = self.ops.h2d([(s.param.data, store.flat(store.result(0), s.index)) for s in members])
                 h.wait()
                 stats.bytes_h2d += h.nbytes
         stats.applied_cpu_update = True
@@ -602,7 +680,7 @@ class ZenFlowMode(Mode):
         if self.pending is not None:
             self._collect(stats)
         with stats.blocked():
-            self._apply_stash()
+            self._apply_stash(stats)
 
     def selection(self) -> dict[str, torch.Tensor]:
         """Current selected columns of each split param (CPU tensors; empty before the first selection)."""
@@ -628,7 +706,7 @@ class ZenFlowMode(Mode):
             take = torch.ones(s.param.shape[1], dtype=torch.bool)
             take[keep] = False
             cols = take.nonzero().squeeze(1)
-            res = s.store.shaped(s.store.result, s.index)
+            res = s.store.shaped(s.store.result(pending.acc_index), s.index)
             out[s.name][:, cols] = res.index_select(1, cols).to(out[s.name].dtype)
         return out
 
@@ -643,6 +721,19 @@ class ZenFlowMode(Mode):
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
+
+    def memory(self) -> EngineMemory:
+        host = add_parts([st.parts() for st in self.stores])
+        if self.stores:
+            host["transfer"] = sum(nbytes(t) for ring in self.rings if ring is not None for t in ring)
+        state, scratch = self.dev.memory_parts()
+        buffers = {
+            "landing": sum(nbytes(s.landing) for s in self.splits),
+            "accumulator": sum(nbytes(s.dacc) for s in self.splits),
+            "stash": sum(nbytes(st.values) for st in self.stash_groups),
+            "column_scratch": scratch,
+        }
+        return EngineMemory(self.name, self.params(), host=host, device_state=state, device_buffers=buffers)
 
     # --- persistence ----------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -685,10 +776,10 @@ class ZenFlowMode(Mode):
     def _stash_by_name(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         out = {n: (c.clone(), v.clone()) for n, (c, v) in self.stash.items()}
         for st in self.stash_groups:
-            st.transfer.wait()
+            cols, mask, values = self._stash_to_host(st)
             for j, name in enumerate(st.names):
-                keep = st.mask[j]
-                out[name] = (st.cols[j][keep].clone(), st.values[j][:, keep].clone())
+                keep = mask[j]
+                out[name] = (cols[j][keep].clone(), values[j][:, keep].clone())
         return out
 
     @torch.no_grad()
@@ -721,12 +812,15 @@ class ZenFlowMode(Mode):
             fut.set_result(float(p["seconds"]))
             sel = {n: torch.as_tensor(c).to(self.ops.device) for n, c in p["sel"].items()}
             h2d_bytes = 0
+            acc_index = (self.window - 1) % (1 if self.on_device else 2)  # the window before the current one
+            for store in self.stores:
+                store.restore_result(acc_index)
             if self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
-                pairs = [(s.landing, s.store.flat(s.store.result, s.index)) for s in self.splits]
+                pairs = [(s.landing, s.store.flat(s.store.result(acc_index), s.index)) for s in self.splits]
                 t = self.ops.h2d(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # CUDA: landing set
                 t.wait()
                 h2d_bytes = t.nbytes
-            self.pending = _Pending(fut, sel, h2d_bytes)
+            self.pending = _Pending(fut, sel, h2d_bytes, acc_index)
 
     def close(self) -> None:
         if self.worker is not None:

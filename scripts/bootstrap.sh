@@ -44,3 +44,13 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] \
   nginx_install || { apt-get update -q >/dev/null 2>&1 && nginx_install; } \
     || echo "bootstrap: could not install nginx (apt-get); tests/api/test_proxy.py will skip" >&2
 fi
+# Chromium from Debian for tests/console (Playwright drives /usr/bin/chromium; `playwright install` is
+# never run), with fonts-liberation so its screenshots have legible text: installed only when missing,
+# only as root with apt-get; without it those tests skip locally and fail in CI.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends chromium fonts-liberation >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 \
+         && apt-get install -y -q --no-install-recommends chromium fonts-liberation >/dev/null 2>&1; } \
+    || echo "bootstrap: could not install chromium (apt-get); tests/console will skip" >&2
+fi

@@ -67,9 +67,11 @@ def set_status(
     *,
     message: str | None = None,
     error: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
 ) -> None:
-    """Move a job to ``status`` and record an event; terminal states stamp finished_at, queued clears
-    dispatched_at (the new wait needs a message), leaving running ends the job's run (store.runs)."""
+    """Move a job to ``status`` and record an event (its data: ``status`` and ``data``); terminal states
+    stamp finished_at, queued clears dispatched_at (the new wait needs a message), leaving running ends
+    the job's run (store.runs)."""
     if job.status == JobStatus.running.value:
         end_runs(session, job.id)
     job.status = status.value
@@ -82,7 +84,7 @@ def set_status(
     if error is not None:
         job.error = error
     level = "error" if status is JobStatus.failed else "info"
-    add_event(session, job.id, message or f"Job {status.value}", level=level, data={"status": status.value})
+    add_event(session, job.id, message or f"Job {status.value}", level=level, data={**(data or {}), "status": status.value})
 
 
 def lock_job(session: Session, job_id: str) -> FineTuningJob | None:
@@ -267,11 +269,12 @@ def requeue(session: Session, job: FineTuningJob, why: str) -> str:
 
 
 def fail(session: Session, job: FineTuningJob, code: str, message: str, *, param: str | None = None,
-         event: str | None = None) -> None:
+         event: str | None = None, data: dict[str, Any] | None = None) -> None:
     """Fail a job with the error object ``{code, message, param}``; ``event`` (default "Job failed:
-    <message>") is what its event says."""
+    <message>") is what its event says, ``data`` (e.g. the error's type, a data file's line errors) what
+    that event carries: a failure has this one error event."""
     set_status(session, job, JobStatus.failed, message=event or f"Job failed: {message}",
-               error=job_error(code, message, param))
+               error=job_error(code, message, param), data=data)
 
 
 def succeed(session: Session, job: FineTuningJob, message: str) -> None:

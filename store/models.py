@@ -258,3 +258,55 @@ class JobRun(Base):
     ended_at: Mapped[datetime | None] = mapped_column(default=None)
     #: gpus x (ended_at - started_at), set when the run ends.
     gpu_seconds: Mapped[float | None] = mapped_column(Float)
+
+
+class ModelKind(enum.StrEnum):
+    fine_tuned = "fine-tuned"
+    checkpoint = "checkpoint"
+
+
+class RegisteredModel(Base):
+    """A team's fine-tuned model or checkpoint by its ``ft:`` id, mapped to its files (store.model_registry).
+
+    Registered where the job's result and checkpoints are recorded; ``deleted_at`` once the team deletes it
+    (``DELETE /v1/models/{id}``, its files removed) or its files are pruned. The tar checksums are filled in
+    by the first download and cleared whenever the row is pointed at other files.
+    """
+
+    __tablename__ = "models"
+    __table_args__ = (Index("ix_models_team_created", "team_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[str] = mapped_column(ForeignKey("fine_tuning_jobs.id", ondelete="CASCADE"), index=True)
+    #: The checkpoint's training step (None for a job's final model).
+    step_number: Mapped[int | None] = mapped_column(Integer)
+    #: Short name of the base model (built-in name or model-root folder) the job started from.
+    base_model: Mapped[str] = mapped_column(String(512))
+    #: The folder with config, tokenizer and merged safetensors (from_pretrained).
+    path: Mapped[str] = mapped_column(Text)
+    #: LoRA runs: the peft adapter folder.
+    adapter_path: Mapped[str | None] = mapped_column(Text)
+    #: SHA-256 of the download tars (model, adapter), cached by the first download.
+    content_sha256: Mapped[str | None] = mapped_column(String(64))
+    adapter_sha256: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class Worker(Base):
+    """A worker process of the service and what it can run (store.workers): registered at its start
+    with the capacity it measured, its heartbeat refreshed while it runs; the API admits a job only
+    when its plan fits a live worker of the job's queue."""
+
+    __tablename__ = "workers"
+
+    #: The worker's Celery node name (``gpu0@host``), what a running job records in ``worker_hostname``.
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    #: The queues it consumes.
+    queues: Mapped[list[str]] = mapped_column(JSON, default=list)
+    #: What it measured at start (trainer.worker.capacity.WorkerCapacity fields).
+    capacity: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)

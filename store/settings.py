@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -22,6 +25,9 @@ class Settings(BaseSettings):
     files_dir: Path | None = None
     #: Where job outputs and checkpoints go (default data_dir/jobs).
     jobs_dir: Path | None = None
+    #: Folders of base models a job may name (``ZENFLOW_MODEL_ROOTS``: paths separated by ``:``, or a JSON
+    #: list); a model is named by its folder relative to a root, e.g. ``Qwen/Qwen2.5-0.5B`` (store.model_registry).
+    model_roots: Annotated[list[Path], NoDecode] = []
 
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     #: A job whose worker died is re-queued and resumed at most this many times in all.
@@ -55,7 +61,7 @@ class Settings(BaseSettings):
     #: ... and fails after this many re-queues in a row without a new checkpoint in between.
     disk_full_max_requeues: int = Field(5, ge=0)
 
-    # --- bounds of one job, checked at create (trainer.spec.JobLimits; 400 naming the field) ---
+    # --- bounds of one job, checked at create (trainer.limits.JobLimits; 400 naming the field) ---
     max_n_epochs: int = Field(10_000, ge=1, le=2**31 - 1)
     max_batch_size: int = Field(4096, ge=1, le=2**31 - 1)
     #: Shortest max_seq_length a job may give (shorter cannot hold a chat template and one exchange).
@@ -79,6 +85,31 @@ class Settings(BaseSettings):
     #: A worker whose message finds only jobs of teams at their max_running_jobs waiting re-checks for
     #: this long (once a second) before it hands the message back to the queue.
     quota_hold_seconds: float = Field(30.0, ge=0)
+    # --- workers and admission (store.workers, api.admission) ---
+    #: A registered worker counts for admission while its heartbeat (refreshed every
+    #: heartbeat_interval_seconds) is at most this old.
+    worker_live_seconds: float = Field(60.0, gt=0)
+    #: The capacity a job is planned against while no live worker of its queue is registered: a
+    #: typical single-GPU box for 7B-class fine-tuning, one H100 80GB with 192 GiB of RAM and 24 cores.
+    #: ``default_worker_gpu`` names a GPU of trainer.gpus' table ("" plans a CPU-only box); None takes
+    #: the table's figure (GPU memory; PCIe: 50 GB/s for gen 5) or trainer.gpus' per-core estimate
+    #: (CPU AdamW: 2.5 GB/s per core, at most 60).
+    default_worker_gpu: str = "h100"
+    default_worker_gpu_memory_bytes: int | None = Field(None, ge=0)
+    default_worker_host_memory_bytes: int = Field(192 * 1024**3, gt=0)
+    default_worker_cores: int = Field(24, ge=1)
+    default_worker_cpu_adam_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
+    default_worker_pcie_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
+    #: RLIMIT_MEMLOCK of the default box; None: unlimited.
+    default_worker_locked_memory_bytes: int | None = Field(None, ge=0)
+
+    @field_validator("model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip()
+            return json.loads(v) if v.startswith("[") else [p for p in v.split(os.pathsep) if p]
+        return v
 
     @property
     def resolved_database_url(self) -> str:

@@ -321,21 +321,22 @@ def test_device_accumulation_matches_host_accumulation():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_host_accumulation_matches_fp32_sum(dtype):
+def test_host_accumulation_is_the_fp32_sum_rounded_once_per_step(dtype):
+    """The window accumulator is in the parameters' dtype (offload.memory): each step adds in fp32 and
+    rounds once, so fp32 parameters get the fp32 sum exactly."""
     import offload.host as host
     from offload.device import HostAllocator
 
     params = [torch.zeros(5, 4, dtype=dtype), torch.zeros(3, dtype=dtype)]
-    store = host.HostStore(params, HostAllocator(pin=False), staging_slots=1, accumulators=1)
+    store = host.HostStore(params, HostAllocator(pin=False), buffers=1, role="accumulators")
+    assert store.bufs[0].dtype == dtype
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(store.numel, generator=gen).to(dtype) for _ in range(3)]
+    ref = torch.zeros(store.numel)
     for i, g in enumerate(grads):
-        store.staging[0].copy_(g)
-        store.accumulate(0, 0, alpha=1 / 3, first=i == 0)
-    ref = grads[0].float() * (1 / 3)
-    for g in grads[1:]:
-        ref.add_(g.float(), alpha=1 / 3)
-    assert torch.equal(store.acc[0], ref)
+        store.accumulate(store.bufs[0], g, alpha=1 / 3, first=i == 0)
+        ref = (g.float() * (1 / 3) if i == 0 else ref.add(g.float(), alpha=1 / 3)).to(dtype).float()
+    assert torch.equal(store.bufs[0].float(), ref)
 
 
 # --- consistency invariants ---------------------------------------------------------------------------

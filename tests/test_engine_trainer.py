@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import trainer.loop as loop
+import trainer.step
 from offload.metrics import StepMetrics
 from trainer.events import Event, LogEvent, StepEvent
 from trainer.spec import JobSpec
@@ -46,7 +47,7 @@ def _spec(out: Path, n: int = 32) -> JobSpec:
 
 
 def _poison_calls(monkeypatch: pytest.MonkeyPatch, bad: set[int]) -> None:
-    real = loop.loss_sum
+    real = trainer.step.loss_sum
     calls = {"n": 0}
 
     def loss_sum(model: Any, batch: Any) -> Any:
@@ -54,7 +55,7 @@ def _poison_calls(monkeypatch: pytest.MonkeyPatch, bad: set[int]) -> None:
         calls["n"] += 1
         return (_InfGrad.apply(ls) if calls["n"] in bad else ls), count
 
-    monkeypatch.setattr(loop, "loss_sum", loss_sum)
+    monkeypatch.setattr(trainer.step, "loss_sum", loss_sum)
 
 
 def test_a_skipped_step_warns_and_the_run_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """Bounds of a job's inputs without services: the engine's fields (offload.config), the hard bounds of
 the spec, and the service's configurable limits with the checks of values that would only fail once
-the job runs (trainer.spec.limit_errors: totals, learning rate, LoRA target modules)."""
+the job runs (trainer.limits.limit_errors: totals, learning rate, LoRA target modules)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from offload.config import EngineConfig
-from trainer.spec import MAX_COUNT, Hyperparameters, JobLimits, limit_errors, spec_from_job
+from trainer.limits import JobLimits, limit_errors
+from trainer.spec import MAX_COUNT, Hyperparameters, spec_from_job
 
 
 def _locs(exc: ValidationError) -> set[tuple[Any, ...]]:
@@ -102,7 +103,7 @@ TIGHT = JobLimits(max_n_epochs=50, max_batch_size=64, max_seq_length=1024, max_t
         ({"learning_rate": 1e300}, 8, ("hyperparameters", "learning_rate"), "at most 0.5"),
         ({"learning_rate_multiplier": 1e300}, 8, ("hyperparameters", "learning_rate_multiplier"), "x multiplier"),
         ({"learning_rate_multiplier": 200}, 8, ("hyperparameters", "learning_rate_multiplier"), "= 0.6"),
-        ({"lora": {"r": 17}}, 8, ("lora", "r"), "at most 16"),
+        ({"lora": {"r": 17}}, 8, ("hyperparameters", "lora", "r"), "at most 16"),
         # Known only once the data is counted: 40 epochs x 8 steps of one example.
         ({"n_epochs": 40, "batch_size": 1}, 8, ("hyperparameters", "n_epochs"), "320 training steps"),
         ({"n_epochs": 40, "batch_size": 1, "max_steps": 250}, 8, ("hyperparameters", "max_steps"), "at most 200"),
@@ -143,7 +144,7 @@ def test_lora_target_modules_are_matched_against_the_model(tmp_path: Path) -> No
     good = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert limit_errors(_spec(str(tmp_path), lora={"target_modules": good}), JobLimits(), num_examples=8) == []
     errors = limit_errors(_spec(str(tmp_path), lora={"target_modules": ["q_proj", "query", "mlp"]}), JobLimits())
-    assert [e.loc for e in errors] == [("lora", "target_modules")]
+    assert [e.loc for e in errors] == [("hyperparameters", "lora", "target_modules")]
     assert "'query' matches no module" in errors[0].message and "q_proj" in errors[0].message
     assert "'mlp' matches LlamaMLP modules, which LoRA cannot adapt" in errors[0].message
     # Over this model's own maximum sequence length (256), under the server's.
@@ -154,4 +155,4 @@ def test_lora_target_modules_are_matched_against_the_model(tmp_path: Path) -> No
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
     errors = limit_errors(_spec(str(broken), lora={"target_modules": ["q_proj"]}), JobLimits())
-    assert [e.loc for e in errors] == [("lora", "target_modules")] and "cannot build the model" in errors[0].message
+    assert [e.loc for e in errors] == [("hyperparameters", "lora", "target_modules")] and "cannot build the model" in errors[0].message

@@ -49,5 +49,34 @@ def test_cli_in_process_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     data = tmp_path / "empty.jsonl"
     data.write_text("")
     (tmp_path / "e.yaml").write_text(f"model: tiny-llama\ntraining_file: {data}\n")
-    assert main(["train", str(tmp_path / "e.yaml"), "--output-dir", str(tmp_path / "e")]) == 1
+    assert main(["train", str(tmp_path / "e.yaml"), "--output-dir", str(tmp_path / "e")]) == 2  # bad data
     assert "empty file: no examples" in capsys.readouterr().err
+
+
+
+def test_exit_codes_bad_input_2_internal_error_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad input (a model folder without a tokenizer, max_seq_length over GPT-2's n_positions) exits 2
+    with the API's message and no traceback; weights that pass the header check but do not load are an
+    internal error: exit 1 with the traceback."""
+    from tests.model_folders import write_model_folder
+
+    def train(model: Path, **hp: object) -> tuple[int, str]:
+        p = tmp_path / f"{model.name}.yaml"
+        p.write_text(json.dumps({"model": str(model), "training_file": str(TRAIN_FILE), "device": "cpu",
+                                 "hyperparameters": {"max_steps": 1, "batch_size": 2, **hp}}))
+        rc = main(["train", str(p), "--output-dir", str(tmp_path / model.name), "--no-resume"])
+        return rc, capsys.readouterr().err
+
+    no_tok = write_model_folder(tmp_path / "no-tok", "llama", tokenizer=False)
+    rc, err = train(no_tok)
+    assert rc == 2 and "Traceback" not in err and f"invalid model: model folder {no_tok}: no tokenizer" in err, err
+
+    gpt2 = write_model_folder(tmp_path / "gpt2", "gpt2", max_position_embeddings=64)
+    rc, err = train(gpt2, max_seq_length=128)
+    assert rc == 2 and "Traceback" not in err, err
+    assert "hyperparameters.max_seq_length: must be at most 64, the model's maximum sequence length" in err
+
+    garbage = write_model_folder(tmp_path / "garbage", "llama", weights=False)
+    (garbage / "pytorch_model.bin").write_bytes(b"not a torch checkpoint")
+    rc, err = train(garbage)
+    assert rc == 1 and "Traceback" in err and "zenflow train: internal error" in err, err

@@ -53,7 +53,8 @@ class Recorder:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobSpec, TrainResult, Recorder]:
     out = tmp_path_factory.mktemp("full")
-    spec = make_spec(out)  # engine mode: the default, zenflow
+    # zenflow named: the default engine mode, auto, runs tiny-llama on a CPU in device mode (tests/test_plan.py)
+    spec = make_spec(out, engine={"mode": "zenflow"})
     rec = Recorder()
     return spec, run_training(spec, on_event=rec), rec
 
@@ -122,14 +123,18 @@ def _weights(result: TrainResult) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "engine, lora",
-    [({"mode": "device"}, None), ({"mode": "zenflow", "update_interval": 4}, None),
-     ({"mode": "device"}, {"r": 4, "dropout": 0.1})],
-    ids=["device", "zenflow", "lora-dropout"],
+    "engine, lora, runtime",
+    [({"mode": "device"}, None, {}), ({"mode": "zenflow", "update_interval": 4}, None, {}),
+     ({"mode": "device"}, {"r": 4, "dropout": 0.1}, {}),
+     ({"mode": "zenflow", "update_interval": 2, "full_warm_up_rounds": 0}, {"r": 4, "dropout": 0.1},
+      {"micro_batch_size": 1, "packing": True, "gradient_checkpointing": True, "max_seq_length": 16})],
+    ids=["device", "zenflow", "lora-dropout", "micro-packed-checkpointed"],  # the last: 2 rows of 2 examples per step
 )
-def test_resume_gives_identical_weights(tmp_path: Path, engine: dict[str, Any], lora: dict[str, Any] | None) -> None:
+def test_resume_gives_identical_weights(
+    tmp_path: Path, engine: dict[str, Any], lora: dict[str, Any] | None, runtime: dict[str, Any]
+) -> None:
     data = arithmetic_file(tmp_path / "sums.jsonl")
-    hp = {"n_epochs": 2, "batch_size": 4, "checkpoint_every": 3, "max_seq_length": 32, "learning_rate": 1e-2}
+    hp = {"n_epochs": 2, "batch_size": 4, "checkpoint_every": 3, "max_seq_length": 32, "learning_rate": 1e-2, **runtime}
     extra = {"engine": engine, "lora": lora}
     full = run_training(make_spec(tmp_path / "a", data, None, hyperparameters=hp, **extra))
     assert full.steps == 12

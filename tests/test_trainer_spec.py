@@ -69,7 +69,8 @@ def test_engine_settings() -> None:
     spec = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"mode": "offload", "topk_ratio": 0.2})
     cfg = spec.engine.engine_config(0.5)
     assert cfg.mode == "offload" and cfg.lr == 0.5 and cfg.topk_ratio == 0.2
-    assert JobSpec(model="tiny-llama", training_file="t.jsonl").engine.mode == "zenflow"
+    default = JobSpec(model="tiny-llama", training_file="t.jsonl").engine
+    assert default.mode == "auto" and default.engine_config(0.5, mode="device").mode == "device"
     for bad, loc in [
         ({"lr": 1e-3}, ("engine", "lr")),
         ({"mode": "gpu"}, ("engine", "mode")),

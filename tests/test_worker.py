@@ -23,7 +23,16 @@ import pytest
 from sqlalchemy import func, select
 
 from store.db import session_scope
-from store.models import File, FineTuningJob, JobCheckpoint, JobEvent, JobStepMetric, Team, utcnow
+from store.models import (
+    File,
+    FineTuningJob,
+    JobCheckpoint,
+    JobEvent,
+    JobStepMetric,
+    RegisteredModel,
+    Team,
+    utcnow,
+)
 from store.settings import Settings
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -64,6 +73,14 @@ def get_job(url: str, job_id: str) -> FineTuningJob:
         assert job is not None
         s.expunge(job)
         return job
+
+
+def model_path(url: str, model_id: str) -> Path:
+    """The folder a fine-tuned model's ``ft:`` id names (store.model_registry)."""
+    with session_scope(url) as s:
+        row = s.get(RegisteredModel, model_id)
+        assert row is not None and row.deleted_at is None, model_id
+        return Path(row.path)
 
 
 def messages(url: str, job_id: str) -> list[str]:
@@ -179,8 +196,10 @@ def test_job_runner_reports_to_the_database(settings: Settings, tmp_path: Path) 
     assert job.status == "succeeded" and job.attempts == 1 and job.global_step == job.total_steps == 10
     assert job.resolved_hyperparameters["batch_size"] == 4 and job.trained_tokens  # type: ignore[index]
     assert job.output_dir == str(settings.resolved_jobs_dir / job_id)
-    assert job.fine_tuned_model == str(Path(job.output_dir) / "final")
-    AutoModelForCausalLM.from_pretrained(job.fine_tuned_model, local_files_only=True)
+    assert job.fine_tuned_model and job.fine_tuned_model.startswith("ft:tiny-llama:t-")
+    assert job.fine_tuned_model.endswith(f"::{job_id}")
+    assert model_path(url, job.fine_tuned_model) == Path(job.output_dir) / "final"
+    AutoModelForCausalLM.from_pretrained(model_path(url, job.fine_tuned_model), local_files_only=True)
     with session_scope(url) as s:
         metrics = s.scalars(select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)).all()
         ckpts = s.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job_id)
@@ -189,6 +208,12 @@ def test_job_runner_reports_to_the_database(settings: Settings, tmp_path: Path) 
         # keep_checkpoints=3: the step-4 checkpoint was pruned along with its row.
         assert [c.step_number for c in ckpts] == [8, 10] or [c.step_number for c in ckpts] == [4, 8, 10]
         assert ckpts[-1].path == job.last_checkpoint_path and "train_loss" in ckpts[-1].metrics
+        # each checkpoint row's id is a live model of the team; a pruned one's id is gone with its files
+        live = {m.id: m.path for m in s.scalars(select(RegisteredModel).where(
+            RegisteredModel.job_id == job_id, RegisteredModel.deleted_at.is_(None)))}
+        assert live == {job.fine_tuned_model: str(Path(job.output_dir) / "final"),
+                        **{c.fine_tuned_model_checkpoint: c.path for c in ckpts}}
+        assert all(c.fine_tuned_model_checkpoint == f"{job.fine_tuned_model}:ckpt-step-{c.step_number}" for c in ckpts)
     msgs = messages(url, job_id)
     assert any(m.startswith("Validated training file: 40 examples") for m in msgs)
     assert "Step 10/10: training loss=" in " ".join(msgs) and msgs[-1].startswith("Job succeeded")
@@ -305,7 +330,7 @@ def test_worker_runs_a_job_through_redis(workers: Workers, tmp_path: Path) -> No
     assert job.attempts == 1 and job.worker_hostname == "w1@test" and job.global_step == 6
     with session_scope(url) as s:
         assert s.scalar(select(func.count()).select_from(JobCheckpoint).where(JobCheckpoint.job_id == job_id)) == 2
-    AutoModelForCausalLM.from_pretrained(str(job.fine_tuned_model), local_files_only=True)
+    AutoModelForCausalLM.from_pretrained(model_path(url, str(job.fine_tuned_model)), local_files_only=True)
     assert "Attempt 1/3 started on w1@test" in messages(url, job_id)
 
 
@@ -390,7 +415,7 @@ def test_embedded_worker_on_sqlite_defaults(tmp_path: Path, monkeypatch: pytest.
         wait_for(lambda: get_job(url, job_id).status in ("succeeded", "failed"), 240, "the job to finish")
         job = get_job(url, job_id)
         assert job.status == "succeeded" and job.worker_hostname == "embedded@test", job.error
-        assert Path(job.fine_tuned_model or "").is_dir() and worker.is_alive()
+        assert model_path(url, str(job.fine_tuned_model)).is_dir() and worker.is_alive()
     finally:
         worker.stop()
         configure_celery()

@@ -1,15 +1,18 @@
-"""Batching and loss for the training run: each epoch's example order, right-padded batches, the
-summed next-token loss and the validation loss.
+"""Batching and loss for the training run: each epoch's example order, an optimizer step's examples cut
+into micro-batches (right-padded, or packed by :mod:`trainer.packing`), the summed next-token loss and
+the validation loss.
 
 Importing this module does not import torch (the functions do).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.data import IGNORE_INDEX, Example
+from trainer.packing import flatten_rows, pack_rows
 
 if TYPE_CHECKING:
     import torch
@@ -26,10 +29,29 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
 @dataclass
 class Batch:
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    #: None for packed rows: the model finds the examples from ``position_ids`` (trainer.packing).
+    attention_mask: torch.Tensor | None
     labels: torch.Tensor
     #: Non-padding tokens.
     num_tokens: int
+    #: Tokens the loss learns (labels not ignored after the next-token shift).
+    num_learned: int
+    #: Positions restarting per example (packed rows only).
+    position_ids: torch.Tensor | None = None
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    nb = device.type == "cuda"
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=nb)
+
+    ids, labels = batch.input_ids.to(device, non_blocking=nb), batch.labels.to(device, non_blocking=nb)
+    return Batch(ids, move(batch.attention_mask), labels, batch.num_tokens, batch.num_learned, move(batch.position_ids))
+
+
+def _learned(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def collate(examples: list[Example], pad_id: int, device: torch.device, multiple: int = 8) -> Batch:
@@ -46,18 +68,51 @@ def collate(examples: list[Example], pad_id: int, device: torch.device, multiple
         ids[i, :n] = torch.tensor(e.input_ids)
         labels[i, :n] = torch.tensor(e.labels)
         mask[i, :n] = 1
-    tokens = int(mask.sum())
-    nb = device.type == "cuda"
-    return Batch(
-        ids.to(device, non_blocking=nb), mask.to(device, non_blocking=nb), labels.to(device, non_blocking=nb), tokens
-    )
+    return _to_device(Batch(ids, mask, labels, int(mask.sum()), _learned(labels)), device)
+
+
+def collate_packed(rows: list[list[Example]], pad_id: int, device: torch.device) -> Batch:
+    """Rows of whole examples, padding-free within a row (see trainer.packing)."""
+    packed = flatten_rows(rows, pad_id)
+    tokens = sum(len(e.input_ids) for row in rows for e in row)
+    batch = Batch(packed.input_ids, None, packed.labels, tokens, _learned(packed.labels), packed.position_ids)
+    return _to_device(batch, device)
+
+
+def micro_batches(
+    examples: list[Example],
+    micro_batch_size: int,
+    *,
+    pad_id: int,
+    device: torch.device,
+    packing: bool = False,
+    max_seq_length: int = 0,
+) -> Iterator[Batch]:
+    """Cut examples (one optimizer step's, or a validation set) into micro-batches of
+    ``micro_batch_size`` sequences, each collated when it is reached.
+
+    Unpacked, a sequence is an example (sorted longest first, so similar lengths share the padding);
+    packed, it is a row of up to ``max_seq_length`` tokens holding whole examples.
+    """
+    if packing:
+        rows = pack_rows([len(e.input_ids) for e in examples], max_seq_length)
+        for k in range(0, len(rows), micro_batch_size):
+            yield collate_packed([[examples[i] for i in row] for row in rows[k : k + micro_batch_size]], pad_id, device)
+        return
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
+    for k in range(0, len(order), micro_batch_size):
+        yield collate([examples[i] for i in order[k : k + micro_batch_size]], pad_id, device)
 
 
 def loss_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token cross-entropies over learned tokens, their count): next-token prediction."""
+    """(sum of token cross-entropies over learned tokens, their count): next-token prediction.
+
+    ``use_cache=False``: no KV cache in training, and transformers detects packed rows only without one.
+    """
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    extra = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **extra).logits
     logits = logits[:, :-1].float()
     labels = batch.labels[:, 1:]
     total = F.cross_entropy(
@@ -66,17 +121,26 @@ def loss_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return total, (labels != IGNORE_INDEX).sum()
 
 
-def evaluate(model: Any, examples: list[Example], batch_size: int, pad_id: int, device: torch.device) -> tuple[float, int]:
-    """Mean token loss over ``examples`` (no grad, eval mode, no RNG use) and the learned-token count."""
+def evaluate(
+    model: Any,
+    examples: list[Example],
+    micro_batch_size: int,
+    *,
+    pad_id: int,
+    device: torch.device,
+    packing: bool = False,
+    max_seq_length: int = 0,
+) -> tuple[float, int]:
+    """Mean token loss over ``examples`` (no grad, eval mode, no RNG use) and the learned-token count,
+    in micro-batches like training (the same memory bound)."""
     import torch
 
     was_training = model.training
     model.eval()
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
     s, n = 0.0, 0
     with torch.no_grad():
-        for i in range(0, len(order), batch_size):
-            b = collate([examples[j] for j in order[i : i + batch_size]], pad_id, device)
+        for b in micro_batches(examples, micro_batch_size, pad_id=pad_id, device=device, packing=packing,
+                               max_seq_length=max_seq_length):
             ls, c = loss_sum(model, b)
             s += float(ls)
             n += int(c)

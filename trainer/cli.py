@@ -4,6 +4,11 @@
 into the ``zenflow`` entry point; the handler is ``args.func(args) -> int``); ``python -m trainer
 train SPEC.yaml`` runs it standalone. Ctrl-C once asks the loop to stop after the current step
 (checkpoint, resumable by running the same command again); twice aborts.
+
+Before training, the spec gets the API's model checks (trainer.model_check: config, weights, tokenizer;
+max_seq_length within the model's position limit). Exit codes: 0 done; 2 bad input (the spec, its
+model or its data: one message saying what, no traceback); 1 an internal error (with its traceback);
+130 stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,12 +18,12 @@ import json
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.events import (
     CheckpointSaved,
-    ErrorEvent,
     EvalEvent,
     Event,
     EventCallback,
@@ -27,6 +32,16 @@ from trainer.events import (
     StepEvent,
 )
 
+if TYPE_CHECKING:
+    from trainer.spec import JobSpec
+
+#: ``zenflow train``'s exit code for bad input: the spec, its model or its data (the message says what).
+EXIT_BAD_INPUT = 2
+#: ``zenflow train``'s exit code for an internal error (printed with its traceback).
+EXIT_INTERNAL_ERROR = 1
+#: Stopped by Ctrl-C (resumable by running the same command again).
+EXIT_INTERRUPTED = 130
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``train`` to ``subparsers`` (from ``ArgumentParser.add_subparsers()``)."""
@@ -34,6 +49,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "train",
         help="run one fine-tuning job locally (no server)",
         description="Run one fine-tuning job from a YAML spec (see trainer/samples/tiny-llama.yaml).",
+        epilog="exit codes: 0 done, 2 bad input (spec, model or data), 1 internal error, 130 interrupted",
     )
     p.add_argument("spec", type=Path, help="job spec (YAML)")
     p.add_argument("--output-dir", type=Path, default=None, help="override the spec's output_dir")
@@ -73,23 +89,60 @@ def _printer(as_json: bool, progress: bool) -> EventCallback:
                 write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}")
             case CheckpointSaved():
                 write(f"checkpoint saved: {ev.path}")
-            case ErrorEvent():
-                write(f"error: {ev.message}")
 
     return on_event
 
 
+def _bad_input(e: BaseException) -> str | None:
+    """The message for an error in what the user gave (spec, model, data), None for anything else."""
+    from trainer.data import DatasetValidationError
+    from trainer.loop import ResumeMismatchError
+    from trainer.model_check import ModelFolderError
+    from trainer.models import UnknownModelError
+
+    if isinstance(e, DatasetValidationError):
+        return "\n  ".join([f"invalid data in {e.path}:", *(str(err["message"]) for err in e.errors)])
+    if isinstance(e, ModelFolderError | UnknownModelError):
+        return f"invalid model: {e}"
+    if isinstance(e, ResumeMismatchError):
+        return str(e)
+    return None
+
+
+def _check_spec(spec: JobSpec) -> list[str]:
+    """What the API refuses at create that is about the model: its folder (config, weights, tokenizer)
+    and max_seq_length over its position limit. Raises ModelFolderError."""
+    from trainer.limits import model_limit_errors
+    from trainer.models import check_model
+
+    check_model(spec.model)
+    return [f"{'.'.join(e.loc)}: {e.message}" for e in model_limit_errors(spec)]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    """Exit codes: 0 done; 2 bad input (the spec, its model or its data; the message says what, no
+    traceback); 1 an internal error (with its traceback); 130 stopped by Ctrl-C (resumable)."""
+    import warnings
+
     from pydantic import ValidationError
 
-    from trainer.data import DatasetValidationError
     from trainer.spec import load_spec
 
+    def refuse(msg: str) -> int:
+        print(f"zenflow train: {msg}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
     try:
-        spec = load_spec(args.spec, output_dir=args.output_dir)
+        with warnings.catch_warnings(record=True) as caught:  # a deprecated spec key: said once, plainly
+            warnings.simplefilter("always", FutureWarning)
+            spec = load_spec(args.spec, output_dir=args.output_dir)
+        for w in caught:
+            print(f"zenflow train: warning: {w.message}", file=sys.stderr)
+        problems = _check_spec(spec)
     except (OSError, ValueError, ValidationError) as e:
-        print(f"zenflow train: invalid spec {args.spec}: {e}", file=sys.stderr)
-        return 2
+        return refuse(_bad_input(e) or f"invalid spec {args.spec}: {e}")
+    if problems:
+        return refuse(f"invalid spec {args.spec}: " + "; ".join(problems))
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     progress = progress and not args.json
     cancel = threading.Event()
@@ -106,21 +159,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         result = run_training(spec, on_event=_printer(args.json, progress), should_cancel=cancel.is_set,
                               resume=not args.no_resume, progress=progress)
-    except DatasetValidationError as e:
-        print(f"zenflow train: invalid data in {e.path}:", file=sys.stderr)
-        for err in e.errors:
-            print(f"  {err['message']}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("aborted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        msg = _bad_input(e)
+        if msg is not None:
+            return refuse(msg)
+        traceback.print_exc(file=sys.stderr)
+        print(f"zenflow train: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     if result.cancelled:
         print(f"stopped at step {result.steps}/{result.total_steps}; run the same command to resume "
               f"({result.last_checkpoint})", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     vl = f", validation loss {result.valid_loss:.4f}" if result.valid_loss is not None else ""
     tl = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"
     print(f"done: {result.steps} steps, training loss {tl}{vl}", file=sys.stderr)

@@ -11,7 +11,6 @@ causal-LM checkpoint (``config.json`` + weights + tokenizer files), loaded with
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from trainer.model_check import ModelFolder
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,15 @@ def resolve_model(name: str) -> BuiltinModel | Path:
     raise UnknownModelError(name)
 
 
+def check_model(name: str) -> ModelFolder | None:
+    """A local folder's check (config, weights, tokenizer: trainer.model_check.check_model_folder,
+    raising ModelFolderError with the cause); None for a built-in model."""
+    from trainer.model_check import check_model_folder
+
+    m = resolve_model(name)
+    return None if isinstance(m, BuiltinModel) else check_model_folder(m)
+
+
 def default_learning_rate(name: str, *, lora: bool) -> float:
     """Base learning rate used when the job says ``learning_rate: auto``."""
     m = resolve_model(name)
@@ -135,24 +145,31 @@ def default_engine_settings(name: str, given: dict[str, Any]) -> dict[str, Any]:
         if key in given:
             continue
         trial = {**merged, key: value}
+        # "auto" (engine mode, accumulate_on: the job's plan resolves it) is checked as the engine's default
+        explicit = {k: v for k, v in trial.items() if v != "auto" or k not in ("mode", "accumulate_on")}
         try:
-            EngineConfig.model_validate(trial)
+            EngineConfig.model_validate(explicit)
         except ValidationError:
             continue  # conflicts with what the job gave (or the job's own fields are invalid)
         merged = trial
     return merged
 
 
+def pretrained_placement(device: torch.device) -> dict[str, Any]:
+    """``from_pretrained`` options that put the weights on ``device`` shard by shard (CUDA); none on
+    the CPU, where from_pretrained already fills the meta-initialised model shard by shard."""
+    return {"device_map": {"": device}} if device.type == "cuda" else {}
+
+
 def model_max_length(name: str) -> int:
-    """Longest sequence the model supports (max_position_embeddings, else 2048)."""
+    """Longest sequence the model supports: a local folder's position limit under any architecture's
+    name for it (trainer.model_check.position_limit), else 2048."""
+    from trainer.model_check import folder_position_limit
+
     m = resolve_model(name)
     if isinstance(m, BuiltinModel):
         return int(m.config["max_position_embeddings"])
-    cfg = json.loads((m / "config.json").read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(cfg.get(key), int):
-            return int(cfg[key])
-    return 2048
+    return folder_position_limit(m) or 2048
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -162,13 +179,9 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     m = resolve_model(name)
     if isinstance(m, BuiltinModel):
         return build_byte_tokenizer(model_max_length=int(m.config["max_position_embeddings"]))
-    from transformers import AutoTokenizer
+    from trainer.model_check import load_folder_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(m), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UnknownModelError(name) from e
-    return ensure_chat_ready(tok)
+    return ensure_chat_ready(load_folder_tokenizer(m))  # ModelFolderError names what is wrong
 
 
 def builtin_config(name: str) -> Any:
@@ -190,15 +203,27 @@ def builtin_config(name: str) -> Any:
 
 
 def load_model(
-    name: str, *, dtype: torch.dtype, seed: int, tokenizer: PreTrainedTokenizerBase | None = None
+    name: str,
+    *,
+    dtype: torch.dtype,
+    seed: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    device: torch.device | str | None = None,
 ) -> PreTrainedModel:
-    """Build a built-in model from ``seed`` (deterministic) or load a local directory, on CPU.
+    """Build a built-in model from ``seed`` (deterministic) or load a local directory, on ``device``
+    (default: CPU).
 
-    With ``tokenizer`` given, the embeddings grow when the tokenizer has more tokens than the model.
+    A local directory is loaded straight onto a CUDA device (transformers' ``device_map``: the model is
+    made on the meta device and each safetensors shard is read and moved in turn), so the host never
+    holds a full copy: peak RSS is about one shard beyond the process. A built-in model (small) is made
+    on the CPU, so a seed gives the same weights on every device, then moved.
+    With ``tokenizer`` given, the embeddings grow when the tokenizer has more tokens than the model, and
+    the generation config stops on the tokenizer's stop tokens (trainer.tokenizer.stop_token_ids).
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+    target = torch.device("cpu" if device is None else device)
     m = resolve_model(name)
     model: PreTrainedModel
     if isinstance(m, BuiltinModel):
@@ -207,9 +232,27 @@ def load_model(
             model = LlamaForCausalLM(builtin_config(name))
         model.to(dtype)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(m), local_files_only=True, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(m), local_files_only=True, dtype=dtype, **pretrained_placement(target)
+        )
+    model.to(target)  # type: ignore[arg-type]  # no-op where the weights already are
+    if tokenizer is not None:
+        fit_to_tokenizer(model, tokenizer)
+    return model
+
+
+def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Grow the embeddings to the tokenizer's tokens and make generation stop on eos and the
+    end-of-turn marker; the number of rows added (tokens the tokenizer gained, e.g. an end-of-turn
+    marker; see trainer.tokenizer: a LoRA adapter must then carry the embeddings to be usable)."""
+    import torch
+
+    from trainer.tokenizer import align_generation_config
+
     vocab = model.get_input_embeddings().weight
     assert isinstance(vocab, torch.Tensor)
-    if tokenizer is not None and len(tokenizer) > vocab.shape[0]:
+    added = max(0, len(tokenizer) - vocab.shape[0])
+    if added:
         model.resize_token_embeddings(len(tokenizer))
-    return model
+    align_generation_config(model, tokenizer)
+    return added

@@ -16,24 +16,27 @@ Resolution rules for ``auto``:
 - ``max_seq_length``: the model's maximum, capped at 2048.
 - ``eval_every``: about 10 evaluations per run when there is a validation file, else disabled.
 - ``checkpoint_every``: about 5 checkpoints per run (and always one at the end).
+- ``micro_batch_size``, ``gradient_checkpointing``, ``packing``: :func:`trainer.runtime.resolve_runtime`.
 
 Bounds: every number is finite and bounded on construction (no count above ``MAX_COUNT``, the
-largest a job's step counters hold in the database). The service's configurable limits
-(:class:`JobLimits`: total steps, total tokens, sequence length, LoRA rank, ...) and the checks of
-values that would only fail once the job runs (learning rate, LoRA target modules, a sequence
-length too short for one example) are :func:`limit_errors`, run when a job is created.
+largest a job's step counters hold in the database). The service's configurable limits and the checks
+of values that would only fail once the job runs are :mod:`trainer.limits`, run when a job is created.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from offload.config import EngineConfig
+from offload.config import EngineConfig, EngineMode
+from trainer.chat_format import SystemMessage
+from trainer.data import Truncation
+from trainer.runtime import RUNTIME_FIELDS, ResolvedRuntime, RuntimeChoices, RuntimeRequest, resolve_runtime
 
 Auto = Literal["auto"]
 
@@ -43,16 +46,32 @@ MAX_COUNT = 2**31 - 1
 
 
 class EngineSettings(EngineConfig):
-    """EngineConfig fields a job may set: everything but ``lr`` (hyperparameters.learning_rate)."""
+    """EngineConfig fields a job may set: everything but ``lr`` (hyperparameters.learning_rate).
+
+    ``mode`` (default) and ``accumulate_on`` also take ``auto``, resolved by the job's plan
+    (:mod:`trainer.plan`): ``device`` when the optimizer state fits the device with room (LoRA, small
+    models), else ``zenflow``; the engine itself only knows explicit values.
+    """
+
+    mode: Literal["auto", "device", "offload", "zenflow"] = "auto"  # type: ignore[assignment]
+    accumulate_on: Literal["host", "device", "auto"] = "host"  # type: ignore[assignment]
 
     @field_validator("lr")
     @classmethod
     def _no_lr(cls, v: float) -> float:
         raise ValueError("set hyperparameters.learning_rate instead of engine.lr")
 
-    def engine_config(self, lr: float) -> EngineConfig:
-        """The offload.config.EngineConfig to build the engine with."""
-        return EngineConfig(**{**self.model_dump(exclude={"lr"}), "lr": lr})
+    def engine_config(
+        self, lr: float, *, mode: EngineMode | None = None, accumulate_on: Literal["host", "device"] | None = None
+    ) -> EngineConfig:
+        """The offload.config.EngineConfig to build the engine with; ``mode`` / ``accumulate_on``
+        resolve an ``auto`` (the plan's choice; without one ``auto`` is zenflow / host)."""
+        fields = self.model_dump(exclude={"lr"})
+        if self.mode == "auto":
+            fields["mode"] = mode or "zenflow"
+        if self.accumulate_on == "auto":
+            fields["accumulate_on"] = accumulate_on or "host"
+        return EngineConfig(**{**fields, "lr": lr})
 
 
 class LoraSpec(BaseModel):
@@ -85,7 +104,7 @@ class LoraSpec(BaseModel):
         return v
 
 
-class ResolvedHyperparameters(BaseModel):
+class ResolvedHyperparameters(ResolvedRuntime):
     """Concrete values a run uses; recorded in the job and the checkpoints."""
 
     model_config = ConfigDict(extra="forbid")
@@ -105,6 +124,11 @@ class ResolvedHyperparameters(BaseModel):
     num_examples: int
     steps_per_epoch: int
     total_steps: int
+    #: Data options (defaults for checkpoints made before they existed); see Hyperparameters.
+    truncation: Truncation = "truncate"
+    system_message: SystemMessage = "keep"
+    #: The LoRA adapter trained (None: full fine-tuning); part of the training signature.
+    lora: LoraSpec | None = None
 
     def lr_at(self, step: int) -> float:
         """Learning rate for the update with 0-based index ``step``: linear warm-up, then decay."""
@@ -123,10 +147,10 @@ class ResolvedHyperparameters(BaseModel):
 
     def training_signature(self) -> dict[str, Any]:
         """The fields a checkpoint must agree with to be resumed exactly."""
-        return self.model_dump(exclude={"eval_every", "checkpoint_every"})
+        return self.model_dump(exclude={"eval_every", "checkpoint_every", *RUNTIME_FIELDS})
 
 
-class Hyperparameters(BaseModel):
+class Hyperparameters(RuntimeRequest):
     """Requested hyperparameters (OpenAI names where they exist), each number or ``"auto"``."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -148,6 +172,14 @@ class Hyperparameters(BaseModel):
     #: A resumable checkpoint every N steps (and always at the end).
     checkpoint_every: int | Auto = "auto"
     seed: int = Field(0, ge=0, le=2**63 - 1)
+    #: Examples over max_seq_length: "truncate" to it (as OpenAI does; one left without a learned token
+    #: is dropped), "drop" them, or "error" (the job fails naming the lines). Counted in the job's events.
+    truncation: Truncation = "truncate"
+    #: System (and developer) messages: "keep" them for the chat template, or "fold" them into the start
+    #: of the next user message (for templates without a system role, e.g. Gemma-2's).
+    system_message: SystemMessage = "keep"
+    #: LoRA through peft (None: full fine-tuning); ``hyperparameters.lora`` in YAML specs and the API alike.
+    lora: LoraSpec | None = None
 
     @field_validator(
         "n_epochs", "batch_size", "max_seq_length", "max_steps", "eval_every", "checkpoint_every", "seed",
@@ -199,8 +231,10 @@ class Hyperparameters(BaseModel):
         base_learning_rate: float,
         model_max_length: int = 2048,
         has_validation: bool = False,
+        planned: RuntimeChoices | None = None,
     ) -> ResolvedHyperparameters:
-        """Concrete values for a training set of ``num_examples`` examples."""
+        """Concrete values for a training set of ``num_examples`` examples (``planned``: a plan's
+        runtime choices for the ``auto`` ones)."""
         if num_examples < 1:
             raise ValueError("num_examples must be >= 1")
         if self.n_epochs == "auto":
@@ -252,6 +286,10 @@ class Hyperparameters(BaseModel):
             num_examples=num_examples,
             steps_per_epoch=steps_per_epoch,
             total_steps=total,
+            truncation=self.truncation,
+            system_message=self.system_message,
+            lora=self.lora,
+            **resolve_runtime(self, batch_size, planned).model_dump(),
         )
 
 
@@ -269,7 +307,6 @@ class JobSpec(BaseModel):
     #: hyperparameters, so ``engine.lr`` is refused. Fields left unset take the model's defaults
     #: (built-in models carry measured ZenFlow settings), then EngineConfig's.
     engine: EngineSettings = Field(default_factory=EngineSettings)
-    lora: LoraSpec | None = None
     #: Where checkpoints and the final model go (required by run_training).
     output_dir: Path | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -277,6 +314,27 @@ class JobSpec(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     #: Resumable checkpoints kept on disk (older ones are deleted); None keeps all.
     keep_checkpoints: int | None = Field(3, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_alias(cls, raw: Any) -> Any:
+        """Top-level ``lora`` (the old place; :func:`load_spec` warns about it) moves to ``hyperparameters.lora``."""
+        if not isinstance(raw, dict) or "lora" not in raw:
+            return raw
+        raw = dict(raw)
+        lora, hp = raw.pop("lora"), raw.get("hyperparameters") or {}
+        if isinstance(hp, Hyperparameters):
+            hp = hp.model_dump(exclude_unset=True)
+        if not isinstance(hp, dict):
+            return raw  # the field's own validation reports it
+        if hp.get("lora") is not None and lora is not None:
+            raise ValueError("lora is given twice: keep hyperparameters.lora and remove the top-level lora")
+        return {**raw, "hyperparameters": {**hp, "lora": lora if lora is not None else hp.get("lora")}}
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        """``hyperparameters.lora``: the LoRA settings, None for full fine-tuning."""
+        return self.hyperparameters.lora
 
     @model_validator(mode="before")
     @classmethod
@@ -306,8 +364,8 @@ class JobSpec(BaseModel):
         resolve_model(v)  # UnknownModelError (a ValueError) naming it -> ValidationError at "model"
         return v
 
-    def resolve(self, num_examples: int) -> ResolvedHyperparameters:
-        """Resolve the hyperparameters with this model's defaults."""
+    def resolve(self, num_examples: int, planned: RuntimeChoices | None = None) -> ResolvedHyperparameters:
+        """Resolve the hyperparameters with this model's defaults (and a plan's runtime choices)."""
         from trainer.models import default_learning_rate, model_max_length
 
         return self.hyperparameters.resolve(
@@ -315,6 +373,7 @@ class JobSpec(BaseModel):
             base_learning_rate=default_learning_rate(self.model, lora=self.lora is not None),
             model_max_length=model_max_length(self.model),
             has_validation=self.validation_file is not None,
+            planned=planned,
         )
 
 
@@ -325,6 +384,9 @@ def load_spec(path: str | Path, *, output_dir: str | Path | None = None) -> JobS
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
+    if "lora" in raw:
+        warnings.warn(f"{path}: top-level 'lora' is deprecated; put it under 'hyperparameters:' as 'lora:' "
+                      "(the same place as in the API)", FutureWarning, stacklevel=2)
     base = path.parent
     for key in ("training_file", "validation_file"):
         if raw.get(key) is not None and not Path(raw[key]).expanduser().is_absolute():
@@ -351,13 +413,11 @@ def spec_from_job(
 ) -> JobSpec:
     """A JobSpec from a job row's values (fine_tuning_jobs columns + the files' storage paths).
 
-    ``hyperparameters`` is the job's requested dict; an optional ``"lora"`` key in it holds the LoRA
-    settings ({r, alpha, dropout, target_modules}, or null). ``seed`` (the job's column) wins over a
-    seed inside the dict. Raises pydantic.ValidationError (its ``loc`` names the field) or
+    ``hyperparameters`` is the job's requested dict (its ``"lora"`` key: {r, alpha, dropout,
+    target_modules}, or null). ``seed`` (the job's column) wins over a seed inside the dict. Raises pydantic.ValidationError (its ``loc`` names the field) or
     UnknownModelError.
     """
     hp = dict(hyperparameters or {})
-    lora = hp.pop("lora", None)
     if seed is not None:
         hp["seed"] = seed
     return JobSpec.model_validate(
@@ -367,116 +427,6 @@ def spec_from_job(
             "validation_file": str(validation_file) if validation_file else None,
             "hyperparameters": hp,
             "engine": dict(engine or {}),
-            "lora": lora,
             "output_dir": str(output_dir),
         }
     )
-
-
-# --- the service's limits, checked when a job is created ---------------------------------------------
-
-
-class JobLimits(BaseModel):
-    """Configurable maxima of one job (the service sets them from its settings; see :func:`limit_errors`)."""
-
-    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
-
-    max_n_epochs: int = Field(10_000, ge=1, le=MAX_COUNT)
-    max_batch_size: int = Field(4096, ge=1, le=MAX_COUNT)
-    #: Shortest max_seq_length: below it no chat template holds one prompt and its answer.
-    min_seq_length: int = Field(32, ge=2, le=MAX_COUNT)
-    max_seq_length: int = Field(32_768, ge=2, le=MAX_COUNT)
-    #: Training steps of one job, after its data is counted (n_epochs x steps per epoch, or max_steps).
-    max_total_steps: int = Field(1_000_000, ge=1, le=MAX_COUNT)
-    #: Token positions one job may process: total steps x batch size x max_seq_length.
-    max_total_tokens: int = Field(100_000_000_000, ge=1)
-    max_learning_rate: float = Field(1.0, gt=0)
-    max_lora_rank: int = Field(256, ge=1, le=65_536)
-
-
-class LimitError(NamedTuple):
-    """One refused value: where it is in the spec (``("hyperparameters", "n_epochs")``) and why."""
-
-    loc: tuple[str, ...]
-    message: str
-
-
-def _steps_loc(hp: Hyperparameters) -> tuple[str, ...]:
-    """The field to blame for too many steps: max_steps when given, else n_epochs."""
-    return ("hyperparameters", "max_steps" if hp.max_steps is not None else "n_epochs")
-
-
-def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None = None) -> list[LimitError]:
-    """What in ``spec`` is over ``limits`` or would only fail once the job runs; empty when it may run.
-
-    With ``num_examples`` (the training file's count) the totals are checked too: training steps,
-    token positions and the resolved learning rate (the model's base rate times the multiplier).
-    LoRA ``target_modules`` are matched against the model's modules (built on torch's meta device:
-    no weights are read; see trainer.lora.lora_target_problems).
-    """
-    from trainer.models import model_max_length
-
-    hp, errors = spec.hyperparameters, []
-
-    def check(field: str, value: object, maximum: float, what: str = "must be") -> None:
-        if isinstance(value, int | float) and value > maximum:
-            shown = f"{maximum:,}" if isinstance(maximum, int) else f"{maximum:g}"
-            errors.append(LimitError(("hyperparameters", field), f"{what} at most {shown} on this server"))
-
-    check("n_epochs", hp.n_epochs, limits.max_n_epochs)
-    check("batch_size", hp.batch_size, limits.max_batch_size)
-    for field in ("max_steps", "eval_every", "checkpoint_every"):
-        check(field, getattr(hp, field), limits.max_total_steps)
-    if isinstance(hp.warmup, int):
-        check("warmup", hp.warmup, limits.max_total_steps, "warm-up steps must be")
-    check("learning_rate", hp.learning_rate, limits.max_learning_rate)
-    model_max = model_max_length(spec.model)
-    if isinstance(hp.max_seq_length, int):
-        if hp.max_seq_length < limits.min_seq_length:
-            errors.append(LimitError(("hyperparameters", "max_seq_length"), (
-                f"must be at least {limits.min_seq_length}: a shorter sequence cannot hold one example's "
-                "prompt and answer with the chat template")))
-        elif hp.max_seq_length > limits.max_seq_length:
-            check("max_seq_length", hp.max_seq_length, limits.max_seq_length)
-        elif hp.max_seq_length > model_max:
-            errors.append(LimitError(("hyperparameters", "max_seq_length"),
-                                     f"must be at most {model_max}, the model's maximum sequence length"))
-    if spec.lora is not None:
-        if spec.lora.r > limits.max_lora_rank:
-            errors.append(LimitError(("lora", "r"), f"must be at most {limits.max_lora_rank} on this server"))
-        if isinstance(spec.lora.target_modules, list):
-            from trainer.lora import lora_target_problems
-
-            try:
-                problems = lora_target_problems(spec.model, spec.lora.target_modules)
-            except ValueError as exc:
-                problems = [str(exc)]
-            if problems:
-                errors.append(LimitError(("lora", "target_modules"), "; ".join(problems)))
-    if errors or num_examples is None:
-        return errors
-    try:
-        r = spec.resolve(num_examples)
-    except ValueError as exc:
-        return [LimitError(_steps_loc(hp), str(exc))]
-    if r.learning_rate > limits.max_learning_rate:
-        field = "learning_rate_multiplier" if hp.learning_rate_multiplier != "auto" else "learning_rate"
-        errors.append(LimitError(("hyperparameters", field), (
-            f"the learning rate ({r.base_learning_rate:g} x multiplier {r.learning_rate_multiplier:g} = "
-            f"{r.learning_rate:g}) must be at most {limits.max_learning_rate:g}")))
-    if r.max_seq_length > limits.max_seq_length:
-        errors.append(LimitError(("hyperparameters", "max_seq_length"), (
-            f"resolves to {r.max_seq_length}, over this server's {limits.max_seq_length}: give a smaller value")))
-    if r.total_steps > limits.max_total_steps:
-        errors.append(LimitError(_steps_loc(hp), (
-            f"{r.total_steps:,} training steps ({r.n_epochs} epochs x {r.steps_per_epoch} steps of batch size "
-            f"{r.batch_size} over {num_examples} examples) is over this server's limit of "
-            f"{limits.max_total_steps:,}: lower n_epochs or set max_steps")))
-    tokens = r.total_steps * r.batch_size * r.max_seq_length
-    if not errors and tokens > limits.max_total_tokens:
-        given = [f for f in ("max_seq_length", "batch_size", "max_steps") if getattr(hp, f) not in ("auto", None)]
-        field = given[0] if given else "n_epochs"
-        errors.append(LimitError(("hyperparameters", field), (
-            f"up to {tokens:,} token positions ({r.total_steps} steps x batch size {r.batch_size} x "
-            f"max_seq_length {r.max_seq_length}) is over this server's limit of {limits.max_total_tokens:,}")))
-    return errors

@@ -7,20 +7,24 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
+from pydantic import ValidationError
 from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import integration
+from api import dataset_check, integration
 from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import APIError, error_responses, not_found
+from api.errors import APIError, error_responses, not_found, validation_error
+from api.model_registry import resolve_model, spec_model_name
 from api.pagination import MAX_LIMIT, list_object, page
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, receive_upload
 from store.ids import new_id
 from store.models import File, FineTuningJob, JobStatus
 from store.results import RESULTS_PURPOSE
+from store.settings import Settings
 from store.usage import DELETED_FILE_STATUS
+from trainer.spec import Hyperparameters
 
 router = APIRouter(prefix="/v1", tags=["files"], responses=error_responses(401, 503))
 
@@ -37,6 +41,14 @@ _UPLOAD_DOC = {
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(SUPPORTED_PURPOSES)},
+                        "model": {"type": "string", "description": (
+                            "Optional: check every example with this model's tokenizer and chat template "
+                            "now (as a job would); the response's `validation` has the counts")},
+                        "max_seq_length": {"type": "integer", "description": "With `model`: as the job's"},
+                        "truncation": {"type": "string", "enum": ["truncate", "drop", "error"],
+                                       "description": "With `model`: as the job's"},
+                        "system_message": {"type": "string", "enum": ["keep", "fold"],
+                                           "description": "With `model`: as the job's"},
                     },
                 }
             }
@@ -73,9 +85,12 @@ def get_team_file(
 
 
 @router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC,
-             responses=error_responses(400, 413, 415, 507))
+             responses=error_responses(400, 404, 413, 415, 507))
 async def create_file(request: Request, team: TeamDep, settings: SettingsDep) -> FileObject:
-    """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``)."""
+    """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``). With a ``model`` field
+    every example is also rendered and tokenized for that model now (``max_seq_length``, ``truncation``,
+    ``system_message`` as the job's): a refusal is a 400 naming the lines, the counts come back in
+    ``validation``."""
     store = LocalFileStore(settings.resolved_files_dir)
     upload = await receive_upload(request, store.incoming, settings.max_upload_bytes)
     final = None
@@ -92,7 +107,12 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
                            code="missing_required_parameter")
         if upload.bytes == 0:
             raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
+        data_options = _data_options(upload.fields)
         num_examples = await run_in_threadpool(integration.validate_dataset, upload.tmp_path)
+        validation = None
+        if upload.fields.get("model"):
+            validation = await run_in_threadpool(_check_with_model, request, team.team_id, settings,
+                                                 upload.fields["model"], data_options, upload.tmp_path)
 
         file_id = new_id("file")
         final = store.place(upload.tmp_path, team.team_id, file_id)
@@ -112,7 +132,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
             with request.app.state.sessionmaker() as session:
                 session.add(row)
                 session.commit()
-                return file_object(row)
+                return file_object(row).model_copy(update={"validation": validation})
 
         return await run_in_threadpool(insert)
     except BaseException:
@@ -121,6 +141,33 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         raise
     finally:
         upload.discard()
+
+
+#: Form fields of an upload that take a job's data options (used with ``model``).
+DATA_OPTION_FIELDS = ("max_seq_length", "truncation", "system_message")
+
+
+def _data_options(fields: dict[str, str]) -> Hyperparameters:
+    """The data options an upload gives (form fields, as the job's hyperparameters); 400 naming one."""
+    given = {k: fields[k] for k in DATA_OPTION_FIELDS if fields.get(k)}
+    if given and not fields.get("model"):
+        name = next(iter(given))
+        raise APIError(400, f"'{name}' is only used with 'model' (the data is checked with that model's tokenizer)",
+                       param=name, code="invalid_value")
+    try:
+        return Hyperparameters.model_validate(given)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(), fields=DATA_OPTION_FIELDS) from exc
+
+
+def _check_with_model(request: Request, team_id: str, settings: Settings, name: str, options: Hyperparameters,
+                      path: Path) -> dict[str, Any]:
+    """The upload checked with a model the team may name (api.dataset_check); 400/404 naming the cause."""
+    with request.app.state.sessionmaker() as session:
+        ref = resolve_model(session, team_id, name, settings)
+    integration.check_model_folder(ref.path, name)
+    report = dataset_check.check_file(path, spec_model_name(ref), options, param="file", code="invalid_file_format")
+    return dataset_check.upload_summary(report, ref.id)
 
 
 @router.get("/files", response_model=ListObject[FileObject], responses=error_responses(400, 404))

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import integration
+from api import admission, dataset_check, integration
 from api.auth import Principal
 from api.deps import SettingsDep, TeamDep, run_db
 from api.errors import APIError, error_responses, not_found, validation_error
@@ -34,6 +34,7 @@ from api.job_views import (
     list_statement,
     step_metric_object,
 )
+from api.model_registry import resolve_model, spec_model_name
 from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.schemas import (
     FineTuningJobObject,
@@ -161,7 +162,7 @@ def _admit(session: Session, team_id: str, settings: Settings) -> None:
                        headers=headers) from exc
 
 
-@router.post("", response_model=FineTuningJobObject, responses=error_responses(400, 409, 413, 429))
+@router.post("", response_model=FineTuningJobObject, responses=error_responses(400, 404, 409, 413, 429))
 async def create_job(
     body: JobCreate,
     request: Request,
@@ -194,7 +195,8 @@ def _create_job(
                                 headers={"Idempotent-Replayed": "true"})
 
     hyperparameters, hp_param = _hyperparameters(body)
-    model = integration.resolve_model(body.model)
+    model = resolve_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
+    integration.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")
     validation = (
         _check_file(session, team.team_id, body.validation_file, "validation_file")
@@ -203,8 +205,8 @@ def _create_job(
     engine = _engine(body)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     job_id = new_id("ftjob")
-    integration.check_job_spec(
-        model=model,
+    spec = integration.check_job_spec(
+        model=spec_model_name(model),
         training_file=Path(training.storage_path),
         validation_file=Path(validation.storage_path) if validation else None,
         hyperparameters=hyperparameters,
@@ -215,6 +217,9 @@ def _create_job(
         limits=integration.job_limits(settings),
         num_examples=training.num_examples or None,
     )
+    dataset_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
+    admission.check_capacity(session, spec, settings, queue=settings.default_queue,  # 400: fits no worker
+                             num_examples=training.num_examples or None, hyperparameters_param=hp_param)
     # Quotas, counted under the team's row lock (held to the commit): racing creates go one by one.
     quotas.lock_team(session, team.team_id)
     if idempotency_key and (prior := _replay(session, team.team_id, idempotency_key, digest)) is not None:
@@ -225,7 +230,7 @@ def _create_job(
     job = FineTuningJob(
         id=job_id,
         team_id=team.team_id,
-        model=model,
+        model=model.id,
         training_file_id=body.training_file,
         validation_file_id=body.validation_file,
         status=JobStatus.queued.value,
@@ -237,6 +242,7 @@ def _create_job(
         idempotency_key=idempotency_key,
         request_hash=digest,
         queue=settings.default_queue,
+        resolved_hyperparameters=integration.resolved_hyperparameters(spec, training.num_examples),
     )
     prior = _insert_or_replay(session, job, idempotency_key, digest)
     if prior is not None:  # a concurrent request with the same key won the race

@@ -298,6 +298,41 @@ void acc_range(float* acc, const void* src, int64_t begin, int64_t end, float al
 
 using AccFn = void (*)(float*, const void*, int64_t, int64_t, float);
 
+// The same with the accumulator in src's low-precision dtype: the sum is formed in fp32 exactly as
+// above and rounded to nearest even once per call.
+template <GradKind GK, OutKind OK, bool FIRST>
+void acc_range_low(void* acc, const void* src, int64_t begin, int64_t end, float alpha) {
+  int64_t i = begin;
+#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
+  const vf a = vset(alpha);
+  for (; i + kWidth <= end; i += kWidth) {
+    const vf x = vload_grad<GK>(src, i);
+    if constexpr (FIRST) {
+      vstore_out<OK, false>(acc, i, vmul(x, a));
+    } else {
+      vstore_out<OK, false>(acc, i, vfma(x, a, vload_grad<GK>(acc, i)));
+    }
+  }
+#endif
+  for (; i < end; ++i) {
+    const float x = load_grad_scalar<GK>(src, i);
+    if constexpr (FIRST) {
+      store_out_scalar<OK>(acc, i, x * alpha);
+    } else {
+      store_out_scalar<OK>(acc, i, std::fma(x, alpha, load_grad_scalar<GK>(acc, i)));
+    }
+  }
+}
+
+using AccLowFn = void (*)(void*, const void*, int64_t, int64_t, float);
+
+AccLowFn pick_acc_low(GradKind gk, bool first) {
+  if (gk == GradKind::BF16) {
+    return first ? &acc_range_low<GradKind::BF16, OutKind::BF16, true> : &acc_range_low<GradKind::BF16, OutKind::BF16, false>;
+  }
+  return first ? &acc_range_low<GradKind::F16, OutKind::F16, true> : &acc_range_low<GradKind::F16, OutKind::F16, false>;
+}
+
 template <GradKind GK>
 AccFn pick_acc_first(bool first) {
   return first ? &acc_range<GK, true> : &acc_range<GK, false>;
@@ -403,13 +438,22 @@ void for_chunks(int64_t n, const void* anchor, int num_threads, F&& f) {
 void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void* out, OutKind ok,
                  int64_t n, const AdamScalars& s, int num_threads) {
   if (n <= 0) return;
-  const RangeFn fn = pick(gk, ok, ok != OutKind::None && n >= kStreamOutMin);
+  // out == g (the new parameter written over the gradient it came from): plain stores, the lines are
+  // in the cache already
+  const bool stream = ok != OutKind::None && n >= kStreamOutMin && out != g;
+  const RangeFn fn = pick(gk, ok, stream);
   for_chunks(n, p, num_threads, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, s); });
 }
 
 void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads) {
   if (n <= 0) return;
   const AccFn fn = pick_acc(gk, first);
+  for_chunks(n, acc, num_threads, [&](int64_t b, int64_t e) { fn(acc, src, b, e, alpha); });
+}
+
+void accumulate_low(void* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads) {
+  if (n <= 0) return;
+  const AccLowFn fn = pick_acc_low(gk, first);
   for_chunks(n, acc, num_threads, [&](int64_t b, int64_t e) { fn(acc, src, b, e, alpha); });
 }
 
@@ -513,7 +557,9 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
     }
     TORCH_CHECK(po.numel() == n, "param_out has ", po.numel(), " elements, param has ", n);
     check_disjoint(po, "param_out", param, "param");
-    check_disjoint(po, "param_out", grad, "grad");
+    // param_out may be the gradient buffer itself (each element is read before it is overwritten)
+    const bool same = po.data_ptr() == grad.data_ptr() && po.scalar_type() == grad.scalar_type();
+    if (!same) check_disjoint(po, "param_out", grad, "grad");
     check_disjoint(po, "param_out", exp_avg, "exp_avg");
     check_disjoint(po, "param_out", exp_avg_sq, "exp_avg_sq");
     out_ptr = po.data_ptr();
@@ -553,17 +599,25 @@ GradKind grad_kind(const at::Tensor& t, const char* name) {
 void accumulate(const at::Tensor& acc, const at::Tensor& src, double alpha, bool first, int64_t num_threads) {
   check_dense_cpu(acc, "acc");
   check_dense_cpu(src, "src");
-  TORCH_CHECK(acc.scalar_type() == at::kFloat, "acc must be float32, got ", acc.scalar_type());
   const GradKind gk = grad_kind(src, "src");
+  const bool low = acc.scalar_type() != at::kFloat;
+  TORCH_CHECK(!low || (gk != GradKind::F32 && acc.scalar_type() == src.scalar_type()),
+              "acc must be float32 or src's dtype (bfloat16/float16), got ", acc.scalar_type(), " for src ",
+              src.scalar_type());
   TORCH_CHECK(src.numel() == acc.numel(), "src has ", src.numel(), " elements, acc has ", acc.numel());
   check_disjoint(acc, "acc", src, "src");
   TORCH_CHECK(std::isfinite(alpha), "alpha must be finite");
   TORCH_CHECK(num_threads >= 0, "num_threads must be >= 0 (0 = default), got ", num_threads);
-  float* a = acc.data_ptr<float>();
   const void* s = src.data_ptr();
   {
     py::gil_scoped_release no_gil;
-    zenflow::accumulate(a, s, gk, acc.numel(), static_cast<float>(alpha), first, static_cast<int>(num_threads));
+    if (low) {
+      zenflow::accumulate_low(acc.data_ptr(), s, gk, acc.numel(), static_cast<float>(alpha), first,
+                              static_cast<int>(num_threads));
+    } else {
+      zenflow::accumulate(acc.data_ptr<float>(), s, gk, acc.numel(), static_cast<float>(alpha), first,
+                          static_cast<int>(num_threads));
+    }
   }
   bump(acc);
 }
@@ -617,7 +671,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "In-place fused Adam/AdamW step (releases the GIL while computing).");
   m.def("accumulate", &accumulate, py::arg("acc"), py::arg("src"), py::arg("alpha"), py::arg("first"),
         py::arg("num_threads"),
-        "acc = src * alpha (first) or acc += src * alpha, src fp32/bf16/fp16 (releases the GIL).");
+        "acc = src * alpha (first) or acc += src * alpha, src fp32/bf16/fp16, acc fp32 or src's dtype "
+        "(releases the GIL).");
   m.def("set_num_threads", [](int n) {
     TORCH_CHECK(n >= 0, "num_threads must be >= 0 (0 = follow torch.get_num_threads()), got ", n);
     zenflow::set_default_threads(n);

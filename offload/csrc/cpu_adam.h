@@ -42,7 +42,7 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
                          double weight_decay, bool adamw, bool bias_correction);
 
 // In-place update of n elements. g points to float / bf16 / fp16 data (gk); out (ok != None) receives
-// the updated parameter as bf16 / fp16. num_threads <= 0 means the global default.
+// the updated parameter as bf16 / fp16, and may be g itself (same dtype: the gradient is overwritten). num_threads <= 0 means the global default.
 void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void* out, OutKind ok,
                  int64_t n, const AdamScalars& s, int num_threads);
 
@@ -50,6 +50,10 @@ void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void*
 // acc = fma(src, alpha, acc), i.e. ATen's `acc.add_(src, alpha=alpha)` (vectorised with a fused
 // multiply-add) on src upcast to fp32; src is float / bf16 / fp16 (gk). num_threads <= 0: default.
 void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads);
+
+// The same with acc in src's low-precision dtype (gk BF16 or F16): the fp32 result of each element is
+// rounded to nearest even into acc.
+void accumulate_low(void* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads);
 
 // Bandwidth reference: the fp32 step's memory streams with trivial arithmetic; returns seconds.
 double stream_probe(float* p, const float* g, float* m, float* v, int64_t n, int num_threads);

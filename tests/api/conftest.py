@@ -219,3 +219,16 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def team_rows(app: FastAPI, team: TeamKey) -> tuple[int, int]:
+    """How many jobs and job events ``team`` has (a refused create must leave both unchanged)."""
+    from sqlalchemy import func, select
+
+    from store.models import FineTuningJob, JobEvent
+
+    with app.state.sessionmaker() as s:
+        jobs = s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
+        events = s.scalar(select(func.count()).select_from(JobEvent).join(FineTuningJob)
+                          .where(FineTuningJob.team_id == team.id))
+        return int(jobs or 0), int(events or 0)

@@ -14,9 +14,17 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from store.models import FineTuningJob, JobEvent
+from store.models import FineTuningJob
 from store.settings import Settings
-from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, uploaded_id
+from tests.api.conftest import (
+    TEST_API_SETTINGS,
+    Enqueued,
+    TeamKey,
+    error_of,
+    make_team,
+    team_rows,
+    uploaded_id,
+)
 
 JOBS = "/v1/fine_tuning/jobs"
 
@@ -26,11 +34,12 @@ LIMITS = dict(max_n_epochs=50, max_batch_size=64, max_seq_length=1024, max_total
 
 
 @pytest.fixture(scope="module")
-def bounded(settings: Settings) -> tuple[FastAPI, Enqueued]:
+def bounded(settings: Settings, llama_dir: Path) -> tuple[FastAPI, Enqueued]:
     from api.app import create_app
 
     enqueued = Enqueued()
-    return create_app(settings.model_copy(update=LIMITS), TEST_API_SETTINGS, enqueue=enqueued), enqueued
+    limited = settings.model_copy(update={**LIMITS, "model_roots": [llama_dir.parent]})
+    return create_app(limited, TEST_API_SETTINGS, enqueue=enqueued), enqueued
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +55,10 @@ def bteam(bounded: tuple[FastAPI, Enqueued]) -> TeamKey:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A local Llama-style checkpoint directory: config.json only (create never reads weights)."""
-    from transformers import LlamaConfig
+    """A local Llama-style model folder (config, tokenizer, weights: create checks all three)."""
+    from tests.model_folders import write_model_folder
 
-    path = tmp_path_factory.mktemp("llama")
-    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=300, max_position_embeddings=512).save_pretrained(path)
-    return path
-
-
-def _rows(app: FastAPI, team: TeamKey) -> tuple[int, int]:
-    with app.state.sessionmaker() as s:
-        jobs = s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
-        events = s.scalar(select(func.count()).select_from(JobEvent).join(FineTuningJob)
-                          .where(FineTuningJob.team_id == team.id))
-        return int(jobs or 0), int(events or 0)
+    return write_model_folder(tmp_path_factory.mktemp("llama"), "llama", max_position_embeddings=512)
 
 
 def _supervised(hp: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +119,7 @@ def test_out_of_bounds_is_refused_naming_the_field(
     err = error_of(r)
     assert err["param"] == param and err["code"] == "invalid_value", err
     assert "Traceback" not in err["message"] and "SELECT" not in err["message"]
-    assert _rows(app, bteam) == (0, 0) and len(enqueued.calls) == sent
+    assert team_rows(app, bteam) == (0, 0) and len(enqueued.calls) == sent
 
 
 def test_non_finite_learning_rate_in_raw_json_is_refused(
@@ -133,7 +131,7 @@ def test_non_finite_learning_rate_in_raw_json_is_refused(
         body = f'{{"model": "tiny-llama", "training_file": "{fid}", "hyperparameters": {{"learning_rate": {raw}}}}}'
         r = bclient.post(JOBS, headers={**bteam.headers, "Content-Type": "application/json"}, content=body)
         assert r.status_code == 400 and error_of(r)["param"] == "hyperparameters.learning_rate", (raw, r.text)
-    assert _rows(bounded[0], bteam) == (0, 0)
+    assert team_rows(bounded[0], bteam) == (0, 0)
 
 
 def test_default_limits_refuse_the_reported_values(client: TestClient, team: TeamKey, app: FastAPI) -> None:
@@ -174,14 +172,14 @@ def test_llama_style_creates_still_pass(
     fid = uploaded_id(bclient, bteam)
     r = bclient.post(JOBS, headers=bteam.headers, json={"model": "tiny-llama", "training_file": fid, **extra})
     assert r.status_code == 200, r.text
-    assert r.json()["status"] == "queued" and _rows(bounded[0], bteam)[0] == 1
+    assert r.json()["status"] == "queued" and team_rows(bounded[0], bteam)[0] == 1
 
 
 def test_local_llama_checkpoint_with_lora(
     bounded: tuple[FastAPI, Enqueued], bclient: TestClient, bteam: TeamKey, llama_dir: Path
 ) -> None:
     fid = uploaded_id(bclient, bteam)
-    body = {"model": str(llama_dir), "training_file": fid}
+    body = {"model": llama_dir.name, "training_file": fid}  # a base model under the model roots
     ok = bclient.post(JOBS, headers=bteam.headers, json={
         **body, "hyperparameters": {"max_seq_length": 256, "lora": {"r": 8, "target_modules": LLAMA_TARGETS}}})
     assert ok.status_code == 200, ok.text
@@ -191,4 +189,4 @@ def test_local_llama_checkpoint_with_lora(
     assert "'c_attn' matches no module" in error_of(bad)["message"]
     long = bclient.post(JOBS, headers=bteam.headers, json={**body, "hyperparameters": {"max_seq_length": 600}})
     assert long.status_code == 400 and "the model's maximum sequence length" in error_of(long)["message"]
-    assert _rows(bounded[0], bteam)[0] == 1
+    assert team_rows(bounded[0], bteam)[0] == 1

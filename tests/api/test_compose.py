@@ -13,7 +13,7 @@ from api.storage import FRAMING_SLACK
 from store.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"proxy", "api", "worker", "redis", "postgres", "prometheus", "grafana"}
+SERVICES = {"proxy", "api", "worker", "redis", "postgres", "prometheus", "grafana", "vllm"}
 
 
 def _compose() -> dict:
@@ -42,6 +42,19 @@ def test_worker_reserves_an_nvidia_gpu_and_uses_cuda_torch() -> None:
     cmd = " ".join(w["command"])
     assert "--pool=solo" in cmd and "--concurrency=1" in cmd and "trainer.worker:celery_app" in cmd
     assert "cpu" in _compose()["services"]["api"]["build"]["args"]["TORCH_INDEX_URL"]
+
+
+def test_vllm_is_an_optional_profile_the_api_can_forward_to() -> None:
+    c = _compose()
+    vllm, api = c["services"]["vllm"], c["services"]["api"]
+    assert vllm["profiles"] == ["vllm"] and "vllm" not in api.get("depends_on", {})  # the default stack has none
+    cmd = " ".join(vllm["command"])
+    assert "--enable-lora" in cmd and "--served-model-name" in cmd
+    assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # Adapters are read from the job folders at the path the API knows them by.
+    assert "zenflow-data:/data:ro" in vllm["volumes"] and "zenflow-data:/data" in api["volumes"]
+    assert api["environment"]["ZENFLOW_API_INFERENCE_VLLM_URL"] == "http://vllm:8000"
+    assert _default(api["environment"]["ZENFLOW_API_INFERENCE_BACKEND"]) in ("builtin", "vllm")
 
 
 def test_bind_mounts_exist_and_named_volumes_are_declared() -> None:

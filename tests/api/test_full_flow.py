@@ -4,6 +4,7 @@ succeeded -> checkpoints listed -> the model loads. And ``zenflow serve`` on emb
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import os
@@ -11,6 +12,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,10 +179,17 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
             r = http.post("/v1/fine_tuning/jobs", json={"model": "tiny-llama", "training_file": rf["id"]})
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_file_purpose"
 
+            # the model by its ft: id, downloaded as a tar (api.model_download)
+            assert job["fine_tuned_model"] == f"ft:tiny-llama:{team.name}::{job_id}"
+            tar = http.get(f"/v1/models/{job['fine_tuned_model']}/content")
+            assert tar.status_code == 200 and tar.headers["x-checksum-sha256"] == hashlib.sha256(tar.content).hexdigest()
+            with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+                archive.extractall(tmp_path / "model", filter="data")
+
         import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(job["fine_tuned_model"], local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True)
         with torch.no_grad():
             out = model(torch.tensor([[1, 2, 3, 4]]))
         assert torch.isfinite(out.logits).all()

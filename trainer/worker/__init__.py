@@ -6,7 +6,7 @@ module                 its one job
 =====================  ==========================================================================
 ``broker``             the Celery app and its settings, queue names, ``enqueue_job`` (sending side)
 ``task``               the run task: claim, supervise the child process, re-queue or fail
-``hooks``              Celery signal hooks: node name, /metrics server, reaper, warm-shutdown preempt
+``hooks``              Celery signal hooks: node name, /metrics server, reaper, registry, warm-shutdown preempt
 ``embedded``           a worker in a thread of the API process (embedded defaults)
 ``launcher``           ``python -m trainer.worker``: one worker process per GPU
 ``job_runner``         the child process: one job from the database through ``trainer.loop``
@@ -17,6 +17,9 @@ module                 its one job
 ``telemetry``          training-side Prometheus metrics of a job process
 ``metrics_server``     a worker's /metrics: multiprocess files merged with NVML readings
 ``nvml``               NVML access (GPU list, index, utilization and memory), no CUDA
+``capacity``           what a worker can run, measured at its start (GPU, memory, cores, bandwidths)
+``presence``           the worker's registry row: capacity, heartbeat
+``admission``          does a job's plan fit a worker (at create and before the runner starts it)
 ``prometheus_dir``     the prometheus-client multiprocess directory, shared with the API's metrics
 =====================  ==========================================================================
 

@@ -10,14 +10,16 @@ from typing import Any
 from store.settings import Settings, get_settings
 from trainer.worker import hooks, task
 from trainer.worker.broker import celery_app, configure_celery
+from trainer.worker.presence import WorkerPresence, start_presence
 from trainer.worker.reaper import ReaperThread, start_reaper_thread
 
 
 class EmbeddedWorker:
     """A Celery worker (solo pool) running in a thread of this process; see start_embedded_worker."""
 
-    def __init__(self, controller: Any, thread: threading.Thread, reaper: ReaperThread | None) -> None:
-        self.controller, self.thread, self.reaper = controller, thread, reaper
+    def __init__(self, controller: Any, thread: threading.Thread, reaper: ReaperThread | None,
+                 presence: WorkerPresence | None = None) -> None:
+        self.controller, self.thread, self.reaper, self.presence = controller, thread, reaper, presence
 
     @property
     def hostname(self) -> str:
@@ -43,6 +45,8 @@ class EmbeddedWorker:
         state.should_terminate = None
         if task.node_hostname() == self.hostname:
             task.set_node_hostname(None)
+        if self.presence is not None:
+            self.presence.stop()
 
 
 def start_embedded_worker(
@@ -58,7 +62,8 @@ def start_embedded_worker(
 
     It takes jobs from ``queues`` (default: the default queue) on the configured broker, runs each in
     a subprocess like any worker, and (``reaper``) runs the stale-job reaper, which first re-queues
-    jobs this node (``hostname``, default ``embedded@<host>``) was running before a restart.
+    jobs this node (``hostname``, default ``embedded@<host>``) was running before a restart; it
+    registers in the worker registry with its measured capacity (trainer.worker.presence).
     """
     from celery.worker import WorkController
 
@@ -66,13 +71,14 @@ def start_embedded_worker(
     configure_celery(settings)
     hostname = hostname or f"embedded@{socket.gethostname()}"
     task.set_node_hostname(hostname)
+    queues = queues or [settings.default_queue]
     ready = threading.Event()
     controller = WorkController(
         app=celery_app,
         hostname=hostname,
         pool="solo",
         concurrency=1,
-        queues=queues or [settings.default_queue],
+        queues=queues,
         loglevel=loglevel,
         ready_callback=lambda *_: ready.set(),
         without_heartbeat=True,
@@ -85,4 +91,4 @@ def start_embedded_worker(
     if not ready.wait(ready_timeout):
         raise RuntimeError(f"embedded worker did not start within {ready_timeout}s")
     r = start_reaper_thread(own_hostname=hostname, settings=settings) if reaper else None
-    return EmbeddedWorker(controller, thread, r)
+    return EmbeddedWorker(controller, thread, r, start_presence(hostname, queues, settings=settings))

@@ -1,5 +1,6 @@
-"""Celery signal hooks of a worker process: its node name, its /metrics server, its reaper thread, and
-preemption of the running job on a warm shutdown.
+"""Celery signal hooks of a worker process: its node name, its /metrics server, its reaper thread, its
+row in the worker registry (capacity and heartbeat, :mod:`trainer.worker.presence`), and preemption of
+the running job on a warm shutdown.
 
 Connected when this module is imported: through ``trainer.worker.celery_app`` (what ``celery -A
 trainer.worker`` loads) or the embedded worker. A metrics problem never stops a worker.
@@ -14,11 +15,13 @@ from celery import signals
 
 from trainer.worker import task
 from trainer.worker.metrics_server import serve_worker_metrics
+from trainer.worker.presence import WorkerPresence, start_presence
 from trainer.worker.reaper import ReaperThread, start_reaper_thread
 
 log = logging.getLogger("zenflow.worker")
 
 _reaper: ReaperThread | None = None
+_presence: WorkerPresence | None = None
 
 
 def serve_metrics() -> None:
@@ -43,10 +46,30 @@ def _on_worker_init(**_: Any) -> None:
 
 @signals.worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
-    global _reaper
+    global _reaper, _presence
     hostname = getattr(sender, "hostname", None) or getattr(getattr(sender, "controller", None), "hostname", None)
     if _reaper is None:
         _reaper = start_reaper_thread(own_hostname=hostname)
+    name = task.node_hostname() or hostname  # what the worker's jobs record as their worker_hostname
+    if _presence is None and name:
+        try:
+            _presence = start_presence(str(name), _consumed_queues(sender))
+        except Exception:
+            log.exception("worker registry: could not start")
+
+
+def _consumed_queues(consumer: Any) -> list[str]:
+    """The queue names a worker's consumer takes messages from."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    if task_consumer is not None:
+        return [q.name for q in task_consumer.queues]
+    return list(consumer.app.amqp.queues.consume_from)
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    if _presence is not None:
+        _presence.stop()
 
 
 @signals.worker_shutting_down.connect

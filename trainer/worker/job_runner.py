@@ -7,7 +7,8 @@ rows match its output directory, runs :func:`trainer.loop.run_training` with a
 :class:`~trainer.worker.writer.ReportWriter` that waits out database outages) inside
 :func:`~trainer.worker.telemetry.track_job` (Prometheus), while a
 :class:`~trainer.worker.monitor.JobMonitor` beats the heartbeat and polls for a cancel, and writes the
-end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model directory,
+end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
+registered by :mod:`store.model_registry`,
 ``trained_tokens``, the metrics CSV as a result file), cancelled, or failed with ``error = {code,
 message, param}``; data errors name the file param. Every database write is retried across
 connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries
@@ -39,11 +40,13 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from store import jobs
+from store import jobs, model_registry
 from store.db import session_scope
 from store.models import File, FineTuningJob, JobStatus, utcnow
 from store.results import add_results_file
 from store.settings import Settings, get_settings
+from trainer.models import BUILTIN_MODELS
+from trainer.worker import admission
 from trainer.worker.errors import public_message, scrub
 from trainer.worker.monitor import EXIT_LOST, JobMonitor, exit_lost
 from trainer.worker.reporter import DBReporter
@@ -96,8 +99,16 @@ def _finish(url: str, job_id: str, hostname: str, end: EndState, window: float) 
         return EXIT_DB_UNAVAILABLE
 
 
-def _failed(code: str, message: str, *, param: str | None = None, event: str) -> EndState:
-    return lambda s, job: jobs.fail(s, job, code, message, param=param, event=event)
+def _failed(code: str, message: str, *, param: str | None = None, event: str,
+            error: Exception | None = None) -> EndState:
+    """Fail the job; its one error event carries ``error``'s type (and a data file's line errors)."""
+    data: dict[str, Any] | None = None
+    if error is not None:
+        data = {"error_type": type(error).__name__}
+        line_errors = getattr(error, "errors", None)  # DatasetValidationError's
+        if isinstance(line_errors, list):
+            data["errors"] = [dict(x) for x in line_errors[:20]]
+    return lambda s, job: jobs.fail(s, job, code, message, param=param, event=event, data=data)
 
 
 def _succeeded(result: Any, results_dir: Path) -> EndState:
@@ -106,14 +117,14 @@ def _succeeded(result: Any, results_dir: Path) -> EndState:
     job was for), then succeeded."""
 
     def end(s: Session, job: FineTuningJob) -> None:
-        job.fine_tuned_model = result.final_model_dir
+        model_registry.register_final(s, job, result.final_model_dir)  # job.fine_tuned_model = its ft: id
         job.trained_tokens = result.trained_tokens
         job.global_step = result.steps
         try:
             add_results_file(s, job, results_dir)
         except OSError:
             log.exception("job %s: could not write its results file", job.id)
-        jobs.succeed(s, job, f"Job succeeded: {result.steps} steps, final model at {result.final_model_dir}")
+        jobs.succeed(s, job, f"Job succeeded: {result.steps} steps, fine-tuned model {job.fine_tuned_model}")
 
     return end
 
@@ -139,12 +150,17 @@ def _load(url: str, job_id: str, hostname: str, settings: Settings) -> int | tup
         if not _claim_standalone(s, job, hostname, settings):
             log.warning("job %s is %s on %s: not ours", job_id, job.status, job.worker_hostname)
             return EXIT_LOST
+        try:  # an ft: id or a model-root name -> its folder (the team's own, still there)
+            model = model_registry.spec_model(s, job.team_id, job.model, settings.model_roots, BUILTIN_MODELS)
+        except model_registry.ModelLookupError as e:
+            jobs.fail(s, job, "model_not_found", str(e), param="model")
+            return EXIT_DONE
         training = s.get(File, job.training_file_id)
         validation = s.get(File, job.validation_file_id) if job.validation_file_id else None
         output_dir = Path(job.output_dir) if job.output_dir else settings.resolved_jobs_dir / job.id
         job.output_dir = str(output_dir)
         fields: dict[str, Any] = dict(
-            model=job.model,
+            model=model,
             training_file=training.storage_path if training else "",
             validation_file=validation.storage_path if validation else None,
             hyperparameters=job.hyperparameters,
@@ -178,7 +194,6 @@ def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
     except Exception as e:
         msg = scrub(str(e))
         return _finish(url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window)
-
     interrupted = threading.Event()  # the database away for longer than the window
     monitor = JobMonitor(job_id, url, hostname, settings.heartbeat_interval_seconds,
                          outage_seconds=window, interrupted=interrupted)
@@ -193,6 +208,13 @@ def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
     monitor.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: monitor.preempted.set())
     try:
+        # Rather than run out of memory halfway: the job's plan against this worker's capacity. After
+        # the heartbeat has started: planning (and measuring a capacity the worker has not registered
+        # yet) can take seconds, longer than a short heartbeat timeout.
+        if (refused := admission.recheck(url, job_id, hostname, spec, window=window)) is not None:
+            monitor.stop()
+            return _finish(url, job_id, hostname, _failed(admission.CODE, refused.message, param=refused.param,
+                                                          event=refused.message), window)
         return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -215,6 +237,7 @@ class _Run:
         from trainer.checkpoint import DiskFullError, is_out_of_space, prune_checkpoints
         from trainer.data import DatasetValidationError
         from trainer.loop import run_training
+        from trainer.model_check import ModelFolderError
         from trainer.models import UnknownModelError
         from trainer.worker.telemetry import track_job
 
@@ -234,9 +257,12 @@ class _Run:
                 monitor.stop()
         except DatasetValidationError as e:
             param = self.paths.get(str(Path(e.path)), "training_file")
-            end = _failed(f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}")
+            end = _failed(f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}", error=e)
         except UnknownModelError as e:
-            end = _failed("model_not_found", str(e), param="model", event=str(e))
+            end = _failed("model_not_found", str(e), param="model", event=str(e), error=e)
+        except ModelFolderError as e:  # the folder changed since the job was created
+            msg = f"the model cannot be fine-tuned: {e.problem}"
+            end = _failed("invalid_model", msg, param="model", event=f"Invalid model: {e.problem}", error=e)
         except Exception as e:
             if isinstance(e, DiskFullError) or is_out_of_space(e):
                 log.error("job %s: %s", self.job_id, e)
@@ -244,7 +270,7 @@ class _Run:
                 return EXIT_DISK_FULL
             log.exception("job %s failed", self.job_id)
             msg = public_message(e)
-            end = _failed("training_error", msg, event=f"Training failed: {msg}")
+            end = _failed("training_error", msg, event=f"Training failed: {msg}", error=e)
         else:
             if result.cancelled and monitor.cancel.is_set():
                 end = lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")  # noqa: E731

@@ -51,6 +51,27 @@ class Nvml:
         except Exception:
             return None
 
+    def device_count(self) -> int:
+        """NVIDIA GPUs NVML sees in this process (0 without NVML)."""
+        if not self.available():
+            return 0
+        try:
+            return int(self._mod.nvmlDeviceGetCount())
+        except Exception:
+            return 0
+
+    def name_and_memory(self, index: int) -> tuple[str, int] | None:
+        """(device name, total memory bytes) of device ``index``."""
+        if not self.available():
+            return None
+        try:
+            h = self._mod.nvmlDeviceGetHandleByIndex(index)
+            name = self._mod.nvmlDeviceGetName(h)
+            return (name.decode() if isinstance(name, bytes) else str(name)), int(self._mod.nvmlDeviceGetMemoryInfo(h).total)
+        except Exception as e:
+            log.debug("NVML name/memory of gpu %s failed: %s", index, e)
+            return None
+
     def sample(self, index: int) -> tuple[float, int, int] | None:
         """(utilization ratio 0..1, memory used bytes, memory total bytes) of device ``index``."""
         if not self.available():

@@ -7,6 +7,8 @@ event per step), each step a ``fine_tuning_job_step_metrics`` row, each checkpoi
 total_steps, resolved_hyperparameters, global_step and last_checkpoint_path. The
 :class:`~trainer.worker.writer.ReportWriter` writes them in order in the background, waiting out
 database outages; a step replayed after a resume updates its metrics row and gets no second event.
+An ErrorEvent makes a row only for a full disk (a warning: the job is re-queued); a failure's one error
+event is the failed end state's (trainer.worker.job_runner), which carries the error's details.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class DBReporter:
         self.writer = writer
         self.total_steps: int | None = None
         self.on_cuda = False
-        self._handlers: dict[type[Event], Callable[[Any], Write]] = {
+        self._handlers: dict[type[Event], Callable[[Any], Write | None]] = {
             LogEvent: self._on_log,
             RunStarted: self._on_run_started,
             StepEvent: self._on_step,
@@ -50,8 +52,9 @@ class DBReporter:
 
     def __call__(self, ev: Event) -> None:
         handler = self._handlers.get(type(ev))
-        if handler is not None:
-            self.writer.put(handler(ev))
+        write = handler(ev) if handler is not None else None
+        if write is not None:
+            self.writer.put(write)
 
     def sync_checkpoints(self, output_dir: Path) -> None:
         """Make the job's checkpoint rows match the complete checkpoints in ``output_dir`` (at the start
@@ -118,10 +121,12 @@ class DBReporter:
     def _on_checkpoint_removed(self, ev: CheckpointRemoved) -> Write:
         return Write(removed_checkpoint=ev.step)
 
-    def _on_error(self, ev: ErrorEvent) -> Write:
-        data: dict[str, Any] = {"error_type": ev.error_type, "errors": ev.errors[:20]}
-        message, level = scrub(ev.message), "error"
-        if ev.error_type == "DiskFullError" or "No space left on device" in message:  # re-queued after a backoff
-            message, level = message.removeprefix("DiskFullError: "), "warning"
-            data["disk_full"] = message
-        return Write(events=[event_row(message, level=level, data=data)])
+    def _on_error(self, ev: ErrorEvent) -> Write | None:
+        """A full disk is a warning (the job is re-queued after a backoff); any other error ends the job
+        as failed, whose one error event the end state writes (job_runner, store.jobs.fail)."""
+        message = scrub(ev.message)
+        if not (ev.error_type == "DiskFullError" or "No space left on device" in message):
+            return None
+        message = message.removeprefix("DiskFullError: ")
+        data = {"error_type": ev.error_type, "errors": ev.errors[:20], "disk_full": message}
+        return Write(events=[event_row(message, level="warning", data=data)])

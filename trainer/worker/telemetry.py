@@ -151,6 +151,14 @@ class WorkerTelemetry:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        self.engine_host_memory = Gauge(
+            "zenflow_engine_host_memory_bytes",
+            "Host memory the running job's optimizer engine holds (page-locked on CUDA): fp32 master "
+            "weights and moments, gradient accumulators and transfer buffers.",
+            BASE_LABELS,
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.current_job = Gauge(
             "zenflow_worker_current_job",
             "1 while the job named by job_id runs on this worker (info-style; removed when it ends).",
@@ -195,6 +203,8 @@ class WorkerTelemetry:
             for kind in self._mem_kinds:
                 with contextlib.suppress(KeyError):
                     self.device_memory.remove(*self._base, kind)
+            with contextlib.suppress(KeyError):
+                self.engine_host_memory.remove(*self._base)
         self._step_labelsets.clear()
         self._mem_kinds.clear()
         self._job = None
@@ -229,6 +239,7 @@ class WorkerTelemetry:
                 self.train_loss.labels(*ls).set(float(loss))
             self.gpu_utilization.labels(*ls).set(1.0 - stall / wall if wall > 0 else 0.0)
             self._set_memory("optimizer_state", metrics.device_optimizer_state_bytes)
+            self.engine_host_memory.labels(*self._base).set(int(metrics.host_bytes))
             for kind, value in _torch_cuda_memory().items():
                 self._set_memory(kind, value)
 

@@ -38,6 +38,7 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
+from store import model_registry
 from store.db import session_scope
 from store.ids import new_id
 from store.models import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, utcnow
@@ -159,6 +160,7 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
         if w.removed_checkpoint is not None:
             s.execute(delete(JobCheckpoint).where(JobCheckpoint.job_id == job_id,
                                                   JobCheckpoint.step_number == w.removed_checkpoint))
+            model_registry.forget_checkpoint(s, job_id, w.removed_checkpoint)
         if w.checkpoints_on_disk is not None:
             events += _sync_checkpoints(s, job_id, w.checkpoints_on_disk)
         if first_time:
@@ -176,11 +178,12 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
 def _save_checkpoint_row(s: Session, job_id: str, ck: dict[str, Any]) -> None:
     row = s.execute(select(JobCheckpoint).where(
         JobCheckpoint.job_id == job_id, JobCheckpoint.step_number == ck["step"])).scalar_one_or_none()
+    model_id = model_registry.register_checkpoint(s, job_id, ck["step"], ck["path"])
     if row is None:
         s.add(JobCheckpoint(job_id=job_id, step_number=ck["step"], path=ck["path"],
-                            fine_tuned_model_checkpoint=ck["path"], metrics=ck.get("metrics") or {}))
+                            fine_tuned_model_checkpoint=model_id, metrics=ck.get("metrics") or {}))
     else:
-        row.path = row.fine_tuned_model_checkpoint = ck["path"]
+        row.path, row.fine_tuned_model_checkpoint = ck["path"], model_id
         row.metrics = ck.get("metrics") or {}
     s.flush()
 
@@ -192,6 +195,7 @@ def _sync_checkpoints(s: Session, job_id: str, on_disk: list[dict[str, Any]]) ->
     for step, row in rows.items():
         if step not in by_step:
             s.delete(row)
+            model_registry.forget_checkpoint(s, job_id, step)
     s.flush()
     events = []
     for step, ck in sorted(by_step.items()):

@@ -1,0 +1,58 @@
+"""Admission by capacity at job create: refuse a job whose plan fits no live worker of its queue.
+
+The candidates are the queue's live workers (:func:`store.workers.live_workers`, heartbeat within
+``worker_live_seconds``) with the capacity each measured at start; with none registered, the
+configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`trainer.worker.capacity.
+default_capacity`). The check itself (:func:`trainer.worker.admission.refusal`) is the one the worker
+repeats before it runs the job. A refusal is a 400 ``insufficient_capacity`` whose ``param`` names
+the request field to change and whose message gives the numbers; it is raised before anything is
+written. Planning builds the model on torch's meta device, so the first create imports torch in the
+API process (once).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from api.errors import APIError
+from api.integration import request_loc
+from store import workers
+from store.settings import Settings
+from trainer.worker.admission import CODE, refusal
+from trainer.worker.capacity import WorkerCapacity, default_capacity
+
+log = logging.getLogger(__name__)
+
+
+def candidates(session: Session, queue: str, settings: Settings) -> list[tuple[str, WorkerCapacity]]:
+    """(label, capacity) of the live workers of ``queue`` (``worker gpu0@host``), or of the default
+    capacity when there are none."""
+    found: list[tuple[str, WorkerCapacity]] = []
+    for w in workers.live_workers(session, queue, live_seconds=settings.worker_live_seconds):
+        try:
+            found.append((f"worker {w.name}", WorkerCapacity.model_validate(w.capacity)))
+        except ValidationError as e:
+            log.warning("worker %s: unreadable capacity, left out of admission: %s", w.name, e)
+    if found:
+        return found
+    try:
+        return [(f"the default worker (none registered on queue {queue})", default_capacity(settings))]
+    except ValueError as e:
+        raise APIError(503, f"Admission is misconfigured: {e}", code="server_misconfigured") from e
+
+
+def check_capacity(session: Session, spec: Any, settings: Settings, *, queue: str, num_examples: int | None,
+                   hyperparameters_param: str) -> None:
+    """Raise a 400 naming the field when ``spec`` (a checked trainer JobSpec) fits no candidate of ``queue``."""
+    try:
+        refused = refusal(spec, candidates(session, queue, settings), num_examples=num_examples)
+    except ValueError as e:  # the model's config cannot be built on the meta device (UnknownModelError too)
+        raise APIError(400, f"Cannot plan model {spec.model!r}: {e}", param="model", code="invalid_model") from e
+    if refused is None:
+        return
+    loc = request_loc(refused.loc, hyperparameters_param)
+    raise APIError(400, refused.message, param=".".join(str(p) for p in loc) or None, code=CODE)

@@ -1,0 +1,156 @@
+"""``/v1/models``: the models a team may use (OpenAI's list, retrieve, delete) and downloads of its own.
+
+The list holds the built-in configs, the base models under the model roots, then the team's
+fine-tuned models and checkpoints (api.model_registry). Another team's id answers exactly as an
+unknown one (404 ``model_not_found``). Deleting a base model is refused (403, as OpenAI does);
+deleting one of the team's models removes its files (only under ``jobs_dir``) and its id; a
+checkpoint of a job that is still running cannot be deleted (409: the job may resume from it).
+Downloads: api.model_download (a deterministic tar with ``X-Checksum-SHA256``).
+
+Ids hold ``:`` and base-model names ``/``, so the id is a ``path`` parameter; the ``/content`` route
+comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
+
+from api import model_download as dl
+from api.deps import SettingsDep, TeamDep, run_db
+from api.errors import APIError, error_responses
+from api.model_registry import ModelRef, available_models, resolve_model
+from api.schemas import ListObject, ModelDeleted, ModelObject
+from store.model_registry import find_model
+from store.models import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
+from store.settings import Settings
+from store.usage import OUTPUT_SIZES
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+#: The checksum of the whole tar, hex (computed before the first download, cached: api.model_download).
+CHECKSUM_HEADER = "X-Checksum-SHA256"
+
+
+def model_object(ref: ModelRef) -> dict[str, Any]:
+    return {"id": ref.id, "object": "model", "created": ref.created, "owned_by": ref.owned_by, "kind": ref.kind}
+
+
+@router.get("", response_model=ListObject[ModelObject])
+async def list_models(request: Request, team: TeamDep, settings: SettingsDep) -> dict[str, Any]:
+    """The built-in and base models, then the team's fine-tuned models and checkpoints."""
+    refs = await run_db(request, available_models, team.team_id, settings)
+    data = [model_object(r) for r in refs]
+    return {"object": "list", "data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+@router.get("/{model:path}/content", response_class=StreamingResponse,
+            responses={**error_responses(400, 404),
+                       200: {"content": {"application/x-tar": {}},
+                             "description": f"An uncompressed tar; `{CHECKSUM_HEADER}` is its SHA-256"}})
+async def model_content(
+    model: str,
+    request: Request,
+    team: TeamDep,
+    settings: SettingsDep,
+    fmt: Annotated[dl.DownloadFormat, Query(alias="format", description="model: merged weights, config, "
+                                                                     "tokenizer; adapter: the LoRA adapter")] = "model",
+) -> StreamingResponse:
+    """Download a fine-tuned model or checkpoint as a tar (its files at the archive's root)."""
+    ref, digest = await run_db(request, _download_of, team.team_id, model, settings, fmt)
+    folder, mtime = _download_folder(ref, fmt), ref.created
+    members = await anyio.to_thread.run_sync(dl.model_members, folder, fmt)
+    if digest is None:  # first download of this model: one read pass, then cached in its row
+        digest = await anyio.to_thread.run_sync(dl.tar_sha256, members, mtime)
+        await run_db(request, _cache_digest, team.team_id, ref.id, fmt, digest)
+    headers = {
+        CHECKSUM_HEADER: digest,
+        "Content-Length": str(dl.tar_length(members, mtime)),
+        "Content-Disposition": f'attachment; filename="{dl.archive_name(ref.id, fmt)}"',
+    }
+    return StreamingResponse(dl.tar_stream(members, mtime), media_type="application/x-tar", headers=headers)
+
+
+def _download_folder(ref: ModelRef, fmt: dl.DownloadFormat) -> Path:
+    if ref.kind not in ("fine-tuned", "checkpoint") or ref.path is None:
+        raise APIError(400, f"The model '{ref.id}' is a base model of the service; only fine-tuned models and "
+                            "checkpoints can be downloaded", param="model", code="model_not_downloadable")
+    if fmt == "adapter" and ref.adapter_path is None:
+        raise APIError(400, f"The model '{ref.id}' has no LoRA adapter (it was not trained with LoRA); "
+                            "download format=model", param="format", code="no_adapter")
+    return ref.path
+
+
+def _download_of(session: Session, team_id: str, model: str, settings: Settings,
+                 fmt: dl.DownloadFormat) -> tuple[ModelRef, str | None]:
+    """The model to download and the tar's cached checksum (None before its first download)."""
+    ref = resolve_model(session, team_id, model, settings)
+    row = find_model(session, team_id, ref.id) if ref.kind in ("fine-tuned", "checkpoint") else None
+    if row is None:
+        return ref, None
+    return ref, row.adapter_sha256 if fmt == "adapter" else row.content_sha256
+
+
+def _cache_digest(session: Session, team_id: str, model_id: str, fmt: dl.DownloadFormat, digest: str) -> None:
+    row = find_model(session, team_id, model_id)
+    if row is None:
+        return
+    if fmt == "adapter":
+        row.adapter_sha256 = digest
+    else:
+        row.content_sha256 = digest
+    session.commit()
+
+
+@router.get("/{model:path}", response_model=ModelObject, responses=error_responses(400, 404))
+async def retrieve_model(model: str, request: Request, team: TeamDep, settings: SettingsDep) -> dict[str, Any]:
+    ref = await run_db(request, resolve_model, team.team_id, model, settings)
+    return model_object(ref)
+
+
+@router.delete("/{model:path}", response_model=ModelDeleted, responses=error_responses(400, 403, 404, 409))
+async def delete_model(model: str, request: Request, team: TeamDep, settings: SettingsDep) -> ModelDeleted:
+    """Delete one of the team's fine-tuned models or checkpoints: its files and its id."""
+    return await run_db(request, _delete_model, team.team_id, model, settings)
+
+
+def _delete_model(session: Session, team_id: str, model: str, settings: Settings) -> ModelDeleted:
+    ref = resolve_model(session, team_id, model, settings)
+    if ref.kind in ("builtin", "base"):
+        raise APIError(403, f"The model '{ref.id}' is a base model of the service and cannot be deleted",
+                       param="model", code="model_not_deletable")
+    row = session.get(RegisteredModel, ref.id, with_for_update=True)
+    assert row is not None  # resolve_model found it
+    job = session.get(FineTuningJob, row.job_id)
+    if job is not None and not JobStatus(job.status).terminal:
+        raise APIError(409, f"The model '{ref.id}' is a checkpoint of job {job.id}, which is {job.status}; "
+                            "cancel the job or wait until it finishes", param="model", code="job_not_finished")
+    row.deleted_at = utcnow()
+    if row.step_number is not None:
+        session.execute(delete(JobCheckpoint).where(JobCheckpoint.job_id == row.job_id,
+                                                    JobCheckpoint.step_number == row.step_number))
+    _remove_files(Path(row.path), settings.resolved_jobs_dir)  # an error here leaves the row as it was
+    session.commit()
+    return ModelDeleted(id=ref.id)
+
+
+def _remove_files(folder: Path, jobs_dir: Path) -> None:
+    """Remove a model's folder, only when it is inside ``jobs_dir`` (whatever a row says)."""
+    resolved = folder.resolve()
+    if not resolved.is_relative_to(jobs_dir.resolve()) or resolved == jobs_dir.resolve():
+        log.warning("model folder %s is not under %s; its files are left alone", folder, jobs_dir)
+        return
+    if folder.is_dir():
+        shutil.rmtree(folder)
+        OUTPUT_SIZES.forget(folder.parent)

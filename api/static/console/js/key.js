@@ -1,0 +1,39 @@
+// The API key section: keep the pasted key (this tab, or this device), check it against the server.
+
+import { forgetKey, getKey, keyRemembered, setKey } from "./api.js";
+import { $ } from "./dom.js";
+import { showError, showInfo } from "./errors.js";
+import { loadModels } from "./models.js";
+
+export function initKey(bus) {
+  const form = $("#key-form");
+  const input = $("#api-key");
+  const remember = $("#remember-key");
+  const status = $("#key-status");
+
+  async function check() {
+    try {
+      const models = await loadModels();
+      showInfo(status, `Key accepted: ${models.length} models available.`);
+      bus.dispatchEvent(new CustomEvent("models", { detail: models }));
+      bus.dispatchEvent(new CustomEvent("key"));
+    } catch (err) {
+      showError(status, err);
+    }
+  }
+
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    setKey(input.value.trim(), remember.checked);
+    input.value = "";
+    check();
+  });
+  $("#forget-key").addEventListener("click", () => {
+    forgetKey();
+    showInfo(status, "Key forgotten.");
+  });
+
+  remember.checked = keyRemembered();
+  if (getKey()) check();
+  else showInfo(status, "Paste your team's API key (zenflow keys create --team NAME).");
+}

@@ -1,0 +1,262 @@
+"""Model ids, /v1/models and downloads: a tiny LoRA job run through the real job runner (in-process,
+PostgreSQL) registers ``ft:`` ids for its result and checkpoints; the openai SDK lists and retrieves
+them; a team never sees, downloads, deletes or trains on another team's model; a job's ``model`` is
+never a server path; the downloaded tar loads with ``from_pretrained``; a job continues from an
+``ft:`` checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from store.models import FineTuningJob, JobStatus, RegisteredModel
+from store.settings import Settings
+from tests.api.conftest import (
+    TEST_API_SETTINGS,
+    Enqueued,
+    ServerThread,
+    TeamKey,
+    chat_jsonl,
+    error_of,
+    make_team,
+    uploaded_id,
+)
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+JOBS = "/v1/fine_tuning/jobs"
+LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+#: 16 examples (8 after the first job), batch 4: 4 steps, checkpoints at 2 and 4.
+HYPER = {"n_epochs": 1, "batch_size": 4, "max_seq_length": 64, "checkpoint_every": 2}
+
+
+@dataclass
+class Trained:
+    team: TeamKey
+    other: TeamKey
+    job_id: str
+    model: str
+    checkpoints: list[str]
+
+
+@pytest.fixture(scope="module")
+def msettings(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    root = tmp_path_factory.mktemp("zf-models")
+    return settings.model_copy(update={"data_dir": root / "var", "model_roots": [root / "roots"]})
+
+
+@pytest.fixture(scope="module")
+def mapp(msettings: Settings) -> FastAPI:
+    from api.app import create_app
+
+    return create_app(msettings, TEST_API_SETTINGS, enqueue=Enqueued())
+
+
+@pytest.fixture(scope="module")
+def mclient(mapp: FastAPI) -> Iterator[TestClient]:
+    with TestClient(mapp) as c:
+        yield c
+
+
+def _run(mclient: TestClient, msettings: Settings, team: TeamKey, body: dict[str, Any]) -> dict[str, Any]:
+    """Create a job through the API and run it with the job runner, in this process."""
+    from trainer.worker.job_runner import run_job_process
+
+    r = mclient.post(JOBS, headers=team.headers, json=body)
+    assert r.status_code == 200, r.text
+    assert run_job_process(r.json()["id"], settings=msettings) == 0
+    job: dict[str, Any] = mclient.get(f"{JOBS}/{r.json()['id']}", headers=team.headers).json()
+    assert job["status"] == "succeeded", job
+    return job
+
+
+@pytest.fixture(scope="module")
+def trained(mapp: FastAPI, mclient: TestClient, msettings: Settings) -> Trained:
+    team, other = make_team(mapp, "Models Team"), make_team(mapp)
+    fid = uploaded_id(mclient, team, chat_jsonl(16))
+    hp = {**HYPER, "lora": LORA}
+    job = _run(mclient, msettings, team, {"model": "tiny-llama", "training_file": fid, "suffix": "ids",
+                                          "seed": 1, "hyperparameters": hp})
+    ckpts = mclient.get(f"{JOBS}/{job['id']}/checkpoints", headers=team.headers).json()["data"]
+    # A folder under the model roots, named by its relative path: the job's own result as a "base model".
+    with mapp.state.sessionmaker() as s:
+        row = s.get(RegisteredModel, job["fine_tuned_model"])
+        assert row is not None
+        shutil.copytree(row.path, msettings.model_roots[0] / "org" / "base-model",
+                        ignore=shutil.ignore_patterns("adapter"))
+    checkpoints = [c["fine_tuned_model_checkpoint"] for c in ckpts]
+    return Trained(team, other, job["id"], job["fine_tuned_model"], checkpoints)
+
+
+def test_ids_have_openais_shape(trained: Trained, mclient: TestClient) -> None:
+    assert trained.model == f"ft:tiny-llama:Models-Team:ids:{trained.job_id}"
+    assert sorted(trained.checkpoints) == [f"{trained.model}:ckpt-step-2", f"{trained.model}:ckpt-step-4"]
+
+
+def test_sdk_lists_and_retrieves_only_the_teams_models(trained: Trained, mapp: FastAPI) -> None:
+    with ServerThread(mapp) as server:
+        mine = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=trained.team.key, max_retries=0)
+        theirs = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=trained.other.key, max_retries=0)
+        listed = {m.id: m for m in mine.models.list()}
+        assert {"tiny-llama", "small-llama", "org/base-model", trained.model, *trained.checkpoints} <= set(listed)
+        assert listed[trained.model].owned_by == "Models Team" and listed[trained.model].object == "model"
+        assert listed["org/base-model"].owned_by == "system"
+        got = mine.models.retrieve(trained.model)
+        assert got.id == trained.model and got.created == listed[trained.model].created > 0
+        assert mine.models.retrieve("org/base-model").id == "org/base-model"
+
+        their_ids = {m.id for m in theirs.models.list()}
+        assert {"tiny-llama", "org/base-model"} <= their_ids and not their_ids & {trained.model, *trained.checkpoints}
+        with pytest.raises(openai.NotFoundError) as foreign:
+            theirs.models.retrieve(trained.model)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            theirs.models.retrieve(trained.model + "0")
+    assert foreign.value.code == unknown.value.code == "model_not_found"
+    foreign_body, unknown_body = foreign.value.body, unknown.value.body
+    assert isinstance(foreign_body, dict) and isinstance(unknown_body, dict)
+    assert foreign_body["message"].replace(trained.model, "X") == unknown_body["message"].replace(
+        trained.model + "0", "X")
+
+
+def _download(mclient: TestClient, team: TeamKey, model: str, **params: str) -> Any:
+    return mclient.get(f"/v1/models/{model}/content", headers=team.headers, params=params)
+
+
+def test_download_extracts_and_loads_with_from_pretrained(
+    trained: Trained, mclient: TestClient, mapp: FastAPI, tmp_path: Path
+) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    r = _download(mclient, trained.team, trained.model)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-tar"
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert r.headers["x-checksum-sha256"] == hashlib.sha256(r.content).hexdigest()
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "model", filter="data")
+    assert "model.safetensors" in names and "config.json" in names
+    assert not any(n.startswith("adapter") or n.endswith((".pt", "zenflow_checkpoint.json")) for n in names)
+    again = _download(mclient, trained.team, trained.model)  # the cached checksum still holds: same bytes
+    assert again.content == r.content and again.headers["x-checksum-sha256"] == r.headers["x-checksum-sha256"]
+
+    with mapp.state.sessionmaker() as s:
+        server_side = s.get(RegisteredModel, trained.model).path
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "model", local_files_only=True)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(server_side, local_files_only=True)(ids).logits
+    assert torch.equal(got, want)
+
+    adapter = _download(mclient, trained.team, trained.checkpoints[0], format="adapter")
+    assert adapter.status_code == 200, adapter.text
+    assert adapter.headers["x-checksum-sha256"] == hashlib.sha256(adapter.content).hexdigest()
+    with tarfile.open(fileobj=io.BytesIO(adapter.content)) as tar:
+        tar.extractall(tmp_path / "adapter", filter="data")
+    weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert weights and all("lora_" in k for k in weights)
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+def test_download_errors(trained: Trained, mclient: TestClient) -> None:
+    foreign = _download(mclient, trained.other, trained.model)
+    unknown = _download(mclient, trained.other, "ft:nope")
+    assert foreign.status_code == unknown.status_code == 404
+    assert error_of(foreign)["code"] == error_of(unknown)["code"] == "model_not_found"
+    assert _download(mclient, trained.other, trained.model, format="adapter").status_code == 404
+    bad = _download(mclient, trained.team, trained.model, format="zip")
+    assert bad.status_code == 400 and error_of(bad)["param"] == "format"
+    base = _download(mclient, trained.team, "tiny-llama")
+    assert base.status_code == 400 and error_of(base)["code"] == "model_not_downloadable"
+
+
+@pytest.mark.parametrize("model", ["/etc", "/tmp/../etc", "../roots/org/base-model", "org/../../var",
+                                   "~/models", "org\\base-model", "./org/base-model"])
+def test_a_job_never_names_a_server_path(trained: Trained, mclient: TestClient, model: str) -> None:
+    fid = uploaded_id(mclient, trained.team)
+    r = mclient.post(JOBS, headers=trained.team.headers, json={"model": model, "training_file": fid})
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == "model" and error_of(r)["code"] == "invalid_model"
+
+
+def test_a_job_names_builtin_base_and_own_models_only(trained: Trained, mclient: TestClient) -> None:
+    for team, model, status in [
+        (trained.team, "org/base-model", 200), (trained.team, trained.checkpoints[0], 200),
+        (trained.team, "gpt-17", 404), (trained.team, "org/missing", 404),
+        (trained.other, trained.model, 404), (trained.other, trained.checkpoints[0], 404),
+    ]:
+        fid = uploaded_id(mclient, team)
+        body = {"model": model, "training_file": fid, "hyperparameters": HYPER}
+        r = mclient.post(JOBS, headers=team.headers, json=body)
+        assert r.status_code == status, (model, r.text)
+        if status == 404:
+            assert error_of(r)["param"] == "model" and error_of(r)["code"] == "model_not_found"
+        else:
+            assert r.json()["model"] == model  # the job shows the id, never the folder
+
+
+def test_a_job_continues_from_an_ft_checkpoint(trained: Trained, mclient: TestClient, msettings: Settings) -> None:
+    fid = uploaded_id(mclient, trained.team)
+    ckpt = trained.checkpoints[-1]
+    job = _run(mclient, msettings, trained.team, {"model": ckpt, "training_file": fid, "hyperparameters": HYPER})
+    assert job["model"] == ckpt
+    # the base of the new ids is the original base model's, as OpenAI names models trained from ft: models
+    assert job["fine_tuned_model"] == f"ft:tiny-llama:Models-Team::{job['id']}"
+    no_adapter = _download(mclient, trained.team, job["fine_tuned_model"], format="adapter")
+    assert no_adapter.status_code == 400 and error_of(no_adapter)["param"] == "format"
+
+
+def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings: Settings) -> None:
+    from store.model_registry import register_checkpoint
+    from trainer.worker.job_runner import run_job_process
+
+    h, other = trained.team.headers, trained.other.headers
+    for base in ("tiny-llama", "org/base-model"):
+        r = mclient.delete(f"/v1/models/{base}", headers=h)
+        assert r.status_code == 403 and error_of(r)["code"] == "model_not_deletable"
+    assert mclient.delete(f"/v1/models/{trained.model}", headers=other).status_code == 404
+
+    # a checkpoint of a job that still runs stays: the job may resume from it
+    fid = uploaded_id(mclient, trained.team)
+    running = mclient.post(JOBS, headers=h, json={"model": "tiny-llama", "training_file": fid}).json()["id"]
+    folder = msettings.resolved_jobs_dir / running / "checkpoint-000001"
+    folder.mkdir(parents=True)
+    with mapp.state.sessionmaker() as s:
+        s.get(FineTuningJob, running).status = JobStatus.running.value
+        live = register_checkpoint(s, running, 1, str(folder))
+        s.commit()
+    r = mclient.delete(f"/v1/models/{live}", headers=h)
+    assert r.status_code == 409 and error_of(r)["code"] == "job_not_finished" and folder.is_dir()
+
+    ckpt = trained.checkpoints[0]
+    waiting = mclient.post(JOBS, headers=h, json={"model": ckpt, "training_file": fid, "hyperparameters": HYPER})
+    assert waiting.status_code == 200, waiting.text
+    with mapp.state.sessionmaker() as s:
+        path = Path(s.get(RegisteredModel, ckpt).path)
+    r = mclient.delete(f"/v1/models/{ckpt}", headers=h)
+    assert r.status_code == 200 and r.json() == {"id": ckpt, "object": "model", "deleted": True}
+    assert not path.exists()
+    assert mclient.get(f"/v1/models/{ckpt}", headers=h).status_code == 404
+    assert ckpt not in {m["id"] for m in mclient.get("/v1/models", headers=h).json()["data"]}
+    listed = mclient.get(f"{JOBS}/{trained.job_id}/checkpoints", headers=h).json()["data"]
+    assert ckpt not in {c["fine_tuned_model_checkpoint"] for c in listed}
+    assert mclient.delete(f"/v1/models/{ckpt}", headers=h).status_code == 404
+    r = mclient.post(JOBS, headers=h, json={"model": ckpt, "training_file": fid})
+    assert r.status_code == 404 and error_of(r)["param"] == "model"
+    # a job created before the delete fails when it starts, naming the model
+    assert run_job_process(waiting.json()["id"], settings=msettings) == 0
+    failed = mclient.get(f"{JOBS}/{waiting.json()['id']}", headers=h).json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "model_not_found"
+    assert failed["error"]["param"] == "model" and ckpt in failed["error"]["message"]

@@ -1,0 +1,278 @@
+"""The self-serve console (/console, api/console.py + api/static/console/) in a real browser: headless
+Debian Chromium driven by Playwright against ``zenflow serve`` (PostgreSQL, Redis, its in-process Celery
+worker). Through the page: paste a key, a refused upload's errors by line, the sample uploaded, a job
+created and followed to ``succeeded`` (charts, events, checkpoints), the model downloaded, a streamed
+chat answer; a screenshot of the page is written and checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from api.server import free_port
+from tests.support import REDIS_URL, create_database, drop_database, require_redis, unavailable
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_console_is_served_with_a_strict_policy(tmp_path: Path) -> None:
+    """Static files under a same-origin-only CSP, ES modules as JavaScript, the vendored chart
+    library with its licence, the usual error object for a missing file; no inline script."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from api.config import ApiSettings
+    from store.settings import Settings
+
+    app = create_app(Settings(_env_file=None, data_dir=tmp_path),  # type: ignore[call-arg]
+                     ApiSettings(_env_file=None, migrate_on_start=False))  # type: ignore[call-arg]
+    client = TestClient(app)
+    r = client.get("/console", follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].endswith("/console/")
+    index = client.get("/console/")
+    assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+    csp = index.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "script-src 'self'" in csp and "'unsafe-inline'" not in csp
+    assert index.headers["x-content-type-options"] == "nosniff"
+    assert "<script>" not in index.text and 'type="module" src="js/app.js"' in index.text
+    js = client.get("/console/js/app.js")
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert client.get("/console/vendor/uplot/LICENSE").text.startswith("The MIT License")
+    missing = client.get("/console/js/nope.js")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    # No page module builds HTML from strings: server text only ever becomes text nodes.
+    for module in (ROOT / "api/static/console/js").glob("*.js"):
+        source = module.read_text()
+        assert "innerHTML" not in source and "insertAdjacentHTML" not in source, module.name
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    database_url: str
+    log: Path
+
+    def team_key(self) -> tuple[str, str]:
+        """A new team and key in the server's database: (team name, key)."""
+        from sqlalchemy.orm import Session
+
+        from api.auth import create_key, create_team
+        from store.db import make_engine
+
+        engine = make_engine(self.database_url)
+        try:
+            with Session(engine) as s:
+                team = create_team(s, f"console-{secrets.token_hex(3)}")
+                _, key = create_key(s, team, "console test")
+                s.commit()
+                return team.name, key
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """``zenflow serve --worker`` on a private PostgreSQL database and Redis queue."""
+    import redis
+
+    redis_url = require_redis(REDIS_URL)
+    database_url = create_database("zf_console")
+    queue = f"zf-test-console-{secrets.token_hex(4)}"
+    data_dir = tmp_path_factory.mktemp("zf-console")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
+    env.update(ZENFLOW_DATABASE_URL=database_url, ZENFLOW_BROKER_URL=redis_url, ZENFLOW_DEFAULT_QUEUE=queue,
+               ZENFLOW_DATA_DIR=str(data_dir / "var"), ZENFLOW_API_STREAM_POLL_SECONDS="0.1",
+               PYTHONUNBUFFERED="1")
+    port = free_port()
+    log = data_dir / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker",
+             "--no-reaper", "--log-level", "warning"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield LiveServer(base, database_url, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        drop_database(database_url)
+        r = redis.Redis.from_url(redis_url)
+        for key in r.scan_iter(f"*{queue}*"):
+            r.delete(key)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Headless Debian Chromium (never Playwright's own download)."""
+    if not CHROMIUM.exists():
+        unavailable(f"Chromium is not installed at {CHROMIUM} (scripts/bootstrap.sh installs the Debian package)")
+    from playwright.sync_api import sync_playwright
+
+    args = ["--no-sandbox"] if os.geteuid() == 0 else []  # Chromium's sandbox refuses to run as root
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=args)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _page_problems(page: Page) -> list[str]:
+    """Uncaught exceptions and console errors (a CSP refusal is one) the page reports, as they come.
+    Chromium also logs each 4xx answer as "Failed to load resource": those are expected here."""
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"uncaught: {exc}"))
+    page.on("console", lambda msg: problems.append(msg.text)
+            if msg.type == "error" and not msg.text.startswith("Failed to load resource") else None)
+    return problems
+
+
+def test_console_upload_create_follow_download_chat(browser: Browser, live_server: LiveServer,
+                                                    tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    from trainer.samples import TRAIN_FILE, VALID_FILE
+
+    team, key = live_server.team_key()
+    page = browser.new_page(accept_downloads=True, viewport={"width": 1280, "height": 900})
+    problems = _page_problems(page)
+    page.set_default_timeout(30_000)
+    expect.set_options(timeout=30_000)  # a loaded CI machine: a create checks and tokenizes the data first
+    page.goto(f"{live_server.base_url}/console/")
+
+    page.get_by_label("Key", exact=True).fill(key)
+    page.get_by_role("button", name="Use key").click()
+    expect(page.locator("#key-status")).to_contain_text("Key accepted")
+
+    # A refused upload: the server's errors, by line, in a table.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(TRAIN_FILE.read_text().splitlines()[0] + '\n{"messages": "not a list"}\n')
+    page.get_by_label("JSONL file").set_input_files(bad)
+    page.get_by_role("button", name="Upload").click()
+    errors = page.locator("#upload-result table.line-errors tbody tr")
+    expect(errors).to_have_count(1)
+    expect(errors.locator("td").first).to_have_text("2")
+    expect(page.locator("#upload-result")).to_have_attribute("role", "alert")
+
+    # The sample, one file under a name with markup in it: shown as text, never parsed.
+    marked = "<img src=x onerror=alert(1)>capitals.jsonl"
+    for name, path in ((marked, TRAIN_FILE), ("capitals_valid.jsonl", VALID_FILE)):
+        page.get_by_label("JSONL file").set_input_files(
+            files=[{"name": name, "mimeType": "application/jsonl", "buffer": path.read_bytes()}])
+        page.get_by_role("button", name="Upload").click()
+        expect(page.locator("#files-table tbody")).to_contain_text(name)
+    assert page.locator("img").count() == 0
+
+    # A job through the form: tiny-llama, 1 epoch of 128 examples at batch 16 = 8 steps.
+    page.locator("#job-model").select_option("tiny-llama")
+    page.locator("#job-training-file").select_option(label=page.locator(
+        "#job-training-file option", has_text=marked).inner_text())
+    page.locator("#job-validation-file").select_option(label=page.locator(
+        "#job-validation-file option", has_text="capitals_valid.jsonl").inner_text())
+    page.get_by_label("Epochs").fill("100000")  # over the server's max_n_epochs: refused, the field marked
+    page.get_by_role("button", name="Create job").click()
+    expect(page.locator("#job-form-result")).to_contain_text("field hyperparameters.n_epochs")
+    expect(page.get_by_label("Epochs")).to_have_attribute("aria-invalid", "true")
+    page.get_by_label("Epochs").fill("1")
+    page.get_by_label("Batch size").fill("16")
+    page.get_by_label("Evaluate every (steps)").fill("4")
+    page.get_by_label("Checkpoint every (steps)").fill("4")
+    page.get_by_label("Engine mode").select_option("zenflow")
+    page.get_by_label("Top-k ratio").fill("0.1")
+    page.get_by_label("Update interval (steps)").fill("2")
+    page.get_by_role("button", name="Create job").click()
+    expect(page.locator("#job-form-result")).to_contain_text("Created")
+    expect(page.locator("#job-section")).to_be_visible()
+    expect(page.locator("#job-id")).to_have_text(re.compile(r"^ftjob-"))
+    job_id = page.locator("#job-id").inner_text()
+
+    expect(page.locator("#job-status")).to_have_text("succeeded", timeout=180_000)
+    ft_id = f"ft:tiny-llama:{team}::{job_id}"
+    expect(page.locator("#job-result-model")).to_have_text(ft_id)
+    expect(page.locator("#job-progress-text")).to_have_text("step 8 of 8")
+    expect(page.locator("#events-log")).to_contain_text("Job succeeded")
+    expect(page.locator("#events-status")).to_have_text("The job has finished.")
+    # The charts, fed by the metrics endpoint: every step, validation loss where it was evaluated.
+    expect(page.locator("#chart-loss-latest")).to_contain_text("train loss")
+    expect(page.locator("#chart-loss-latest")).to_contain_text("validation loss")
+    expect(page.locator("#chart-loss-latest")).to_contain_text("at step 8")
+    expect(page.locator("#chart-stall-latest")).to_contain_text("%")
+    expect(page.locator("#chart-tokens-latest")).to_contain_text("tokens/s")
+    expect(page.locator("#charts canvas")).to_have_count(4)
+    expect(page.locator("#checkpoints-table tbody tr")).to_have_count(2)
+    expect(page.locator("#checkpoints-table tbody tr").first).to_contain_text(f"{ft_id}:ckpt-step-8")
+
+    # The model, downloaded through the page, checksum verified in the browser.
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Download model").click()
+    saved = tmp_path / "model.tar"
+    download.value.save_as(saved)
+    expect(page.locator("#download-status")).to_contain_text("SHA-256 verified")
+    with tarfile.open(saved) as tar:
+        assert {"config.json", "model.safetensors"} <= set(tar.getnames())
+
+    # A streamed chat answer equals the API's greedy answer to the same request.
+    page.get_by_role("button", name="Chat with this model").click()
+    expect(page.locator("#chat-model")).to_have_value(ft_id)
+    page.get_by_label("Max tokens").fill("16")
+    question = "What is the capital of France?"
+    page.get_by_label("Message", exact=True).fill(question)
+    page.get_by_role("button", name="Send").click()
+    reply = page.locator("#chat-log li.assistant")
+    expect(reply).to_have_attribute("data-state", "done", timeout=60_000)
+    expect(page.locator("#chat-status")).to_contain_text("completion tokens")
+    shown = reply.locator(".text").text_content()
+    expected = _chat(live_server.base_url, key, ft_id, question, max_tokens=16)
+    assert shown == expected["choices"][0]["message"]["content"]
+    assert reply.get_attribute("data-completion-tokens") == str(expected["usage"]["completion_tokens"])
+    assert expected["usage"]["completion_tokens"] >= 1
+
+    shot = tmp_path / "console.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.read_bytes()[:8] == PNG_MAGIC and shot.stat().st_size > 10_000
+    assert problems == [], problems
+
+
+def _chat(base_url: str, key: str, model: str, question: str, *, max_tokens: int) -> dict[str, Any]:
+    """The non-streamed answer to what the page sent (temperature 0: greedy)."""
+    r = httpx.post(f"{base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                   json={"model": model, "messages": [{"role": "user", "content": question}],
+                         "temperature": 0, "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = json.loads(r.text)
+    return body
