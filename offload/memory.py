@@ -38,8 +38,8 @@ Device, beyond the model's weights and gradients:
   the parameter dtype, or an fp32 work copy for fp32 weights: 4 + g or 8 B per selected element).
 
 Not counted: with host accumulation the worker holds each step's split gradients (the model's own
-``.grad`` tensors, ``g`` B/element on the device) until it has streamed them to the host, at most two
-steps' worth, normally done within the next forward pass; a reselection gathers the new columns' fp32
+``.grad`` tensors, ``g`` B/element on the device) until it has streamed them to the host, each one
+released as soon as its last chunk is copied (normally within the next forward pass); a reselection gathers the new columns' fp32
 master values in transient host memory (4 B per selected element) for the upload.
 """
 

@@ -431,6 +431,9 @@ class ZenFlowMode(Mode):
                     base = store.offsets[i] + a - lo
                     slot[base : base + b - a].zero_()
             store.accumulate(acc[lo:hi], slot[: hi - lo], alpha=alpha, first=first, num_threads=self.threads)
+            for i, _, _ in pieces(lo, hi):  # a gradient wholly copied: let the device reuse its memory now,
+                if store.offsets[i] + store.numels[i] <= hi:  # not at the end of the task (the next
+                    grads[i] = None  # backward allocates its own while this one may still be held)
             if nxt is not None:
                 pending = nxt
 

@@ -134,8 +134,8 @@ def _upsert(session: Session, job: FineTuningJob, model_id: str, kind: ModelKind
         row = RegisteredModel(id=model_id, team_id=job.team_id, job_id=job.id, kind=kind.value,
                               base_model=_base_of(session, job))
         session.add(row)
-    elif row.path != path:  # rewritten (a resumed run): the cached tar checksums no longer hold
-        row.content_sha256 = row.adapter_sha256 = None
+    else:  # recorded again (a resumed run may have rewritten the files; the tar's mtimes change too):
+        row.content_sha256 = row.adapter_sha256 = None  # the cached checksums no longer hold
     row.step_number, row.path, row.adapter_path = step, path, _adapter_path(path)
     row.created_at, row.deleted_at = utcnow(), None
     return row

@@ -174,8 +174,11 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     h100 = Machine.for_gpu("h100", host_memory_bytes=128 * GiB)
     two = plan_job(_spec(d, hyperparameters={"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 2}), h100)
     assert two.fits and two.settings.gradient_checkpointing and two.settings.micro_batch_size == 2
-    four = plan_job(_spec(d, hyperparameters={"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 4}), h100)
+    hp4 = {"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 4}
+    four = plan_job(_spec(d, hyperparameters=hp4, engine={"mode": "zenflow"}), h100)
     assert not four.fits and [p.loc for p in four.problems] == [("hyperparameters", "micro_batch_size")]
+    # with engine.mode auto it runs in offload mode instead (no device-side column state or buffers)
+    assert plan_job(_spec(d, hyperparameters=hp4), h100).settings.mode == "offload"
 
 
 def test_a_too_small_host_names_the_field_and_the_numbers(tmp_path: Path) -> None:
@@ -212,6 +215,20 @@ def test_engine_mode_auto_picks_device_for_lora_and_small_models(tmp_path: Path)
     assert JobSpec(model="tiny-llama", training_file="t.jsonl").engine.mode == "auto"
     given = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"mode": "auto", "accumulate_on": "auto"})
     assert given.engine.topk_ratio == 0.25  # an explicit auto keeps the model's engine defaults
+
+
+def test_engine_mode_auto_falls_back_to_offload_when_only_offload_fits(tmp_path: Path) -> None:
+    """An 8B full fine-tune on an L40S (48 GB): zenflow's device-side columns and landing buffers do not
+    fit beside the model, offload mode does; auto picks offload, and zenflow asked for by name is
+    refused with engine.mode named as the field to change."""
+    d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
+    l40s = Machine.for_gpu("l40s", host_memory_bytes=128 * GiB)
+    plan = plan_job(_spec(d, hyperparameters={"max_seq_length": 4096}), l40s)
+    assert plan.fits and plan.settings.mode == "offload"
+    assert not plan.modes["zenflow"].fits and any("auto -> offload" in r for r in plan.reasons)
+    named = plan_job(_spec(d, hyperparameters={"max_seq_length": 4096}, engine={"mode": "zenflow"}), l40s)
+    assert not named.fits and named.problems[0].loc == ("engine", "mode")
+    assert "set engine.mode offload" in named.problems[0].message
 
 
 def test_run_records_its_plan_and_runs_the_chosen_mode(tmp_path: Path) -> None:

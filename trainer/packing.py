@@ -14,12 +14,14 @@ Mechanism, all transformers 5.x's own:
   implementations, while ``flash_attention_2``/``_3`` get the sequence boundaries for their varlen
   kernels.
 
-Attention implementation (:func:`use_packing_attention`): ``sdpa`` on CPU (the block-diagonal mask;
-isolation is proved on CPU by tests/test_trainer_microbatch.py), and on CUDA ``flash_attention_2``
-when the flash-attn package is installed and the parameters are bf16/fp16 (varlen: no padding and no
-mask materialized), else ``sdpa`` with the block-diagonal mask (rows x L x L booleans per layer
-call). Rows of one micro-batch are padded to the longest; the padding is a segment of its own
-(positions from 0, labels ignored), so it attends only to itself.
+Attention implementation (:func:`use_packing_attention`): ``sdpa`` with the block-diagonal mask
+(rows x L x L booleans per layer call) on CPU and on CUDA; isolation is proved by
+tests/test_trainer_microbatch.py. Not ``flash_attention_2``: transformers (5.24) detects packed
+sequences for its varlen kernels only in a batch of one row, so with several packed rows per
+micro-batch it would run plain causal attention over each row and let examples attend to each other.
+(Using it would need each micro-batch flattened into one row; to be measured on a GPU first.) Rows of
+one micro-batch are padded to the longest; the padding is a segment of its own (positions from 0,
+labels ignored), so it attends only to itself.
 """
 
 from __future__ import annotations
@@ -91,15 +93,9 @@ def use_packing_attention(model: Any, device: torch.device, dtype: torch.dtype) 
 
     Raises ValueError for a model whose forward takes no ``position_ids`` (it could not restart them).
     """
-    import torch
-    from transformers.utils import is_flash_attn_2_available
-
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise ValueError(f"packing needs position_ids, which {type(model).__name__} does not take; set packing to false")
-    wanted = "sdpa"
-    half = dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cuda" and half and getattr(model, "_supports_flash_attn", False) and is_flash_attn_2_available():
-        wanted = "flash_attention_2"
+    wanted = "sdpa"  # on every device: see the module docstring for why not flash_attention_2
     if model.config._attn_implementation != wanted:
         model.set_attn_implementation(wanted)
     return str(model.config._attn_implementation)

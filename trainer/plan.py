@@ -284,7 +284,13 @@ def plan_job(
                    f"{DEVICE_ROOM:.0%} of the usable {format_bytes(_device_capacity(machine))}") if dev.fits else (
                    f"device mode needs {format_bytes(dev.device_total)} of device memory, {format_bytes(_device_capacity(machine))} "
                    "is usable")
-            reasons.append(f"engine.mode auto -> zenflow: {why}; zenflow keeps the optimizer state on the host")
+            if best["zenflow"].fits or not best["offload"].fits:
+                reasons.append(f"engine.mode auto -> zenflow: {why}; zenflow keeps the optimizer state on the host")
+            else:  # zenflow's device-side columns and buffers do not fit; offload keeps only the model
+                mode = "offload"
+                reasons.append(
+                    f"engine.mode auto -> offload: {why}, and zenflow needs {format_bytes(best['zenflow'].device_total)} "
+                    "(its selected columns' state and landing buffers); offload keeps all optimizer state on the host")
     chosen = best[mode]
     reasons += _setting_reasons(spec, chosen)
     if mode == "zenflow" and spec.engine.accumulate_on != "auto" and machine.device_type == "cuda":
@@ -340,6 +346,10 @@ def _accumulator_hint(job: _Job, c: _Candidate) -> list[str]:
             f"faster here ({alt.time.step_seconds:.3g} s/step; set it, or auto)"]
 
 
+def _mode_fits(job: _Job, mode: str) -> bool:
+    return _best([_candidate(job, mode, *o) for o in _options(job, mode)]).fits
+
+
 def _problems(job: _Job, c: _Candidate) -> list[Problem]:
     spec, m = job.spec, job.machine
     out: list[Problem] = []
@@ -354,6 +364,9 @@ def _problems(job: _Job, c: _Candidate) -> list[Problem]:
             loc, fix = ("hyperparameters", "gradient_checkpointing"), "set gradient_checkpointing true or auto"
         elif spec.engine.mode == "device" and m.device_type == "cuda":
             loc, fix = ("engine", "mode"), "set engine.mode zenflow (optimizer state on the host)"
+        elif c.settings.mode == "zenflow" and m.device_type == "cuda" and _mode_fits(job, "offload"):
+            loc, fix = ("engine", "mode"), ("set engine.mode offload (zenflow's selected columns and landing "
+                                            "buffers do not fit beside the model; offload mode does)")
         elif isinstance(spec.hyperparameters.max_seq_length, int):
             loc, fix = ("hyperparameters", "max_seq_length"), "set a shorter max_seq_length or a smaller model"
         else:

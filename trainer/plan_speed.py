@@ -124,9 +124,9 @@ def step_times(
 
     def zenflow(interval: int) -> tuple[float, float, float]:
         g = gpu + full * DEVICE_ADAM_BYTES_PER_PARAM / hbm
-        if on_device:  # an fp32 add on the device per step; one fp32 copy per window
-            g += split * (dtype_bytes + 8) / hbm
-            p = split * (4 + dtype_bytes) / interval / pcie
+        if on_device:  # an fp32 add on the device per step; per window the accumulator goes down
+            g += split * (dtype_bytes + 8) / hbm  # rounded to the param dtype, the new params come up
+            p = split * 2 * dtype_bytes / interval / pcie
             c = split * ADAM_BYTES_PER_PARAM / interval / worker
         else:  # every step's gradient crosses PCIe and is added on the CPU
             p = split * dtype_bytes * (1 + 1 / interval) / pcie

@@ -51,7 +51,14 @@ def encode(loaded: LoadedModel, prompt: Prompt) -> list[int]:
                            code="invalid_value") from e
         # The template writes the special tokens (bos) itself.
         return list(tok(text, add_special_tokens=False)["input_ids"])
-    return list(tok(prompt.text or "")["input_ids"])
+    ids = list(tok(prompt.text or "")["input_ids"])
+    if not ids:  # an empty prompt (OpenAI accepts ""): generation starts from bos, else eos
+        start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        if start is None:
+            raise APIError(400, "The prompt is empty and the model has no bos or eos token to start from",
+                           param=prompt.param, code="invalid_value")
+        ids = [int(start)]
+    return ids
 
 
 def new_token_limit(loaded: LoadedModel, prompt: Prompt, prompt_len: int, req: BuiltinRequest) -> int:

@@ -107,19 +107,25 @@ class VLLMForwarder:
         except httpx.HTTPError as e:
             self._finish(endpoint, "error", started=started)
             raise unavailable(type(e).__name__) from e
-        if response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
-            self._finish(endpoint, "error", started=started)
-            if response.status_code == 404:  # vLLM restarted and lost its adapters: load again next time
-                self._adapters.discard(upstream_model)
-            raise upstream_error(response.status_code, content)
-        if not stream:
+        if response.status_code != 200 or not stream:
+            # A whole answer (or an error) read here: the slot is freed however the read ends (a
+            # timeout, a dropped connection, this request cancelled).
+            outcome = "error"
             try:
                 content = await response.aread()
+                outcome = "ok" if response.status_code == 200 else "error"
+            except httpx.TimeoutException as e:
+                outcome = "timeout"
+                raise APIError(504, "The inference server did not answer in time", code="timeout") from e
+            except httpx.HTTPError as e:
+                raise unavailable(type(e).__name__) from e
             finally:
                 await response.aclose()
-            self._finish(endpoint, "ok", started=started)
+                self._finish(endpoint, outcome, started=started)
+            if response.status_code != 200:
+                if response.status_code == 404:  # vLLM restarted and lost its adapters: load again next time
+                    self._adapters.discard(upstream_model)
+                raise upstream_error(response.status_code, content)
             return JSONResponse(httpx.Response(200, content=content).json())
         upstream = _Upstream(response, partial(self._finish, endpoint, started=started))
         return EventStream(upstream.chunks(), on_close=upstream.close)

@@ -150,6 +150,10 @@ def test_text_completions(server: ServerThread, owner: TeamKey) -> None:
     chunks = list(client.completions.create(model="tiny-llama", prompt="Paris is", max_tokens=5, temperature=0,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text[len("Paris is"):]
+    # an empty prompt (OpenAI accepts "") starts from the model's bos token: an answer, not a 500
+    empty = client.completions.create(model="tiny-llama", prompt=["", "x"], max_tokens=2, temperature=0)
+    assert [c.index for c in empty.choices] == [0, 1] and empty.usage is not None
+    assert empty.usage.prompt_tokens == 1 + len(b"x")
 
 
 @pytest.mark.parametrize(

@@ -174,3 +174,28 @@ def test_foreign_model_never_reaches_vllm(server: ServerThread, app: FastAPI, se
     r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=make_team(app).headers, timeout=60,
                    json={"model": lora_model[0], "messages": MESSAGES})
     assert r.status_code == 404 and len(seen.bodies) == before
+
+
+def test_an_answer_that_fails_mid_read_frees_its_slot() -> None:
+    """vLLM answers 200 and then the body times out: a 504, and the slot is free again (no 429 later)."""
+    from api.errors import APIError
+    from api.inference.vllm import VLLMForwarder
+
+    class TimesOut(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            raise httpx.ReadTimeout("slow upstream")
+            yield b""  # an async generator
+
+    forwarder = VLLMForwarder("http://vllm", timeout_seconds=5, max_requests=1,
+                              transport=httpx.MockTransport(lambda _: httpx.Response(200, stream=TimesOut())))
+
+    async def twice() -> list[int]:
+        codes = []
+        for _ in range(2):
+            with pytest.raises(APIError) as err:
+                await forwarder.forward("/v1/chat/completions", {"model": "m"}, "m", stream=False, endpoint="chat")
+            codes.append(err.value.status_code)
+        return codes
+
+    assert asyncio.run(twice()) == [504, 504]
+    assert forwarder.in_flight == 0
