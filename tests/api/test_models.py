@@ -218,6 +218,29 @@ def test_a_job_continues_from_an_ft_checkpoint(trained: Trained, mclient: TestCl
     assert no_adapter.status_code == 400 and error_of(no_adapter)["param"] == "format"
 
 
+def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(trained: Trained, mclient: TestClient, mapp: FastAPI) -> None:
+    """The writer may record a checkpoint again at the same path (a replayed report, a resumed run that
+    rewrote it): the tar's mtimes follow the row, so the cached checksum must not outlive it."""
+    import time
+
+    from store.model_registry import register_checkpoint
+
+    ckpt = trained.checkpoints[0]
+    first = _download(mclient, trained.team, ckpt)
+    assert first.headers["x-checksum-sha256"] == hashlib.sha256(first.content).hexdigest()
+    with mapp.state.sessionmaker() as s:
+        row = s.get(RegisteredModel, ckpt)
+        assert row is not None and row.step_number is not None
+        path, step = row.path, row.step_number
+    time.sleep(1.1)  # tar mtimes have a resolution of one second
+    with mapp.state.sessionmaker() as s:
+        assert register_checkpoint(s, trained.job_id, step, path) == ckpt
+        s.commit()
+    second = _download(mclient, trained.team, ckpt)
+    assert second.status_code == 200
+    assert second.headers["x-checksum-sha256"] == hashlib.sha256(second.content).hexdigest()
+
+
 def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings: Settings) -> None:
     from store.model_registry import register_checkpoint
     from trainer.worker.job_runner import run_job_process
@@ -260,26 +283,3 @@ def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings:
     failed = mclient.get(f"{JOBS}/{waiting.json()['id']}", headers=h).json()
     assert failed["status"] == "failed" and failed["error"]["code"] == "model_not_found"
     assert failed["error"]["param"] == "model" and ckpt in failed["error"]["message"]
-
-
-def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(trained: Trained, mclient: TestClient, mapp: FastAPI) -> None:
-    """The writer may record a checkpoint again at the same path (a replayed report, a resumed run that
-    rewrote it): the tar's mtimes follow the row, so the cached checksum must not outlive it."""
-    import time
-
-    from store.model_registry import register_checkpoint
-
-    ckpt = trained.checkpoints[0]
-    first = _download(mclient, trained.team, ckpt)
-    assert first.headers["x-checksum-sha256"] == hashlib.sha256(first.content).hexdigest()
-    with mapp.state.sessionmaker() as s:
-        row = s.get(RegisteredModel, ckpt)
-        assert row is not None and row.step_number is not None
-        path, step = row.path, row.step_number
-    time.sleep(1.1)  # tar mtimes have a resolution of one second
-    with mapp.state.sessionmaker() as s:
-        assert register_checkpoint(s, trained.job_id, step, path) == ckpt
-        s.commit()
-    second = _download(mclient, trained.team, ckpt)
-    assert second.status_code == 200
-    assert second.headers["x-checksum-sha256"] == hashlib.sha256(second.content).hexdigest()
