@@ -309,7 +309,7 @@ def plan_job(
         activations={"saved": chosen.activations.saved_bytes, "recompute": chosen.activations.recompute_bytes,
                      "transient": chosen.activations.transient_bytes},
         step_seconds=chosen.time.step_seconds, tokens_per_second=chosen.time.tokens_per_second, modes=modes,
-        reasons=reasons, problems=[] if chosen.fits else _problems(job, chosen),
+        reasons=reasons, problems=[] if chosen.fits else _problems(job, chosen, offload_fits=best["offload"].fits),
     )
 
 
@@ -346,11 +346,7 @@ def _accumulator_hint(job: _Job, c: _Candidate) -> list[str]:
             f"faster here ({alt.time.step_seconds:.3g} s/step; set it, or auto)"]
 
 
-def _mode_fits(job: _Job, mode: str) -> bool:
-    return _best([_candidate(job, mode, *o) for o in _options(job, mode)]).fits
-
-
-def _problems(job: _Job, c: _Candidate) -> list[Problem]:
+def _problems(job: _Job, c: _Candidate, *, offload_fits: bool) -> list[Problem]:
     spec, m = job.spec, job.machine
     out: list[Problem] = []
     loc: tuple[str, ...]
@@ -364,7 +360,7 @@ def _problems(job: _Job, c: _Candidate) -> list[Problem]:
             loc, fix = ("hyperparameters", "gradient_checkpointing"), "set gradient_checkpointing true or auto"
         elif spec.engine.mode == "device" and m.device_type == "cuda":
             loc, fix = ("engine", "mode"), "set engine.mode zenflow (optimizer state on the host)"
-        elif c.settings.mode == "zenflow" and m.device_type == "cuda" and _mode_fits(job, "offload"):
+        elif c.settings.mode == "zenflow" and m.device_type == "cuda" and offload_fits:
             loc, fix = ("engine", "mode"), ("set engine.mode offload (zenflow's selected columns and landing "
                                             "buffers do not fit beside the model; offload mode does)")
         elif isinstance(spec.hyperparameters.max_seq_length, int):
