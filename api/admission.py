@@ -1,5 +1,7 @@
 """Admission by capacity at job create: refuse a job whose plan fits no live worker of its queue.
 
+A job on several ranks (``resources.gpus``) is first refused when no live worker runs jobs that large
+(:func:`check_gpus`); its queue is then the one of its size (``trainer.worker.broker.queue_for_gpus``).
 The candidates are the queue's live workers (:func:`store.workers.live_workers`, heartbeat within
 ``worker_live_seconds``) with the capacity each measured at start; with none registered, the
 configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`trainer.worker.capacity.
@@ -43,6 +45,27 @@ def candidates(session: Session, queue: str, settings: Settings) -> list[tuple[s
         return [(f"the default worker (none registered on queue {queue})", default_capacity(settings))]
     except ValueError as e:
         raise APIError(503, f"Admission is misconfigured: {e}", code="server_misconfigured") from e
+
+
+def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
+    """Refuse (400 on ``resources.gpus``, before anything is written) a job on more ranks than any live
+    worker runs per job (``workers.gpus_per_job``). With no worker live at all, one GPU is admitted as
+    always, more only where this process's own settings run them (``cpu_ranks`` and ``gpus_per_job``:
+    the embedded server, whose worker may not have registered yet)."""
+    if gpus <= 1:
+        return
+    served = workers.max_gpus_per_job(session, live_seconds=settings.worker_live_seconds)
+    if served is None:
+        if settings.cpu_ranks and settings.gpus_per_job >= gpus:
+            return
+        message = (f"No worker is live to run a job on {gpus} GPUs: start one with --gpus-per-job {gpus} "
+                   "or ask for resources.gpus 1")
+    elif gpus > served:
+        message = (f"The job asks for {gpus} GPUs, more than any live worker runs: the largest jobs live "
+                   f"workers serve are {served} GPU{'s' if served > 1 else ''}")
+    else:
+        return
+    raise APIError(400, message, param="resources.gpus", code=CODE)
 
 
 def check_capacity(session: Session, spec: Any, settings: Settings, *, queue: str, num_examples: int | None,

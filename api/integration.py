@@ -21,10 +21,10 @@ from api.errors import APIError, validation_error
 from offload.config import EngineConfig
 from store.settings import Settings
 from trainer.data import DatasetValidationError, validate_file
-from trainer.limits import JobLimits, limit_errors
+from trainer.limits import JobLimits, LimitError, limit_errors
 from trainer.model_check import ModelFolderError
 from trainer.model_check import check_model_folder as check_folder
-from trainer.spec import Hyperparameters, JobSpec, LoraSpec, spec_from_job
+from trainer.spec import Hyperparameters, JobSpec, LoraSpec, ResourceSpec, spec_from_job
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ def check_job_spec(
     output_dir: Path,
     limits: JobLimits | None = None,
     num_examples: int | None = None,
+    resources: dict[str, Any] | None = None,
 ) -> JobSpec:
     """Build the trainer's JobSpec from the request so that every field is checked before any write
     (returned, for the capacity check); a refusal is a 400 whose ``param`` is the field path
@@ -111,24 +112,71 @@ def check_job_spec(
 
     With ``limits``, the service's bounds are checked too (trainer.limits.limit_errors: totals from
     ``num_examples``, the training file's count; LoRA target modules against the model's modules).
+    ``resources`` (checked: :func:`check_resources`) gives the job's ranks, each of which needs at least
+    one example of every optimizer step (:func:`rank_batch_errors`).
     """
     fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
     try:
         spec = spec_from_job(
             model=model, training_file=training_file, validation_file=validation_file,
             hyperparameters=hyperparameters, engine=engine, seed=seed, output_dir=output_dir,
+            resources=resources,
         )
     except ValidationError as exc:
         errors = [{**e, "loc": request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()]
         raise validation_error(errors, fields=fields) from exc
-    if limits is None:
-        return spec
-    refused = limit_errors(spec, limits, num_examples=num_examples)
+    refused = limit_errors(spec, limits, num_examples=num_examples) if limits is not None else []
+    refused = refused or rank_batch_errors(spec, num_examples)
     if refused:
         errors = [{"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
                   for r in refused]
         raise validation_error(errors, fields=fields)
     return spec
+
+
+def check_resources(resources: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The request's ``resources`` checked by trainer.spec.ResourceSpec, strictly (``"2"`` or ``2.0`` is
+    no GPU count): the values given, or None when none were; else a 400 naming the field
+    (``resources.gpus``)."""
+    if resources is None:
+        return None
+    try:
+        checked = ResourceSpec.model_validate(resources, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(), prefix="resources", fields=ResourceSpec.model_fields) from exc
+    return checked.model_dump(mode="json", exclude_unset=True)
+
+
+def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitError]:
+    """A job on N ranks splits each optimizer step's batch across them: refuse a batch smaller than N
+    (given, or resolved from ``num_examples``: never more than the examples there are)."""
+    gpus = spec.resources.gpus
+    if gpus <= 1:
+        return []
+    batch = spec.hyperparameters.batch_size
+    need = f"at least resources.gpus ({gpus}): each rank needs one example or more per optimizer step"
+    if batch != "auto" and batch < gpus:
+        return [LimitError(("hyperparameters", "batch_size"), f"is {batch}; it must be {need}")]
+    if not num_examples:
+        return []
+    resolved = spec.resolve(num_examples).batch_size
+    if resolved >= gpus:
+        return []
+    if batch == "auto":
+        return [LimitError(("hyperparameters", "batch_size"),
+                           f"'auto' resolves to {resolved} for {num_examples} examples; give a batch size of {need}")]
+    return [LimitError(("training_file",), f"has {num_examples} examples, so each step's batch is {resolved}; "
+                                           f"it must be {need}")]
+
+
+def job_queue(gpus: int, settings: Settings) -> str:
+    """The queue of a job on ``gpus`` ranks (trainer.worker.broker.queue_for_gpus): the default queue
+    for one GPU, its ``-x<gpus>`` queue for more (only then is the broker module imported)."""
+    if gpus <= 1:
+        return settings.default_queue
+    from trainer.worker.broker import queue_for_gpus
+
+    return queue_for_gpus(gpus, settings.default_queue)
 
 
 def enqueue(job_id: str, queue: str) -> None:

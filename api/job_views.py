@@ -58,6 +58,7 @@ JOB_COLUMNS = (
     FineTuningJob.suffix,
     FineTuningJob.user_metadata,
     FineTuningJob.engine,
+    FineTuningJob.resources,
     FineTuningJob.cancel_requested,
     FineTuningJob.global_step,
     FineTuningJob.total_steps,
@@ -151,6 +152,15 @@ def job_hyperparameters(job: Any) -> dict[str, Any]:
     return hp
 
 
+#: A job's resources when its row gives none (trainer.spec.ResourceSpec's defaults).
+DEFAULT_RESOURCES: dict[str, Any] = {"gpus": 1}
+
+
+def job_resources(job: Any) -> dict[str, Any]:
+    """What the job runs on: the resources the request gave over the defaults (``{"gpus": 1}``)."""
+    return {**DEFAULT_RESOURCES, **(job.resources or {})}
+
+
 def job_dict(job: Any, position: int | None) -> dict[str, Any]:
     """The job object's fields from a job row (ORM object or a Row of ``JOB_COLUMNS``), as plain data:
     validated once, as a whole response, by the endpoint's response model."""
@@ -176,6 +186,7 @@ def job_dict(job: Any, position: int | None) -> dict[str, Any]:
         "metadata": job.user_metadata,
         "estimated_finish": estimated_finish(job),
         "engine": job.engine or {},
+        "resources": job_resources(job),
         "queue_position": position,
         "cancel_requested": job.cancel_requested,
         "progress": {"step": job.global_step or 0, "total_steps": job.total_steps, "attempts": job.attempts or 0},

@@ -2,7 +2,7 @@
 
 Responses parse with the official ``openai`` SDK's types; requests accept what the SDK sends.
 Extras live beside the OpenAI fields: ``engine`` (offload.config.EngineConfig settings),
-``queue_position``, ``progress`` and ``output_dir`` on jobs, and the per-step metrics list.
+``resources`` (trainer.spec.ResourceSpec: ``gpus``), ``queue_position``, ``progress`` and ``output_dir`` on jobs, and the per-step metrics list.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ Metadata = dict[str, str]
 
 
 class JobCreate(BaseModel):
-    """``POST /v1/fine_tuning/jobs``: the OpenAI parameters plus our ``engine`` extra."""
+    """``POST /v1/fine_tuning/jobs``: the OpenAI parameters plus our ``engine`` and ``resources`` extras."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -104,6 +104,9 @@ class JobCreate(BaseModel):
     integrations: list[dict[str, Any]] | None = None
     #: Offload engine settings, validated by offload.config.EngineConfig (our extra).
     engine: dict[str, Any] | None = None
+    #: What the job needs from its worker, validated by trainer.spec.ResourceSpec (our extra):
+    #: ``{"gpus": N}``, data-parallel ranks (1..64, default 1).
+    resources: dict[str, Any] | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -183,6 +186,14 @@ class JobError(BaseModel):
     param: str | None = None
 
 
+class Resources(BaseModel):
+    """What a job runs on (trainer.spec.ResourceSpec, resolved): ``gpus``, its data-parallel ranks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    gpus: int = 1
+
+
 class Progress(BaseModel):
     step: int = 0
     total_steps: int | None = None
@@ -214,6 +225,7 @@ class FineTuningJobObject(BaseModel):
     integrations: list[dict[str, Any]] = Field(default_factory=list)
     # Extras.
     engine: dict[str, Any] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
     queue_position: int | None = None
     cancel_requested: bool = False
     progress: Progress = Field(default_factory=Progress)

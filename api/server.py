@@ -51,11 +51,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
-    """The in-process Celery worker (solo pool, default queue), with the reaper when asked."""
-    from trainer.worker.embedded import start_embedded_worker
+    """The in-process Celery worker (solo pool; the default queue, and the queue of
+    ``gpus_per_job``-rank jobs when ``cpu_ranks`` lets it run them as CPU ranks), with the reaper
+    when asked."""
+    from trainer.worker.embedded import embedded_queues, start_embedded_worker
 
-    worker = start_embedded_worker(settings=settings, reaper=reaper, loglevel="INFO")
-    log.info("embedded worker %s consuming %s", worker.hostname, settings.default_queue)
+    queues = embedded_queues(settings)
+    worker = start_embedded_worker(queues=queues, settings=settings, reaper=reaper, loglevel="INFO")
+    log.info("embedded worker %s consuming %s", worker.hostname, ", ".join(queues))
     return worker.stop
 
 
@@ -100,7 +103,7 @@ def serve(
         log.info(
             "ZenFlow API on http://%s:%d (database %s, broker %s, %s)",
             host, port, _redact(settings.resolved_database_url), _redact(settings.resolved_broker_url),
-            "embedded worker on queue " + settings.default_queue if run_worker else "no worker in this process",
+            "embedded worker" if run_worker else "no worker in this process",
         )
         with _after_uvicorn_signals():
             config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",

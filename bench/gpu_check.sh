@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# GPU check of the ZenFlow engine, one run that answers issues 3 and 11 on a lent GPU. In order (the new
+# GPU check of the ZenFlow engine, one run that answers issues 3, 11 and 13 on a lent GPU. In order (the new
 # paths first, so a run cut short keeps them), every section bounded by one deadline (DEADLINE seconds
 # from the start, default 540, under the lent machine's 10-minute limit per command):
+#  0. (first; only with 2 or more visible GPUs, else skipped with the reason) bench/distributed.py
+#     (issue 13): min(GPUs, 8) NCCL ranks, one GPU each, against one process on the same global
+#     batch, modes zenflow / offload / device, a ~0.16B Llama (DIST_MODEL, bf16): steps/s, stall,
+#     host optimizer bytes per rank vs one process, bytes reduced / gathered per step, max relative
+#     weight difference vs one process -> distributed.json
+#     Targets: host_bytes_per_rank_ratio about 1/N for zenflow and offload, replicas identical.
 #  1. bench/engine_ops.py on CUDA, deep preset, bf16, zenflow and zenflow-dacc: a reselection inside the
 #     counted steps (new_epoch at half of them), NaN gradients injected before two steps, the first
 #     OPS_PROFILE_STEPS steps under torch.profiler: kernels and host syncs per plain / window-end step,
@@ -32,8 +38,9 @@
 #                                           # the same pipeline on the CPU, tiny (what tests/test_bench_smoke.py runs)
 # Environment: STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL, DEVICE,
 # MODEL_SIZE, BENCH_TIMEOUT, DEADLINE, OPS_MODEL_SIZE, OPS_STEPS, OPS_PROFILE_STEPS, GIL_MODEL_SIZE,
-# GIL_STEPS override the defaults below; OUT (if set, e.g. by the device runner) receives the JSON files
-# above (gpu_check.json rewritten after every variant, so a timeout keeps what finished) and the logs.
+# GIL_STEPS, DIST_MODEL, DIST_STEPS, DIST_TIMEOUT, DIST_NPROC override the defaults below; OUT (if set,
+# e.g. by the device runner) receives the JSON files above (gpu_check.json rewritten after every variant,
+# so a timeout keeps what finished) and the logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -70,6 +77,10 @@ OPS_STEPS=${OPS_STEPS:-24}
 OPS_PROFILE_STEPS=${OPS_PROFILE_STEPS:-16}
 GIL_MODEL_SIZE=${GIL_MODEL_SIZE:-small}
 GIL_STEPS=${GIL_STEPS:-30}
+DIST_MODEL=${DIST_MODEL:-medium}
+DIST_STEPS=${DIST_STEPS:-20}
+DIST_TIMEOUT=${DIST_TIMEOUT:-180}
+DIST_NPROC=${DIST_NPROC:-}
 T_START=$(date +%s)
 OUTDIR=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$OUTDIR"
@@ -141,7 +152,20 @@ section() {  # section NAME TIMEOUT JSON_FILE -- command...
   if [ "$rc" = 0 ]; then mv "$OUTDIR/$json.tmp" "$OUTDIR/$json"; cat "$OUTDIR/$json"; else
     echo "$name exited with $rc (124: cut at ${limit}s)"; rm -f "$OUTDIR/$json.tmp"; fi
 }
-rm -f "$OUTDIR"/engine_ops_bf16.json "$OUTDIR"/engine_ops_fp16.json "$OUTDIR"/gil_small.json "$OUTDIR/gpu_check.json"
+rm -f "$OUTDIR"/engine_ops_bf16.json "$OUTDIR"/engine_ops_fp16.json "$OUTDIR"/gil_small.json "$OUTDIR/gpu_check.json" \
+  "$OUTDIR"/distributed.json
+# The multi-GPU section (0. above) first: only where 2 or more GPUs are visible to this process.
+n_gpus=0
+[ "$DEVICE" = cuda ] && n_gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$n_gpus" -ge 2 ]; then
+  nproc=${DIST_NPROC:-$(( n_gpus < 8 ? n_gpus : 8 ))}
+  section "bench/distributed.py: $nproc NCCL ranks vs one process ($DIST_MODEL, $DEVICE)" \
+    "$DIST_TIMEOUT" distributed.json -- "$PY" -m bench.distributed --nproc "$nproc" --device cuda \
+    --model "$DIST_MODEL" --steps "$DIST_STEPS" --warmup 3 --timeout "$(( DIST_TIMEOUT / 2 ))" --json
+else
+  reason="$n_gpus GPU(s) visible"; [ "$DEVICE" = cuda ] || reason="DEVICE=$DEVICE"
+  echo "== bench/distributed.py (multi-GPU): skipped ($reason; needs 2 or more GPUs)"
+fi
 section "bench/engine_ops.py: reselection, bad gradients, host syncs, launches ($OPS_MODEL_SIZE, bf16, $DEVICE)" \
   120 engine_ops_bf16.json -- "$PY" -m bench.engine_ops --device "$DEVICE" --model-size "$OPS_MODEL_SIZE" \
   --modes zenflow,zenflow-dacc --dtype bf16 --steps "$OPS_STEPS" --bad-steps 5,13 \

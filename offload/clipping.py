@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from offload.collectives import Ranks, global_norm
+
 
 def grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
     """fp32 L2 norm of each gradient, stacked (on the gradients' device; one multi-tensor op)."""
@@ -33,4 +35,20 @@ def clip_(
         return total, torch.ones((), device=total.device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef)
+    return total, coef
+
+
+@torch.no_grad()
+def clip_sharded_(
+    shards: list[torch.Tensor], max_norm: float | None, device: torch.device, ranks: Ranks
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clip_` over a gradient cut into disjoint shards across a process group's ranks: the
+    total norm is the square root of every rank's summed squares (one all-reduce), the same everywhere."""
+    sq = grad_norms(shards).square().sum() if shards else torch.zeros((), device=device)
+    total = global_norm(sq, ranks)
+    if max_norm is None:
+        return total, torch.ones((), device=total.device)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if shards:
+        torch._foreach_mul_(shards, coef)
     return total, coef

@@ -2,7 +2,8 @@
 
 ``torch.optim.AdamW(fused=True)`` over the trainable parameters (CPU and CUDA), told of a skipped
 step through its ``found_inf`` (as ``torch.amp.GradScaler`` does), so a skipped step changes
-nothing without a host sync. bf16/fp16 parameters get an fp32 master copy on the device (mixed precision: the
+nothing without a host sync. In a process group it is plain data parallelism (DDP's arithmetic): the
+engine averages the gradients across ranks first and every rank runs the same update. bf16/fp16 parameters get an fp32 master copy on the device (mixed precision: the
 optimizer updates the master, the model sees it rounded), so device optimizer state is 8 bytes per
 parameter for fp32 models and 12 for bf16/fp16 ones.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from offload.collectives import Ranks
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -24,8 +26,8 @@ from offload.timing import StepStats
 class DeviceMode(Mode):
     name = "device"
 
-    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps) -> None:
-        super().__init__(named, cfg, ops)
+    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None) -> None:
+        super().__init__(named, cfg, ops, ranks)
         self.masters: dict[str, torch.Tensor] = {}
         opt_params: list[torch.Tensor] = []
         for n, p in named:

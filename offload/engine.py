@@ -37,6 +37,20 @@ worker gets ``round(cpu_optimizer_cores_ratio * n)`` (at least 1, and at most ``
 thread's torch thread count: on a CPU-only run call ``torch.set_num_threads(engine.cpu_split[0])``.
 The synchronous ``offload`` mode uses all ``n`` cores for its CPU step.
 
+Process groups (:mod:`offload.collectives`): ``ZenFlowEngine(model, config, process_group=group)`` on
+every rank of a torch.distributed group (NCCL on CUDA, gloo on CPU) over identical replicas makes the
+engine data parallel, ZeRO-2 style. ``step()`` averages the gradients across ranks (all-reduce;
+``offload`` mode: reduce-scatter), so clipping, the non-finite skip and zenflow's column selection
+see the same reduced gradient everywhere and the device part is updated identically on every rank.
+Each rank owns a contiguous 1/N shard of every host store (fp32 master, moments, accumulators) and
+runs the CPU AdamW on it alone; the new values are all-gathered into every replica (zenflow: by the
+CPU worker on a second group, overlapped with the next window as the single-GPU prefetch is).
+``step()``, ``flush()`` and ``load_state_dict()`` are collective. ``state_dict()`` is this rank's
+shard; ``load_state_dict`` takes it back on the same rank of a group of the same size, or the list of
+every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` is local: every
+rank holds the full weights. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
+``bytes_gathered``; host bytes are the rank's own.
+
 Core placement (``bind_worker_cores``, on by default; :mod:`offload.placement`): where the host
 allows it, the split is made of whole physical cores from the sysfs topology, the worker thread is
 pinned to the optimizer's and every other thread of the process to the training's, torch's intra-op
@@ -55,7 +69,8 @@ from typing import Any
 
 import torch
 
-from offload.clipping import clip_
+from offload.clipping import clip_, clip_sharded_
+from offload.collectives import Ranks, fill_missing_gradients
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
@@ -97,6 +112,8 @@ class ZenFlowEngine:
         self,
         model: torch.nn.Module | NamedParams,
         config: EngineConfig | None = None,
+        *,
+        process_group: Any = None,
     ) -> None:
         self.config = config if config is not None else EngineConfig()
         named = list(model.named_parameters()) if isinstance(model, torch.nn.Module) else list(model)
@@ -114,6 +131,8 @@ class ZenFlowEngine:
                 raise TypeError(f"{n}: unsupported parameter dtype {p.dtype} (fp32, bf16 or fp16)")
         self._named = named
         self._params = [p for _, p in named]
+        #: The process group (see the module docstring); created collectively, so every rank builds its engine.
+        self._ranks = Ranks.of(process_group)
         cores = _available_cores()
         total = self.config.cpu_threads or len(cores)
         self.cpu_split = cpu_split(total, self.config.cpu_optimizer_cores_ratio)
@@ -189,17 +208,26 @@ class ZenFlowEngine:
             torch.set_num_threads(len(self._pin_target))
 
     def _build_mode(self, total: int, worker_cores: list[int] | None) -> Mode:
-        cfg, ops = self.config, self._ops
+        cfg, ops, ranks = self.config, self._ops, self._ranks
         if cfg.mode == "device":
-            return DeviceMode(self._named, cfg, ops)
+            return DeviceMode(self._named, cfg, ops, ranks)
         if cfg.mode == "offload":
-            return OffloadMode(self._named, cfg, ops, threads=total)
-        return ZenFlowMode(self._named, cfg, ops, threads=self.cpu_split[1], worker_cores=worker_cores)
+            return OffloadMode(self._named, cfg, ops, ranks, threads=total)
+        return ZenFlowMode(self._named, cfg, ops, ranks, threads=self.cpu_split[1], worker_cores=worker_cores)
 
     # --- the training-loop API ------------------------------------------------------------------
     @property
     def mode(self) -> str:
         return self.config.mode
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the engine's process group (1 without one)."""
+        return self._ranks.world
+
+    @property
+    def rank(self) -> int:
+        return self._ranks.rank
 
     @property
     def lr(self) -> float:
@@ -234,11 +262,21 @@ class ZenFlowEngine:
         self._mode.check()
         self._ops.sync_compute()
         stats = StepStats()
+        ranks = self._ranks
+        if ranks.distributed:
+            fill_missing_gradients(self._params, ranks)
         grads = [p.grad for p in self._params if p.grad is not None]
         scaler = self._scaler
         if scaler is not None:
             scaler.unscale_(grads)
-        total_norm, _ = clip_(grads, self.config.max_grad_norm, self.device)
+        if ranks.distributed:  # the mean over ranks; offload mode: this rank's shard of it
+            grads, sharded = self._mode.reduce(stats)
+        else:
+            sharded = False
+        if sharded:
+            total_norm, _ = clip_sharded_(grads, self.config.max_grad_norm, self.device, ranks)
+        else:
+            total_norm, _ = clip_(grads, self.config.max_grad_norm, self.device)
         ok = torch.isfinite(total_norm)
         # The verdict and the norm leave the device now, before the mode queues its kernels, so reading
         # them once those are queued waits for nothing.
@@ -250,7 +288,7 @@ class ZenFlowEngine:
             scaler.update(gate)
         self._step += 1
         vals = landing.values()
-        grad_norm = vals[0] if grads else None
+        grad_norm = vals[0] if grads or sharded else None
         end = time.perf_counter()
         wall = end - self._t_last
         self._t_last = end
@@ -273,6 +311,10 @@ class ZenFlowEngine:
             skipped=not gate.finite(),
             loss_scale=vals[2] if scaler is not None else None,
             host_bytes=self._host_bytes,
+            world_size=ranks.world,
+            rank=ranks.rank,
+            bytes_reduced=stats.bytes_reduced,
+            bytes_gathered=stats.bytes_gathered,
         )
         self.last_metrics = m
         return m
@@ -331,23 +373,52 @@ class ZenFlowEngine:
             "step": self._step,
             "lr": self._lr,
             "mode_state": self._mode.state_dict(),
+            "shard": {"rank": self._ranks.rank, "world_size": self._ranks.world},
         }
         if self._scaler is not None:
             sd["loss_scale"] = self._scaler.state_dict()
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore a state saved by ``state_dict()`` of an engine with the same model and mode."""
+    def load_state_dict(self, sd: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Restore a state saved by ``state_dict()`` of an engine with the same model and mode.
+
+        In a process group: the state this rank saved in a group of the same size, or a list of the
+        states of every rank of the saving group (any size, in rank order; a single process's state
+        is a list of one), whose optimizer shards are then re-cut for this group.
+        """
         self._check_open()
-        if sd.get("version") != _STATE_VERSION:
-            raise ValueError(f"unsupported engine state version {sd.get('version')!r}")
-        if sd.get("mode") != self.config.mode:
-            raise ValueError(f"engine state is for mode {sd.get('mode')!r}, this engine runs {self.config.mode!r}")
-        self._mode.load_state_dict(sd["mode_state"])
-        if self._scaler is not None and "loss_scale" in sd:  # states saved without it: the initial scale
-            self._scaler.load_state_dict(sd["loss_scale"])
-        self._step = int(sd["step"])
-        self._lr = float(sd["lr"])
+        states = sd if isinstance(sd, list) else [sd]
+        if not states:
+            raise ValueError("no engine state to load")
+        for st in states:
+            if st.get("version") != _STATE_VERSION:
+                raise ValueError(f"unsupported engine state version {st.get('version')!r}")
+            if st.get("mode") != self.config.mode:
+                raise ValueError(
+                    f"engine state is for mode {st.get('mode')!r}, this engine runs {self.config.mode!r}"
+                )
+        shards = [st.get("shard", {"rank": 0, "world_size": 1}) for st in states]
+        world, me = self._ranks.world, self._ranks.rank
+        if isinstance(sd, list):
+            saved = len(states)
+            if [x["rank"] for x in shards] != list(range(saved)) or {x["world_size"] for x in shards} != {saved}:
+                raise ValueError(f"expected the states of every rank of one group in rank order, got {shards}")
+            if saved == world:
+                self._mode.load_state_dict(states[me]["mode_state"])
+            else:
+                self._mode.load_shards([st["mode_state"] for st in states])
+        else:
+            if (shards[0]["rank"], shards[0]["world_size"]) != (me, world):
+                raise ValueError(
+                    f"engine state of rank {shards[0]['rank']} of {shards[0]['world_size']} cannot be loaded by "
+                    f"rank {me} of {world}: pass every rank's state as a list to re-cut the shards"
+                )
+            self._mode.load_state_dict(states[0]["mode_state"])
+        first = states[0]
+        if self._scaler is not None and "loss_scale" in first:  # states saved without it: the initial scale
+            self._scaler.load_state_dict(first["loss_scale"])
+        self._step = int(first["step"])
+        self._lr = float(first["lr"])
         self._t_last = time.perf_counter()
 
     # --- inspection -----------------------------------------------------------------------------

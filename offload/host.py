@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
 
+from offload.collectives import shard_range
 from offload.config import EngineConfig
 from offload.device import HostAllocator
 from offload.worker import gil_released
@@ -95,6 +97,7 @@ class HostStore:
         *,
         buffers: int,
         role: str = "gradient",
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if not params:
             raise ValueError("HostStore needs at least one parameter")
@@ -105,15 +108,35 @@ class HostStore:
         self.low = self.dtype in _LOW_PRECISION
         self.role = role
         self.shapes = [tuple(p.shape) for p in params]
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = sum(self.numels)
+        #: The parameters' sizes and offsets in the store's whole flat layout (``total`` elements).
+        self.full_numels = [p.numel() for p in params]
+        self.full_offsets = [0]
+        for n in self.full_numels[:-1]:
+            self.full_offsets.append(self.full_offsets[-1] + n)
+        self.total = sum(self.full_numels)
+        rank, world = shard if shard is not None else (0, 1)
+        #: This rank's shard ``[lo, hi)`` of the flat layout (everything in a single process) and the
+        #: padded shard size every rank uses for all-gathers (offload.collectives.shard_range).
+        self.rank, self.world = rank, world
+        self.lo, self.hi, self.shard_size = shard_range(self.total, world, rank)
+        # Each parameter's piece inside the shard: ``offsets``/``numels`` in the buffers (the shard),
+        # ``param_starts`` where the piece starts in the parameter's own flat index.
+        self.offsets, self.numels, self.param_starts = [], [], []
+        for off, n in zip(self.full_offsets, self.full_numels, strict=True):
+            a, b = max(off, self.lo), min(off + n, self.hi)
+            if a < b:
+                self.offsets.append(a - self.lo)
+                self.numels.append(b - a)
+                self.param_starts.append(a - off)
+            else:  # not in this shard: an empty piece where it would sit
+                self.offsets.append(min(max(off - self.lo, 0), self.hi - self.lo))
+                self.numels.append(0)
+                self.param_starts.append(0)
+        self.numel = self.hi - self.lo
         n = self.numel
         self.master = alloc.empty(n, torch.float32)
         for i, p in enumerate(params):
-            self.flat(self.master, i).copy_(p.detach().reshape(-1))
+            self.flat(self.master, i).copy_(self.piece(p.detach(), i))
         self.exp_avg = alloc.zeros(n, torch.float32)
         self.exp_avg_sq = alloc.zeros(n, torch.float32)
         self.bufs = [alloc.zeros(n, self.dtype) for _ in range(buffers)]
@@ -124,8 +147,34 @@ class HostStore:
     def flat(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         return buf.narrow(0, self.offsets[i], self.numels[i])
 
+    def piece(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """The elements of ``t`` (shaped like parameter ``i``, e.g. its gradient) that this shard holds,
+        flat: the counterpart of ``flat(buf, i)`` (the whole tensor in a single process)."""
+        return t.reshape(-1).narrow(0, self.param_starts[i], self.numels[i])
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
     def shaped(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        if self.numels[i] != self.full_numels[i]:
+            raise ValueError("shaped() needs the whole parameter; this store holds a shard of it")
         return self.flat(buf, i).view(self.shapes[i])
+
+    def rows_view(self, buf: torch.Tensor, i: int) -> tuple[torch.Tensor, int, int, int]:
+        """Parameter ``i``'s piece of ``buf`` (a 2-D ``[rows, cols]`` parameter) on whole rows:
+        ``(rows, r0, start, n)``: a fresh fp32 ``[r1 - r0, cols]`` tensor covering rows ``r0 .. r1`` whose
+        flat ``[start, start + n)`` is the piece (zeros elsewhere). Write back with :meth:`unrows`."""
+        cols = self.shapes[i][1]
+        a, n = self.param_starts[i], self.numels[i]
+        r0, r1 = a // cols, -(-(a + n) // cols)
+        rows = torch.zeros((r1 - r0) * cols, dtype=torch.float32)
+        start = a - r0 * cols
+        rows[start : start + n] = self.flat(buf, i)
+        return rows.view(r1 - r0, cols), r0, start, n
+
+    def unrows(self, buf: torch.Tensor, i: int, rows: torch.Tensor, start: int, n: int) -> None:
+        self.flat(buf, i).copy_(rows.reshape(-1)[start : start + n])
 
     def result(self, index: int) -> torch.Tensor:
         """The buffer the device copies its new values from after a CPU step that read ``bufs[index]``:
@@ -232,12 +281,15 @@ class HostStore:
             "acc": None if acc_index is None else self.bufs[acc_index].clone(),
             "acc_index": acc_index,
             "steps": list(self.steps),
-            "numels": list(self.numels),
+            "numels": list(self.full_numels),
+            "shard": [self.lo, self.hi],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if list(sd["numels"]) != self.numels:
+        if list(sd["numels"]) != self.full_numels:
             raise ValueError("host optimizer state was saved for differently shaped parameters")
+        if list(sd.get("shard", [0, self.total])) != [self.lo, self.hi]:
+            raise ValueError("host optimizer state holds another shard; load every rank's state to re-cut it")
         self.master.copy_(sd["master"])
         self.exp_avg.copy_(sd["exp_avg"])
         self.exp_avg_sq.copy_(sd["exp_avg_sq"])
@@ -245,6 +297,31 @@ class HostStore:
         if idx is not None and sd["acc"] is not None:
             self.bufs[int(idx)].copy_(sd["acc"])
         self.steps = [int(s) for s in sd["steps"]]
+
+    def load_shards(self, sds: Sequence[dict[str, Any]]) -> None:
+        """Load the states of every shard of a store (any number of ranks, in rank order) and keep
+        this store's shard of them: resuming with another number of ranks."""
+        for sd in sds:
+            if list(sd["numels"]) != self.full_numels:
+                raise ValueError("host optimizer state was saved for differently shaped parameters")
+        if len({tuple(sd["steps"]) for sd in sds}) != 1 or len({sd["acc_index"] for sd in sds}) != 1:
+            raise ValueError("the shards' host optimizer states are not from the same step")
+        spans = [tuple(sd.get("shard", [0, self.total])) for sd in sds]
+        if spans[0][0] != 0 or spans[-1][1] != self.total or any(
+            a[1] != b[0] for a, b in pairwise(spans)
+        ):
+            raise ValueError(f"the shards do not cover the parameters: {spans}")
+
+        def mine(key: str) -> torch.Tensor:
+            return torch.cat([torch.as_tensor(sd[key]) for sd in sds])[self.lo : self.hi]
+
+        self.master.copy_(mine("master"))
+        self.exp_avg.copy_(mine("exp_avg"))
+        self.exp_avg_sq.copy_(mine("exp_avg_sq"))
+        idx = sds[0]["acc_index"]
+        if idx is not None and all(sd["acc"] is not None for sd in sds):
+            self.bufs[int(idx)].copy_(mine("acc"))
+        self.steps = [int(s) for s in sds[0]["steps"]]
 
     def restore_result(self, index: int) -> None:
         """Rebuild a CPU step's result in ``bufs[index]`` from the master (bf16/fp16): the step wrote

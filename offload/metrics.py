@@ -39,6 +39,13 @@ class StepMetrics:
     #: Host bytes the engine holds (page-locked on CUDA): fp32 master and moments, gradient
     #: accumulators and transfer buffers (see offload.memory); fixed for the engine's life.
     host_bytes: int = 0
+    #: Ranks of the engine's process group and this record's rank (1 and 0 in a single process).
+    world_size: int = 1
+    rank: int = 0
+    #: Bytes this rank fed into gradient reductions this step (all-reduce or reduce-scatter inputs).
+    bytes_reduced: int = 0
+    #: Bytes all-gathered into this rank's replica this step (updated optimizer shards).
+    bytes_gathered: int = 0
 
     @property
     def stall_fraction(self) -> float:

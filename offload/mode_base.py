@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from offload.collectives import Ranks, average_gradients
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -46,10 +47,19 @@ class Mode:
 
     name: str = ""
 
-    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps) -> None:
+    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None) -> None:
         self.named = named
         self.cfg = cfg
         self.ops = ops
+        self.ranks = ranks if ranks is not None else Ranks()
+
+    def reduce(self, stats: StepStats) -> tuple[list[torch.Tensor], bool]:
+        """Average the gradients across the process group's ranks (after
+        :func:`~offload.collectives.fill_missing_gradients`); the tensors to clip and whether they are
+        this rank's disjoint shards (the norm then sums over ranks). Default: all-reduce in place."""
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        stats.bytes_reduced += average_gradients(grads, self.ranks)
+        return grads, False
 
     def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
         """Update the parameters from their (already clipped) gradients; change nothing at all when
@@ -103,6 +113,11 @@ class Mode:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def load_shards(self, sds: list[dict[str, Any]]) -> None:
+        """Load the states saved by every rank of a process group of another size (in rank order): the
+        replicated parts from the first, the host optimizer shards re-cut. Default: nothing is sharded."""
+        self.load_state_dict(sds[0])
 
     def close(self) -> None:
         """Release threads and host memory; idempotent."""

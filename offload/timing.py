@@ -20,6 +20,9 @@ class StepStats:
     bytes_h2d: int = 0
     applied_cpu_update: bool = False
     synchronous: bool = False
+    #: Bytes this rank fed into gradient reductions and received from all-gathers (process groups).
+    bytes_reduced: int = 0
+    bytes_gathered: int = 0
 
     @contextmanager
     def blocked(self) -> Iterator[None]:

@@ -77,6 +77,7 @@ from typing import Any, cast
 
 import torch
 
+from offload.collectives import Ranks, ShardGather
 from offload.config import EngineConfig
 from offload.device import DeviceOps, Landing, Transfer
 from offload.guard import Gate, zero_if_bad_
@@ -125,6 +126,7 @@ class _Stash:
 
 @dataclass(slots=True)
 class _Pending:
+    #: resolves to (CPU seconds, bytes all-gathered into this rank's replica)
     future: Future[Any]
     #: The selection of the window this result was computed for (its columns are void in the result).
     sel: dict[str, torch.Tensor]
@@ -141,11 +143,12 @@ class ZenFlowMode(Mode):
         named: NamedParams,
         cfg: EngineConfig,
         ops: DeviceOps,
+        ranks: Ranks | None = None,
         *,
         threads: int,
         worker_cores: list[int] | None,
     ) -> None:
-        super().__init__(named, cfg, ops)
+        super().__init__(named, cfg, ops, ranks)
         self.threads = threads
         self.hyper = AdamWHyper(cfg.lr, cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         split_named: NamedParams = []
@@ -160,18 +163,29 @@ class ZenFlowMode(Mode):
         self.stores: list[HostStore] = []
         #: per store, host accumulation on CUDA: the two page-locked slots gradients stream through
         self.rings: list[list[torch.Tensor] | None] = []
+        #: per store in a process group: the replica buffer every rank's updated shard is gathered into
+        self.gathers: list[ShardGather] = []
+        r = self.ranks
         for group in group_by_dtype(split_named):
             # host accumulation fills window v+1's accumulator while the worker reads window v's
             accs = 1 if self.on_device else 2
-            store = HostStore([p for _, p in group], ops.host, buffers=accs, role="accumulators")
+            store = HostStore([p for _, p in group], ops.host, buffers=accs, role="accumulators",
+                              shard=(r.rank, r.world) if r.distributed else None)
             self.stores.append(store)
             ring = None
             if not self.on_device and ops.is_cuda:
-                ring = [ops.host.empty(min(store.numel, cfg.cpu_chunk_elements), store.dtype) for _ in range(2)]
+                size = max(1, min(store.numel, cfg.cpu_chunk_elements))
+                ring = [ops.host.empty(size, store.dtype) for _ in range(2)]
             self.rings.append(ring)
+            gather = ShardGather(store.shard_size, r.world, store.dtype, ops.device) if r.distributed else None
+            if gather is not None:
+                self.gathers.append(gather)
             for i, (n, p) in enumerate(group):
                 like = p.detach()
-                landing = torch.empty_like(like) if ops.is_cuda else None
+                if gather is not None:  # the landing buffers are views of the gathered replica
+                    landing: torch.Tensor | None = gather.view(store.full_offsets[i], like.shape)
+                else:
+                    landing = torch.empty_like(like) if ops.is_cuda else None
                 dacc = torch.zeros(like.shape, dtype=torch.float32, device=like.device) if self.on_device else None
                 k = num_selected(p.shape[1], cfg.topk_ratio)
                 self.splits.append(_Split(n, p, store, i, k, landing, dacc))
@@ -319,11 +333,20 @@ class ZenFlowMode(Mode):
                 vals = self.ops.host.scratch(n * rows * k, torch.float32).view(n, rows, k)
                 for j, name in enumerate(names):
                     s = self.by_name[name]
-                    master = s.store.shaped(s.store.master, s.index)
-                    torch.index_select(master, 1, host[off + j * k : off + (j + 1) * k], out=vals[j])
+                    cols = host[off + j * k : off + (j + 1) * k]
+                    if s.store.sharded:  # the rows this rank's shard holds; the other ranks fill the rest
+                        vals[j].zero_()
+                        held, r0, _, _ = s.store.rows_view(s.store.master, s.index)
+                        torch.index_select(held, 1, cols, out=vals[j][r0 : r0 + held.shape[0]])
+                    else:
+                        master = s.store.shaped(s.store.master, s.index)
+                        torch.index_select(master, 1, cols, out=vals[j])
                 off += n * k
                 dev_vals, t = self.ops.upload(vals)
                 stats.bytes_h2d += t.nbytes
+                if self.ranks.distributed:  # each element comes from the one rank that holds it
+                    torch.distributed.all_reduce(dev_vals, group=self.ranks.group)
+                    stats.bytes_reduced += t.nbytes
                 out.append(dev_vals)
             return out
 
@@ -381,7 +404,7 @@ class ZenFlowMode(Mode):
         for i, g in enumerate(grads):
             dst = store.flat(acc, i)
             if g is not None:
-                store.accumulate(dst, g.reshape(-1), alpha=alpha, first=first, num_threads=self.threads)
+                store.accumulate(dst, store.piece(g, i), alpha=alpha, first=first, num_threads=self.threads)
             elif first:
                 dst.zero_()
 
@@ -417,7 +440,7 @@ class ZenFlowMode(Mode):
                 g = grads[i]
                 if g is not None:
                     base = store.offsets[i] + a - lo
-                    pairs.append((slot[base : base + b - a], g.reshape(-1)[a:b]))
+                    pairs.append((slot[base : base + b - a], store.piece(g, i)[a:b]))
             return self.ops.d2h(pairs, ready=ready)
 
         pending = issue(0)
@@ -500,7 +523,12 @@ class ZenFlowMode(Mode):
         assert self.worker is not None and self.pending is not None
         pending = self.pending
         with stats.blocked():
-            seconds = self.worker.wait(pending.future)
+            seconds, gathered = self.worker.wait(pending.future)
+            if self.gathers and self.ops.is_cuda:
+                # NCCL: on the training thread, in step order. Two threads issuing collectives on two
+                # communicators could launch them in different orders on different ranks, and NCCL
+                # kernels waiting on each other deadlock; a device all-gather is fast anyway.
+                gathered += sum(self._all_gather(si, self.ranks.group) for si in range(len(self.stores)))
             for s in self.splits:
                 cur = self.dev.columns(s.name)
                 assert cur is not None
@@ -518,6 +546,7 @@ class ZenFlowMode(Mode):
                 for keep, vals in zip(keeps, saved, strict=True):
                     p.index_copy_(1, keep, vals)
             stats.bytes_h2d += pending.h2d_bytes
+            stats.bytes_gathered += gathered
             self.merge_done = self.ops.record()
         stats.cpu_optimizer_seconds += float(seconds)
         stats.applied_cpu_update = True
@@ -538,7 +567,14 @@ class ZenFlowMode(Mode):
 
     def _write_master(self, name: str, cols: torch.Tensor, vals: torch.Tensor) -> None:
         s = self.by_name[name]
-        s.store.shaped(s.store.master, s.index).index_copy_(1, cols, vals)
+        if not s.store.sharded:
+            s.store.shaped(s.store.master, s.index).index_copy_(1, cols, vals)
+            return
+        if s.store.numels[s.index] == 0:
+            return
+        rows, r0, start, n = s.store.rows_view(s.store.master, s.index)  # the shard's rows only
+        rows.index_copy_(1, cols, vals[r0 : r0 + rows.shape[0]])
+        s.store.unrows(s.store.master, s.index, rows, start, n)
 
     def _stash_to_host(self, st: _Stash) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h = self.ops.host
@@ -598,8 +634,9 @@ class ZenFlowMode(Mode):
         if self.on_device:  # the window's gradient leaves the device once, now
             for store in self.stores:
                 # rounded to the parameters' dtype on the way (on the device, in transient memory)
-                pairs = [(store.flat(store.bufs[acc_i], s.index), s.dacc) for s in self.splits if s.store is store]
-                t_acc = ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # on_device: dacc set
+                pairs = [(store.flat(store.bufs[acc_i], s.index), store.piece(s.dacc, s.index))
+                         for s in self.splits if s.store is store and s.dacc is not None]
+                t_acc = ops.d2h(pairs)
                 stats.bytes_d2h += t_acc.nbytes
                 acc_copies.append(t_acc)
                 self.dacc_free = t_acc.event
@@ -625,7 +662,7 @@ class ZenFlowMode(Mode):
                     num_threads=self.threads,
                     chunk=cfg.cpu_chunk_elements,
                 ):
-                    if done and ops.is_cuda:  # prefetch the finished params' results, one batched copy
+                    if done and ops.is_cuda and not self.gathers:  # prefetch finished params' results, batched
                         pairs = []
                         for i in done:
                             landing = by_store[id(store)][i].landing
@@ -640,9 +677,37 @@ class ZenFlowMode(Mode):
             if last is not None:
                 with gil_released():
                     last.wait()
-            return busy
+            gathered = 0
+            if self.gathers and not ops.is_cuda:
+                gathered = self._gather_results(acc_i)
+            elif self.gathers:  # NCCL: the training thread gathers at the boundary (see _collect)
+                for si in range(len(self.stores)):
+                    self._upload_shard(si, acc_i)
+            return busy, gathered
 
         self.pending = _Pending(self.worker.submit(run), sel, h2d_bytes, acc_i)
+
+    def _gather_results(self, acc_i: int, group: Any = None) -> int:
+        """Process group: upload this rank's updated shard of every store and all-gather every rank's
+        into the replica the landing buffers view (the worker thread's own group unless ``group``)."""
+        return sum(self._gather_store(si, acc_i, group) for si in range(len(self.stores)))
+
+    def _upload_shard(self, si: int, acc_i: int) -> None:
+        store, gather = self.stores[si], self.gathers[si]
+        t = self.ops.h2d([(gather.mine.narrow(0, 0, store.numel), store.result(acc_i))])
+        with gil_released():
+            t.wait()
+
+    def _gather_store(self, si: int, acc_i: int, group: Any = None) -> int:
+        self._upload_shard(si, acc_i)
+        return self._all_gather(si, group)
+
+    def _all_gather(self, si: int, group: Any = None) -> int:
+        n = self.gathers[si].gather(self.ranks.side if group is None else group)
+        if self.ops.is_cuda:  # the gathered values are final before another stream reads them
+            with gil_released():
+                torch.cuda.current_stream(self.ops.device).synchronize()
+        return n
 
     # --- warm-up --------------------------------------------------------------------------------
     def _synchronous_update(self, stats: StepStats, lr: float) -> None:
@@ -652,11 +717,12 @@ class ZenFlowMode(Mode):
         assert self.worker is not None
         cfg = self.cfg
         with stats.blocked():
-            for store in self.stores:
+            for si, store in enumerate(self.stores):
                 members = [s for s in self.splits if s.store is store and s.param.grad is not None]
                 staging = store.bufs[0]  # no window is open during the warm-up
-                pairs = [(store.flat(staging, s.index), s.param.grad) for s in members]
-                t = self.ops.d2h(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # grads of `members`
+                pairs = [(store.flat(staging, s.index), store.piece(cast("torch.Tensor", s.param.grad), s.index))
+                         for s in members]  # members have a gradient
+                t = self.ops.d2h(pairs)
                 stats.bytes_d2h += t.nbytes
                 only = [s.index for s in members]
 
@@ -667,6 +733,12 @@ class ZenFlowMode(Mode):
                                           only=only)
 
                 stats.cpu_optimizer_seconds += float(self.worker.wait(self.worker.submit(run)))
+                if self.gathers:  # every rank's updated shard into the replica (no window is in flight)
+                    stats.bytes_gathered += self._gather_store(si, 0, self.ranks.group)
+                    for s in members:
+                        assert s.landing is not None
+                        s.param.data.copy_(s.landing)
+                    continue
                 h = self.ops.h2d([(s.param.data, store.flat(store.result(0), s.index)) for s in members])
                 h.wait()
                 stats.bytes_h2d += h.nbytes
@@ -709,7 +781,11 @@ class ZenFlowMode(Mode):
             take = torch.ones(s.param.shape[1], dtype=torch.bool)
             take[keep] = False
             cols = take.nonzero().squeeze(1)
-            res = s.store.shaped(s.store.result(pending.acc_index), s.index)
+            if self.gathers:  # the gathered replica (this rank holds only a shard of the result)
+                assert s.landing is not None
+                res = s.landing.cpu()
+            else:
+                res = s.store.shaped(s.store.result(pending.acc_index), s.index)
             out[s.name][:, cols] = res.index_select(1, cols).to(out[s.name].dtype)
         return out
 
@@ -718,9 +794,9 @@ class ZenFlowMode(Mode):
         return self.dev.state_bytes()
 
     def buffer_bytes(self) -> int:
-        total = 0
+        total = sum(g.nbytes() for g in self.gathers)
         for s in self.splits:
-            for t in (s.landing, s.dacc):
+            for t in (s.dacc,) if self.gathers else (s.landing, s.dacc):
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
@@ -731,7 +807,8 @@ class ZenFlowMode(Mode):
             host["transfer"] = sum(nbytes(t) for ring in self.rings if ring is not None for t in ring)
         state, scratch = self.dev.memory_parts()
         buffers = {
-            "landing": sum(nbytes(s.landing) for s in self.splits),
+            "landing": sum(g.nbytes() for g in self.gathers) if self.gathers
+            else sum(nbytes(s.landing) for s in self.splits),
             "accumulator": sum(nbytes(s.dacc) for s in self.splits),
             "stash": sum(nbytes(st.values) for st in self.stash_groups),
             "column_scratch": scratch,
@@ -750,7 +827,7 @@ class ZenFlowMode(Mode):
         if self.pending is not None:
             pending = {
                 "sel": {n: c.cpu().clone() for n, c in self.pending.sel.items()},
-                "seconds": float(self.pending.future.result()),
+                "seconds": float(self.pending.future.result()[0]),
             }
         return {
             "mode": self.name,
@@ -786,7 +863,9 @@ class ZenFlowMode(Mode):
         return out
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], host_shards: list[list[Any]] | None = None) -> None:
+        """``host_shards``: per host store, the states of every shard of a group of another size
+        (:meth:`load_shards`); ``sd``'s own host states otherwise."""
         self._drain()
         self.load_device_params(sd["device_params"])
         sched = sd["schedule"]
@@ -796,8 +875,12 @@ class ZenFlowMode(Mode):
             for s in self.splits:
                 self.dev.add_columns(s.name, s.param, torch.as_tensor(dev_sd[s.name]["cols"]))
         self.dev.load_state_dict(dev_sd)
-        for st, hs in zip(self.stores, sd["host"], strict=True):
-            st.load_state_dict(hs)
+        if host_shards is not None:
+            for st, shards in zip(self.stores, host_shards, strict=True):
+                st.load_shards(shards)
+        else:
+            for st, hs in zip(self.stores, sd["host"], strict=True):
+                st.load_state_dict(hs)
         self.win_lr = float("nan")  # states saved before win_lr existed: lr * win_len at the boundary
         for key, value in sched.items():
             setattr(self, key, value)
@@ -812,18 +895,26 @@ class ZenFlowMode(Mode):
         p = sd["pending"]
         if p is not None:
             fut: Future[Any] = Future()
-            fut.set_result(float(p["seconds"]))
+            fut.set_result((float(p["seconds"]), 0))
             sel = {n: torch.as_tensor(c).to(self.ops.device) for n, c in p["sel"].items()}
             h2d_bytes = 0
             acc_index = (self.window - 1) % (1 if self.on_device else 2)  # the window before the current one
             for store in self.stores:
                 store.restore_result(acc_index)
-            if self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
+            if self.gathers:  # every rank's shard of the result into the replica again
+                self._gather_results(acc_index, group=self.ranks.group)
+            elif self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
                 pairs = [(s.landing, s.store.flat(s.store.result(acc_index), s.index)) for s in self.splits]
                 t = self.ops.h2d(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # CUDA: landing set
                 t.wait()
                 h2d_bytes = t.nbytes
             self.pending = _Pending(fut, sel, h2d_bytes, acc_index)
+
+    def load_shards(self, sds: list[dict[str, Any]]) -> None:
+        """Another group size: the replicated state from the first rank's, the host stores re-cut."""
+        if len(sds[0]["host"]) != len(self.stores):
+            raise ValueError("engine state does not match the model's parameter groups")
+        self.load_state_dict(sds[0], host_shards=[[sd["host"][i] for sd in sds] for i in range(len(self.stores))])
 
     def close(self) -> None:
         if self.worker is not None:

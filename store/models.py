@@ -19,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -125,6 +126,8 @@ class FineTuningJob(Base):
     resolved_hyperparameters: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     #: Offload engine settings (offload.config.EngineConfig fields).
     engine: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    #: What the job needs from its worker (trainer.spec.ResourceSpec fields: ``gpus``); NULL: the defaults.
+    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     suffix: Mapped[str | None] = mapped_column(String(64))
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)
@@ -310,3 +313,5 @@ class Worker(Base):
     capacity: Mapped[dict[str, Any]] = mapped_column(default=dict)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    #: Ranks (GPUs) per job it runs (``--gpus-per-job``): the size of the jobs of the queue it consumes.
+    gpus_per_job: Mapped[int] = mapped_column(Integer, default=1, server_default=text("1"))

@@ -86,6 +86,11 @@ class Settings(BaseSettings):
     #: this long (once a second) before it hands the message back to the queue.
     quota_hold_seconds: float = Field(30.0, ge=0)
     # --- workers and admission (store.workers, api.admission) ---
+    #: Ranks (GPUs) per job this worker runs (``python -m trainer.worker --gpus-per-job N``); it consumes
+    #: the queue of jobs of that size (trainer.worker.broker.queue_for_gpus).
+    gpus_per_job: int = Field(1, ge=1, le=64)
+    #: A worker without GPUs may run a multi-rank job as gloo ranks on the CPU (demo and tests).
+    cpu_ranks: bool = False
     #: A registered worker counts for admission while its heartbeat (refreshed every
     #: heartbeat_interval_seconds) is at most this old.
     worker_live_seconds: float = Field(60.0, gt=0)

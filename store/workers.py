@@ -1,10 +1,11 @@
 """The worker registry: each worker process's measured capacity and heartbeat (:class:`~store.models.Worker`).
 
-A worker registers at start with the queues it consumes and the capacity it measured
-(``trainer.worker.capacity``), refreshes its heartbeat every ``heartbeat_interval_seconds`` and
-unregisters on a clean stop. It is *live* while its heartbeat is at most ``worker_live_seconds`` old;
-admission (``api.admission``) plans a job against the live workers of its queue. A worker that died
-simply stops being live. The capacity is an opaque JSON object here: store/ knows nothing of its fields.
+A worker registers at start with the queues it consumes, the capacity it measured
+(``trainer.worker.capacity``) and the size of the jobs it runs (``gpus_per_job``), refreshes its
+heartbeat every ``heartbeat_interval_seconds`` and unregisters on a clean stop. It is *live* while its
+heartbeat is at most ``worker_live_seconds`` old; admission (``api.admission``) plans a job against the
+live workers of its queue. A worker that died simply stops being live. The capacity is an opaque JSON
+object here: store/ knows nothing of its fields.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from store.models import Worker, utcnow
 
 
 def register(session: Session, name: str, queues: Sequence[str], capacity: dict[str, Any], *,
-             now: datetime | None = None) -> Worker:
-    """Record worker ``name`` (a restarted worker replaces its old row) with a fresh heartbeat."""
+             gpus_per_job: int = 1, now: datetime | None = None) -> Worker:
+    """Record worker ``name`` (a restarted worker replaces its old row) with a fresh heartbeat;
+    ``gpus_per_job``: the ranks of each job it runs."""
+    if gpus_per_job < 1:
+        raise ValueError(f"gpus_per_job must be at least 1, not {gpus_per_job}")
     now = now or utcnow()
     row = session.get(Worker, name, with_for_update=True)
     if row is None:
@@ -29,6 +33,7 @@ def register(session: Session, name: str, queues: Sequence[str], capacity: dict[
         session.add(row)
     row.queues = list(dict.fromkeys(queues))
     row.capacity = dict(capacity)
+    row.gpus_per_job = gpus_per_job
     row.started_at = now
     row.heartbeat_at = now
     session.flush()
@@ -58,3 +63,10 @@ def live_workers(session: Session, queue: str, *, live_seconds: float,
     # The queue filter in Python: JSON containment differs between PostgreSQL and SQLite, and a
     # service has a few workers, not thousands.
     return [w for w in rows if queue in (w.queues or [])]
+
+
+def max_gpus_per_job(session: Session, *, live_seconds: float, now: datetime | None = None) -> int | None:
+    """The largest job (in ranks) a live worker runs; None when no worker is live at all."""
+    cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
+    found = session.scalar(select(func.max(Worker.gpus_per_job)).where(Worker.heartbeat_at >= cutoff))
+    return int(found) if found is not None else None

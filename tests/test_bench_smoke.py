@@ -32,6 +32,7 @@ def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) ->
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== environment" in proc.stdout and "cpu_adam ready" in proc.stdout
+    assert "bench/distributed.py (multi-GPU): skipped (DEVICE=cpu" in proc.stdout  # runs only with >= 2 GPUs
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(doc["results"]) == VARIANTS and doc["variants_pending"] == []
     for name, r in doc["results"].items():

@@ -1,6 +1,7 @@
 """Batching and loss for the training run: each epoch's example order, an optimizer step's examples cut
 into micro-batches (right-padded, or packed by :mod:`trainer.packing`), the summed next-token loss and
-the validation loss.
+the validation loss. With N data-parallel ranks each rank takes its contiguous part of a step's examples
+(and of the validation set): :func:`rank_part`.
 
 Importing this module does not import torch (the functions do).
 """
@@ -9,13 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.data import IGNORE_INDEX, Example
 from trainer.packing import flatten_rows, pack_rows
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
+
+
+def rank_part(items: list[T], rank: int, world_size: int) -> list[T]:
+    """Rank ``rank``'s contiguous part of ``items`` cut into ``world_size`` near-equal parts (sizes differ
+    by at most one; the first parts are the smaller ones). The parts, in rank order, are ``items``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    n = len(items)
+    return items[n * rank // world_size : n * (rank + 1) // world_size]
 
 
 def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
@@ -133,6 +145,22 @@ def evaluate(
 ) -> tuple[float, int]:
     """Mean token loss over ``examples`` (no grad, eval mode, no RNG use) and the learned-token count,
     in micro-batches like training (the same memory bound)."""
+    s, n = evaluate_sums(model, examples, micro_batch_size, pad_id=pad_id, device=device, packing=packing,
+                         max_seq_length=max_seq_length)
+    return (s / n if n else float("nan")), n
+
+
+def evaluate_sums(
+    model: Any,
+    examples: list[Example],
+    micro_batch_size: int,
+    *,
+    pad_id: int,
+    device: torch.device,
+    packing: bool = False,
+    max_seq_length: int = 0,
+) -> tuple[float, int]:
+    """(summed token loss, learned-token count) over ``examples``: what ranks add up before dividing."""
     import torch
 
     was_training = model.training
@@ -145,4 +173,4 @@ def evaluate(
             s += float(ls)
             n += int(c)
     model.train(was_training)
-    return (s / n if n else float("nan")), n
+    return s, n

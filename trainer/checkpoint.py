@@ -9,6 +9,8 @@ Layout of a job's output directory::
         adapter/                LoRA runs only: the peft adapter (PeftModel.from_pretrained)
         training_state.pt       engine state_dict (incl. the device values of the trainable params),
                                 RNG states, step (= data position), loss history (torch.save)
+        engine-rank00001-of-00002.pt  a run of N > 1 ranks: each rank's engine shard and RNG states, one
+                                file per rank (training_state.pt then holds no engine state)
         zenflow_checkpoint.json manifest, written last: step, kind, file sizes, metrics
     final/                      the exported fine-tuned model (no training_state.pt)
     result.json                 the TrainResult of a finished run
@@ -17,7 +19,8 @@ A directory is written as ``<name>.tmp-<random>``, every file and the directory 
 to ``<name>`` (atomic on POSIX), and the parent fsynced. A directory counts as complete only when
 its manifest parses and every file listed there has the recorded size, so a half-written checkpoint
 (a crash mid-write leaves only the ``.tmp-`` name) is never picked for resume; leftovers are removed
-by :func:`cleanup_partial`. A write that fails for want of space raises :class:`DiskFullError` ("no space left
+by :func:`cleanup_partial`. A checkpoint of N ranks lists every rank's shard file in its manifest, so it is
+complete only with all of them (:mod:`trainer.run_outputs` moves them in before the rename). A write that fails for want of space raises :class:`DiskFullError` ("no space left
 while writing checkpoint N"), the partial directory removed and an existing one of the same name kept.
 """
 
@@ -46,6 +49,7 @@ WEIGHTS = "model.safetensors"
 FINAL_DIR = "final"
 RESULT_FILE = "result.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_SHARD_RE = re.compile(r"^engine-rank(\d{5})-of-(\d{5})\.pt$")
 #: A write that failed while less than this was left on its filesystem failed for want of space: torch.save
 #: reports ENOSPC as ``RuntimeError: [enforce fail at inline_container.cc:...]``, with no errno to go by.
 _FULL_BELOW_BYTES = 1 << 20
@@ -291,6 +295,36 @@ def load_training_state(directory: Path) -> dict[str, Any]:
     import torch
 
     return torch.load(Path(directory) / TRAINING_STATE, map_location="cpu", weights_only=False)
+
+
+def engine_shard_name(rank: int, world_size: int) -> str:
+    """The file of one rank's engine shard and RNG states in a checkpoint of ``world_size`` > 1 ranks."""
+    return f"engine-rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+def is_engine_shard(name: str) -> bool:
+    return _SHARD_RE.match(name) is not None
+
+
+def checkpoint_world_size(state: dict[str, Any]) -> int:
+    """The ranks that wrote a checkpoint (its training state); 1 for a single-process one."""
+    return int(state.get("world_size", 1))
+
+
+def save_rank_state(path: Path, state: dict[str, Any]) -> None:
+    import torch
+
+    torch.save(state, path)
+
+
+def load_rank_state(directory: Path, rank: int, world_size: int) -> dict[str, Any]:
+    """One rank's ``{"engine", "rng", ...}`` from a checkpoint of ``world_size`` ranks (for 1: training_state.pt)."""
+    import torch
+
+    if world_size == 1:
+        return load_training_state(directory)
+    path = Path(directory) / engine_shard_name(rank, world_size)
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 # --- RNG states (saved in training_state.pt) ----------------------------------------------------

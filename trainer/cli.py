@@ -9,12 +9,20 @@ Before training, the spec gets the API's model checks (trainer.model_check: conf
 max_seq_length within the model's position limit). Exit codes: 0 done; 2 bad input (the spec, its
 model or its data: one message saying what, no traceback); 1 an internal error (with its traceback);
 130 stopped by Ctrl-C.
+
+``--nproc N`` (default: the spec's ``resources.gpus``) runs the job as N data-parallel ranks on this
+machine: the command starts N copies of itself as one :class:`trainer.launch.RankGroup` (one GPU each,
+or gloo CPU ranks without GPUs or with ``device: cpu``) and supervises them; a process started with
+the ``env://`` variables (WORLD_SIZE > 1: by ``--nproc``, or by ``torchrun``) is one rank and launches
+nothing. Rank 0 prints; the others print only their own internal errors. Ctrl-C reaches every rank.
+A rank killed by a signal makes the command exit 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -33,6 +41,7 @@ from trainer.events import (
 )
 
 if TYPE_CHECKING:
+    from trainer.distributed import DistContext
     from trainer.spec import JobSpec
 
 #: ``zenflow train``'s exit code for bad input: the spec, its model or its data (the message says what).
@@ -57,6 +66,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
     p.add_argument("--json", action="store_true", help="print every event as a JSON line on stdout")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="data-parallel ranks on this machine (default: the spec's resources.gpus): one per GPU, "
+                        "or gloo CPU ranks without GPUs")
     p.set_defaults(func=cmd_train)
     return p
 
@@ -119,6 +131,14 @@ def _check_spec(spec: JobSpec) -> list[str]:
     return [f"{'.'.join(e.loc)}: {e.message}" for e in model_limit_errors(spec)]
 
 
+def _env_world() -> int:
+    """WORLD_SIZE of this process (1 when unset): > 1 means it is one rank of a launched group."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Exit codes: 0 done; 2 bad input (the spec, its model or its data; the message says what, no
     traceback); 1 an internal error (with its traceback); 130 stopped by Ctrl-C (resumable)."""
@@ -126,52 +146,86 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from trainer.spec import load_spec
+    from trainer.spec import ResourceSpec, load_spec
 
     def refuse(msg: str) -> int:
         print(f"zenflow train: {msg}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
+    world = _env_world()
     try:
         with warnings.catch_warnings(record=True) as caught:  # a deprecated spec key: said once, plainly
             warnings.simplefilter("always", FutureWarning)
             spec = load_spec(args.spec, output_dir=args.output_dir)
-        for w in caught:
-            print(f"zenflow train: warning: {w.message}", file=sys.stderr)
+        if world == 1 or os.environ.get("RANK") == "0":
+            for w in caught:
+                print(f"zenflow train: warning: {w.message}", file=sys.stderr)
         problems = _check_spec(spec)
+        nproc = world if world > 1 else (args.nproc if args.nproc is not None else spec.resources.gpus)
+        if nproc != spec.resources.gpus:
+            spec = spec.model_copy(update={"resources": ResourceSpec(gpus=nproc)})
     except (OSError, ValueError, ValidationError) as e:
         return refuse(_bad_input(e) or f"invalid spec {args.spec}: {e}")
     if problems:
         return refuse(f"invalid spec {args.spec}: " + "; ".join(problems))
+    if world == 1 and nproc > 1:
+        return _launch(args, spec, nproc, refuse)
+    dist = None
+    if world > 1:
+        from trainer.distributed import init_from_env
+
+        dist = init_from_env(device=spec.device)
+    try:
+        return _train(args, spec, dist, refuse)
+    finally:
+        if dist is not None:
+            from trainer.distributed import shutdown
+
+            shutdown(dist)
+
+
+def _train(args: argparse.Namespace, spec: JobSpec, dist: DistContext | None, refuse: Any) -> int:
+    """This process's part of the run: all of it, or one rank's (``dist``; rank 0 prints)."""
+    main_rank = dist is None or dist.is_main
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = progress and not args.json
+    progress = progress and not args.json and main_rank
     cancel = threading.Event()
 
     def on_sigint(_sig: int, _frame: Any) -> None:
         if cancel.is_set():
             raise KeyboardInterrupt
         cancel.set()
-        print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
+        if main_rank:
+            print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
 
     previous = signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
     from trainer.loop import run_training
 
     try:
-        result = run_training(spec, on_event=_printer(args.json, progress), should_cancel=cancel.is_set,
-                              resume=not args.no_resume, progress=progress)
+        result = run_training(spec, on_event=_printer(args.json, progress) if main_rank else None,
+                              should_cancel=cancel.is_set, resume=not args.no_resume, progress=progress,
+                              dist=dist)
     except KeyboardInterrupt:
-        print("aborted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        if main_rank:
+            print("aborted", file=sys.stderr)
+        return EXIT_INTERRUPTED if main_rank else 0
     except Exception as e:
         msg = _bad_input(e)
-        if msg is not None:
-            return refuse(msg)
+        if msg is not None:  # every rank sees it; rank 0 says it
+            return refuse(msg) if main_rank else 0
+        if dist is not None and cancel.is_set():  # aborting: a peer that left first broke the collective
+            if main_rank:
+                print("aborted", file=sys.stderr)
+            return EXIT_INTERRUPTED if main_rank else 0
         traceback.print_exc(file=sys.stderr)
-        print(f"zenflow train: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        where = f" (rank {dist.rank})" if dist is not None else ""
+        print(f"zenflow train: internal error{where}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_INTERNAL_ERROR
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+    if not main_rank:
+        return 0
     if result.cancelled:
         print(f"stopped at step {result.steps}/{result.total_steps}; run the same command to resume "
               f"({result.last_checkpoint})", file=sys.stderr)
@@ -181,6 +235,64 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"done: {result.steps} steps, training loss {tl}{vl}", file=sys.stderr)
     print(result.final_model_dir)
     return 0
+
+
+def _visible_gpus(device: str) -> list[str]:
+    """The GPUs the ranks may take: CUDA_VISIBLE_DEVICES's entries, else as many as CUDA counts (none
+    for ``device: cpu``)."""
+    if device == "cpu":
+        return []
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [d.strip() for d in cvd.split(",") if d.strip() and d.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Any) -> int:
+    """Run the job as ``nproc`` ranks of this same command (one GPU each, or CPU ranks) and supervise
+    them as one group; the group's exit code (a signal: 128 + its number)."""
+    from trainer.launch import RankGroup, group_envs
+
+    gpus = _visible_gpus(spec.device)
+    if len(gpus) < nproc and (gpus or spec.device == "cuda"):
+        return refuse(f"--nproc {nproc} needs {nproc} GPUs, {len(gpus)} visible "
+                      "(device: cpu runs the ranks on the CPU)")
+    devices = gpus[:nproc] if gpus else None
+    argvs = []
+    for rank in range(nproc):
+        argv = [sys.executable, "-m", "trainer", "train", str(Path(args.spec).resolve()),
+                "--output-dir", str(spec.output_dir), "--nproc", str(nproc)]
+        if args.no_resume:
+            argv.append("--no-resume")
+        if rank > 0:
+            argv.append("--no-progress")
+        else:
+            argv += ["--json"] if args.json else []
+            argv += [] if args.progress is None else ["--progress" if args.progress else "--no-progress"]
+        argvs.append(argv)
+    group = RankGroup(argvs, group_envs(nproc, devices=devices, base=os.environ))
+
+    def forward(sig: int, _frame: Any) -> None:  # Ctrl-C: every rank stops after this step
+        group.terminate(sig)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        with group:
+            group.start()
+            rc = group.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = group.failed_rank
+    if rc < 0:
+        print(f"zenflow train: rank {failed or 0} killed by signal {-rc}", file=sys.stderr)
+        return 128 - rc
+    if failed not in (None, 0):
+        print(f"zenflow train: rank {failed} exited with code {rc}", file=sys.stderr)
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

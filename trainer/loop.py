@@ -33,6 +33,22 @@ With ``resume=True`` (default) a run continues from the newest complete checkpoi
 ``resume=False`` deletes earlier outputs first. Resuming gives bit-identical weights to an
 uninterrupted run with the same seed (the engine's state, the device parameters, RNG states and the
 data position are all restored; checkpoints do not perturb the trajectory).
+
+Data-parallel ranks (``dist``, a :class:`trainer.distributed.DistContext` of world N ==
+``spec.resources.gpus``): every rank runs :func:`run_training` over an identical replica with the engine
+on the group, and loads the same data in the same order. Each optimizer step's ``batch_size`` examples
+are cut into N contiguous near-equal parts (:func:`trainer.batching.rank_part`; ``batch_size`` must be at
+least N), rank r taking part r in its own micro-batches, so the data position is still the global step
+and a checkpoint resumes on any N. The loss is normalized by the step's learned tokens summed over all
+ranks (:mod:`trainer.step`); the step's loss and tokens, the validation loss (its examples split the same
+way) and the cancel decision (``should_cancel()`` is asked on every rank; any rank's yes stops all at
+the same step) are combined across ranks, so every rank takes the same branches. Events: EVERY rank
+emits its own :class:`~trainer.events.StepEvent` (the global loss and tokens, its own engine
+``StepMetrics`` with ``rank``) and, on a failure, its own ErrorEvent; everything else (logs, RunStarted,
+EvalEvent, checkpoint events, RunFinished) comes from rank 0 only. Rank 0 writes the checkpoints' shared
+files, ``final/`` and ``result.json``; every rank adds its engine shard (and RNG states) to each
+checkpoint (:mod:`trainer.run_outputs`). All ranks flush at the same point and meet at a barrier before
+returning the same TrainResult (rank 0's). The caller owns the process group (init and shutdown).
 """
 
 from __future__ import annotations
@@ -46,16 +62,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.batching import Batch, epoch_order, evaluate, micro_batches
+from trainer.batching import Batch, epoch_order, evaluate, evaluate_sums, micro_batches, rank_part
 from trainer.checkpoint import (
     FINAL_DIR,
     RESULT_FILE,
     cleanup_partial,
     is_complete,
     remove_outputs,
-    write_json_atomic,
 )
 from trainer.data import DatasetValidationError, Example
+from trainer.distributed import DistContext, all_sum, any_rank, barrier, broadcast_object
 from trainer.events import (
     ErrorEvent,
     EvalEvent,
@@ -117,40 +133,53 @@ def run_training(
     should_cancel: Callable[[], bool] | None = None,
     resume: bool = True,
     progress: bool | None = None,
+    dist: DistContext | None = None,
 ) -> TrainResult:
     """Run one job to completion (or cancellation) and return its result; see the module docstring.
 
-    ``on_event`` receives every :mod:`trainer.events` record; ``progress`` shows a tqdm bar (default:
-    when stderr is a TTY). Raises DatasetValidationError for bad data, UnknownModelError, and any
-    training error (after an ErrorEvent).
+    ``on_event`` receives every :mod:`trainer.events` record (with ranks: see the module docstring);
+    ``progress`` shows a tqdm bar (default: when stderr is a TTY; rank 0 only). ``dist``: this process is
+    one of the job's data-parallel ranks (None: the only process). Raises DatasetValidationError for bad
+    data, UnknownModelError, and any training error (after an ErrorEvent).
     """
     if spec.output_dir is None:
         raise ValueError("spec.output_dir is required")
+    if dist is not None and dist.world_size != spec.resources.gpus:
+        raise ValueError(
+            f"the job asks for {spec.resources.gpus} rank(s) (resources.gpus) but runs in a group of {dist.world_size}"
+        )
+    if dist is not None and dist.world_size == 1:
+        dist = None  # a group of one is a single process
+    main = dist is None or dist.is_main
     out = Path(spec.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     def emit(ev: Event) -> None:
-        if on_event is not None:
+        if on_event is not None and (main or isinstance(ev, StepEvent | ErrorEvent)):
             on_event(ev)
 
-    cleanup_partial(out)
-    if not resume:
-        remove_outputs(out)
-    else:
-        done = _finished_result(out)
-        if done is not None:
-            emit(LogEvent(f"Run already finished; final model at {done.final_model_dir}"))
-            return done
+    done: TrainResult | None = None
+    if main:
+        cleanup_partial(out)
+        if not resume:
+            remove_outputs(out)
+        else:
+            done = _finished_result(out)
+    if dist is not None:  # also keeps the other ranks off output_dir until rank 0 has tidied it
+        done = broadcast_object(dist, done)
+    if done is not None:
+        emit(LogEvent(f"Run already finished; final model at {done.final_model_dir}"))
+        return done
 
     def emit_error(ev: ErrorEvent) -> None:
         with contextlib.suppress(Exception):  # the callback itself may be what failed
             emit(ev)
 
     try:
-        data = load_data(spec, emit)
-        built = build(spec, data, out, resume=resume, emit=emit)
+        data = load_data(spec, emit, dist)
+        built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
         try:
-            return _Run(spec, out, data, built, emit, should_cancel, _use_progress(progress)).train()
+            return _Run(spec, out, data, built, emit, should_cancel, main and _use_progress(progress), dist).train()
         finally:
             release(built)
     except DatasetValidationError as e:
@@ -173,11 +202,13 @@ class _Run:
         emit: Callable[[Event], None],
         should_cancel: Callable[[], bool] | None,
         progress: bool,
+        dist: DistContext | None = None,
     ) -> None:
         self.spec, self.out, self.data, self.built, self.emit = spec, out, data, built, emit
+        self.dist = dist
         self.hp = data.hp
         self.state = built.progress
-        self.outputs = RunOutputs(spec, out, data, built, emit)
+        self.outputs = RunOutputs(spec, out, data, built, emit, dist)
         self.should_cancel = should_cancel or (lambda: False)
         self.progress = progress
         self.skipped_in_a_row = 0
@@ -211,7 +242,7 @@ class _Run:
         order_epoch = -1
         try:
             while state.step < hp.total_steps:
-                if self.should_cancel():
+                if any_rank(self.dist, self.should_cancel()):
                     cancelled = True
                     break
                 epoch, b = divmod(state.step, hp.steps_per_epoch)
@@ -221,9 +252,11 @@ class _Run:
                     engine.new_epoch()
                 t0 = time.perf_counter()
                 idx = order[b * hp.batch_size : (b + 1) * hp.batch_size]
+                if self.dist is not None:
+                    idx = rank_part(idx, self.dist.rank, self.dist.world_size)
                 micro = list(self._micro_batches([data.train[i] for i in idx]))
                 lr = hp.lr_at(state.step)
-                done = optimizer_step(model, engine, micro, lr, state.step + 1)
+                done = optimizer_step(model, engine, micro, lr, state.step + 1, dist=self.dist)
                 m = done.metrics
                 self.skipped_in_a_row = self.skipped_in_a_row + 1 if m.skipped else 0
                 if m.skipped:  # gradient norm not finite: nothing was updated
@@ -270,10 +303,12 @@ class _Run:
                     self.outputs.save_checkpoint(state)
                 final = self.outputs.export_final(state)
                 result = self._result(str(final), cancelled=False)
-                write_json_atomic(self.out / RESULT_FILE, result.as_dict())
+                self.outputs.write_result(result.as_dict())
         finally:
             if bar is not None:
                 bar.close()
+        if self.dist is not None:
+            result = broadcast_object(self.dist, result)  # the same result on every rank: rank 0's
         self.emit(
             RunFinished(
                 steps=result.steps,
@@ -284,6 +319,7 @@ class _Run:
                 trained_tokens=result.trained_tokens,
             )
         )
+        barrier(self.dist)  # no rank leaves while another still works on the outputs
         return result
 
     def _micro_batches(self, examples: list[Example]) -> Iterator[Batch]:
@@ -292,9 +328,16 @@ class _Run:
                              packing=hp.packing, max_seq_length=hp.max_seq_length)
 
     def _eval(self) -> None:
-        hp, data, built = self.hp, self.data, self.built
-        loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, pad_id=data.pad_id, device=built.device,
-                           packing=hp.packing, max_seq_length=hp.max_seq_length)
+        hp, data, built, dist = self.hp, self.data, self.built, self.dist
+        kw: dict[str, Any] = {"pad_id": data.pad_id, "device": built.device, "packing": hp.packing,
+                              "max_seq_length": hp.max_seq_length}
+        if dist is None:
+            loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
+        else:  # each rank its part; the summed losses and counts added up
+            part = rank_part(data.valid, dist.rank, dist.world_size)
+            s_total, n_total = all_sum(dist, evaluate_sums(built.model, part, hp.micro_batch_size, **kw))
+            n = int(n_total)
+            loss = s_total / n if n else float("nan")
         self.state.valid_loss = loss
         self.emit(EvalEvent(self.state.step, loss, n))
 

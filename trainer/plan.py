@@ -17,6 +17,12 @@ weights loaded: :mod:`trainer.plan_shapes`), the job's hyperparameters and engin
   gradient mass); the plan assumes the shortest window that hides the CPU work. ``packing: auto``
   stays off (the runtime default; the plan's bound on a micro-batch is the same either way).
 
+A job on N ranks (``resources.gpus``) is planned for one rank: ``batch_size / N`` examples per step (its
+activations and micro-batches), a full model replica on its device, 1/N of the CPU optimizer state
+(``SHARDED_HOST``; the engine shards it across ranks), its own process and data; on a GPU machine
+(already one GPU's share of its host) with that GPU's share, CPU ranks share one host
+(:func:`rank_machine`).
+
 Fitting keeps ``DEVICE_MARGIN`` (10%) of the device memory free for the allocator's fragmentation
 and kernels' workspaces; the host side needs no margin of its own (``HOST_PROCESS_BYTES`` is the
 process's own use). A plan that does not fit lists :attr:`Plan.problems`: the field to change and
@@ -171,17 +177,37 @@ class _Job(NamedTuple):
     machine: Machine
     shape: ModelShape
     dtype_bytes: int
+    #: Examples per optimizer step on one rank (the job's batch split across its ranks).
     batch: int
     seq: int
     num_examples: int
     num_tokens: int | None
+    ranks: int = 1
+
+
+#: Host components of the engine each rank holds only its 1/N shard of (the CPU optimizer state).
+SHARDED_HOST = ("engine_state", "engine_accumulators")
 
 
 def _engine_bytes(job: _Job, mode: str, acc: str) -> EngineBytes:
-    """The engine's bytes with the job's settings in ``mode`` with accumulator ``acc`` (the job's own
-    values or another candidate's)."""
+    """The engine's bytes on one rank with the job's settings in ``mode`` with accumulator ``acc`` (the
+    job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state."""
     config = job.spec.engine.engine_config(1.0).model_copy(update={"mode": mode, "accumulate_on": acc})
-    return engine_bytes(config, job.shape.trainable, job.dtype_bytes, cuda=job.machine.device_type == "cuda")
+    eng = engine_bytes(config, job.shape.trainable, job.dtype_bytes, cuda=job.machine.device_type == "cuda")
+    if job.ranks == 1:
+        return eng
+    host = {k: -(-v // job.ranks) if k in SHARDED_HOST else v for k, v in eng.host.items()}
+    return EngineBytes(device=eng.device, host=host, host_params=-(-eng.host_params // job.ranks))
+
+
+def rank_machine(machine: Machine, ranks: int) -> Machine:
+    """What one of ``ranks`` ranks of a job has: a GPU machine is already one GPU's share of its host
+    (trainer.worker.capacity.to_machine); CPU ranks split the host's memory, cores and bandwidth."""
+    if ranks == 1 or machine.device_type == "cuda":
+        return machine
+    return machine.model_copy(update={
+        "host_memory_bytes": max(1, machine.host_memory_bytes // ranks), "cores": max(1, machine.cores // ranks),
+        "cpu_adam_gbps": machine.cpu_adam_gbps / ranks, "gpu_flops": machine.gpu_flops / ranks})
 
 
 def _candidate(job: _Job, mode: str, mb: int, ckpt: bool, acc: str) -> _Candidate:
@@ -265,10 +291,15 @@ def plan_job(
     except ValueError:  # too many steps: limit_errors reports it; plan one step's memory anyway
         batch = min(n, 32) if spec.hyperparameters.batch_size == "auto" else int(spec.hyperparameters.batch_size)
         seq = spec.hyperparameters.max_seq_length if isinstance(spec.hyperparameters.max_seq_length, int) else 2048
-    job = _Job(spec, machine, shape, 2 if dtype == "bfloat16" else 4, batch, seq, n, num_tokens)
+    ranks = spec.resources.gpus
+    machine = rank_machine(machine, ranks)
+    job = _Job(spec, machine, shape, 2 if dtype == "bfloat16" else 4, -(-batch // ranks), seq, n, num_tokens, ranks)
     best = {mode: _best([_candidate(job, mode, *o) for o in _options(job, mode)])
             for mode in ("device", "offload", "zenflow")}
     reasons: list[str] = []
+    if ranks > 1:
+        reasons.append(f"resources.gpus {ranks}: per rank {job.batch} of the {batch} examples of a step and "
+                       f"1/{ranks} of the CPU optimizer state; the figures are one rank's")
     mode = spec.engine.mode
     if mode == "auto":
         dev = best["device"]

@@ -3,6 +3,14 @@
 
 Used by :mod:`trainer.loop`; the model is bf16 on CUDA (every engine mode keeps fp32 master weights for
 its optimizer), fp32 otherwise, with LoRA through peft when the spec asks for it.
+
+With N data-parallel ranks (a :class:`trainer.distributed.DistContext`) every rank loads the same data and
+builds an identical replica (the model from the seed or the same folder); rank 0's resolved
+hyperparameters and plan are broadcast so every rank runs the same engine mode and micro-batches, and the
+engine gets the group. Resuming, every rank reads rank 0's choice of checkpoint: one written by as many
+ranks gives each rank its own engine shard and RNG states back (bit-exact); one written by another
+number of ranks (a single process counts as one shard) hands the engine ALL shards, in rank order, to
+re-cut. A fresh run seeds each rank's generators with seed + rank (dropout may differ per rank).
 """
 
 from __future__ import annotations
@@ -12,8 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.checkpoint import latest_checkpoint, load_training_state, seed_all, set_rng_state
+from trainer.checkpoint import (
+    CheckpointInfo,
+    checkpoint_world_size,
+    latest_checkpoint,
+    load_rank_state,
+    load_training_state,
+    seed_all,
+    set_rng_state,
+)
 from trainer.data import DataOptions, Example, load_examples
+from trainer.distributed import DistContext, broadcast_object, rank_device
 from trainer.events import Event, LogEvent
 from trainer.lora import apply_lora
 from trainer.packing import use_packing_attention
@@ -71,13 +88,8 @@ class Built:
 
 
 def pick_device(pref: str) -> torch.device:
-    import torch
-
-    if pref == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' requested but CUDA is not available")
-    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The single-process run's device (a rank's: :func:`trainer.distributed.rank_device`)."""
+    return rank_device(None, pref)
 
 
 def pick_dtype(spec: JobSpec, device: torch.device) -> torch.dtype:
@@ -90,8 +102,9 @@ def pick_dtype(spec: JobSpec, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_data(spec: JobSpec, emit: Callable[[Event], None]) -> RunData:
-    """Validate and tokenize the training (and validation) file; resolve the hyperparameters."""
+def load_data(spec: JobSpec, emit: Callable[[Event], None], dist: DistContext | None = None) -> RunData:
+    """Validate and tokenize the training (and validation) file; resolve the hyperparameters (rank 0's
+    with several ranks)."""
     from trainer.limits import model_limit_errors
     from trainer.models import load_tokenizer, model_max_length
 
@@ -111,15 +124,27 @@ def load_data(spec: JobSpec, emit: Callable[[Event], None]) -> RunData:
     if spec.validation_file is not None:
         valid, vrep = load_examples(spec.validation_file, tokenizer, max_len, options)
         emit(LogEvent(vrep.event_message("validation"), data=vrep.as_dict()))
-    plan = plan_for_run(spec, pick_device(spec.device).type, num_examples=len(train), num_tokens=rep.num_tokens,
-                        emit=emit)
+    plan = plan_for_run(spec, rank_device(dist, spec.device).type, num_examples=len(train),
+                        num_tokens=rep.num_tokens, emit=emit)
     hp = spec.resolve(len(train), planned_runtime(plan))
+    if dist is not None:
+        hp, plan = broadcast_object(dist, (hp, plan))
+        if hp.batch_size < dist.world_size:
+            raise ValueError(
+                f"hyperparameters.batch_size ({hp.batch_size}) must be at least the job's ranks "
+                f"(resources.gpus = {dist.world_size}): each optimizer step's examples are split across them"
+            )
     return RunData(tokenizer, train, valid, hp, int(tokenizer.pad_token_id), plan)
 
 
-def _checkpoint_state(out: Path, hp: ResolvedHyperparameters) -> tuple[Any, dict[str, Any]] | None:
-    """The newest complete checkpoint and its training state; refused when made with other hyperparameters."""
-    ckpt = latest_checkpoint(out)
+def _checkpoint_state(
+    out: Path, hp: ResolvedHyperparameters, dist: DistContext | None = None
+) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """The newest complete checkpoint (rank 0's pick) and its training state; refused when made with
+    other hyperparameters."""
+    ckpt = latest_checkpoint(out) if dist is None or dist.is_main else None
+    if dist is not None:
+        ckpt = broadcast_object(dist, ckpt)
     if ckpt is None:
         return None
     state = load_training_state(ckpt.path)
@@ -132,8 +157,51 @@ def _checkpoint_state(out: Path, hp: ResolvedHyperparameters) -> tuple[Any, dict
     return ckpt, state
 
 
+@dataclass
+class _Restore:
+    """What this rank restores from a checkpoint: its engine state (a shard, or every shard to re-cut)."""
+
+    engine: dict[str, Any] | list[dict[str, Any]]
+    rng: dict[str, Any] | None
+    saved_world: int
+
+    @property
+    def first(self) -> dict[str, Any]:
+        """An engine state of the checkpoint (its mode and accumulator, for the engine's auto choices)."""
+        return self.engine[0] if isinstance(self.engine, list) else self.engine
+
+
+def _rank_restore(ckpt: CheckpointInfo, state: dict[str, Any], dist: DistContext | None) -> _Restore:
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    saved = checkpoint_world_size(state)
+
+    def shard(r: int) -> dict[str, Any]:
+        return state if saved == 1 else load_rank_state(ckpt.path, r, saved)
+
+    if saved == world:
+        own = shard(rank)
+        return _Restore(own["engine"], own.get("rng"), saved)
+    shards = [shard(r) for r in range(saved)]
+    rng = shards[rank].get("rng") if rank < saved else None
+    return _Restore([s["engine"] for s in shards], rng, saved)
+
+
+def _make_engine(model: Any, config: Any, dist: DistContext | None) -> ZenFlowEngine:
+    from offload.engine import ZenFlowEngine
+
+    if dist is None:
+        return ZenFlowEngine(model, config)
+    return ZenFlowEngine(model, config, process_group=dist.group)
+
+
 def build(
-    spec: JobSpec, data: RunData, out: Path, *, resume: bool, emit: Callable[[Event], None]
+    spec: JobSpec,
+    data: RunData,
+    out: Path,
+    *,
+    resume: bool,
+    emit: Callable[[Event], None],
+    dist: DistContext | None = None,
 ) -> Built:
     """Model on its device, the engine around it, and the run's progress (restored when resuming).
 
@@ -141,11 +209,10 @@ def build(
     """
     import torch
 
-    from offload.engine import ZenFlowEngine
     from trainer.models import fit_to_tokenizer, load_model
 
     hp = data.hp
-    device = pick_device(spec.device)
+    device = rank_device(dist, spec.device)
     dtype = pick_dtype(spec, device)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for what still runs in fp32
@@ -165,10 +232,12 @@ def build(
     model.to(device)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
     model.train()
 
-    found = _checkpoint_state(out, hp) if resume else None
+    found = _checkpoint_state(out, hp, dist) if resume else None
+    restore = _rank_restore(*found, dist) if found is not None else None
     threads = torch.get_num_threads()  # before the engine's core placement caps it
-    resumed = found[1]["engine"] if found is not None else None
-    engine = ZenFlowEngine(model, spec.engine.engine_config(hp.lr_at(0), **engine_choices(data.plan, resumed)))
+    resumed = restore.first if restore is not None else None
+    config = spec.engine.engine_config(hp.lr_at(0), **engine_choices(data.plan, resumed))
+    engine = _make_engine(model, config, dist)
     built = Built(model, engine, device, dtype, base_config, generation_config, Progress(),
                   added_tokens=added_tokens)
     try:
@@ -180,10 +249,11 @@ def build(
             # The engine's CPU optimizer worker gets its share of the cores; training keeps the rest.
             built.restore_threads = threads
             torch.set_num_threads(engine.cpu_split[0])
-        if found is not None:
+        if found is not None and restore is not None:
             ckpt, state = found
-            # The engine state holds the device values of the trainable parameters too.
-            engine.load_state_dict(state["engine"])
+            # The engine state holds the device values of the trainable parameters too; a list of every
+            # rank's shard is re-cut by the engine for this group.
+            engine.load_state_dict(restore.engine)
             built.progress = Progress(
                 step=int(state["step"]),
                 losses=list(state.get("losses", [])),
@@ -192,7 +262,17 @@ def build(
                 last_saved=ckpt.step,
                 last_checkpoint=str(ckpt.path),
             )
-            set_rng_state(state["rng"], hp.seed)
+            if restore.rng is not None:
+                set_rng_state(restore.rng, hp.seed)
+            else:  # a rank the checkpoint did not have
+                seed_all(hp.seed + (dist.rank if dist is not None else 0))
+            world = dist.world_size if dist is not None else 1
+            if restore.saved_world != world:
+                emit(LogEvent(
+                    f"Checkpoint at step {ckpt.step} was written by {restore.saved_world} rank(s); its engine state "
+                    f"is re-cut for {world}: the same training up to float rounding, not bit-identical",
+                    data={"checkpoint_world_size": restore.saved_world, "world_size": world},
+                ))
             theirs = ResolvedHyperparameters(**state["hyperparameters"]).runtime()
             if theirs != hp.runtime():
                 emit(LogEvent(
@@ -201,7 +281,7 @@ def build(
                 ))
             emit(LogEvent(f"Resumed from checkpoint at step {ckpt.step}", data={"step": ckpt.step, "path": str(ckpt.path)}))
         else:
-            seed_all(hp.seed)
+            seed_all(hp.seed + (dist.rank if dist is not None else 0))
     except BaseException:
         release(built)
         raise

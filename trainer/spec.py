@@ -74,6 +74,19 @@ class EngineSettings(EngineConfig):
         return EngineConfig(**{**fields, "lr": lr})
 
 
+#: The most ranks (GPUs) one job may ask for.
+MAX_GPUS_PER_JOB = 64
+
+
+class ResourceSpec(BaseModel):
+    """What a job needs from its worker. ``gpus``: data-parallel ranks, one per GPU (CPU ranks on gloo
+    where the worker allows them); each optimizer step's ``batch_size`` examples are split across them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_JOB)
+
+
 class LoraSpec(BaseModel):
     """LoRA through peft: only the adapter trains; the export is the merged model plus the adapter."""
 
@@ -314,6 +327,8 @@ class JobSpec(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     #: Resumable checkpoints kept on disk (older ones are deleted); None keeps all.
     keep_checkpoints: int | None = Field(3, ge=1)
+    #: Ranks (GPUs) the job runs on.
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -410,6 +425,7 @@ def spec_from_job(
     engine: dict[str, Any] | None,
     seed: int | None,
     output_dir: str | Path,
+    resources: dict[str, Any] | None = None,
 ) -> JobSpec:
     """A JobSpec from a job row's values (fine_tuning_jobs columns + the files' storage paths).
 
@@ -428,5 +444,6 @@ def spec_from_job(
             "hyperparameters": hp,
             "engine": dict(engine or {}),
             "output_dir": str(output_dir),
+            "resources": dict(resources or {}),
         }
     )

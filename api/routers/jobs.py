@@ -203,6 +203,7 @@ def _create_job(
         if body.validation_file else None
     )
     engine = _engine(body)
+    resources = integration.check_resources(body.resources)  # 400 naming resources.gpus
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     job_id = new_id("ftjob")
     spec = integration.check_job_spec(
@@ -216,9 +217,12 @@ def _create_job(
         output_dir=settings.resolved_jobs_dir / job_id,
         limits=integration.job_limits(settings),
         num_examples=training.num_examples or None,
+        resources=resources,
     )
+    admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
+    queue = integration.job_queue(spec.resources.gpus, settings)
     dataset_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
-    admission.check_capacity(session, spec, settings, queue=settings.default_queue,  # 400: fits no worker
+    admission.check_capacity(session, spec, settings, queue=queue,  # 400: fits no worker of its queue
                              num_examples=training.num_examples or None, hyperparameters_param=hp_param)
     # Quotas, counted under the team's row lock (held to the commit): racing creates go one by one.
     quotas.lock_team(session, team.team_id)
@@ -236,12 +240,13 @@ def _create_job(
         status=JobStatus.queued.value,
         hyperparameters=hyperparameters,
         engine=engine,
+        resources=resources,
         suffix=body.suffix or None,
         seed=seed,
         user_metadata=body.metadata,
         idempotency_key=idempotency_key,
         request_hash=digest,
-        queue=settings.default_queue,
+        queue=queue,
         resolved_hyperparameters=integration.resolved_hyperparameters(spec, training.num_examples),
     )
     prior = _insert_or_replay(session, job, idempotency_key, digest)

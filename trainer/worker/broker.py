@@ -77,6 +77,13 @@ def queue_for_gpu_kind(kind: str | None) -> str:
     return "gpu-" + "".join(ch if ch.isalnum() else "-" for ch in kind.lower()).strip("-")
 
 
+def queue_for_gpus(gpus: int, base: str | None = None) -> str:
+    """Queue of jobs that need ``gpus`` ranks: ``base`` (default: settings.default_queue) for one,
+    ``<base>-x<gpus>`` for more (served by workers started with ``--gpus-per-job gpus``)."""
+    q = base or get_settings().default_queue
+    return q if gpus <= 1 else f"{q}-x{gpus}"
+
+
 def enqueue_job(job_id: str, queue: str | None = None) -> str:
     """Send a job to the workers of ``queue`` (default: settings.default_queue); the Celery task id.
 

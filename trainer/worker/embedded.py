@@ -9,7 +9,7 @@ from typing import Any
 
 from store.settings import Settings, get_settings
 from trainer.worker import hooks, task
-from trainer.worker.broker import celery_app, configure_celery
+from trainer.worker.broker import celery_app, configure_celery, queue_for_gpus
 from trainer.worker.presence import WorkerPresence, start_presence
 from trainer.worker.reaper import ReaperThread, start_reaper_thread
 
@@ -49,6 +49,15 @@ class EmbeddedWorker:
             self.presence.stop()
 
 
+def embedded_queues(settings: Settings) -> list[str]:
+    """What the embedded worker consumes: the default queue, and with ``cpu_ranks`` and
+    ``gpus_per_job`` N > 1 also the queue of N-rank jobs (run as gloo CPU ranks)."""
+    queues = [settings.default_queue]
+    if settings.cpu_ranks and settings.gpus_per_job > 1:
+        queues.append(queue_for_gpus(settings.gpus_per_job, settings.default_queue))
+    return queues
+
+
 def start_embedded_worker(
     *,
     queues: list[str] | None = None,
@@ -60,7 +69,7 @@ def start_embedded_worker(
 ) -> EmbeddedWorker:
     """Run a worker in a daemon thread of this process (``zenflow serve``); returns once it consumes.
 
-    It takes jobs from ``queues`` (default: the default queue) on the configured broker, runs each in
+    It takes jobs from ``queues`` (default: :func:`embedded_queues`) on the configured broker, runs each in
     a subprocess like any worker, and (``reaper``) runs the stale-job reaper, which first re-queues
     jobs this node (``hostname``, default ``embedded@<host>``) was running before a restart; it
     registers in the worker registry with its measured capacity (trainer.worker.presence).
@@ -71,7 +80,7 @@ def start_embedded_worker(
     configure_celery(settings)
     hostname = hostname or f"embedded@{socket.gethostname()}"
     task.set_node_hostname(hostname)
-    queues = queues or [settings.default_queue]
+    queues = queues or embedded_queues(settings)
     ready = threading.Event()
     controller = WorkController(
         app=celery_app,

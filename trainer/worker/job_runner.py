@@ -21,8 +21,16 @@ the output directory for the next run; the worker re-queues the job, the attempt
 left while writing a checkpoint (the previous one kept; the worker re-queues after a backoff, the
 attempt not counted); 3 the job is not ours: already claimed elsewhere, or taken away while running
 (re-queued by the reaper, finished elsewhere), in which case the process exits at once without writing
-more (another process may own the output directory); any other exit (a crash, a signal) leaves the job
+more (another process may own the output directory); 64 the job asks for another number of ranks
+than this group has (not claimed); 76 a peer rank failed (its collective broke: the job is left
+running, the group's code is the failed rank's); any other exit (a crash, a signal) leaves the job
 running for the worker or the reaper to re-queue.
+
+A job on N > 1 ranks (``resources.gpus``) runs as N of these processes, started by the worker as one
+:class:`trainer.launch.RankGroup` with the ``env://`` variables (WORLD_SIZE > 1): each joins the group
+(:func:`trainer.distributed.init_from_env`) first. Rank 0 is the runner described above and, once it
+knows whether the job runs, hands the JobSpec (or None) to the others (:func:`run_peer_rank`); they
+never touch the database, train with ``dist`` and report only their step metrics to Prometheus.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ EXIT_DONE = 0
 EXIT_PREEMPTED = 75
 #: The database stayed unreachable for longer than the outage window (sysexits EX_UNAVAILABLE).
 EXIT_DB_UNAVAILABLE = 69
+#: The job asks for a different number of ranks than this process group has (sysexits EX_USAGE).
+EXIT_WRONG_RANKS = 64
+#: Rank 0's collective broke because a peer rank failed (sysexits EX_PROTOCOL); the job is left running.
+EXIT_PEER_LOST = 76
 #: No space left while writing a checkpoint (sysexits EX_IOERR).
 EXIT_DISK_FULL = 74
 HOSTNAME_ENV = "ZENFLOW_WORKER_HOSTNAME"
@@ -68,8 +80,8 @@ JOB_RUNNER_MODULE = "trainer.worker.job_runner"
 #: saved to the spool file.
 _LAST_TRY_SECONDS = 10.0
 
-__all__ = ["EXIT_DB_UNAVAILABLE", "EXIT_DISK_FULL", "EXIT_DONE", "EXIT_LOST", "EXIT_PREEMPTED", "HOSTNAME_ENV",
-           "JOB_RUNNER_MODULE", "run_job_process"]
+__all__ = ["EXIT_DB_UNAVAILABLE", "EXIT_DISK_FULL", "EXIT_DONE", "EXIT_LOST", "EXIT_PEER_LOST", "EXIT_PREEMPTED",
+           "EXIT_WRONG_RANKS", "HOSTNAME_ENV", "JOB_RUNNER_MODULE", "run_job_process", "run_peer_rank"]
 
 EndState = Callable[[Session, FineTuningJob], None]
 
@@ -138,7 +150,16 @@ def _claim_standalone(s: Session, job: FineTuningJob, hostname: str, settings: S
                       heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds) is jobs.Claim.claimed
 
 
-def _load(url: str, job_id: str, hostname: str, settings: Settings) -> int | tuple[dict[str, Any], dict[str, str]]:
+def job_ranks(resources: dict[str, Any] | None) -> int:
+    """The ranks a job row's ``resources`` asks for (missing: one)."""
+    try:
+        return max(1, int((resources or {}).get("gpus", 1)))
+    except (TypeError, ValueError):
+        return 1
+
+
+def _load(url: str, job_id: str, hostname: str, settings: Settings, *,
+          world: int = 1) -> int | tuple[dict[str, Any], dict[str, str]]:
     """The spec's fields and the data files' params, or the exit code when the job is not to run here."""
     with session_scope(url) as s:
         job = jobs.lock_job(s, job_id)
@@ -147,6 +168,9 @@ def _load(url: str, job_id: str, hostname: str, settings: Settings) -> int | tup
             return EXIT_DONE
         if JobStatus(job.status).terminal:
             return EXIT_DONE
+        if job_ranks(job.resources) != world:  # never run a job on other ranks than it asks for
+            log.error("job %s asks for %d rank(s); this group has %d", job_id, job_ranks(job.resources), world)
+            return EXIT_WRONG_RANKS
         if not _claim_standalone(s, job, hostname, settings):
             log.warning("job %s is %s on %s: not ours", job_id, job.status, job.worker_hostname)
             return EXIT_LOST
@@ -167,33 +191,68 @@ def _load(url: str, job_id: str, hostname: str, settings: Settings) -> int | tup
             engine=job.engine,
             seed=job.seed,
             output_dir=output_dir,
+            resources=job.resources,
         )
     paths = {str(Path(p)): name for p, name in ((fields["training_file"], "training_file"),
                                                  (fields["validation_file"], "validation_file")) if p}
     return fields, paths
 
 
-def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
-    """Run the job to an end state; see the module docstring for the exit codes."""
+class _Announce:
+    """Rank 0 tells the other ranks, once, whether the job runs: its JobSpec, or None (not ours, refused,
+    invalid, failed to start); a no-op without a group."""
+
+    def __init__(self, dist: Any) -> None:
+        self.dist, self.done = dist, dist is None
+
+    def __call__(self, spec: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        from trainer.distributed import broadcast_object
+
+        try:
+            broadcast_object(self.dist, spec)
+        except Exception:  # the peers are gone: the supervisor settles the group
+            log.exception("could not hand the job to the other ranks")
+
+
+def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any = None) -> int:
+    """Run the job to an end state; see the module docstring for the exit codes. ``dist``: this is rank
+    0 of the job's :class:`trainer.distributed.DistContext` (None: the only process)."""
     from trainer.spec import spec_from_job
 
     settings = settings or get_settings()
     url, window = settings.resolved_database_url, settings.job_db_outage_seconds
     hostname = runner_hostname()
+    world = dist.world_size if dist is not None else 1
+    announce = _Announce(dist)
     try:
-        loaded = retry_db(lambda: _load(url, job_id, hostname, settings), window=window, what=f"job {job_id}: start")
-    except DatabaseUnavailable as e:
-        log.error("job %s: cannot start: %s", job_id, e)
-        return EXIT_DB_UNAVAILABLE
-    if isinstance(loaded, int):
-        return loaded
-    fields, paths = loaded
+        try:
+            loaded = retry_db(lambda: _load(url, job_id, hostname, settings, world=world), window=window,
+                              what=f"job {job_id}: start")
+        except DatabaseUnavailable as e:
+            log.error("job %s: cannot start: %s", job_id, e)
+            return EXIT_DB_UNAVAILABLE
+        if isinstance(loaded, int):
+            return loaded
+        fields, paths = loaded
 
-    try:
-        spec = spec_from_job(**fields)
-    except Exception as e:
-        msg = scrub(str(e))
-        return _finish(url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window)
+        try:
+            spec = spec_from_job(**fields)
+        except Exception as e:
+            msg = scrub(str(e))
+            announce(None)
+            return _finish(url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window)
+        return _supervised(spec, job_id, url, hostname, paths, settings, dist, announce)
+    finally:
+        announce(None)  # whatever stopped the job before it ran: the other ranks exit
+
+
+def _supervised(spec: Any, job_id: str, url: str, hostname: str, paths: dict[str, str], settings: Settings,
+                dist: Any, announce: _Announce) -> int:
+    """The claimed job with its monitor and writer running: the admission recheck, then the run."""
+    window = settings.job_db_outage_seconds
     interrupted = threading.Event()  # the database away for longer than the window
     monitor = JobMonitor(job_id, url, hostname, settings.heartbeat_interval_seconds,
                          outage_seconds=window, interrupted=interrupted)
@@ -213,21 +272,43 @@ def run_job_process(job_id: str, *, settings: Settings | None = None) -> int:
         # yet) can take seconds, longer than a short heartbeat timeout.
         if (refused := admission.recheck(url, job_id, hostname, spec, window=window)) is not None:
             monitor.stop()
+            announce(None)
             return _finish(url, job_id, hostname, _failed(admission.CODE, refused.message, param=refused.param,
                                                           event=refused.message), window)
-        return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings).run()
+        announce(spec)
+        return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings, dist).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
         writer.close()
 
 
+_PEER_LOST_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl error",
+                    "nccl communicator", "gloo")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether a rank's training error is its collective breaking (a peer rank died), not its own
+    failure: torch.distributed's errors, and gloo's and NCCL's plain RuntimeErrors about the link."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+        if dist_error is not None and isinstance(cur, dist_error):
+            return True
+        if isinstance(cur, RuntimeError) and any(s in str(cur).lower() for s in _PEER_LOST_SIGNS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 class _Run:
     """One run of the job in this process, from the reconciliation of its checkpoints to its exit code."""
 
     def __init__(self, spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, writer: ReportWriter,
-                 paths: dict[str, str], settings: Settings) -> None:
-        self.spec, self.job_id, self.url, self.hostname = spec, job_id, url, hostname
+                 paths: dict[str, str], settings: Settings, dist: Any = None) -> None:
+        self.spec, self.job_id, self.url, self.hostname, self.dist = spec, job_id, url, hostname, dist
         self.monitor, self.writer, self.paths = monitor, writer, paths
         self.window, self.files_dir = settings.job_db_outage_seconds, settings.resolved_files_dir
         self.out = Path(spec.output_dir)
@@ -252,7 +333,8 @@ class _Run:
             try:
                 # Prometheus telemetry of this run sees every event after the database.
                 with track_job(self.job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
-                    result = run_training(spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop)
+                    result = run_training(spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop,
+                                          dist=self.dist)
             finally:
                 monitor.stop()
         except DatasetValidationError as e:
@@ -268,6 +350,10 @@ class _Run:
                 log.error("job %s: %s", self.job_id, e)
                 self._drain()
                 return EXIT_DISK_FULL
+            if self.dist is not None and peer_lost(e):
+                log.error("job %s: another rank failed (%s); leaving the job to the worker", self.job_id, e)
+                self._drain()
+                return EXIT_PEER_LOST
             log.exception("job %s failed", self.job_id)
             msg = public_message(e)
             end = _failed("training_error", msg, event=f"Training failed: {msg}", error=e)
@@ -303,11 +389,70 @@ class _Run:
         return not left
 
 
+def run_peer_rank(job_id: str, dist: Any) -> int:
+    """Rank > 0 of a job's group: train the JobSpec rank 0 hands over (none: exit at once) and report
+    only this rank's step metrics, to Prometheus. Exit 0 when the run ends (done, cancelled, or an
+    input error rank 0 reports), 74 on a full disk, 1 on any other failure (logged here)."""
+    from trainer.checkpoint import DiskFullError, is_out_of_space
+    from trainer.data import DatasetValidationError
+    from trainer.distributed import broadcast_object
+    from trainer.loop import run_training
+    from trainer.model_check import ModelFolderError
+    from trainer.models import UnknownModelError
+    from trainer.worker.telemetry import track_job
+
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # preempted: stop with the others
+    try:
+        spec = broadcast_object(dist, None)
+        if spec is None:
+            return EXIT_DONE
+        with track_job(job_id, base_model=spec.model, mode=spec.engine.mode, count=False) as tj:
+            run_training(spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist)
+    except (DatasetValidationError, UnknownModelError, ModelFolderError) as e:
+        log.info("job %s rank %d: %s (rank 0 reports it)", job_id, dist.rank, e)
+    except Exception as e:
+        if isinstance(e, DiskFullError) or is_out_of_space(e):
+            log.error("job %s rank %d: %s", job_id, dist.rank, e)
+            return EXIT_DISK_FULL
+        log.exception("job %s rank %d failed", job_id, dist.rank)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return EXIT_DONE
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def run_rank(job_id: str) -> int:
+    """One rank of a job's group (WORLD_SIZE > 1): join the group, run as rank 0 or a peer, leave."""
+    from trainer.distributed import init_from_env, shutdown
+
+    try:
+        dist = init_from_env()
+    except Exception:
+        log.exception("job %s: cannot join its process group", job_id)
+        return 1
+    try:
+        if dist is None or dist.rank == 0:
+            return run_job_process(job_id, dist=dist)
+        return run_peer_rank(job_id, dist)
+    finally:
+        shutdown(dist)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {JOB_RUNNER_MODULE}", description="Run one job from the database.")
     parser.add_argument("job_id")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _world_size() > 1:
+        return run_rank(args.job_id)
     return run_job_process(args.job_id)
 
 

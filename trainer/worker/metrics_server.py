@@ -25,7 +25,7 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import REGISTRY, Collector
 
-from trainer.worker.nvml import NVML, Nvml, detect_gpu, nvml_index
+from trainer.worker.nvml import NVML, Nvml, detect_gpu, nvml_index, visible_indices
 from trainer.worker.prometheus_dir import MULTIPROC_ENV, dir_lock, multiprocess_mode
 from trainer.worker.telemetry import BASE_LABELS, default_worker_name, this_host
 
@@ -83,6 +83,16 @@ class HardwareCollector(Collector):
         m.add_metric([*base, "used"], used)
         m.add_metric([*base, "total"], total)
         yield m
+
+
+def hardware_collectors(worker: str, gpu: str | None, hostname: str,
+                        nvml: Nvml | None = None) -> list[HardwareCollector]:
+    """The worker's NVML readings: one collector for its GPU (``gpu``, default detected), or one per
+    GPU of a multi-GPU worker (``--gpus-per-job``: its ``CUDA_VISIBLE_DEVICES`` group, each labelled
+    with its index, the ``gpu`` label its job's ranks report under)."""
+    if gpu is None and len(group := visible_indices(nvml)) > 1:
+        return [HardwareCollector(worker, str(i), hostname, nvml, nvml_index=i) for i in group]
+    return [HardwareCollector(worker, gpu or detect_gpu(nvml), hostname, nvml)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,7 +182,6 @@ def serve_worker_metrics(
     if _SERVER is not None:
         return _SERVER
     worker = worker or default_worker_name()
-    gpu = gpu or detect_gpu(nvml)
     mp = multiproc_dir or os.environ.get(MULTIPROC_ENV)
     if not mp:
         mp = str(settings.data_dir.resolve() / "prometheus" / f"{_safe(worker)}-{port}")
@@ -181,7 +190,7 @@ def serve_worker_metrics(
     with dir_lock(mp, exclusive=True):
         for f in glob.glob(os.path.join(mp, "*.db")):  # the previous run's samples (prometheus-client docs)
             os.remove(f)
-    sources: list[Any] = [HardwareCollector(worker, gpu, this_host(), nvml)]
+    sources: list[Any] = list(hardware_collectors(worker, gpu, this_host(), nvml))
     if not multiprocess_mode():
         # This process keeps its own metrics in memory (prometheus_client was imported before the
         # variable was set): serve them too, e.g. a job trained in this very process, and process_*.

@@ -107,6 +107,21 @@ def nvml_index(nvml: Nvml | None = None) -> int | None:
     return 0 if nvml.available() else None
 
 
+def visible_indices(nvml: Nvml | None = None) -> list[int]:
+    """NVML indices of every entry of ``CUDA_VISIBLE_DEVICES`` (a multi-GPU worker's group; entries
+    NVML cannot resolve are left out); [] when it is unset or names no GPU."""
+    nvml = nvml or NVML
+    out: list[int] = []
+    for entry in (os.environ.get("CUDA_VISIBLE_DEVICES") or "").split(","):
+        entry = entry.strip()
+        if not entry or entry == "-1":
+            break  # CUDA ignores what follows an invalid entry
+        idx = int(entry) if entry.isdigit() else nvml.index_of_uuid(entry)
+        if idx is not None:
+            out.append(idx)
+    return out
+
+
 def detect_gpu(nvml: Nvml | None = None) -> str:
     """The ``gpu`` label: the physical GPU index, as DCGM exporter labels it, or ``"none"``.
 

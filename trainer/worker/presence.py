@@ -2,7 +2,7 @@
 
 :class:`WorkerPresence` measures the worker's capacity (:func:`trainer.worker.capacity.
 measure_in_subprocess`: the worker process itself never imports torch), registers it with the queues
-the worker consumes, refreshes the heartbeat every ``heartbeat_interval_seconds`` (registering again
+the worker consumes and the size of the jobs it runs (``Settings.gpus_per_job``), refreshes the heartbeat every ``heartbeat_interval_seconds`` (registering again
 should the row have gone) and removes the row on a clean stop. Until the measurement is in, the
 worker is not registered and admission plans its queue's jobs against the other live workers, or the
 configured default capacity when there are none. A database outage only delays the heartbeats: the
@@ -47,7 +47,8 @@ class WorkerPresence(threading.Thread):
     def _register(self) -> None:
         assert self.capacity is not None
         with session_scope(self._url) as s:
-            workers.register(s, self.worker_name, self.queues, self.capacity.model_dump(mode="json"))
+            workers.register(s, self.worker_name, self.queues, self.capacity.model_dump(mode="json"),
+                             gpus_per_job=self.settings.gpus_per_job)
         self.registered.set()
 
     def _beat(self) -> None:

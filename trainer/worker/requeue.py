@@ -37,7 +37,13 @@ from store.models import FineTuningJob, JobEvent, JobStatus, utcnow
 from store.settings import Settings
 from trainer.worker.broker import Enqueue
 from trainer.worker.dispatch import dispatch_job
-from trainer.worker.job_runner import EXIT_DB_UNAVAILABLE, EXIT_DISK_FULL, EXIT_PREEMPTED
+from trainer.worker.job_runner import (
+    EXIT_DB_UNAVAILABLE,
+    EXIT_DISK_FULL,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    EXIT_WRONG_RANKS,
+)
 from trainer.worker.retry import DatabaseUnavailable, retry_db
 
 log = logging.getLogger("zenflow.worker")
@@ -55,7 +61,9 @@ def describe_exit(rc: int) -> str:
             name = f"signal {-rc}"
         hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
         return f"killed by {name}{hint}"
-    return f"exit code {rc}"
+    hints = {EXIT_PEER_LOST: " (another rank of the job failed)",
+             EXIT_WRONG_RANKS: " (the job asks for another number of ranks)"}
+    return f"exit code {rc}{hints.get(rc, '')}"
 
 
 def settle_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool,

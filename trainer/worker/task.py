@@ -10,7 +10,12 @@
 2. runs ``python -m trainer.worker.job_runner JOB_ID`` in a fresh subprocess (a killable PID; CUDA is
    initialised only there; ``PR_SET_PDEATHSIG`` makes it die with the worker; it inherits
    ``CUDA_VISIBLE_DEVICES``) and waits, escalating a cancel the runner does not honour within
-   ``CANCEL_GRACE_SECONDS`` to SIGTERM and then SIGKILL;
+   ``CANCEL_GRACE_SECONDS`` to SIGTERM and then SIGKILL. A job asking for R > 1 ranks
+   (``resources.gpus``) runs as R such processes, one :class:`trainer.launch.RankGroup` (rank r on
+   the worker's r-th GPU, or gloo CPU ranks on a worker without GPUs where ``cpu_ranks`` allows),
+   supervised as one: a rank's death takes the others down and its exit code is the group's. A job
+   asking for more ranks than this worker has is never run on fewer: it goes back to its queue (the
+   one of its size) with the attempt counted, or fails when none are left;
 3. if the subprocess ended without a terminal state (crash, OOM kill, preemption), re-queues the job
    (it resumes from its last checkpoint) while attempts remain, else fails it; a runner interrupted by
    a database outage is re-queued, never failed for it, and one stopped by a full disk is re-queued
@@ -25,7 +30,6 @@ the message and stamps ``dispatched_at`` (:mod:`trainer.worker.dispatch`). Does 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -36,16 +40,19 @@ import threading
 import time
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from store import jobs
 from store.db import session_scope
-from store.models import FineTuningJob
+from store.models import FineTuningJob, JobRun, JobStatus
 from store.settings import Settings, get_settings
-from trainer.worker.broker import TASK_NAME, celery_app, enqueue_job
+from trainer.launch import RankGroup, group_envs
+from trainer.worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
+from trainer.worker.dispatch import dispatch_job
 from trainer.worker.errors import public_message
-from trainer.worker.job_runner import HOSTNAME_ENV, JOB_RUNNER_MODULE
+from trainer.worker.job_runner import HOSTNAME_ENV, JOB_RUNNER_MODULE, job_ranks
 from trainer.worker.metrics_server import job_process_exited
+from trainer.worker.nvml import detect_gpus
 from trainer.worker.requeue import describe_exit, end_backoff, settle_after_exit
 
 log = logging.getLogger("zenflow.worker")
@@ -88,7 +95,8 @@ def claim_next_job(message_job_id: str, hostname: str, settings: Settings, *,
                    queue: str | None = None) -> jobs.NextClaim:
     """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next)."""
     with session_scope(settings.resolved_database_url) as s:
-        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue)
+        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue,
+                               gpus=_queue_ranks(queue))
 
 
 def claim_for_message(message_job_id: str, hostname: str, settings: Settings, *,
@@ -118,17 +126,6 @@ def finish_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *
                              enqueue=lambda j, q: enqueue_job(j, queue=q))
 
 
-def _pdeathsig(parent_pid: int) -> None:
-    """In the child before exec: die with SIGKILL when the spawning thread's process dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def child_env(settings: Settings, hostname: str) -> dict[str, str]:
     """The runner's environment: ours (CUDA_VISIBLE_DEVICES included) plus our resolved settings."""
     env = dict(os.environ)
@@ -147,20 +144,102 @@ def child_env(settings: Settings, hostname: str) -> dict[str, str]:
     return env
 
 
+# --- ranks ------------------------------------------------------------------------------------
+
+
+def worker_devices() -> list[str]:
+    """This worker's GPUs, as its ranks are to see them: the entries of ``CUDA_VISIBLE_DEVICES``
+    (indices or UUIDs; empty or ``-1``: none), else every GPU NVML sees."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [d.strip() for d in cvd.split(",") if d.strip() and d.strip() != "-1"]
+    return [str(i) for i, _ in detect_gpus()]
+
+
+def worker_ranks(settings: Settings, devices: list[str] | None = None) -> int:
+    """How many ranks a job may have here: one per GPU; on a worker without GPUs, ``gpus_per_job``
+    gloo CPU ranks where ``cpu_ranks`` allows them, else one."""
+    devices = worker_devices() if devices is None else devices
+    if devices:
+        return len(devices)
+    return settings.gpus_per_job if settings.cpu_ranks else 1
+
+
+def claimed_ranks(job_id: str, settings: Settings) -> int:
+    """The ranks the claimed job asks for (its ``resources``); its run in the ledger counts that many
+    GPUs (the claim assumed the size of the message's queue)."""
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(FineTuningJob, job_id)
+        ranks = job_ranks(job.resources if job is not None else None)
+        s.execute(update(JobRun).where(JobRun.job_id == job_id, JobRun.ended_at.is_(None), JobRun.gpus != ranks)
+                  .values(gpus=ranks))
+    return ranks
+
+
+def _queue_ranks(queue: str | None) -> int:
+    """The job size a queue is for (``<base>-x<N>``: N; any other: 1)."""
+    head, sep, n = (queue or "").rpartition("-x")
+    return int(n) if sep and head and n.isdigit() and int(n) > 1 else 1
+
+
+def send_back_oversized(job_id: str, ranks: int, have: int, hostname: str, settings: Settings) -> str:
+    """A job asking for more ranks than this worker has: back to the queue of its size (its ``queue``
+    re-cut for ``ranks`` when it names another size), the attempt counted, or failed when none are left.
+    What happened, for the logs."""
+    url = settings.resolved_database_url
+
+    def settle() -> tuple[str, str | None]:
+        with session_scope(url) as s:
+            job = jobs.lock_job(s, job_id)
+            if job is None or job.status != JobStatus.running.value or job.worker_hostname != hostname:
+                return "not-ours", None
+            why = f"this job needs {ranks} GPUs (resources.gpus) and worker {hostname} runs jobs of {have}"
+            if job.attempts >= settings.max_job_attempts:
+                jobs.fail(s, job, "insufficient_gpus", f"{why}; gave up after {job.attempts} attempts: start "
+                          f"a worker with --gpus-per-job {ranks} for the queue {queue_for_gpus(ranks, job.queue)}")
+                return "failed", None
+            if _queue_ranks(job.queue) != ranks:
+                base = job.queue.rpartition("-x")[0] if _queue_ranks(job.queue) > 1 else job.queue
+                job.queue = queue_for_gpus(ranks, base)
+            return "requeued", jobs.requeue(s, job, f"Not run: {why}")
+
+    outcome, queue = settle()
+    if queue is not None:
+        dispatch_job(url, job_id, queue, enqueue=lambda j, q: enqueue_job(j, queue=q))
+    return outcome
+
+
+def rank_group(job_id: str, ranks: int, hostname: str, settings: Settings,
+               devices: list[str] | None = None) -> RankGroup:
+    """The job's ranks, not started: one runner with the worker's environment for a one-rank job (on
+    the worker's first GPU); else ``ranks`` runners with the ``env://`` variables, rank r on the r-th
+    GPU, or CPU ranks (an even share of the cores each) on a worker without GPUs."""
+    devices = worker_devices() if devices is None else devices
+    argv = [sys.executable, "-m", JOB_RUNNER_MODULE, job_id]
+    base = child_env(settings, hostname)
+    if ranks == 1:
+        if len(devices) > 1:
+            base["CUDA_VISIBLE_DEVICES"] = devices[0]
+        envs = [base]
+    else:
+        envs = group_envs(ranks, devices=devices[:ranks] if devices else None, base=base)
+    return RankGroup([argv] * ranks, envs, term_grace=TERM_GRACE_SECONDS)
+
+
 _current_lock = threading.Lock()
-_current: subprocess.Popen[bytes] | None = None
+_current: RankGroup | None = None
 _preempted = threading.Event()
 
 
 def preempt_current(sig: int = signal.SIGTERM) -> bool:
-    """Signal the running job's subprocess (SIGTERM: checkpoint and exit 75), or end the disk-full
-    backoff of a job waiting here (it is re-queued at once); False when neither."""
+    """Signal the running job's ranks (SIGTERM: checkpoint and exit 75), or end the disk-full backoff
+    of a job waiting here (it is re-queued at once); False when neither."""
     with _current_lock:
-        proc = _current
-    if proc is None or proc.poll() is not None:
+        group = _current
+    if group is None or not group.alive():
         return end_backoff()
     _preempted.set()
-    proc.send_signal(sig)
+    group.kill() if sig == signal.SIGKILL else group.terminate(sig)
     return True
 
 
@@ -169,18 +248,15 @@ def _cancel_requested(job_id: str, settings: Settings) -> bool:
         return bool(s.execute(select(FineTuningJob.cancel_requested).where(FineTuningJob.id == job_id)).scalar())
 
 
-def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: float = CANCEL_GRACE_SECONDS) -> int:
-    """Run the job runner subprocess to its end; its return code (negative: killed by a signal)."""
+def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: float = CANCEL_GRACE_SECONDS,
+              ranks: int = 1) -> int:
+    """Run the job's runner (or its ``ranks`` runners, one group) to the end; the return code (negative:
+    killed by a signal; for a group, the code of the rank that failed first, else rank 0's)."""
     global _current
-    parent = os.getpid()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", JOB_RUNNER_MODULE, job_id],
-        env=child_env(settings, hostname),
-        preexec_fn=(lambda: _pdeathsig(parent)) if sys.platform.startswith("linux") else None,
-        close_fds=True,
-    )
+    group = rank_group(job_id, ranks, hostname, settings)
     with _current_lock:
-        _current = proc
+        group.start()
+        _current = group
         _preempted.clear()
     cancel_seen: float | None = None
     terminated: float | None = None
@@ -188,16 +264,17 @@ def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: f
     try:
         while True:
             try:
-                rc = proc.wait(timeout=_POLL_SECONDS)
+                rc = group.wait(timeout=_POLL_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
             else:
-                _report_exit(proc.pid)
+                for pid in group.pids:
+                    _report_exit(pid)
                 return rc
             now = time.monotonic()
             if terminated is not None:
                 if now - terminated > TERM_GRACE_SECONDS:
-                    proc.kill()
+                    group.kill()
                 continue
             if now - last_check >= 5 * _POLL_SECONDS:
                 last_check = now
@@ -208,11 +285,13 @@ def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: f
                     log.warning("job %s: cancel check failed: %s", job_id, public_message(e))
             if cancel_seen is not None and now - cancel_seen > cancel_grace:
                 log.warning("job %s: runner ignored the cancel for %.0fs; terminating it", job_id, cancel_grace)
-                proc.terminate()
+                group.terminate()
                 terminated = now
     finally:
         with _current_lock:
             _current = None
+        if group.alive():  # an exception here: nothing of the job outlives its supervision
+            group.kill()
 
 
 def _report_exit(pid: int) -> None:
@@ -235,8 +314,13 @@ def run_job(self: Any, job_id: str) -> str:
         log.info("message for job %s: %s, nothing run", job_id, claimed.outcome.value)
         return claimed.outcome.value
     job_id = claimed.job_id
-    log.info("job %s: running on %s", job_id, hostname)
-    rc = run_child(job_id, hostname, settings)
+    ranks, have = claimed_ranks(job_id, settings), worker_ranks(settings)
+    if ranks > have:
+        outcome = send_back_oversized(job_id, ranks, have, hostname, settings)
+        log.warning("job %s needs %d ranks, this worker has %d: %s", job_id, ranks, have, outcome)
+        return outcome
+    log.info("job %s: running on %s%s", job_id, hostname, f" as {ranks} ranks" if ranks > 1 else "")
+    rc = run_child(job_id, hostname, settings, ranks=ranks)
     outcome = finish_after_exit(job_id, rc, hostname, settings, preempted=_preempted.is_set())
     log.info("job %s: runner exited (%s): %s", job_id, describe_exit(rc), outcome)
     return outcome

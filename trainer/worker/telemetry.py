@@ -182,10 +182,12 @@ class WorkerTelemetry:
             self._job = (str(job_id), model_label(base_model), str(mode))
             self.current_job.labels(*self._base, *self._job).set(1)
 
-    def job_finished(self, status: str) -> None:
-        """The running job ended (``succeeded``, ``failed``, ``cancelled`` or ``interrupted``)."""
+    def job_finished(self, status: str | None) -> None:
+        """The running job ended (``succeeded``, ``failed``, ``cancelled`` or ``interrupted``; None: not
+        counted here, as on a job's ranks > 0, whose rank 0 counts it)."""
         with self._lock:
-            self.jobs_finished.labels(*self._base, str(status)).inc()
+            if status is not None:
+                self.jobs_finished.labels(*self._base, str(status)).inc()
             self._clear_job_locked()
 
     def _clear_job_locked(self) -> None:
@@ -254,6 +256,8 @@ class WorkerTelemetry:
             if isinstance(event, RunStarted):
                 self._set_mode(event.mode)
             elif isinstance(event, StepEvent):
+                if event.engine.mode:  # the engine's resolved mode (ranks > 0 see no RunStarted)
+                    self._set_mode(event.engine.mode)
                 base_model, mode = ("unknown", "unknown") if self._job is None else self._job[1:]
                 self.observe_step(event.engine, tokens=int(event.tokens), loss=event.loss,
                                   base_model=base_model, mode=mode)
@@ -297,12 +301,24 @@ _TELEMETRY: WorkerTelemetry | None = None
 _TELEMETRY_LOCK = threading.Lock()
 
 
+def gpu_label() -> str:
+    """This process's ``gpu`` label: its GPU's physical index (:func:`~trainer.worker.nvml.detect_gpu`:
+    each rank of a multi-GPU job sees only its own GPU), or for a CPU rank of a multi-rank job its rank
+    number (bounded by the job's size), else ``"none"``."""
+    gpu = detect_gpu()
+    if gpu == "none":
+        world, rank = os.environ.get("WORLD_SIZE", ""), os.environ.get("RANK", "")
+        if world.isdigit() and int(world) > 1 and rank.isdigit():
+            return rank
+    return gpu
+
+
 def worker_telemetry() -> WorkerTelemetry:
-    """This process's telemetry (global registry; worker name from settings, gpu detected)."""
+    """This process's telemetry (global registry; worker name from settings, gpu label per rank)."""
     global _TELEMETRY
     with _TELEMETRY_LOCK:
         if _TELEMETRY is None:
-            _TELEMETRY = WorkerTelemetry(default_worker_name(), detect_gpu())
+            _TELEMETRY = WorkerTelemetry(default_worker_name(), gpu_label())
         return _TELEMETRY
 
 
@@ -338,7 +354,7 @@ class TrackedJob:
 
 @contextlib.contextmanager
 def track_job(
-    job_id: str, *, base_model: str, mode: str, telemetry: WorkerTelemetry | None = None
+    job_id: str, *, base_model: str, mode: str, telemetry: WorkerTelemetry | None = None, count: bool = True
 ) -> Iterator[TrackedJob]:
     """Telemetry of one job run, for the job runner::
 
@@ -347,7 +363,8 @@ def track_job(
 
     ``zenflow_worker_current_job`` is 1 inside the block; on the way out the job is counted in
     ``zenflow_worker_jobs_total{status}`` (failed on an exception, ``interrupted`` when the run
-    stopped without finishing, e.g. preempted). Telemetry problems never break the run.
+    stopped without finishing, e.g. preempted); ``count=False`` (a job's ranks > 0, which see neither
+    RunFinished nor its end state) does not count it. Telemetry problems never break the run.
     """
     tel = telemetry or worker_telemetry()
     tj = TrackedJob(tel)
@@ -360,7 +377,7 @@ def track_job(
         yield tj
         ok = True
     finally:
-        status = tj.status or ("interrupted" if ok else "failed")
+        status = (tj.status or ("interrupted" if ok else "failed")) if count else None
         try:
             tel.job_finished(status)
         except Exception:

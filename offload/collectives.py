@@ -1,0 +1,150 @@
+"""The engine in a torch.distributed process group: who owns which shard, and the collectives it uses.
+
+Data parallel, ZeRO-2 style. Every rank holds an identical replica of the model. In ``engine.step()``
+the gradients are averaged across ranks (:func:`average_gradients`: all-reduce in flat buckets; the
+``offload`` mode reduce-scatters instead, see :mod:`offload.offload_mode`), so everything computed from
+them (the clipping norm, the non-finite verdict, zenflow's column selection and its device update) is
+the same on every rank. The CPU optimizer state of a host store is cut into ``world`` contiguous
+shards of its flat layout (:func:`shard_range`); a rank updates its own shard only and the updated
+values are all-gathered (:class:`ShardGather`) into every replica.
+
+Two groups (gloo). The training thread's collectives run on the caller's group; the CPU optimizer
+worker thread's all-gathers run on a second group over the same ranks (:class:`Ranks.side`), created
+collectively with the engine, so the two threads never interleave operations on one group. With NCCL
+every collective stays on the training thread (the worker only uploads its shard), since NCCL kernels
+of two communicators launched in different orders on different ranks can deadlock.
+
+Collectives on gloo take CPU tensors, on NCCL CUDA tensors on the rank's device; the engine's device
+tensors are on that device in both cases. Reductions are summed and then divided by ``world``
+(``ReduceOp.AVG`` exists on NCCL only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: Elements per all-reduce bucket (per dtype): large enough to amortise the launch, small enough that
+#: the flat copy stays a modest transient on the device.
+BUCKET_ELEMENTS = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The process group the engine runs in (``world == 1``: a single process, no group)."""
+
+    group: Any = None
+    side: Any = None
+    world: int = 1
+    rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @classmethod
+    def of(cls, group: Any) -> Ranks:
+        """Ranks of ``group`` (``None``: a single process). Collective: every rank of the group must
+        construct its engine, since the worker's side group is created here."""
+        if group is None:
+            return cls()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("process_group given but torch.distributed is not initialized")
+        world = dist.get_world_size(group)
+        if world == 1:
+            return cls(group=group)
+        ranks = dist.get_process_group_ranks(group)
+        backend = dist.get_backend(group)
+        # gloo only: with NCCL every collective stays on the training thread (offload.zenflow_mode)
+        side = dist.new_group(ranks=ranks, backend=backend) if backend == "gloo" else None
+        return cls(group=group, side=side, world=world, rank=dist.get_rank(group))
+
+
+def shard_range(numel: int, world: int, rank: int) -> tuple[int, int, int]:
+    """``(lo, hi, size)``: rank's contiguous shard ``[lo, hi)`` of ``numel`` elements cut in ``world``
+    equal shards of ``size`` (the last ones shorter or empty; all-gathers pad to ``world * size``)."""
+    size = max(1, math.ceil(numel / world))
+    lo = min(numel, rank * size)
+    return lo, min(numel, lo + size), size
+
+
+def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: Ranks) -> list[bool]:
+    """Give a zero gradient to every parameter some other rank has a gradient for (a rank whose batch
+    did not reach it); which parameters have one anywhere, in order. One small all-reduce."""
+    device = params[0].device
+    have = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+    dist.all_reduce(have, op=dist.ReduceOp.MAX, group=ranks.group)
+    anywhere = [bool(x) for x in have.tolist()]
+    for p, any_rank in zip(params, anywhere, strict=True):
+        if any_rank and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return anywhere
+
+
+@torch.no_grad()
+def average_gradients(grads: Sequence[torch.Tensor], ranks: Ranks, bucket: int = BUCKET_ELEMENTS) -> int:
+    """All-reduce ``grads`` in place to their mean across ranks, in flat buckets per dtype; the bytes
+    this rank fed into the reductions."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    sent = 0
+    for group in by_dtype.values():
+        start = 0
+        while start < len(group):
+            part: list[torch.Tensor] = []
+            n = 0
+            while start < len(group) and (not part or n + group[start].numel() <= bucket):
+                part.append(group[start])
+                n += group[start].numel()
+                start += 1
+            flat = torch.cat([g.reshape(-1) for g in part]) if len(part) > 1 else part[0].reshape(-1).clone()
+            dist.all_reduce(flat, group=ranks.group)
+            flat.div_(ranks.world)
+            torch._foreach_copy_(part, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in part]), part,
+                                                                       strict=True)])
+            sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def global_norm(local_sq: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """L2 norm over all ranks from each rank's summed squares of its disjoint part (in place)."""
+    dist.all_reduce(local_sq, group=ranks.group)
+    return local_sq.sqrt()
+
+
+def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: Ranks) -> None:
+    """``out`` (``size`` elements) := this rank's shard of the mean of ``flat`` (``world * size``)."""
+    dist.reduce_scatter_single(out, flat, group=ranks.group)
+    out.div_(ranks.world)
+
+
+class ShardGather:
+    """One host store's replica buffer: each rank's updated shard in, every rank's out.
+
+    ``full`` (``world * size`` elements in the parameters' dtype, on the device) holds the gathered
+    values; parameter ``i`` of the store is ``full[offset_i : offset_i + numel_i]`` (the store's global
+    flat layout). ``mine`` is this rank's slot the shard is uploaded into before the all-gather.
+    """
+
+    def __init__(self, size: int, world: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.size = size
+        self.full = torch.empty(world * size, dtype=dtype, device=device)
+        self.mine = torch.zeros(size, dtype=dtype, device=device)
+
+    def view(self, offset: int, shape: Sequence[int]) -> torch.Tensor:
+        n = math.prod(shape)
+        return self.full.narrow(0, offset, n).view(*shape)
+
+    def gather(self, group: Any) -> int:
+        """All-gather every rank's ``mine`` into ``full`` (on ``group``); the bytes received."""
+        dist.all_gather_single(self.full, self.mine, group=group)
+        return self.full.numel() * self.full.element_size()
+
+    def nbytes(self) -> int:
+        return (self.full.numel() + self.mine.numel()) * self.full.element_size()
