@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, text, update
 from sqlalchemy.orm import Session
 
 from api import migrate
 from store import workers
 from store.db import make_engine, session_scope
-from store.models import FineTuningJob, JobEvent, Team, utcnow
+from store.models import FineTuningJob, JobEvent, Team, Worker, utcnow
 from store.settings import Settings
 from tests.api.conftest import Enqueued, TeamKey, chat_jsonl, error_of, free_port, team_rows, uploaded_id
 from tests.support import create_database, drop_database
@@ -124,19 +124,23 @@ def test_no_live_worker_admits_more_gpus_only_where_this_server_runs_cpu_ranks(
     app: FastAPI, client: TestClient, team: TeamKey, settings: Settings, enqueued: Enqueued
 ) -> None:
     file_id = uploaded_id(client, team)
-    r = _create(client, team, file_id, {"gpus": 2})
-    assert r.status_code == 400, r.text
-    err = error_of(r)
-    assert err["param"] == "resources.gpus" and "No worker is live" in err["message"]
-    assert _create(client, team, file_id, {"gpus": 1}).status_code == 200  # one GPU: as always
-    # the embedded server: its own worker runs 2 CPU ranks per job, maybe not registered yet
+    # No worker counts as live (other tests' workers may be running): a heartbeat must be under 1 ms old.
     # (set and put back by hand: monkeypatch's undo deletes an attribute of starlette's State)
-    app.state.settings = settings.model_copy(update={"cpu_ranks": True, "gpus_per_job": 2})
+    none_live = settings.model_copy(update={"worker_live_seconds": 1e-3})
+    app.state.settings = none_live
     try:
+        r = _create(client, team, file_id, {"gpus": 2})
+        one = _create(client, team, file_id, {"gpus": 1})
+        # the embedded server: its own worker runs 2 CPU ranks per job, maybe not registered yet
+        app.state.settings = none_live.model_copy(update={"cpu_ranks": True, "gpus_per_job": 2})
         ok = _create(client, team, file_id, {"gpus": 2})
         too_big = _create(client, team, file_id, {"gpus": 3})
     finally:
         app.state.settings = settings
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "resources.gpus" and "No worker is live" in err["message"]
+    assert one.status_code == 200, one.text  # one GPU: as always
     assert ok.status_code == 200, ok.text
     assert (ok.json()["id"], f"{settings.default_queue}-x2") in enqueued.calls
     assert too_big.status_code == 400 and error_of(too_big)["param"] == "resources.gpus"
@@ -209,8 +213,10 @@ def test_idempotent_replay_sees_the_resources(
 
 def test_max_gpus_per_job_counts_live_workers_only(pg_url: str) -> None:
     with session_scope(pg_url) as s:
-        assert workers.max_gpus_per_job(s, live_seconds=60) is None
         long_ago = utcnow() - timedelta(hours=1)
+        # other tests' workers may be live: stale for this transaction only (rolled back at the end)
+        s.execute(update(Worker).values(heartbeat_at=long_ago - timedelta(hours=2)))
+        assert workers.max_gpus_per_job(s, live_seconds=60) is None
         workers.register(s, "reg-stale@test", ["q-x8"], {}, gpus_per_job=8, now=long_ago)
         assert workers.max_gpus_per_job(s, live_seconds=60) is None
         workers.register(s, "reg-one@test", ["q"], {})
