@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -90,3 +92,15 @@ def require_redis(url: str = REDIS_URL) -> str:
     except Exception as exc:
         unavailable(f"Redis not reachable at {url}: {exc}")
     return url
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], *, grace: float = 60.0) -> None:
+    """SIGTERM a server started with ``start_new_session=True`` and its children, SIGKILL after ``grace``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

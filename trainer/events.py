@@ -77,6 +77,10 @@ class StepEvent(Event):
     stall_fraction: float
     #: The engine's record of this step (what ``ZenFlowEngine.step()`` returned).
     engine: StepMetrics
+    #: With several ranks: the non-padding tokens this rank processed (``tokens`` is the whole step's,
+    #: the same on every rank); None in a single process. Prometheus counts these, so a sum over the
+    #: ranks' series is the job's throughput.
+    rank_tokens: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # StepMetrics.as_dict() adds the derived stall_fraction that dataclasses.asdict() leaves out.

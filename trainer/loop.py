@@ -281,6 +281,7 @@ class _Run:
                         stall_seconds=m.stall_seconds,
                         stall_fraction=m.stall_fraction,
                         engine=m,
+                        rank_tokens=done.rank_tokens,
                     )
                 )
                 if bar is not None:

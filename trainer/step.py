@@ -33,6 +33,8 @@ class StepOutcome:
     #: Non-padding tokens of the whole optimizer step (all ranks).
     tokens: int
     metrics: StepMetrics
+    #: This rank's share of ``tokens`` (None in a single process).
+    rank_tokens: int | None = None
 
 
 def optimizer_step(
@@ -73,4 +75,4 @@ def optimizer_step(
         loss_value = all_sum(dist, [loss_value])[0]
     if not math.isfinite(loss_value):
         raise FloatingPointError(f"loss is {loss_value} at step {step}")
-    return StepOutcome(loss_value, tokens, m)
+    return StepOutcome(loss_value, tokens, m, tokens_here if dist is not None else None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
 import subprocess
 import sys
 import tarfile
@@ -30,7 +29,7 @@ from store.db import make_engine, session_scope
 from store.models import FineTuningJob, JobEvent, Team, Worker, utcnow
 from store.settings import Settings
 from tests.api.conftest import Enqueued, TeamKey, chat_jsonl, error_of, free_port, team_rows, uploaded_id
-from tests.support import create_database, drop_database
+from tests.support import create_database, drop_database, stop_process_group
 from trainer.gpus import GiB
 from trainer.worker.capacity import WorkerCapacity
 
@@ -311,16 +310,6 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
     return proc, port, log_path
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
 @pytest.mark.slow
 def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_path: Path) -> None:
     import httpx
@@ -374,7 +363,7 @@ def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_pa
             with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
                 archive.extractall(tmp_path / "model", filter="data")
     finally:
-        _stop(proc)
+        stop_process_group(proc)
 
     import torch
     from transformers import AutoModelForCausalLM

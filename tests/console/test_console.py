@@ -10,7 +10,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import tarfile
@@ -24,7 +23,14 @@ import httpx
 import pytest
 
 from api.server import free_port
-from tests.support import REDIS_URL, create_database, drop_database, require_redis, unavailable
+from tests.support import (
+    REDIS_URL,
+    create_database,
+    drop_database,
+    require_redis,
+    stop_process_group,
+    unavailable,
+)
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -123,13 +129,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
             time.sleep(0.3)
         yield LiveServer(base, database_url, log)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_group(proc)
         drop_database(database_url)
         r = redis.Redis.from_url(redis_url)
         for key in r.scan_iter(f"*{queue}*"):

@@ -385,10 +385,11 @@ def test_on_event_from_trainer_events(tel) -> None:
             engine=_step(2, wall_seconds=0.25, compute_seconds=0.25, stall_seconds=0.0,
                          cpu_optimizer_seconds=0.0, bytes_device_to_host=0, bytes_host_to_device=0,
                          device_optimizer_state_bytes=0),
+            rank_tokens=24,  # a rank of a multi-GPU job counts its own share of the step's 64 tokens
         )
     )
     lo = {**L, "mode": "offload"}
-    assert reg.get_sample_value("zenflow_tokens_total", lo) == 128
+    assert reg.get_sample_value("zenflow_tokens_total", lo) == 64 + 24
     assert reg.get_sample_value("zenflow_step_seconds_sum", lo) == pytest.approx(0.75)
     assert (
         reg.get_sample_value("zenflow_offload_transfer_bytes_total", {**lo, "direction": "device_to_host"})

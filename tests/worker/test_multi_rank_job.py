@@ -23,6 +23,7 @@ from store.db import session_scope
 from store.models import File, FineTuningJob, JobEvent, JobRun, JobStepMetric, RegisteredModel, Team
 from store.models import Worker as WorkerRow
 from store.settings import Settings
+from tests.test_worker import get_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,14 +58,6 @@ def make_job(url: str, data: Path, *, queue: str, gpus: int | None, hyperparamet
         s.add(job)
         s.flush()
         return job.id
-
-
-def get_job(url: str, job_id: str) -> FineTuningJob:
-    with session_scope(url) as s:
-        job = s.get(FineTuningJob, job_id)
-        assert job is not None
-        s.expunge(job)
-        return job
 
 
 def messages(url: str, job_id: str) -> list[str]:
