@@ -20,9 +20,9 @@ an even share of the allowed cores (the baseline gets all of them). Every proces
 Printed per mode (``--json``: one JSON object): steps/s of the ranks (the slowest rank's timed steps)
 and of the baseline and their ratio, the stall fraction (mean of StepMetrics.stall_fraction over the
 timed steps and ranks), the host optimizer bytes per rank (``engine.memory().host_bytes``, the
-largest rank's) and ``host_bytes_per_rank_ratio`` (per rank / the baseline's), the bytes each rank fed
-into gradient reductions and all-gathered into its replica per step (StepMetrics.bytes_reduced /
-bytes_gathered, mean over timed steps, largest rank), ``max_rel_diff_vs_single`` (max over
+largest rank's) and ``host_bytes_per_rank_ratio`` (per rank / the baseline's), the bytes each rank sent
+for gradient reductions and for the all-gathers into its replica per step (StepMetrics.bytes_reduced /
+bytes_gathered, ring algorithms; mean over timed steps, largest rank), ``max_rel_diff_vs_single`` (max over
 parameters of max|w_dist - w_single| / max|w_single| on the flushed weights, rank 0 against the
 baseline) and ``replicas_identical`` (every rank's flushed weights have the same per-tensor
 checksums). With fp32 parameters (the CPU default) the distributed run should match the baseline to

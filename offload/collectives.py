@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,32 @@ class Ranks:
         return cls(group=group, side=side, world=world, rank=dist.get_rank(group))
 
 
+def wire_bytes(kind: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for a collective over a buffer of ``nbytes`` (the whole buffer: for a
+    reduce-scatter its input, for an all-gather its output) with ring algorithms: an all-reduce
+    ``2 (N-1)/N``, a reduce-scatter or an all-gather ``(N-1)/N`` of it. What ``StepMetrics.bytes_reduced``
+    and ``bytes_gathered`` count."""
+    share = nbytes * (world - 1) // world
+    return 2 * share if kind == "all_reduce" else share
+
+
+@dataclass
+class Reduced:
+    """A step's gradient after the reduction across ranks, as the clipping sees it."""
+
+    #: Tensors holding the mean gradient, the same on every rank.
+    replicated: list[torch.Tensor]
+    #: This rank's disjoint shards of the rest of the mean gradient (the norm sums over ranks).
+    shards: list[torch.Tensor] = field(default_factory=list)
+    #: Other tensors to scale by the clipping coefficient (where reduced values were written back).
+    also: list[torch.Tensor] = field(default_factory=list)
+    #: Optional, for a norm computed like a single process's (a norm per parameter, then the norm of
+    #: those, in parameter order): ``(position, tensor, sharded)`` per replicated gradient or shard
+    #: piece of a parameter, and the number of parameters with a gradient.
+    norm_parts: list[tuple[int, torch.Tensor, bool]] = field(default_factory=list)
+    num_params: int = 0
+
+
 def shard_range(numel: int, world: int, rank: int) -> tuple[int, int, int]:
     """``(lo, hi, size)``: rank's contiguous shard ``[lo, hi)`` of ``numel`` elements cut in ``world``
     equal shards of ``size`` (the last ones shorter or empty; all-gathers pad to ``world * size``)."""
@@ -89,7 +115,7 @@ def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: Ranks) -> list
 @torch.no_grad()
 def average_gradients(grads: Sequence[torch.Tensor], ranks: Ranks, bucket: int = BUCKET_ELEMENTS) -> int:
     """All-reduce ``grads`` in place to their mean across ranks, in flat buckets per dtype; the bytes
-    this rank fed into the reductions."""
+    this rank sent (:func:`wire_bytes`)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -108,7 +134,7 @@ def average_gradients(grads: Sequence[torch.Tensor], ranks: Ranks, bucket: int =
             flat.div_(ranks.world)
             torch._foreach_copy_(part, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in part]), part,
                                                                        strict=True)])
-            sent += flat.numel() * flat.element_size()
+            sent += wire_bytes("all_reduce", flat.numel() * flat.element_size(), ranks.world)
     return sent
 
 
@@ -142,9 +168,10 @@ class ShardGather:
         return self.full.narrow(0, offset, n).view(*shape)
 
     def gather(self, group: Any) -> int:
-        """All-gather every rank's ``mine`` into ``full`` (on ``group``); the bytes received."""
+        """All-gather every rank's ``mine`` into ``full`` (on ``group``); the bytes sent (:func:`wire_bytes`)."""
         dist.all_gather_single(self.full, self.mine, group=group)
-        return self.full.numel() * self.full.element_size()
+        world = self.full.numel() // self.size
+        return wire_bytes("all_gather", self.full.numel() * self.full.element_size(), world)
 
     def nbytes(self) -> int:
         return (self.full.numel() + self.mine.numel()) * self.full.element_size()

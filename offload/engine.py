@@ -49,7 +49,9 @@ CPU worker on a second group, overlapped with the next window as the single-GPU 
 shard; ``load_state_dict`` takes it back on the same rank of a group of the same size, or the list of
 every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` is local: every
 rank holds the full weights. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
-``bytes_gathered``; host bytes are the rank's own.
+``bytes_gathered`` (what the rank sent, ring algorithms); host bytes are the rank's own. zenflow with
+host accumulation reduce-scatters the split weights' gradients and all-reduces only their selected
+columns (:mod:`offload.zenflow_reduce`).
 
 Core placement (``bind_worker_cores``, on by default; :mod:`offload.placement`): where the host
 allows it, the split is made of whole physical cores from the sysfs topology, the worker thread is
@@ -69,7 +71,7 @@ from typing import Any
 
 import torch
 
-from offload.clipping import clip_, clip_sharded_
+from offload.clipping import clip_, clip_reduced_
 from offload.collectives import Ranks, fill_missing_gradients
 from offload.config import EngineConfig
 from offload.device import DeviceOps
@@ -269,12 +271,11 @@ class ZenFlowEngine:
         scaler = self._scaler
         if scaler is not None:
             scaler.unscale_(grads)
-        if ranks.distributed:  # the mean over ranks; offload mode: this rank's shard of it
-            grads, sharded = self._mode.reduce(stats)
-        else:
-            sharded = False
-        if sharded:
-            total_norm, _ = clip_sharded_(grads, self.config.max_grad_norm, self.device, ranks)
+        sharded = False
+        if ranks.distributed:  # the mean over ranks, as far as the mode needs it (offload: its shard)
+            reduced = self._mode.reduce(stats)
+            sharded = bool(reduced.shards)
+            total_norm, _ = clip_reduced_(reduced, self.config.max_grad_norm, self.device, ranks)
         else:
             total_norm, _ = clip_(grads, self.config.max_grad_norm, self.device)
         ok = torch.isfinite(total_norm)

@@ -42,9 +42,10 @@ class StepMetrics:
     #: Ranks of the engine's process group and this record's rank (1 and 0 in a single process).
     world_size: int = 1
     rank: int = 0
-    #: Bytes this rank fed into gradient reductions this step (all-reduce or reduce-scatter inputs).
+    #: Bytes this rank sent for gradient reductions this step (all-reduce, reduce-scatter; ring
+    #: algorithms: offload.collectives.wire_bytes).
     bytes_reduced: int = 0
-    #: Bytes all-gathered into this rank's replica this step (updated optimizer shards).
+    #: Bytes this rank sent for the all-gathers of updated optimizer shards this step (ring).
     bytes_gathered: int = 0
 
     @property

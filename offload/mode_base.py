@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from offload.collectives import Ranks, average_gradients
+from offload.collectives import Ranks, Reduced, average_gradients
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -53,13 +53,13 @@ class Mode:
         self.ops = ops
         self.ranks = ranks if ranks is not None else Ranks()
 
-    def reduce(self, stats: StepStats) -> tuple[list[torch.Tensor], bool]:
+    def reduce(self, stats: StepStats) -> Reduced:
         """Average the gradients across the process group's ranks (after
-        :func:`~offload.collectives.fill_missing_gradients`); the tensors to clip and whether they are
-        this rank's disjoint shards (the norm then sums over ranks). Default: all-reduce in place."""
+        :func:`~offload.collectives.fill_missing_gradients`), as far as this mode needs them; what the
+        clipping scales. Default: all-reduce every gradient in place."""
         grads = [p.grad for _, p in self.named if p.grad is not None]
         stats.bytes_reduced += average_gradients(grads, self.ranks)
-        return grads, False
+        return Reduced(grads)
 
     def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
         """Update the parameters from their (already clipped) gradients; change nothing at all when

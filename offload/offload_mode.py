@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from offload.collectives import Ranks, ShardGather, reduce_scatter_mean
+from offload.collectives import Ranks, Reduced, ShardGather, reduce_scatter_mean, wire_bytes
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -57,7 +57,7 @@ class OffloadMode(Mode):
                 self.gathers.append(ShardGather(store.shard_size, r.world, store.dtype, ops.device))
 
     @torch.no_grad()
-    def reduce(self, stats: StepStats) -> tuple[list[torch.Tensor], bool]:
+    def reduce(self, stats: StepStats) -> Reduced:
         """Reduce-scatter: each rank receives the mean gradient of its own shard only (half the bytes an
         all-reduce moves; the all-gather of the updated shard after the CPU step is the other half)."""
         out = []
@@ -67,9 +67,9 @@ class OffloadMode(Mode):
                 if p.grad is not None:
                     flat.narrow(0, store.full_offsets[i], store.full_numels[i]).copy_(p.grad.reshape(-1))
             reduce_scatter_mean(shard, flat, self.ranks)
-            stats.bytes_reduced += flat.numel() * flat.element_size()
+            stats.bytes_reduced += wire_bytes("reduce_scatter", flat.numel() * flat.element_size(), self.ranks.world)
             out.append(shard.narrow(0, 0, store.numel))
-        return out, True
+        return Reduced([], out)
 
     @torch.no_grad()
     def step(self, stats: StepStats, lr: float, gate: Gate) -> None:

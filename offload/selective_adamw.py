@@ -557,6 +557,7 @@ class SelectiveAdamW:
         new_values: Callable[[list[tuple[list[str], torch.Tensor]]], list[torch.Tensor]] | None = None,
         *,
         fresh: bool = False,
+        given_scores: dict[str, torch.Tensor] | None = None,
     ) -> list[Dropped]:
         """Select every column entry's top-k columns from its current gradient, all groups batched.
 
@@ -565,7 +566,8 @@ class SelectiveAdamW:
         fp32 starting values of new columns from ``new_values([(names, new_cols [n, k]), ...])``
         (fp32 ``[n, rows, k]`` per group, aligned with ``new_cols``; only new columns are read), else
         from the param. ``fresh``: every column counts as new (the first selection after
-        registering placeholders); nothing is reported dropped then.
+        registering placeholders); nothing is reported dropped then. ``given_scores``: each entry's column
+        scores by name, computed elsewhere (a process group's reduced gradient), instead of its grad's.
 
         Returns one :class:`Dropped` per group (not ``fresh``). Fixed shapes throughout: no host sync
         here (``new_values`` may need one).
@@ -577,7 +579,9 @@ class SelectiveAdamW:
             scores = torch.empty((grp.n, grp.params[0].shape[1]), dtype=torch.float32, device=dev)
             for j, p in enumerate(grp.params):
                 g = p.grad
-                if g is None:  # keep the current columns: they score 1, every other one 0
+                if given_scores is not None and grp.names[j] in given_scores:
+                    scores[j].copy_(given_scores[grp.names[j]])
+                elif g is None:  # keep the current columns: they score 1, every other one 0
                     scores[j].zero_().index_fill_(0, grp.col_views[j], 1.0)
                 else:
                     column_scores(g, out=scores[j])

@@ -77,7 +77,7 @@ from typing import Any, cast
 
 import torch
 
-from offload.collectives import Ranks, ShardGather
+from offload.collectives import Ranks, Reduced, ShardGather, wire_bytes
 from offload.config import EngineConfig
 from offload.device import DeviceOps, Landing, Transfer
 from offload.guard import Gate, zero_if_bad_
@@ -89,6 +89,7 @@ from offload.selection import num_selected, union
 from offload.selective_adamw import AdamWHyper, Dropped, SelectiveAdamW
 from offload.timing import StepStats
 from offload.worker import Worker, gil_released
+from offload.zenflow_reduce import reduce_zenflow, shard_scores, split_sq
 
 
 @dataclass(slots=True)
@@ -110,6 +111,8 @@ class _Staged:
     slot: int
     grads: list[tuple[int, list[torch.Tensor | None]]]  # (store index, gradients)
     ready: torch.cuda.Event | None
+    #: process group: the gradients are already this rank's shard pieces (offload.zenflow_reduce)
+    pieces: bool = False
 
 
 @dataclass(slots=True)
@@ -218,6 +221,16 @@ class ZenFlowMode(Mode):
         self.slot_futs: list[Future[Any] | None] = [None, None]
         self.merge_done: torch.cuda.Event | None = None
         self.dacc_free: torch.cuda.Event | None = None  # the last device-accumulator copy has been read
+        #: process group: this step's reduce-scattered gradient shard per store (None: all-reduced)
+        self.step_shards: list[torch.Tensor] | None = None
+
+    def reduce(self, stats: StepStats) -> Reduced:
+        reduced, self.step_shards = reduce_zenflow(self, stats)
+        return reduced
+
+    def _scores(self, stats: StepStats) -> dict[str, torch.Tensor] | None:
+        """Column scores of the mean gradient when this step reduce-scattered it (else from ``.grad``)."""
+        return shard_scores(self, self.step_shards, stats) if self.step_shards is not None else None
 
     def _acc_index(self) -> int:
         """Host accumulator of the current window (alternating with host accumulation)."""
@@ -290,7 +303,9 @@ class ZenFlowMode(Mode):
         """Start copying this step's selected and unselected gradient masses to the host ("auto")."""
         full_sq, cols_sq = sq  # the device's gradient parts: whole tensors, selected columns
         grads = [g for g in (s.param.grad for s in self.splits) if g is not None]
-        if grads:
+        if self.step_shards is not None:  # .grad holds the mean in the selected columns only
+            total_split = split_sq(self, self.step_shards)
+        elif grads:
             total_split = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
         else:
             total_split = torch.zeros((), device=cols_sq.device)
@@ -307,7 +322,7 @@ class ZenFlowMode(Mode):
         """First zenflow step: choose the initial selection from the current gradient."""
         for s in self.splits:  # placeholders, replaced at once by the batched selection below
             self.dev.add_columns(s.name, s.param, torch.arange(s.k, device=s.param.device))
-        self.dev.reselect(self._values_from_master(stats), fresh=True)
+        self.dev.reselect(self._values_from_master(stats), fresh=True, given_scores=self._scores(stats))
         self.started = True
         self.since_select = 0
         self.epoch_flag = False
@@ -346,7 +361,7 @@ class ZenFlowMode(Mode):
                 stats.bytes_h2d += t.nbytes
                 if self.ranks.distributed:  # each element comes from the one rank that holds it
                     torch.distributed.all_reduce(dev_vals, group=self.ranks.group)
-                    stats.bytes_reduced += t.nbytes
+                    stats.bytes_reduced += wire_bytes("all_reduce", t.nbytes, self.ranks.world)
                 out.append(dev_vals)
             return out
 
@@ -363,6 +378,12 @@ class ZenFlowMode(Mode):
                 self.worker.wait(prev)
             self.slot_futs[slot] = None
         grads: list[tuple[int, list[torch.Tensor | None]]] = []
+        if self.step_shards is not None:  # this rank's shard of the mean: the part the host needs
+            for si, (store, shard) in enumerate(zip(self.stores, self.step_shards, strict=True)):
+                grads.append((si, [shard.narrow(0, o, n) for o, n in zip(store.offsets, store.numels, strict=True)]))
+                stats.bytes_d2h += shard.numel() * shard.element_size()
+            self.slot ^= 1
+            return _Staged(slot, grads, self.ops.record(), pieces=True)
         for si, store in enumerate(self.stores):
             gs: list[torch.Tensor | None] = [None] * len(store.numels)
             for s in self.splits:
@@ -381,30 +402,35 @@ class ZenFlowMode(Mode):
             return
         ui = self.cfg.update_interval
         alpha = 1.0 / ui if isinstance(ui, int) else 1.0
-        grads, ready = staged.grads, staged.ready
+        grads, ready, pieces = staged.grads, staged.ready, staged.pieces
 
         def accumulate(first: bool = self.win_len == 0, acc_i: int = self._acc_index()) -> None:
             try:
                 for si, gs in grads:
                     store, ring = self.stores[si], self.rings[si]
                     if ring is None:
-                        self._accumulate_in_place(store, gs, acc_i, alpha, first)
+                        self._accumulate_in_place(store, gs, acc_i, alpha, first, pieces)
                     else:
-                        self._accumulate_through(store, gs, ring, ready, acc_i, alpha, first)
+                        self._accumulate_through(store, gs, ring, ready, acc_i, alpha, first, pieces)
             finally:
                 grads.clear()  # release the gradients now, not when the worker's next task replaces this one
 
         self.slot_futs[staged.slot] = self.worker.submit(accumulate, urgent=True)
 
     def _accumulate_in_place(
-        self, store: HostStore, grads: list[torch.Tensor | None], acc_i: int, alpha: float, first: bool
+        self, store: HostStore, grads: list[torch.Tensor | None], acc_i: int, alpha: float, first: bool,
+        pieces: bool = False,
     ) -> None:
-        """The device is the CPU: add each gradient into the accumulator where it lies."""
+        """The device is the CPU: add each gradient into the accumulator where it lies (``pieces``: the
+        gradients are already this shard's pieces)."""
         acc = store.bufs[acc_i]
         for i, g in enumerate(grads):
             dst = store.flat(acc, i)
+            if dst.numel() == 0:  # not in this rank's shard
+                continue
             if g is not None:
-                store.accumulate(dst, store.piece(g, i), alpha=alpha, first=first, num_threads=self.threads)
+                src = g if pieces else store.piece(g, i)
+                store.accumulate(dst, src, alpha=alpha, first=first, num_threads=self.threads)
             elif first:
                 dst.zero_()
 
@@ -417,6 +443,7 @@ class ZenFlowMode(Mode):
         acc_i: int,
         alpha: float,
         first: bool,
+        as_pieces: bool = False,
     ) -> None:
         """CUDA: stream the gradients off the device in slot-sized chunks of the store's flat layout,
         copying chunk ``c + 1`` into one slot while chunk ``c`` is added from the other."""
@@ -440,7 +467,7 @@ class ZenFlowMode(Mode):
                 g = grads[i]
                 if g is not None:
                     base = store.offsets[i] + a - lo
-                    pairs.append((slot[base : base + b - a], store.piece(g, i)[a:b]))
+                    pairs.append((slot[base : base + b - a], (g if as_pieces else store.piece(g, i))[a:b]))
             return self.ops.d2h(pairs, ready=ready)
 
         pending = issue(0)
@@ -593,7 +620,7 @@ class ZenFlowMode(Mode):
         return self.since_select >= int(si)
 
     def _reselect(self, stats: StepStats) -> None:
-        for d in self.dev.reselect(self._values_from_master(stats)):
+        for d in self.dev.reselect(self._values_from_master(stats), given_scores=self._scores(stats)):
             self._stash_out(d, stats)
         self.reselections += 1
         self.since_select = 0
@@ -720,8 +747,11 @@ class ZenFlowMode(Mode):
             for si, store in enumerate(self.stores):
                 members = [s for s in self.splits if s.store is store and s.param.grad is not None]
                 staging = store.bufs[0]  # no window is open during the warm-up
-                pairs = [(store.flat(staging, s.index), store.piece(cast("torch.Tensor", s.param.grad), s.index))
-                         for s in members]  # members have a gradient
+                if self.step_shards is not None:  # this rank's shard of the mean
+                    pairs = [(staging, self.step_shards[si])]
+                else:  # members have a gradient
+                    pairs = [(store.flat(staging, s.index), store.piece(cast("torch.Tensor", s.param.grad), s.index))
+                             for s in members]
                 t = self.ops.d2h(pairs)
                 stats.bytes_d2h += t.nbytes
                 only = [s.index for s in members]
