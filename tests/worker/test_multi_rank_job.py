@@ -4,9 +4,7 @@ jobs larger than the worker, the queues, the labels and exit codes of a rank."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -23,22 +21,12 @@ from store.db import session_scope
 from store.models import File, FineTuningJob, JobEvent, JobRun, JobStepMetric, RegisteredModel, Team
 from store.models import Worker as WorkerRow
 from store.settings import Settings
-from tests.test_worker import get_job
+from tests.test_worker import get_job, sums_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def sums_file(path: Path, n: int = 64) -> Path:
-    rng = random.Random(0)
-    with path.open("w") as f:
-        for _ in range(n):
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}?"},
-                                             {"role": "assistant", "content": str(a + b)}]}) + "\n")
-    return path
 
 
 def make_job(url: str, data: Path, *, queue: str, gpus: int | None, hyperparameters: dict[str, Any] | None = None,
