@@ -48,21 +48,27 @@ def candidates(session: Session, queue: str, settings: Settings) -> list[tuple[s
 
 
 def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
-    """Refuse (400 on ``resources.gpus``, before anything is written) a job on more ranks than any live
-    worker runs per job (``workers.gpus_per_job``). With no worker live at all, one GPU is admitted as
+    """Refuse (400 on ``resources.gpus``, before anything is written) a job on more than one rank that
+    no live worker runs: a worker consumes only the queue of its own job size (``workers.gpus_per_job``),
+    so a size no live worker has would wait forever. With no worker live at all, one GPU is admitted as
     always, more only where this process's own settings run them (``cpu_ranks`` and ``gpus_per_job``:
     the embedded server, whose worker may not have registered yet)."""
     if gpus <= 1:
         return
-    served = workers.max_gpus_per_job(session, live_seconds=settings.worker_live_seconds)
-    if served is None:
+    sizes = workers.live_job_sizes(session, live_seconds=settings.worker_live_seconds)
+    if not sizes:
         if settings.cpu_ranks and settings.gpus_per_job >= gpus:
             return
         message = (f"No worker is live to run a job on {gpus} GPUs: start one with --gpus-per-job {gpus} "
                    "or ask for resources.gpus 1")
-    elif gpus > served:
+    elif gpus > sizes[-1]:
         message = (f"The job asks for {gpus} GPUs, more than any live worker runs: the largest jobs live "
-                   f"workers serve are {served} GPU{'s' if served > 1 else ''}")
+                   f"workers serve are {sizes[-1]} GPU{'s' if sizes[-1] > 1 else ''}")
+    elif gpus not in sizes:
+        message = (f"The job asks for {gpus} GPUs and no live worker runs jobs of that size (a worker runs "
+                   f"jobs of exactly its --gpus-per-job): live workers run jobs of "
+                   f"{', '.join(map(str, sizes))} GPUs; ask for one of these or start a worker with "
+                   f"--gpus-per-job {gpus}")
     else:
         return
     raise APIError(400, message, param="resources.gpus", code=CODE)

@@ -65,6 +65,13 @@ def live_workers(session: Session, queue: str, *, live_seconds: float,
     return [w for w in rows if queue in (w.queues or [])]
 
 
+def live_job_sizes(session: Session, *, live_seconds: float, now: datetime | None = None) -> list[int]:
+    """The job sizes (ranks per job) live workers run, ascending; empty when no worker is live."""
+    cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
+    rows = session.scalars(select(Worker.gpus_per_job).where(Worker.heartbeat_at >= cutoff).distinct())
+    return sorted(int(n) for n in rows)
+
+
 def max_gpus_per_job(session: Session, *, live_seconds: float, now: datetime | None = None) -> int | None:
     """The largest job (in ranks) a live worker runs; None when no worker is live at all."""
     cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)

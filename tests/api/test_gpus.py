@@ -119,6 +119,19 @@ def test_more_gpus_than_any_live_worker_runs_is_refused_and_writes_nothing(
     assert len(enqueued.calls) == calls
 
 
+def test_a_size_no_live_worker_runs_is_refused_even_below_the_largest(
+    client: TestClient, team: TeamKey, register: Register, settings: Settings
+) -> None:
+    """A worker consumes only its own size's queue: a 3-GPU job with only larger workers would wait forever."""
+    register("gpus-eight@test", 8, f"{settings.default_queue}-x8")
+    r = _create(client, team, uploaded_id(client, team), {"gpus": 3})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "resources.gpus" and "no live worker runs jobs of that size" in err["message"]
+    assert "8" in err["message"] and "--gpus-per-job 3" in err["message"]
+    assert team_rows(client.app, team) == (0, 0)  # type: ignore[arg-type]
+
+
 def test_no_live_worker_admits_more_gpus_only_where_this_server_runs_cpu_ranks(
     app: FastAPI, client: TestClient, team: TeamKey, settings: Settings, enqueued: Enqueued
 ) -> None:
@@ -186,9 +199,8 @@ def test_each_rank_needs_an_example_of_every_step(
     r = _create(client, team, small, {"gpus": 4}, batch_size=4)
     assert r.status_code == 400 and error_of(r)["param"] == "training_file"
     assert team_rows(client.app, team) == (0, 0)  # type: ignore[arg-type]
-    # no larger than the x4 worker's jobs: admitted (it waits for a worker of its size, as a one-GPU job
-    # waits for one of the default queue)
-    assert _create(client, team, file_id, {"gpus": 2}, batch_size=2).status_code == 200
+    # the x4 worker's size with a batch of at least 4: admitted
+    assert _create(client, team, file_id, {"gpus": 4}, batch_size=4).status_code == 200
 
 
 def test_idempotent_replay_sees_the_resources(
