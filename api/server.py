@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -14,6 +13,7 @@ from typing import Any
 
 from api.config import ApiSettings, get_api_settings
 from store.settings import Settings, get_settings
+from trainer.launch import free_port  # noqa: F401  (servers started next: the load benchmark, tests)
 
 log = logging.getLogger("zenflow.serve")
 
@@ -41,13 +41,6 @@ def uvicorn_command(port: int, *, host: str = "127.0.0.1", workers: int = 1) -> 
             "--timeout-keep-alive", str(opts["timeout_keep_alive"])]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the OS picks it), for a server started next: what the
-    load benchmark and the tests run their servers on."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:

@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +48,7 @@ import torch
 from bench.engine import PRESETS, build_model, make_batches
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
+from trainer.launch import RANK_CPUS_ENV, RankGroup, group_envs
 
 #: bench.engine's presets plus one in between "small" and "1b" (~0.2B parameters) for multi-GPU hosts.
 MODELS: dict[str, dict[str, int]] = {
@@ -153,10 +152,8 @@ def rank_main(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     work = Path(args.work_dir)
     cuda = args.device == "cuda"
-    cpus = [int(c) for c in os.environ.get("ZF_BENCH_CPUS", "").split(",") if c]
-    if cpus and hasattr(os, "sched_setaffinity"):  # CPU ranks: this rank's share of the cores
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(len(cpus))
+    if os.environ.get(RANK_CPUS_ENV):  # a CPU rank, pinned to its share of the cores by the launcher
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     if cuda:  # this process sees its one GPU as cuda:0 (CUDA_VISIBLE_DEVICES set by the parent)
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
@@ -193,23 +190,6 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ launcher
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _cpu_shares(n: int) -> list[list[int]]:
-    """``n`` contiguous, near-equal slices of this process's allowed CPUs (a CPU may serve several
-    ranks when there are fewer CPUs than ranks)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    out = []
-    for r in range(n):
-        lo, hi = (r * len(cpus)) // n, ((r + 1) * len(cpus)) // n
-        out.append(cpus[lo:hi] or [cpus[r % len(cpus)]])
-    return out
-
-
 def _child_argv(args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "bench.distributed", "--rank-worker", "--work-dir", args.work_dir,
             "--device", args.device, "--model", args.model, "--modes", args.modes, "--steps", str(args.steps),
@@ -220,54 +200,38 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
-    """Start ``nproc`` processes (1: the baseline, no group) and wait for all of them; when one fails
-    or the deadline passes, the others are killed and RuntimeError says which rank and why."""
-    port = free_port()
-    shares = _cpu_shares(nproc)
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-    for r in range(nproc):
-        env = dict(os.environ)
-        if nproc > 1:
-            env.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        else:
-            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-                env.pop(k, None)
+    """Start ``nproc`` processes (1: the baseline, no group, all of the cores) as the worker starts a
+    job's ranks (:class:`trainer.launch.RankGroup`: one GPU each, or an even share of the cores) and wait
+    for all of them; when one fails or the deadline passes, the others are stopped and RuntimeError
+    says which process and why."""
+    work = Path(args.work_dir)
+    if nproc == 1:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[r]
-        if args.device == "cpu":  # the child pins itself to its share (rank_main)
-            env["ZF_BENCH_CPUS"] = ",".join(map(str, shares[r]))
-            env["OMP_NUM_THREADS"] = str(len(shares[r]))
-        log = open(Path(args.work_dir) / f"log-{nproc}-{r}.txt", "wb")  # noqa: SIM115 (closed below)
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            _child_argv(args), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + args.timeout
-    timed_out = False
-    killed: set[int] = set()
+            env["CUDA_VISIBLE_DEVICES"] = gpus[0]
+        envs = [env]
+    else:
+        envs = group_envs(nproc, devices=gpus or None, base=os.environ)
+    logs = [open(work / f"log-{nproc}-{r}.txt", "wb") for r in range(nproc)]  # noqa: SIM115 (closed below)
+    why = None
     try:
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.1)
+        with RankGroup([_child_argv(args)] * nproc, envs, term_grace=5.0, stdout=logs,
+                       stderr=subprocess.STDOUT) as group:
+            group.start()
+            try:
+                rc = group.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                why = f"deadline of {args.timeout:.0f}s passed"
+            else:
+                if rc != 0:
+                    who = "the baseline" if nproc == 1 else f"rank {group.failed_rank or 0}"
+                    why = f"{who} exited with {rc}"
     finally:
-        for r, p in enumerate(procs):
-            if p.poll() is None:
-                killed.add(r)
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in procs:
-            p.wait(timeout=30)
         for log in logs:
             log.close()
-    bad = [f"{'the baseline' if nproc == 1 else f'rank {r}'} exited with {p.returncode}"
-           for r, p in enumerate(procs) if p.returncode and r not in killed]
-    if timed_out or bad:
-        why = "; ".join(bad) or f"deadline of {args.timeout:.0f}s passed"
-        tails = "".join(
-            f"\n--- process {i} ---\n" + (Path(args.work_dir) / f"log-{nproc}-{i}.txt").read_text(errors="replace")[-2000:]
-            for i in range(nproc))
+    if why is not None:
+        tails = "".join(f"\n--- process {i} ---\n" + (work / f"log-{nproc}-{i}.txt").read_text(errors="replace")[-2000:]
+                        for i in range(nproc))
         raise RuntimeError(f"{why}{tails}")
 
 

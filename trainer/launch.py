@@ -128,20 +128,24 @@ def _child_setup(parent_pid: int, cpus: str | None) -> None:
 class RankGroup:
     """One job's ranks as one supervised unit; see the module docstring.
 
-    ``argvs[r]`` and ``envs[r]`` start rank ``r``. :meth:`wait` returns the group's code (negative: the
+    ``argvs[r]`` and ``envs[r]`` start rank ``r`` (``stdout``: one stream for all, or one per rank). :meth:`wait` returns the group's code (negative: the
     signal that killed the failing rank) once no rank is alive; :meth:`terminate` forwards a signal
     to every rank (preemption, cancel escalation).
     """
 
     def __init__(self, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
                  term_grace: float = TERM_GRACE_SECONDS, cwd: str | os.PathLike[str] | None = None,
-                 stdout: int | IO[Any] | None = None, stderr: int | IO[Any] | None = None) -> None:
+                 stdout: int | IO[Any] | Sequence[IO[Any]] | None = None, stderr: int | IO[Any] | None = None
+                 ) -> None:
         if not argvs or len(argvs) != len(envs):
             raise ValueError("one argv and one environment per rank")
         self.argvs = [list(a) for a in argvs]
         self.envs = [dict(e) for e in envs]
         self.term_grace = term_grace
-        self.cwd, self.stdout, self.stderr = cwd, stdout, stderr
+        self.cwd, self.stderr = cwd, stderr
+        self._outs: list[int | IO[Any] | None] = (
+            list(stdout) if isinstance(stdout, list | tuple) else [stdout] * len(self.argvs)  # type: ignore[list-item]
+        )
         self.procs: list[subprocess.Popen[bytes]] = []
         #: The first rank that exited non-zero (or by a signal) while others ran: its code is the group's.
         self.failed_rank: int | None = None
@@ -164,7 +168,7 @@ class RankGroup:
         try:
             for rank, (argv, env) in enumerate(zip(self.argvs, self.envs, strict=True)):
                 cpus = env.get(RANK_CPUS_ENV)
-                p = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self.stdout, stderr=self.stderr,
+                p = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self._outs[rank], stderr=self.stderr,
                                      close_fds=True, process_group=0,
                                      preexec_fn=lambda c=cpus: _child_setup(parent, c))
                 self.procs.append(p)

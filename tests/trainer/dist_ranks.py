@@ -11,8 +11,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.dist_ranks import free_port
 from trainer.events import Event
+from trainer.launch import free_port
 from trainer.spec import JobSpec
 
 
