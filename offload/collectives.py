@@ -150,6 +150,20 @@ def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: Ranks) -> 
     out.div_(ranks.world)
 
 
+@torch.no_grad()
+def reduce_scatter_flat(grads: Sequence[torch.Tensor | None], offsets: Sequence[int], out: torch.Tensor,
+                        ranks: Ranks) -> int:
+    """``out`` := this rank's shard of the mean of gradients laid out flat (gradient ``i`` at
+    ``offsets[i]``, zeros where None; padded to ``world * out.numel()``: a host store's layout); the
+    bytes this rank sent."""
+    flat = torch.zeros(ranks.world * out.numel(), dtype=out.dtype, device=out.device)
+    for g, off in zip(grads, offsets, strict=True):
+        if g is not None:
+            flat.narrow(0, off, g.numel()).copy_(g.reshape(-1))
+    reduce_scatter_mean(out, flat, ranks)
+    return wire_bytes("reduce_scatter", flat.numel() * flat.element_size(), ranks.world)
+
+
 class ShardGather:
     """One host store's replica buffer: each rank's updated shard in, every rank's out.
 

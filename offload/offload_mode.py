@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from offload.collectives import Ranks, Reduced, ShardGather, reduce_scatter_mean, wire_bytes
+from offload.collectives import Ranks, Reduced, ShardGather, reduce_scatter_flat
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -62,12 +62,8 @@ class OffloadMode(Mode):
         all-reduce moves; the all-gather of the updated shard after the CPU step is the other half)."""
         out = []
         for (store, group), shard in zip(self.groups, self.grad_shards, strict=True):
-            flat = torch.zeros(self.ranks.world * store.shard_size, dtype=store.dtype, device=self.ops.device)
-            for i, (_, p) in enumerate(group):
-                if p.grad is not None:
-                    flat.narrow(0, store.full_offsets[i], store.full_numels[i]).copy_(p.grad.reshape(-1))
-            reduce_scatter_mean(shard, flat, self.ranks)
-            stats.bytes_reduced += wire_bytes("reduce_scatter", flat.numel() * flat.element_size(), self.ranks.world)
+            stats.bytes_reduced += reduce_scatter_flat([p.grad for _, p in group], store.full_offsets, shard,
+                                                       self.ranks)
             out.append(shard.narrow(0, 0, store.numel))
         return Reduced([], out)
 

@@ -89,7 +89,7 @@ from offload.selection import num_selected, union
 from offload.selective_adamw import AdamWHyper, Dropped, SelectiveAdamW
 from offload.timing import StepStats
 from offload.worker import Worker, gil_released
-from offload.zenflow_reduce import reduce_zenflow, shard_scores, split_sq
+from offload.zenflow_reduce import reduce_zenflow, shard_scores, split_sq, uses_shards
 
 
 @dataclass(slots=True)
@@ -225,6 +225,9 @@ class ZenFlowMode(Mode):
         self.step_shards: list[torch.Tensor] | None = None
 
     def reduce(self, stats: StepStats) -> Reduced:
+        if not uses_shards(self):  # every gradient all-reduced (offload.zenflow_reduce says when)
+            self.step_shards = None
+            return super().reduce(stats)
         reduced, self.step_shards = reduce_zenflow(self, stats)
         return reduced
 

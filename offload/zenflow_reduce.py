@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from offload.collectives import Reduced, average_gradients, reduce_scatter_mean, wire_bytes
+from offload.collectives import Reduced, average_gradients, reduce_scatter_flat, wire_bytes
 from offload.timing import StepStats
 
 if TYPE_CHECKING:
@@ -37,26 +37,18 @@ def uses_shards(mode: ZenFlowMode) -> bool:
 
 
 @torch.no_grad()
-def reduce_zenflow(mode: ZenFlowMode, stats: StepStats) -> tuple[Reduced, list[torch.Tensor] | None]:
-    """The step's reduction; also this rank's gradient shard of every host store (None: all-reduced)."""
+def reduce_zenflow(mode: ZenFlowMode, stats: StepStats) -> tuple[Reduced, list[torch.Tensor]]:
+    """The step's reduction when :func:`uses_shards`, and this rank's gradient shard of every host store."""
     ranks = mode.ranks
-    if not uses_shards(mode):
-        grads = [p.grad for _, p in mode.named if p.grad is not None]
-        stats.bytes_reduced += average_gradients(grads, ranks)
-        return Reduced(grads), None
     split_ids = {id(s.param) for s in mode.splits}
     full = [p.grad for _, p in mode.named if p.grad is not None and id(p) not in split_ids]
     if full:
         stats.bytes_reduced += average_gradients(full, ranks)
     shards = []
     for store in mode.stores:
-        flat = torch.zeros(ranks.world * store.shard_size, dtype=store.dtype, device=mode.ops.device)
-        for s in mode.splits:
-            if s.store is store and s.param.grad is not None:
-                flat.narrow(0, store.full_offsets[s.index], store.full_numels[s.index]).copy_(s.param.grad.reshape(-1))
+        in_order = [s.param.grad for s in mode.splits if s.store is store]  # the store's parameter order
         out = torch.empty(store.shard_size, dtype=store.dtype, device=mode.ops.device)  # fresh: read later
-        reduce_scatter_mean(out, flat, ranks)
-        stats.bytes_reduced += wire_bytes("reduce_scatter", flat.numel() * flat.element_size(), ranks.world)
+        stats.bytes_reduced += reduce_scatter_flat(in_order, store.full_offsets, out, ranks)
         shards.append(out.narrow(0, 0, store.numel))
     also = []
     if mode.started:  # the device's columns: their mean, written back where the device optimizer reads it
