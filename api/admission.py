@@ -1,11 +1,11 @@
 """Admission by capacity at job create: refuse a job whose plan fits no live worker of its queue.
 
 A job on several ranks (``resources.gpus``) is first refused when no live worker runs jobs that large
-(:func:`check_gpus`); its queue is then the one of its size (``trainer.worker.broker.queue_for_gpus``).
-The candidates are the queue's live workers (:func:`store.workers.live_workers`, heartbeat within
+(:func:`check_gpus`); its queue is then the one of its size (``worker.broker.queue_for_gpus``).
+The candidates are the queue's live workers (:func:`store.worker_registry.live_workers`, heartbeat within
 ``worker_live_seconds``) with the capacity each measured at start; with none registered, the
-configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`trainer.worker.capacity.
-default_capacity`). The check itself (:func:`trainer.worker.admission.refusal`) is the one the worker
+configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`worker.capacity.measure.
+default_capacity`). The check itself (:func:`worker.capacity.fit.refusal`) is the one the worker
 repeats before it runs the job. A refusal is a 400 ``insufficient_capacity`` whose ``param`` names
 the request field to change and whose message gives the numbers; it is raised before anything is
 written. Planning builds the model on torch's meta device, so the first create imports torch in the
@@ -21,11 +21,11 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.errors import APIError
-from api.integration import request_loc
-from store import workers
+from api.job_checks import request_loc
+from store import worker_registry
 from store.settings import Settings
-from trainer.worker.admission import CODE, refusal
-from trainer.worker.capacity import WorkerCapacity, default_capacity
+from worker.capacity.fit import CODE, refusal
+from worker.capacity.measure import WorkerCapacity, default_capacity
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def candidates(session: Session, queue: str, settings: Settings) -> list[tuple[s
     """(label, capacity) of the live workers of ``queue`` (``worker gpu0@host``), or of the default
     capacity when there are none."""
     found: list[tuple[str, WorkerCapacity]] = []
-    for w in workers.live_workers(session, queue, live_seconds=settings.worker_live_seconds):
+    for w in worker_registry.live_workers(session, queue, live_seconds=settings.worker_live_seconds):
         try:
             found.append((f"worker {w.name}", WorkerCapacity.model_validate(w.capacity)))
         except ValidationError as e:
@@ -49,13 +49,13 @@ def candidates(session: Session, queue: str, settings: Settings) -> list[tuple[s
 
 def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
     """Refuse (400 on ``resources.gpus``, before anything is written) a job on more than one rank that
-    no live worker runs: a worker consumes only the queue of its own job size (``workers.gpus_per_job``),
+    no live worker runs: a worker consumes only the queue of its own job size (``worker_registry.gpus_per_job``),
     so a size no live worker has would wait forever. With no worker live at all, one GPU is admitted as
     always, more only where this process's own settings run them (``cpu_ranks`` and ``gpus_per_job``:
     the embedded server, whose worker may not have registered yet)."""
     if gpus <= 1:
         return
-    sizes = workers.live_job_sizes(session, live_seconds=settings.worker_live_seconds)
+    sizes = worker_registry.live_job_sizes(session, live_seconds=settings.worker_live_seconds)
     if not sizes:
         if settings.cpu_ranks and settings.gpus_per_job >= gpus:
             return

@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api import integration
+from api import job_checks
 from api.auth import KeyCache
 from api.body_limit import BodyLimitMiddleware
 from api.config import ApiSettings, get_api_settings
@@ -33,7 +33,7 @@ from store.db import make_engine
 from store.settings import Settings, get_settings
 
 if TYPE_CHECKING:
-    from trainer.worker.broker import Enqueue
+    from worker.broker import Enqueue
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def create_app(
     *,
     enqueue: Enqueue | None = None,
 ) -> FastAPI:
-    """Build the app. ``enqueue(job_id, queue)`` defaults to trainer.worker.broker.enqueue_job."""
+    """Build the app. ``enqueue(job_id, queue)`` defaults to worker.broker.enqueue_job."""
     settings = settings or get_settings()
     api_settings = api_settings or get_api_settings()
     url = settings.resolved_database_url
@@ -86,7 +86,7 @@ def create_app(
     app.state.api_settings = api_settings
     app.state.engine = engine
     app.state.sessionmaker = sessionmaker(bind=engine, expire_on_commit=False)
-    app.state.enqueue = enqueue or integration.enqueue
+    app.state.enqueue = enqueue or job_checks.enqueue
     app.state.key_cache = KeyCache(api_settings.key_cache_seconds)
     app.state.db_limiter = anyio.CapacityLimiter(api_settings.db_threads or _pool_size(engine))
     app.state.inference = InferenceService(api_settings)  # models load on first use
@@ -112,15 +112,15 @@ def create_app(
 
 
 #: What requests use (upload validation, create's checks), imported before the heap is frozen; with
-#: ``with_broker`` also the default enqueue's ``trainer.worker.broker``, which loads on first use.
-_REQUEST_PATH_MODULES = ("trainer.data", "trainer.models", "trainer.spec", "offload.config")
+#: ``with_broker`` also the default enqueue's ``worker.broker``, which loads on first use.
+_REQUEST_PATH_MODULES = ("trainer.data.dataset", "trainer.model.catalog", "trainer.spec", "offload.config")
 
 
 #: What job create (the plan, the model and data checks) and inference import on first use: torch
 #: and transformers take seconds, and transformers' lazy module is not safe to import from two
 #: threads at once (a create and a chat request racing on first use saw "cannot import name
 #: PreTrainedTokenizerFast"), so they are imported once, at start, before requests are served.
-_CREATE_PATH_MODULES = ("torch", "trainer.plan", "trainer.model_check", "trainer.chat_format")
+_CREATE_PATH_MODULES = ("torch", "trainer.plan.planner", "trainer.model.folder_check", "trainer.data.chat_format")
 _TRANSFORMERS_NAMES = ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "LlamaConfig",
                        "LlamaForCausalLM", "PreTrainedModel", "PreTrainedTokenizerBase", "PreTrainedTokenizerFast")
 
@@ -154,7 +154,7 @@ def freeze_startup_heap(*, with_broker: bool = True) -> None:
     (``gc.freeze``); later collections walk only what was allocated since. Process-wide and harmless
     to repeat (a second app in the same process just freezes a little more).
     """
-    _import_quietly((*_REQUEST_PATH_MODULES, "trainer.worker.broker") if with_broker else _REQUEST_PATH_MODULES)
+    _import_quietly((*_REQUEST_PATH_MODULES, "worker.broker") if with_broker else _REQUEST_PATH_MODULES)
     gc.collect()
     gc.freeze()
 

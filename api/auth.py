@@ -18,7 +18,7 @@ from datetime import timedelta
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
-from store.models import ApiKey, Team, as_utc, utcnow
+from store.orm import ApiKey, Team, as_utc, utcnow
 
 KEY_PREFIX = "zf-"
 PREFIX_LEN = 11  # "zf-" and 8 random characters

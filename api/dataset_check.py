@@ -1,5 +1,5 @@
 """Training data checked with a model: every example rendered with the model's chat template and
-tokenized, as the run will (trainer.data.validate_file with the model's tokenizer).
+tokenized, as the run will (trainer.data.dataset.validate_file with the model's tokenizer).
 
 At job creation both files are checked with the job's model and data options (``max_seq_length``,
 ``truncation``, ``system_message``): a template that refuses an example, a tool list the template
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from api.errors import APIError
-from trainer.data import DataOptions, DatasetReport, DatasetValidationError, validate_file
+from trainer.data.dataset import DataOptions, DatasetReport, DatasetValidationError, validate_file
 from trainer.spec import Hyperparameters, JobSpec
 
 #: Errors listed in a 400's ``errors`` (the message shows the first five).
@@ -34,7 +34,7 @@ def _stamp(path: Path) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer(model: str, stamp: tuple[int, int] | None) -> Any:
-    from trainer.models import load_tokenizer
+    from trainer.model.catalog import load_tokenizer
 
     return load_tokenizer(model)
 
@@ -54,7 +54,7 @@ def _report(path: str, stamp: tuple[int, int], model: str, max_len: int, options
 def data_max_length(model: str, hyperparameters: Hyperparameters) -> int:
     """The max_seq_length examples are cut at (resolved as the run resolves it: it does not depend on
     the example count)."""
-    from trainer.models import model_max_length
+    from trainer.model.catalog import model_max_length
 
     return hyperparameters.resolve(1, base_learning_rate=1.0, model_max_length=model_max_length(model)).max_seq_length
 

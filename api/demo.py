@@ -45,7 +45,7 @@ def _env(data_dir: Path) -> dict[str, str]:
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, cwd=ROOT, check=True,
+    out = subprocess.run([sys.executable, "-m", "api.cli.main", *args], env=env, cwd=ROOT, check=True,
                          capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -137,7 +137,7 @@ def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
     base = f"http://127.0.0.1:{port}"
     log_path = data_dir / "serve.log"
     log_file = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)],
                             env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
                             start_new_session=True)
     ok = False

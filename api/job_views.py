@@ -16,7 +16,7 @@ from api.pagination import after_clause
 from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject, StepMetric, unix
 from store.fairshare import fair_order
 from store.jobs import PENDING, lock_job
-from store.models import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, as_utc
+from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, as_utc
 
 # --- queue position ----------------------------------------------------------------------------------
 

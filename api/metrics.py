@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trainer.worker.prometheus_dir import multiprocess_dir
+from worker.metrics.multiprocess import multiprocess_dir
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class JobsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         from sqlalchemy import func, select
 
-        from store.models import FineTuningJob, JobStatus
+        from store.orm import FineTuningJob, JobStatus
 
         up = GaugeMetricFamily("zenflow_db_up", "1 when the API could read the database at this scrape.")
         try:

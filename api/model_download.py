@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from store.model_registry import ADAPTER_DIR
+from store.model_ids import ADAPTER_DIR
 
 DownloadFormat = Literal["model", "adapter"]
-#: Files of a model folder that are not part of the model (trainer.checkpoint's layout).
+#: Files of a model folder that are not part of the model (trainer.run.checkpoint's layout).
 SERVER_ONLY = frozenset({"training_state.pt", "zenflow_checkpoint.json"})
 CHUNK_BYTES = 1 << 20
 _BLOCK = tarfile.BLOCKSIZE

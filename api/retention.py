@@ -1,7 +1,7 @@
 """The storage lifecycle of job outputs: the retention policy for finished jobs, and the purge of a
 finished job's outputs.
 
-While a job runs, the trainer keeps its newest ``keep_checkpoints`` checkpoints (trainer.loop). Once
+While a job runs, the trainer keeps its newest ``keep_checkpoints`` checkpoints (trainer.run.loop). Once
 a job is finished (succeeded, failed, cancelled) nothing writes to its output directory again, and
 :func:`apply_retention` holds it to the policy: the newest ``keep`` complete checkpoints plus the
 final model (``final/``, whose weights are hard links, so removing the checkpoint it came from frees
@@ -11,7 +11,7 @@ never names a missing path; a kept checkpoint without a row gets one, and its ``
 storage sweep`` once).
 
 :func:`purge_job_outputs` removes all of a finished job's outputs (checkpoints, final model, run
-result), its checkpoint rows and its model ids (store.model_registry), and records an event:
+result), its checkpoint rows and its model ids (store.model_ids), and records an event:
 ``zenflow jobs purge JOB_ID``. (``DELETE /v1/models/{id}`` removes one model's folder: api.routers.models.) The job row, its events, metrics and result files stay (a result file
 is deleted on its own, ``DELETE /v1/files/{id}``). Only directories under ``jobs_dir`` are ever
 removed, whatever a row says.
@@ -28,11 +28,11 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from store import model_registry
+from store import model_ids
 from store.jobs import add_event
-from store.models import FineTuningJob, JobCheckpoint, JobStatus
+from store.orm import FineTuningJob, JobCheckpoint, JobStatus
 from store.usage import OUTPUT_SIZES, directory_bytes
-from trainer.checkpoint import CheckpointInfo, cleanup_partial, list_checkpoints
+from trainer.run.checkpoint import CheckpointInfo, cleanup_partial, list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,12 @@ def apply_retention(session: Session, job: FineTuningJob, *, keep: int, jobs_dir
     for step, row in rows.items():
         if step not in {ck.step for ck in kept}:
             session.delete(row)
-            model_registry.forget_checkpoint(session, job.id, step)
+            model_ids.forget_checkpoint(session, job.id, step)
             result.rows_deleted += 1
     for ck in kept:  # a checkpoint written while its row could not be (the database was away)
         if ck.step not in rows:
             metrics = ck.manifest.get("metrics")
-            model_id = model_registry.register_checkpoint(session, job.id, ck.step, str(ck.path))
+            model_id = model_ids.register_checkpoint(session, job.id, ck.step, str(ck.path))
             session.add(JobCheckpoint(job_id=job.id, step_number=ck.step, path=str(ck.path),
                                       fine_tuned_model_checkpoint=model_id,
                                       metrics=metrics if isinstance(metrics, dict) else {}))
@@ -167,7 +167,7 @@ def purge_job_outputs(session: Session, job_id: str, *, jobs_dir: Path, team_id:
     rows = session.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job.id)).all()
     for row in rows:
         session.delete(row)
-    model_registry.forget_job_models(session, job.id)
+    model_ids.forget_job_models(session, job.id)
     result.rows_deleted = len(rows)
     add_event(session, job.id, f"Outputs removed (checkpoints and final model): {result.freed_bytes} bytes freed",
               data={"removed": result.removed, "freed_bytes": result.freed_bytes})

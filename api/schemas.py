@@ -14,7 +14,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
-from store.models import as_utc
+from store.orm import as_utc
 
 T = TypeVar("T")
 
@@ -200,7 +200,7 @@ class Progress(BaseModel):
     attempts: int = 0
 
 
-# A fine-tuning job as the API returns it (its row: ``store.models.FineTuningJob``).
+# A fine-tuning job as the API returns it (its row: ``store.orm.FineTuningJob``).
 class FineTuningJobObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
@@ -232,7 +232,7 @@ class FineTuningJobObject(BaseModel):
     output_dir: str | None = None
 
 
-# One event of a job (its row: ``store.models.JobEvent``).
+# One event of a job (its row: ``store.orm.JobEvent``).
 class JobEventObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
@@ -255,7 +255,7 @@ class CheckpointMetrics(BaseModel):
     full_valid_mean_token_accuracy: float | None = None
 
 
-# One checkpoint of a job (its row: ``store.models.JobCheckpoint``).
+# One checkpoint of a job (its row: ``store.orm.JobCheckpoint``).
 class JobCheckpointObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"

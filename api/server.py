@@ -13,7 +13,7 @@ from typing import Any
 
 from api.config import ApiSettings, get_api_settings
 from store.settings import Settings, get_settings
-from trainer.launch import free_port  # noqa: F401  (servers started next: the load benchmark, tests)
+from trainer.run.launch import free_port  # noqa: F401  (servers started next: the load benchmark, tests)
 
 log = logging.getLogger("zenflow.serve")
 
@@ -47,7 +47,7 @@ def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
     """The in-process Celery worker (solo pool; the default queue, and the queue of
     ``gpus_per_job``-rank jobs when ``cpu_ranks`` lets it run them as CPU ranks), with the reaper
     when asked."""
-    from trainer.worker.embedded import embedded_queues, start_embedded_worker
+    from worker.embedded import embedded_queues, start_embedded_worker
 
     queues = embedded_queues(settings)
     worker = start_embedded_worker(queues=queues, settings=settings, reaper=reaper, loglevel="INFO")
@@ -57,7 +57,7 @@ def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
 
 def start_reaper(settings: Settings) -> Callable[[], None]:
     """The stale-heartbeat reaper alone (an API process beside separate workers)."""
-    from trainer.worker.reaper import start_reaper_thread
+    from worker.reaper import start_reaper_thread
 
     return start_reaper_thread(settings=settings).stop
 

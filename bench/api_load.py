@@ -160,7 +160,7 @@ def seed_jobs(env: dict[str, str], file_id: str, n: int, model: str) -> list[str
         env,
         _PRELUDE
         + (
-            "from store.models import File, FineTuningJob\n"
+            "from store.orm import File, FineTuningJob\n"
             f"f = s.get(File, {file_id!r})\n"
             f"jobs = [FineTuningJob(team_id=f.team_id, model={model!r}, training_file_id=f.id, status='queued',\n"
             "                      hyperparameters={'n_epochs': 1}) for _ in range(" + str(int(n)) + ")]\n"

@@ -14,7 +14,7 @@ different task, short chat exchanges about words and numbers (``bench.pretrained
 (fine-tuning a pretrained model: a few stable columns carry most of the gradient). With ``--spec`` the
 job is that spec instead (the sample tiny-llama job starts from a random init).
 
-Every variant runs the whole job through ``trainer.loop.run_training`` (same data, same seed, same
+Every variant runs the whole job through ``trainer.run.loop.run_training`` (same data, same seed, same
 hyperparameters; only ``engine`` differs) into a temporary output directory, and reports the final
 training loss (mean of the last 20 steps), the final validation loss (on the flushed weights) and
 the wall time. Then, per variant, the mean over the seeds and the ratio of that mean to device
@@ -88,7 +88,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 def run_one(
     spec_path: Path, engine: dict[str, Any], seed: int, device: str, max_steps: int | None, dtype: str | None = None
 ) -> Run:
-    from trainer.loop import run_training
+    from trainer.run.loop import run_training
     from trainer.spec import EngineSettings, Hyperparameters, load_spec
 
     with tempfile.TemporaryDirectory(prefix="zenflow-convergence-") as tmp:
@@ -122,7 +122,7 @@ class PretrainedJob:
 def run_pretrained(
     job: PretrainedJob, engine: dict[str, Any], seed: int, device: str, max_steps: int | None, dtype: str | None = None
 ) -> Run:
-    from trainer.loop import run_training
+    from trainer.run.loop import run_training
     from trainer.spec import JobSpec
 
     hp: dict[str, Any] = {

@@ -1,7 +1,7 @@
 """Data-parallel engine benchmark: N ranks against one process on the same global batch, one run.
 
     python -m bench.distributed --nproc 2                        # CPU: gloo ranks, tiny model
-    python -m bench.distributed --nproc 2 --quick --json         # what tests/test_bench_smoke.py runs
+    python -m bench.distributed --nproc 2 --quick --json         # what tests/bench/test_gpu_check_smoke.py runs
     python -m bench.distributed --nproc 8 --model medium --json  # a host with 8 GPUs: NCCL, one GPU per rank
 
 Per engine mode (``--modes``, default zenflow,offload,device) it trains a Llama-shaped model of the
@@ -48,7 +48,7 @@ import torch
 from bench.engine import PRESETS, build_model, make_batches
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
-from trainer.launch import RANK_CPUS_ENV, RankGroup, group_envs
+from trainer.run.launch import RANK_CPUS_ENV, RankGroup, group_envs
 
 #: bench.engine's presets plus one in between "small" and "1b" (~0.2B parameters) for multi-GPU hosts.
 MODELS: dict[str, dict[str, int]] = {
@@ -201,7 +201,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
     """Start ``nproc`` processes (1: the baseline, no group, all of the cores) as the worker starts a
-    job's ranks (:class:`trainer.launch.RankGroup`: one GPU each, or an even share of the cores) and wait
+    job's ranks (:class:`trainer.run.launch.RankGroup`: one GPU each, or an even share of the cores) and wait
     for all of them; when one fails or the deadline passes, the others are stopped and RuntimeError
     says which process and why."""
     work = Path(args.work_dir)

@@ -35,7 +35,7 @@
 #                                           # Python packages the GPU image may lack (pydantic and its
 #                                           # deps) into .whl/ (git-ignored); carry .whl to the GPU machine
 #   DEVICE=cpu MODEL_SIZE=tiny STEPS=2 OFFLOAD_STEPS=2 WARMUP=1 BATCH=2 SEQ=32 bash bench/gpu_check.sh
-#                                           # the same pipeline on the CPU, tiny (what tests/test_bench_smoke.py runs)
+#                                           # the same pipeline on the CPU, tiny (what tests/bench/test_gpu_check_smoke.py runs)
 # Environment: STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL, DEVICE,
 # MODEL_SIZE, BENCH_TIMEOUT, DEADLINE, OPS_MODEL_SIZE, OPS_STEPS, OPS_PROFILE_STEPS, GIL_MODEL_SIZE,
 # GIL_STEPS, DIST_MODEL, DIST_STEPS, DIST_TIMEOUT, DIST_NPROC override the defaults below; OUT (if set,

@@ -13,11 +13,11 @@ Measured, per built-in model (fp32 on the CPU, a padded micro-batch of ``--micro
 - activations: every tensor autograd saves for backward during one forward and the loss (counted
   with ``torch.autograd.graph.saved_tensors_hooks``, each storage once, parameters excluded), plus
   with activation checkpointing the decoder layers' inputs the checkpoints keep; planned is
-  :func:`trainer.plan_shapes.activation_bytes`'s ``saved_bytes``;
+  :func:`trainer.plan.shapes.activation_bytes`'s ``saved_bytes``;
 - engine: ``ZenFlowEngine.memory()`` (measured from its tensors) and ``StepMetrics.host_bytes`` after
-  one step, per mode, against :func:`trainer.plan_engine.engine_bytes`.
+  one step, per mode, against :func:`trainer.plan.engine.engine_bytes`.
 
-Speed ratios: :func:`trainer.plan.plan_job` on each GPU with 128 GiB of host memory and 32 cores,
+Speed ratios: :func:`trainer.plan.planner.plan_job` on each GPU with 128 GiB of host memory and 32 cores,
 batch 8 x 2048, engine defaults (and zenflow with ``accumulate_on: device``); the ratio is offload's
 predicted step time over zenflow's (a prediction: ``bench/gpu_check.sh`` measures it on a GPU).
 Packing: :func:`bench.packing.compare` on the sample data. ``--run`` (``--device cuda`` on a GPU host):
@@ -128,9 +128,9 @@ def engine_measured(model: Any, config: Any) -> dict[str, int]:
 def memory_rows(name: str, micro_batch: int, seq: int) -> list[dict[str, Any]]:
     """Planned vs measured per component for built-in model ``name`` (fp32 on the CPU)."""
     from offload.config import EngineConfig
-    from trainer.models import load_model
-    from trainer.plan_engine import engine_bytes
-    from trainer.plan_shapes import activation_bytes, model_shape
+    from trainer.model.catalog import load_model
+    from trainer.plan.engine import engine_bytes
+    from trainer.plan.shapes import activation_bytes, model_shape
 
     shape = model_shape(name)
     model = load_model(name, dtype=torch.float32, seed=0)
@@ -176,8 +176,8 @@ def speed_rows(gpus: list[str], host_gib: int = 128, cores: int = 32) -> list[di
     """The plan's zenflow/offload/device step times for the Llama shapes on ``gpus``."""
     from transformers import LlamaConfig
 
-    from trainer.gpus import GiB, Machine
-    from trainer.plan import plan_job
+    from trainer.plan.gpus import GiB, Machine
+    from trainer.plan.planner import plan_job
     from trainer.spec import JobSpec
 
     rows = []
@@ -237,8 +237,8 @@ def run_rows(model: str, device: str, modes: list[str], steps: int, batch: int, 
     (CUDA: ``torch.cuda.max_memory_allocated``, against the plan's device bytes less the CUDA
     runtime, which the allocator does not see) and the engine's reported host bytes."""
     from trainer.events import LogEvent, StepEvent
-    from trainer.loop import run_training
-    from trainer.plan import Plan
+    from trainer.plan.planner import Plan
+    from trainer.run.loop import run_training
     from trainer.spec import JobSpec
 
     rows = []

@@ -4,7 +4,7 @@
     python -m bench.model_load --device cuda --json     # on a GPU host: peak RSS ~ one shard beyond the process
 
 Writes a randomly initialised Llama-shaped model (``--hidden``, ``--layers``, vocab 32000) as sharded
-safetensors into a temporary folder, then loads it with ``trainer.models.load_model`` in a fresh
+safetensors into a temporary folder, then loads it with ``trainer.model.catalog.load_model`` in a fresh
 process on ``--device`` and reports that process's RSS before the load (torch, transformers and, on
 CUDA, the CUDA context) and, sampled every 5 ms through the load and a first read of every weight,
 the peak RSS and the peak growth of its anonymous memory and of its mapped-file pages, beside the
@@ -77,7 +77,7 @@ def child(folder: str, device: str, dtype: str) -> dict[str, Any]:
     import transformers.models.llama.modeling_llama  # noqa: F401  # imports count before the load, not in it
     from transformers import AutoModelForCausalLM  # noqa: F401
 
-    from trainer.models import load_model
+    from trainer.model.catalog import load_model
 
     if device == "cuda":
         torch.empty(1, device="cuda")  # so does the CUDA context

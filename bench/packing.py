@@ -6,9 +6,9 @@ padded run being the baseline measured in the same process.
     python -m bench.packing --data my.jsonl --json
 
 Both variants cut each optimizer step (``--batch-size`` examples in the epoch order of seed 0) into
-micro-batches of ``--micro-batch-size`` sequences with :func:`trainer.batching.micro_batches`: padded,
+micro-batches of ``--micro-batch-size`` sequences with :func:`trainer.data.batching.micro_batches`: padded,
 a sequence is one example right-padded to the micro-batch's longest; packed, a row of up to
-``--max-seq-length`` tokens holding whole examples (trainer.packing; the attention implementation it
+``--max-seq-length`` tokens holding whole examples (trainer.data.packing; the attention implementation it
 picks is printed). So both hold at most micro-batch x max_seq_length tokens per forward: the same
 memory bound. Each micro-batch runs forward, the summed token loss and backward (no optimizer: what
 packing changes is the forward/backward work). Tokens are real (non-padding) tokens; ``padding`` is
@@ -64,10 +64,10 @@ def measure(
     """Forward + backward throughput of ``steps`` optimizer steps of ``data`` (see the module docstring)."""
     import torch
 
-    from trainer.batching import epoch_order, loss_sum, micro_batches
-    from trainer.data import load_examples
-    from trainer.models import load_model, load_tokenizer
-    from trainer.run_setup import apply_runtime, pick_device
+    from trainer.data.batching import epoch_order, loss_sum, micro_batches
+    from trainer.data.dataset import load_examples
+    from trainer.model.catalog import load_model, load_tokenizer
+    from trainer.run.setup import apply_runtime, pick_device
     from trainer.runtime import RuntimeChoices
 
     dev = pick_device(device)

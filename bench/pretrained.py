@@ -4,7 +4,7 @@ ZenFlow's premise (the gradient's important columns are few and stable) holds wh
 pretrained model, not on a random init. Every machine with this repository has a Python standard
 library, so the benchmark pretrains a small Llama-shaped model (byte-level tokenizer, ~3M parameters
 by default) on its sources and docstrings, and saves it as a local Hugging Face directory that
-``trainer.models`` loads like any local checkpoint. The fine-tuning task is a different one: short
+``trainer.model.catalog`` loads like any local checkpoint. The fine-tuning task is a different one: short
 chat exchanges about words and numbers (:func:`write_chat_task`).
 
 The directory is cached under ``$ZENFLOW_BENCH_CACHE`` (default ``~/.cache/zenflow/bench``) keyed by
@@ -90,7 +90,7 @@ def _byte_ids() -> Any:
     """id of each byte value in the byte-level tokenizer (GPT-2's byte-to-unicode alphabet, sorted)."""
     import torch
 
-    from trainer.tokenizer import build_byte_tokenizer
+    from trainer.data.tokenizer import build_byte_tokenizer
 
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = [b for b in range(256) if b not in printable]
@@ -116,8 +116,8 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
     import torch
     from transformers import LlamaForCausalLM
 
-    from trainer.models import builtin_config
-    from trainer.tokenizer import build_byte_tokenizer
+    from trainer.data.tokenizer import build_byte_tokenizer
+    from trainer.model.catalog import builtin_config
 
     log(f"pretraining the base model on {len(text) / 1e6:.1f} MB of the Python standard library "
         f"({recipe.steps} steps of {recipe.batch}x{recipe.seq} tokens), cached in {out}")

@@ -1,4 +1,4 @@
-"""Alembic environment: store.models metadata, the URL from the caller or from ZENFLOW_ settings."""
+"""Alembic environment: store.orm metadata, the URL from the caller or from ZENFLOW_ settings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from alembic import context
 from sqlalchemy import Connection, text
 
 from store.db import make_engine, normalize_url
-from store.models import Base
+from store.orm import Base
 from store.settings import get_settings
 
 config = context.config

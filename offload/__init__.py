@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from offload.config import EngineConfig
+    from offload.cpu_thread import CPUThreadError
     from offload.engine import ZenFlowEngine
     from offload.metrics import StepMetrics
-    from offload.worker import BackgroundWorkerError
 
-__all__ = ["BackgroundWorkerError", "EngineConfig", "StepMetrics", "ZenFlowEngine"]
+__all__ = ["CPUThreadError", "EngineConfig", "StepMetrics", "ZenFlowEngine"]
 
 _WHERE = {
     "EngineConfig": "offload.config",
     "StepMetrics": "offload.metrics",
     "ZenFlowEngine": "offload.engine",
-    "BackgroundWorkerError": "offload.worker",
+    "CPUThreadError": "offload.cpu_thread",
 }
 
 

@@ -60,7 +60,7 @@ class Ranks:
             return cls(group=group)
         ranks = dist.get_process_group_ranks(group)
         backend = dist.get_backend(group)
-        # gloo only: with NCCL every collective stays on the training thread (offload.zenflow_mode)
+        # gloo only: with NCCL every collective stays on the training thread (offload.zenflow.mode)
         side = dist.new_group(ranks=ranks, backend=backend) if backend == "gloo" else None
         return cls(group=group, side=side, world=world, rank=dist.get_rank(group))
 

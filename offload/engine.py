@@ -13,7 +13,7 @@ Use::
         engine.flush()                     # apply the pending CPU update before saving the model
         weights = engine.consolidated_state_dict()
 
-Modes: :mod:`offload.device_mode`, :mod:`offload.offload_mode`, :mod:`offload.zenflow_mode` (each
+Modes: :mod:`offload.device_mode`, :mod:`offload.offload_mode`, :mod:`offload.zenflow.mode` (each
 module's docstring gives its exact semantics). The engine owns the parameters with
 ``requires_grad``; they must all live on one device (CPU or one CUDA device) and may be fp32, bf16
 or fp16. Clipping (:mod:`offload.clipping`) is global over all of them and happens before any part
@@ -51,7 +51,7 @@ every rank's states of a group of any size (re-cut). ``consolidated_state_dict()
 rank holds the full weights. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
 ``bytes_gathered`` (what the rank sent, ring algorithms); host bytes are the rank's own. zenflow with
 host accumulation reduce-scatters the split weights' gradients and all-reduces only their selected
-columns (:mod:`offload.zenflow_reduce`).
+columns (:mod:`offload.zenflow.reduction`).
 
 Core placement (``bind_worker_cores``, on by default; :mod:`offload.placement`): where the host
 allows it, the split is made of whole physical cores from the sysfs topology, the worker thread is
@@ -74,6 +74,7 @@ import torch
 from offload.clipping import clip_, clip_reduced_
 from offload.collectives import Ranks, fill_missing_gradients
 from offload.config import EngineConfig
+from offload.cpu_thread import CPUThreadError, live_native_ids
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
 from offload.guard import Gate, LossScaler
@@ -85,10 +86,9 @@ from offload.placement import Placement, device_pci_address, plan, read_topology
 from offload.placement import apply as apply_placement
 from offload.placement import restore as restore_placement
 from offload.timing import StepStats
-from offload.worker import BackgroundWorkerError, live_native_ids
-from offload.zenflow_mode import ZenFlowMode
+from offload.zenflow.mode import ZenFlowMode
 
-__all__ = ["BackgroundWorkerError", "ZenFlowEngine"]
+__all__ = ["CPUThreadError", "ZenFlowEngine"]
 
 _STATE_VERSION = 1
 

@@ -21,8 +21,8 @@ import torch
 
 from offload.collectives import shard_range
 from offload.config import EngineConfig
+from offload.cpu_thread import gil_released
 from offload.device import HostAllocator
-from offload.worker import gil_released
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Elements per chunk of the torch accumulation path (accumulate_torch): ATen's fp32 += bf16 with type

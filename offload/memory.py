@@ -1,8 +1,8 @@
 """Bytes the engine holds, per mode and component: pure arithmetic over parameter shapes (no allocation).
 
 The layout below is what :mod:`offload.host`, :mod:`offload.offload_mode` and
-:mod:`offload.zenflow_mode` allocate; ``ZenFlowEngine.memory()`` measures the same components from the
-real tensors (``tests/test_engine_memory.py`` holds the two equal). ``g`` is the parameter dtype's
+:mod:`offload.zenflow.mode` allocate; ``ZenFlowEngine.memory()`` measures the same components from the
+real tensors (``tests/offload/test_engine_memory.py`` holds the two equal). ``g`` is the parameter dtype's
 size (2 for bf16/fp16, 4 for fp32); "offloaded" elements are all trainable ones in ``offload`` mode
 and the split weights' in ``zenflow`` (2-D weights with fewer selected than total columns).
 

@@ -14,7 +14,7 @@ CPUs this process may use (:func:`plan`):
    (at least one, and at least one left) go to the CPU optimizer worker, the rest to the training
    thread; hyperthread siblings always stay together on one side.
 
-:func:`apply` pins the worker (its own thread, in :mod:`offload.worker`) and every other thread of
+:func:`apply` pins the worker (its own thread, in :mod:`offload.cpu_thread`) and every other thread of
 the process (the training thread, its intra-op pool) and :func:`restore` undoes it; nothing here is
 fatal: where the host does not allow a placement (not Linux, one physical core, affinity calls
 refused) the plan says why and the engine runs unplaced.

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Subquery, and_, case, func, select
 from sqlalchemy.orm import aliased
 
-from store.models import FineTuningJob, JobRun, JobStatus
+from store.orm import FineTuningJob, JobRun, JobStatus
 
 #: Jobs waiting for a worker (they have a queue position).
 WAITING = (JobStatus.validating_files.value, JobStatus.queued.value)

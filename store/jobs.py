@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from store import quotas
 from store.fairshare import WAITING, fair_order
-from store.models import FineTuningJob, JobEvent, JobStatus, as_utc, utcnow
+from store.orm import FineTuningJob, JobEvent, JobStatus, as_utc, utcnow
 from store.runs import end_runs, open_run
 from store.settings import Settings
 
@@ -195,7 +195,7 @@ def claim_next(
     """A worker took a message from ``queue``: claim the job fair share puts first (store.fairshare).
 
     Each queued job has one message, and each message claims one job, so the broker still holds as
-    many messages as there are queued jobs (trainer.worker.dispatch counts on it); which message
+    many messages as there are queued jobs (worker.dispatch counts on it); which message
     runs which job does not matter. The message's own job comes first only when it is a dead run to
     take over (running on this node, or with a stale heartbeat): that is what :func:`claim` would do.
 
@@ -260,7 +260,7 @@ def _may_start(session: Session, team_id: str, settings: Settings) -> bool:
 def requeue(session: Session, job: FineTuningJob, why: str) -> str:
     """Put a running job back on its queue to resume from its last checkpoint; the queue to send it to.
 
-    The caller sends the message after committing (``trainer.worker.dispatch.dispatch_job``).
+    The caller sends the message after committing (``worker.dispatch.dispatch_job``).
     """
     job.worker_hostname = None
     job.heartbeat_at = None

@@ -28,7 +28,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from store.fairshare import WAITING
-from store.models import FineTuningJob, JobStatus, Team, TeamQuota, utcnow
+from store.orm import FineTuningJob, JobStatus, Team, TeamQuota, utcnow
 from store.runs import gpu_seconds, seconds_until_below
 from store.settings import Settings
 from store.usage import team_storage_bytes

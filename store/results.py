@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from store.ids import new_id
-from store.models import File, FineTuningJob, JobStepMetric
+from store.orm import File, FineTuningJob, JobStepMetric
 
 RESULTS_PURPOSE = "fine-tune-results"
 RESULTS_FILENAME = "step_metrics.csv"

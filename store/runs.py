@@ -1,4 +1,4 @@
-"""The run ledger: one :class:`~store.models.JobRun` per attempt of a job on a worker.
+"""The run ledger: one :class:`~store.orm.JobRun` per attempt of a job on a worker.
 
 A run is opened by the claim (:func:`store.jobs.claim`) and ended when the job leaves ``running``
 (:func:`store.jobs.set_status`, whatever the transition). GPU time is ``gpus`` x run time; a run
@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from store.models import FineTuningJob, JobRun, as_utc, utcnow
+from store.orm import FineTuningJob, JobRun, as_utc, utcnow
 
 
 def open_run(session: Session, job: FineTuningJob, hostname: str, *, gpus: int = 1,

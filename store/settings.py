@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     #: Where job outputs and checkpoints go (default data_dir/jobs).
     jobs_dir: Path | None = None
     #: Folders of base models a job may name (``ZENFLOW_MODEL_ROOTS``: paths separated by ``:``, or a JSON
-    #: list); a model is named by its folder relative to a root, e.g. ``Qwen/Qwen2.5-0.5B`` (store.model_registry).
+    #: list); a model is named by its folder relative to a root, e.g. ``Qwen/Qwen2.5-0.5B`` (store.model_ids).
     model_roots: Annotated[list[Path], NoDecode] = []
 
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
@@ -40,11 +40,11 @@ class Settings(BaseSettings):
     #: A queued job whose message was not handed to the broker this long after its creation (the API
     #: died between commit and enqueue), or whose message was handed over longer ago than this and is
     #: no longer in the broker (Redis restarted without persistence, flushed), is dispatched again by
-    #: the reaper (trainer.worker.dispatch). Covers the moment a worker holds a message it has not claimed yet.
+    #: the reaper (worker.dispatch). Covers the moment a worker holds a message it has not claimed yet.
     dispatch_grace_seconds: float = Field(30.0, gt=0)
     #: Celery queue for jobs that name no GPU kind.
     default_queue: str = "gpu-default"
-    #: Port of a worker's Prometheus endpoint (0 disables it); `python -m trainer.worker` gives its i-th GPU worker port + i.
+    #: Port of a worker's Prometheus endpoint (0 disables it); `python -m worker` gives its i-th GPU worker port + i.
     worker_metrics_port: int = Field(0, ge=0, le=65535)
     #: Name of this worker in metrics labels (default: hostname).
     worker_name: str = ""
@@ -85,9 +85,9 @@ class Settings(BaseSettings):
     #: A worker whose message finds only jobs of teams at their max_running_jobs waiting re-checks for
     #: this long (once a second) before it hands the message back to the queue.
     quota_hold_seconds: float = Field(30.0, ge=0)
-    # --- workers and admission (store.workers, api.admission) ---
-    #: Ranks (GPUs) per job this worker runs (``python -m trainer.worker --gpus-per-job N``); it consumes
-    #: the queue of jobs of that size (trainer.worker.broker.queue_for_gpus).
+    # --- workers and admission (store.worker_registry, api.admission) ---
+    #: Ranks (GPUs) per job this worker runs (``python -m worker --gpus-per-job N``); it consumes
+    #: the queue of jobs of that size (worker.broker.queue_for_gpus).
     gpus_per_job: int = Field(1, ge=1, le=64)
     #: A worker without GPUs may run a multi-rank job as gloo ranks on the CPU (demo and tests).
     cpu_ranks: bool = False
@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     worker_live_seconds: float = Field(60.0, gt=0)
     #: The capacity a job is planned against while no live worker of its queue is registered: a
     #: typical single-GPU box for 7B-class fine-tuning, one H100 80GB with 192 GiB of RAM and 24 cores.
-    #: ``default_worker_gpu`` names a GPU of trainer.gpus' table ("" plans a CPU-only box); None takes
-    #: the table's figure (GPU memory; PCIe: 50 GB/s for gen 5) or trainer.gpus' per-core estimate
+    #: ``default_worker_gpu`` names a GPU of trainer.plan.gpus' table ("" plans a CPU-only box); None takes
+    #: the table's figure (GPU memory; PCIe: 50 GB/s for gen 5) or trainer.plan.gpus' per-core estimate
     #: (CPU AdamW: 2.5 GB/s per core, at most 60).
     default_worker_gpu: str = "h100"
     default_worker_gpu_memory_bytes: int | None = Field(None, ge=0)

@@ -5,7 +5,7 @@ usage`` prints (:func:`team_storage_usage`). Files carry their size in their row
 ``SUM`` per team. Job outputs are directories the workers write; each job's output directory is
 measured on disk once and its size cached, keyed by the directory's identity and change times:
 checkpoints and the final model appear and go by rename or removal directly under the job's output
-directory (the atomic writes of ``trainer.checkpoint``), which changes its mtime, so one ``stat`` per
+directory (the atomic writes of ``trainer.run.checkpoint``), which changes its mtime, so one ``stat`` per
 job says whether the cached size still holds, and this holds across processes (a purge run from the
 CLI is seen by the API's next call). Entries also expire after ``max_age`` seconds, a backstop for
 file systems with coarse timestamps. Files hard-linked into several places of one output directory
@@ -24,7 +24,7 @@ from pathlib import Path
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import File, FineTuningJob
+from store.orm import File, FineTuningJob
 from store.results import RESULTS_PURPOSE
 
 #: ``files.status`` of a file whose bytes were removed while finished jobs still name it (the row

@@ -21,7 +21,7 @@ from tests.support import database_with_schema, require_redis
 
 @pytest.fixture(scope="session")
 def pg_db_url() -> Iterator[str]:
-    """URL of a fresh PostgreSQL database with all store.models tables (create_all), for this session."""
+    """URL of a fresh PostgreSQL database with all store.orm tables (create_all), for this session."""
     from store.db import get_engine
 
     with database_with_schema("zf_test") as url:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from trainer.launch import free_port
+from trainer.run.launch import free_port
 
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...]) -> None:

@@ -66,11 +66,11 @@ def drop_database(url: str) -> None:
 
 @contextmanager
 def database_with_schema(prefix: str) -> Iterator[str]:
-    """A fresh PostgreSQL database with every store.models table (create_all); dropped afterwards."""
+    """A fresh PostgreSQL database with every store.orm table (create_all); dropped afterwards."""
     from sqlalchemy import create_engine
 
     from store.db import get_engine
-    from store.models import Base
+    from store.orm import Base
 
     url = create_database(prefix)
     eng = create_engine(url)

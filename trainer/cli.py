@@ -1,17 +1,17 @@
 """``zenflow train SPEC.yaml``: run one fine-tuning job locally, without any server.
 
-:func:`register` adds the ``train`` subcommand to an argparse subparsers object (``api.cli`` wires it
+:func:`register` adds the ``train`` subcommand to an argparse subparsers object (``api.cli.main`` wires it
 into the ``zenflow`` entry point; the handler is ``args.func(args) -> int``); ``python -m trainer
 train SPEC.yaml`` runs it standalone. Ctrl-C once asks the loop to stop after the current step
 (checkpoint, resumable by running the same command again); twice aborts.
 
-Before training, the spec gets the API's model checks (trainer.model_check: config, weights, tokenizer;
+Before training, the spec gets the API's model checks (trainer.model.folder_check: config, weights, tokenizer;
 max_seq_length within the model's position limit). Exit codes: 0 done; 2 bad input (the spec, its
 model or its data: one message saying what, no traceback); 1 an internal error (with its traceback);
 130 stopped by Ctrl-C.
 
 ``--nproc N`` (default: the spec's ``resources.gpus``) runs the job as N data-parallel ranks on this
-machine: the command starts N copies of itself as one :class:`trainer.launch.RankGroup` (one GPU each,
+machine: the command starts N copies of itself as one :class:`trainer.run.launch.RankGroup` (one GPU each,
 or gloo CPU ranks without GPUs or with ``device: cpu``) and supervises them; a process started with
 the ``env://`` variables (WORLD_SIZE > 1: by ``--nproc``, or by ``torchrun``) is one rank and launches
 nothing. Rank 0 prints; the others print only their own internal errors. Ctrl-C reaches every rank.
@@ -41,7 +41,7 @@ from trainer.events import (
 )
 
 if TYPE_CHECKING:
-    from trainer.distributed import DistContext
+    from trainer.run.distributed import DistContext
     from trainer.spec import JobSpec
 
 #: ``zenflow train``'s exit code for bad input: the spec, its model or its data (the message says what).
@@ -107,10 +107,10 @@ def _printer(as_json: bool, progress: bool) -> EventCallback:
 
 def _bad_input(e: BaseException) -> str | None:
     """The message for an error in what the user gave (spec, model, data), None for anything else."""
-    from trainer.data import DatasetValidationError
-    from trainer.loop import ResumeMismatchError
-    from trainer.model_check import ModelFolderError
-    from trainer.models import UnknownModelError
+    from trainer.data.dataset import DatasetValidationError
+    from trainer.model.catalog import UnknownModelError
+    from trainer.model.folder_check import ModelFolderError
+    from trainer.run.loop import ResumeMismatchError
 
     if isinstance(e, DatasetValidationError):
         return "\n  ".join([f"invalid data in {e.path}:", *(str(err["message"]) for err in e.errors)])
@@ -125,7 +125,7 @@ def _check_spec(spec: JobSpec) -> list[str]:
     """What the API refuses at create that is about the model: its folder (config, weights, tokenizer)
     and max_seq_length over its position limit. Raises ModelFolderError."""
     from trainer.limits import model_limit_errors
-    from trainer.models import check_model
+    from trainer.model.catalog import check_model
 
     check_model(spec.model)
     return [f"{'.'.join(e.loc)}: {e.message}" for e in model_limit_errors(spec)]
@@ -172,14 +172,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _launch(args, spec, nproc, refuse)
     dist = None
     if world > 1:
-        from trainer.distributed import init_from_env
+        from trainer.run.distributed import init_from_env
 
         dist = init_from_env(device=spec.device)
     try:
         return _train(args, spec, dist, refuse)
     finally:
         if dist is not None:
-            from trainer.distributed import shutdown
+            from trainer.run.distributed import shutdown
 
             shutdown(dist)
 
@@ -199,7 +199,7 @@ def _train(args: argparse.Namespace, spec: JobSpec, dist: DistContext | None, re
             print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
 
     previous = signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
-    from trainer.loop import run_training
+    from trainer.run.loop import run_training
 
     try:
         result = run_training(spec, on_event=_printer(args.json, progress) if main_rank else None,
@@ -253,7 +253,7 @@ def _visible_gpus(device: str) -> list[str]:
 def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Any) -> int:
     """Run the job as ``nproc`` ranks of this same command (one GPU each, or CPU ranks) and supervise
     them as one group; the group's exit code (a signal: 128 + its number)."""
-    from trainer.launch import RankGroup, group_envs
+    from trainer.run.launch import RankGroup, group_envs
 
     gpus = _visible_gpus(spec.device)
     if len(gpus) < nproc and (gpus or spec.device == "cuda"):

@@ -1,5 +1,5 @@
 """The typed boundary between a training run and its observers: the events
-:func:`trainer.loop.run_training` passes to its ``on_event`` callback.
+:func:`trainer.run.loop.run_training` passes to its ``on_event`` callback.
 
 Every event is a frozen dataclass; consumers (the job runner's database reporter, the worker's
 telemetry, the CLI) dispatch on the event class. Each still carries a ``type`` string, and

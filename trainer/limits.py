@@ -45,9 +45,9 @@ def _steps_loc(hp: Hyperparameters) -> tuple[str, ...]:
 
 def model_limit_errors(spec: JobSpec) -> list[LimitError]:
     """``max_seq_length`` (given, or as ``auto`` resolves) over the model's position limit
-    (trainer.models.model_max_length): a longer sequence crashes mid-run (learned position embeddings,
+    (trainer.model.catalog.model_max_length): a longer sequence crashes mid-run (learned position embeddings,
     GPT-2) or trains past what the model was made for (RoPE, Llama)."""
-    from trainer.models import model_max_length
+    from trainer.model.catalog import model_max_length
 
     model_max = model_max_length(spec.model)
     given = spec.hyperparameters.max_seq_length
@@ -66,9 +66,9 @@ def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None =
     With ``num_examples`` (the training file's count) the totals are checked too: training steps,
     token positions and the resolved learning rate (the model's base rate times the multiplier).
     LoRA ``target_modules`` are matched against the model's modules (built on torch's meta device:
-    no weights are read; see trainer.lora.lora_target_problems).
+    no weights are read; see trainer.model.lora.lora_target_problems).
     """
-    from trainer.models import model_max_length
+    from trainer.model.catalog import model_max_length
 
     hp, errors = spec.hyperparameters, []
 
@@ -98,7 +98,7 @@ def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None =
             errors.append(LimitError(("hyperparameters", "lora", "r"),
                                      f"must be at most {limits.max_lora_rank} on this server"))
         if isinstance(spec.lora.target_modules, list):
-            from trainer.lora import lora_target_problems
+            from trainer.model.lora import lora_target_problems
 
             try:
                 problems = lora_target_problems(spec.model, spec.lora.target_modules)

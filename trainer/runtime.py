@@ -5,13 +5,13 @@ None of them changes the update a step makes, only its memory and speed (and flo
 
 - ``micro_batch_size``: sequences one forward/backward holds; gradients accumulate over the
   micro-batches of an optimizer step (``batch_size`` examples, OpenAI's meaning) and the loss is
-  normalized by the learned tokens of the whole step (:mod:`trainer.step`). Without packing a sequence
+  normalized by the learned tokens of the whole step (:mod:`trainer.run.step`). Without packing a sequence
   is one example; with packing it is one row of up to ``max_seq_length`` tokens holding whole
-  examples (:mod:`trainer.packing`). An explicit value above an explicit ``batch_size`` is refused;
+  examples (:mod:`trainer.data.packing`). An explicit value above an explicit ``batch_size`` is refused;
   one above a batch size that is ``auto`` or lowered to the number of examples is clamped to it.
 - ``gradient_checkpointing``: transformers' ``gradient_checkpointing_enable`` with non-reentrant
   checkpoints (activations recomputed in backward).
-- ``packing``: padding-free rows, no attention across examples (:mod:`trainer.packing`).
+- ``packing``: padding-free rows, no attention across examples (:mod:`trainer.data.packing`).
 
 :func:`resolve_runtime` is the one place their ``auto`` values are decided: an explicit request wins,
 else the memory/speed plan's choice when there is one (``planned``), else the defaults below; the

@@ -34,8 +34,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from offload.config import EngineConfig, EngineMode
-from trainer.chat_format import SystemMessage
-from trainer.data import Truncation
+from trainer.data.chat_format import SystemMessage
+from trainer.data.dataset import Truncation
 from trainer.runtime import RUNTIME_FIELDS, ResolvedRuntime, RuntimeChoices, RuntimeRequest, resolve_runtime
 
 Auto = Literal["auto"]
@@ -49,7 +49,7 @@ class EngineSettings(EngineConfig):
     """EngineConfig fields a job may set: everything but ``lr`` (hyperparameters.learning_rate).
 
     ``mode`` (default) and ``accumulate_on`` also take ``auto``, resolved by the job's plan
-    (:mod:`trainer.plan`): ``device`` when the optimizer state fits the device with room (LoRA, small
+    (:mod:`trainer.plan.planner`): ``device`` when the optimizer state fits the device with room (LoRA, small
     models), else ``zenflow``; the engine itself only knows explicit values.
     """
 
@@ -355,7 +355,7 @@ class JobSpec(BaseModel):
     @classmethod
     def _model_engine_defaults(cls, raw: Any) -> Any:
         """Fill the engine fields the job leaves unset with the model's own defaults (built-in
-        random-init configs carry measured ZenFlow settings; see trainer.models.default_engine_settings)."""
+        random-init configs carry measured ZenFlow settings; see trainer.model.catalog.default_engine_settings)."""
         if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
             return raw
         engine = raw.get("engine")
@@ -363,7 +363,7 @@ class JobSpec(BaseModel):
             engine = engine.model_dump(exclude_unset=True)
         if engine is not None and not isinstance(engine, dict):
             return raw  # the field's own validation reports it
-        from trainer.models import UnknownModelError, default_engine_settings
+        from trainer.model.catalog import UnknownModelError, default_engine_settings
 
         try:
             filled = default_engine_settings(raw["model"], dict(engine or {}))
@@ -374,14 +374,14 @@ class JobSpec(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, v: str) -> str:
-        from trainer.models import resolve_model
+        from trainer.model.catalog import resolve_model
 
         resolve_model(v)  # UnknownModelError (a ValueError) naming it -> ValidationError at "model"
         return v
 
     def resolve(self, num_examples: int, planned: RuntimeChoices | None = None) -> ResolvedHyperparameters:
         """Resolve the hyperparameters with this model's defaults (and a plan's runtime choices)."""
-        from trainer.models import default_learning_rate, model_max_length
+        from trainer.model.catalog import default_learning_rate, model_max_length
 
         return self.hyperparameters.resolve(
             num_examples,

@@ -1,4 +1,4 @@
-"""The built-in backend's job for one request, run in a generation thread (``api.inference.worker``):
+"""The built-in backend's job for one request, run in a generation thread (``api.inference.generation_pool``):
 load the model (cache), encode the prompts (the chat template for chat), check them against the
 model's context, generate each prompt's choices, report usage."""
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from api.errors import APIError
 from api.inference import metrics
+from api.inference.generation_pool import Completed, Started, Ticket, TimedOut
 from api.inference.model_cache import LoadedModel, ModelCache, ModelTooLarge
 from api.inference.sampling import SamplingParams
-from api.inference.worker import Completed, Started, Ticket, TimedOut
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Prompt:
 
 @dataclass(frozen=True)
 class BuiltinRequest:
-    source: str  # what trainer.models loads: a built-in name or a model directory
+    source: str  # what trainer.model.catalog loads: a built-in name or a model directory
     prompts: tuple[Prompt, ...]
     params: SamplingParams
     #: The limit of new tokens the request gave (None: the model's remaining context, up to

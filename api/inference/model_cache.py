@@ -1,7 +1,7 @@
 """The models the built-in backend keeps loaded: loaded on first use, the most recently used few kept
 within a count and a memory budget, the least recently used dropped first.
 
-A source is what ``trainer.models`` loads: a built-in config name (random init from seed 0, the
+A source is what ``trainer.model.catalog`` loads: a built-in config name (random init from seed 0, the
 byte-level tokenizer) or a model directory (a job's ``final/`` or a checkpoint: merged safetensors,
 config, tokenizer). Dropping a model from the cache drops only the cache's reference: a generation
 still using it finishes, and its memory is freed after that.
@@ -84,13 +84,13 @@ def weights_stamp(source: str) -> tuple[int, ...]:
 
 
 def load(source: str, device: str, dtype: torch.dtype) -> LoadedModel:
-    """Load ``source`` with ``trainer.models`` onto ``device``, in eval mode; it stops on the ids of the
+    """Load ``source`` with ``trainer.model.catalog`` onto ``device``, in eval mode; it stops on the ids of the
     generation config's eos (eos and end-of-turn marker) and the tokenizer's eos."""
-    from trainer.models import load_model, load_tokenizer, model_max_length
+    from trainer.model.catalog import load_model, load_tokenizer, model_max_length
 
     tokenizer = load_tokenizer(source)
     # On a GPU the folder's shards go straight to the device (no full host copy); the generation config
-    # stops on eos and the chat template's end-of-turn marker (trainer.tokenizer.stop_token_ids).
+    # stops on eos and the chat template's end-of-turn marker (trainer.data.tokenizer.stop_token_ids).
     model = load_model(source, dtype=dtype, seed=0, tokenizer=tokenizer, device=device)
     model.eval()
     nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

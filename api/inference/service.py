@@ -1,6 +1,6 @@
 """What the chat and completion endpoints run: a request for a resolved model, answered by vLLM when it
 is configured and serves that model, else by the built-in backend (a generation thread of
-``api.inference.worker``), as one JSON object or a server-sent event stream.
+``api.inference.generation_pool``), as one JSON object or a server-sent event stream.
 
 The handler waits for the generation's first event before it answers, so the model failing to load,
 or a prompt too long for its context, is still an HTTP error status; after that, errors come inside
@@ -23,11 +23,7 @@ from fastapi import Request
 
 from api.errors import APIError
 from api.inference import builtin, metrics
-from api.inference.model_cache import ModelCache
-from api.inference.responses import DONE, ChatShape, EventStream, Shape, TextShape, sse
-from api.inference.schemas import ChatCompletionRequest, CompletionRequest
-from api.inference.vllm import VLLMForwarder
-from api.inference.worker import (
+from api.inference.generation_pool import (
     Cancelled,
     Completed,
     Delta,
@@ -40,11 +36,15 @@ from api.inference.worker import (
     Ticket,
     TimedOut,
 )
-from api.model_registry import spec_model_name
+from api.inference.model_cache import ModelCache
+from api.inference.responses import DONE, ChatShape, EventStream, Shape, TextShape, sse
+from api.inference.schemas import ChatCompletionRequest, CompletionRequest
+from api.inference.vllm import VLLMForwarder
+from api.model_names import spec_model_name
 
 if TYPE_CHECKING:
     from api.config import ApiSettings
-    from api.model_registry import ModelRef
+    from api.model_names import ModelRef
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from api.inference import metrics
 from api.inference.responses import EventStream
 
 if TYPE_CHECKING:
-    from api.model_registry import ModelRef
+    from api.model_names import ModelRef
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from api.inference.schemas import (
     TextCompletionObject,
 )
 from api.inference.service import InferenceService
-from api.model_registry import resolve_model
+from api.model_names import resolve_model
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=error_responses(400, 401, 404, 429, 503, 504))
 

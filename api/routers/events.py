@@ -20,7 +20,7 @@ from api.errors import APIError, error_responses
 from api.job_views import event_object, get_team_job
 from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.schemas import JobEventObject, ListObject
-from store.models import FineTuningJob, JobEvent, JobStatus
+from store.orm import FineTuningJob, JobEvent, JobStatus
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import dataset_check, integration
+from api import dataset_check, job_checks
 from api.deps import SettingsDep, TeamDep, run_db
 from api.errors import APIError, error_responses, not_found, validation_error
-from api.model_registry import resolve_model, spec_model_name
+from api.model_names import resolve_model, spec_model_name
 from api.pagination import MAX_LIMIT, list_object, page
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, receive_upload
 from store.ids import new_id
-from store.models import File, FineTuningJob, JobStatus
+from store.orm import File, FineTuningJob, JobStatus
 from store.results import RESULTS_PURPOSE
 from store.settings import Settings
 from store.usage import DELETED_FILE_STATUS
@@ -108,7 +108,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         if upload.bytes == 0:
             raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
         data_options = _data_options(upload.fields)
-        num_examples = await run_in_threadpool(integration.validate_dataset, upload.tmp_path)
+        num_examples = await run_in_threadpool(job_checks.validate_dataset, upload.tmp_path)
         validation = None
         if upload.fields.get("model"):
             validation = await run_in_threadpool(_check_with_model, request, team.team_id, settings,
@@ -165,7 +165,7 @@ def _check_with_model(request: Request, team_id: str, settings: Settings, name: 
     """The upload checked with a model the team may name (api.dataset_check); 400/404 naming the cause."""
     with request.app.state.sessionmaker() as session:
         ref = resolve_model(session, team_id, name, settings)
-    integration.check_model_folder(ref.path, name)
+    job_checks.check_model_folder(ref.path, name)
     report = dataset_check.check_file(path, spec_model_name(ref), options, param="file", code="invalid_file_format")
     return dataset_check.upload_summary(report, ref.id)
 

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import admission, dataset_check, integration
+from api import admission, dataset_check, job_checks
 from api.auth import Principal
 from api.deps import SettingsDep, TeamDep, run_db
 from api.errors import APIError, error_responses, not_found, validation_error
@@ -34,7 +34,7 @@ from api.job_views import (
     list_statement,
     step_metric_object,
 )
-from api.model_registry import resolve_model, spec_model_name
+from api.model_names import resolve_model, spec_model_name
 from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.schemas import (
     FineTuningJobObject,
@@ -48,7 +48,7 @@ from offload.config import EngineConfig
 from store import quotas
 from store.ids import new_id
 from store.jobs import add_event, mark_dispatched, request_cancel
-from store.models import File, FineTuningJob, JobCheckpoint, JobStatus, JobStepMetric
+from store.orm import File, FineTuningJob, JobCheckpoint, JobStatus, JobStepMetric
 from store.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -196,17 +196,17 @@ def _create_job(
 
     hyperparameters, hp_param = _hyperparameters(body)
     model = resolve_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
-    integration.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
+    job_checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")
     validation = (
         _check_file(session, team.team_id, body.validation_file, "validation_file")
         if body.validation_file else None
     )
     engine = _engine(body)
-    resources = integration.check_resources(body.resources)  # 400 naming resources.gpus
+    resources = job_checks.check_resources(body.resources)  # 400 naming resources.gpus
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     job_id = new_id("ftjob")
-    spec = integration.check_job_spec(
+    spec = job_checks.check_job_spec(
         model=spec_model_name(model),
         training_file=Path(training.storage_path),
         validation_file=Path(validation.storage_path) if validation else None,
@@ -215,12 +215,12 @@ def _create_job(
         engine=engine,
         seed=seed,
         output_dir=settings.resolved_jobs_dir / job_id,
-        limits=integration.job_limits(settings),
+        limits=job_checks.job_limits(settings),
         num_examples=training.num_examples or None,
         resources=resources,
     )
     admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
-    queue = integration.job_queue(spec.resources.gpus, settings)
+    queue = job_checks.job_queue(spec.resources.gpus, settings)
     dataset_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
     admission.check_capacity(session, spec, settings, queue=queue,  # 400: fits no worker of its queue
                              num_examples=training.num_examples or None, hyperparameters_param=hp_param)
@@ -247,7 +247,7 @@ def _create_job(
         idempotency_key=idempotency_key,
         request_hash=digest,
         queue=queue,
-        resolved_hyperparameters=integration.resolved_hyperparameters(spec, training.num_examples),
+        resolved_hyperparameters=job_checks.resolved_hyperparameters(spec, training.num_examples),
     )
     prior = _insert_or_replay(session, job, idempotency_key, digest)
     if prior is not None:  # a concurrent request with the same key won the race

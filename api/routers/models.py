@@ -1,7 +1,7 @@
 """``/v1/models``: the models a team may use (OpenAI's list, retrieve, delete) and downloads of its own.
 
 The list holds the built-in configs, the base models under the model roots, then the team's
-fine-tuned models and checkpoints (api.model_registry). Another team's id answers exactly as an
+fine-tuned models and checkpoints (api.model_names). Another team's id answers exactly as an
 unknown one (404 ``model_not_found``). Deleting a base model is refused (403, as OpenAI does);
 deleting one of the team's models removes its files (only under ``jobs_dir``) and its id; a
 checkpoint of a job that is still running cannot be deleted (409: the job may resume from it).
@@ -27,10 +27,10 @@ from sqlalchemy.orm import Session
 from api import model_download as dl
 from api.deps import SettingsDep, TeamDep, run_db
 from api.errors import APIError, error_responses
-from api.model_registry import ModelRef, available_models, resolve_model
+from api.model_names import ModelRef, available_models, resolve_model
 from api.schemas import ListObject, ModelDeleted, ModelObject
-from store.model_registry import find_model
-from store.models import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
+from store.model_ids import find_model
+from store.orm import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
 from store.settings import Settings
 from store.usage import OUTPUT_SIZES
 

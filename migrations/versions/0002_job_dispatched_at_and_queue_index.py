@@ -1,6 +1,6 @@
 """job dispatched_at and the (queue, status, created_at) index
 
-``fine_tuning_jobs.dispatched_at``: when the broker accepted the job's message (trainer.worker.dispatch
+``fine_tuning_jobs.dispatched_at``: when the broker accepted the job's message (worker.dispatch
 re-dispatches queued jobs without one, or whose message the broker lost). Jobs already queued at the
 upgrade are taken as dispatched at their creation: the reconciler then re-sends them only if the
 broker holds fewer messages than there are such jobs. The index serves the queue-position count and

@@ -1,7 +1,7 @@
 """models: a team's fine-tuned models and checkpoints by their ``ft:`` ids
 
 ``models`` maps an OpenAI-shaped id (``ft:<base>:<team>:<suffix>:<job id>``, a checkpoint's with
-``:ckpt-step-<n>``) to the files it names, owned by a team (store.model_registry). The upgrade backfills
+``:ckpt-step-<n>``) to the files it names, owned by a team (store.model_ids). The upgrade backfills
 a row for every succeeded job's final model and every checkpoint row, and points the jobs'
 ``fine_tuned_model`` and the checkpoints' ``fine_tuned_model_checkpoint`` (server paths until now) at the
 new ids; the downgrade puts the paths back.
@@ -26,7 +26,7 @@ down_revision: str | Sequence[str] | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-# The id rules as of this revision (store.model_registry), frozen here so the backfill never changes.
+# The id rules as of this revision (store.model_ids), frozen here so the backfill never changes.
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -17,7 +17,7 @@ def write_model_folder(folder: Path, seed: int, *, adapter: bool = False) -> Pat
     its chat template); with ``adapter`` also an ``adapter/`` folder, as a LoRA run leaves."""
     import torch
 
-    from trainer.models import load_model, load_tokenizer
+    from trainer.model.catalog import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("tiny-llama")
     model = load_model("tiny-llama", dtype=torch.float32, seed=seed)
@@ -31,8 +31,8 @@ def write_model_folder(folder: Path, seed: int, *, adapter: bool = False) -> Pat
 
 def register_fine_tuned(app: FastAPI, team: TeamKey, folder: Path, suffix: str = "chat") -> str:
     """A succeeded job of ``team`` whose final model is ``folder``; its ``ft:`` id."""
-    from store.model_registry import register_final
-    from store.models import File, FineTuningJob, JobStatus
+    from store.model_ids import register_final
+    from store.orm import File, FineTuningJob, JobStatus
 
     with app.state.sessionmaker() as s:
         f = File(team_id=team.id, filename="train.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64,

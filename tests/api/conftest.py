@@ -225,7 +225,7 @@ def team_rows(app: FastAPI, team: TeamKey) -> tuple[int, int]:
     """How many jobs and job events ``team`` has (a refused create must leave both unchanged)."""
     from sqlalchemy import func, select
 
-    from store.models import FineTuningJob, JobEvent
+    from store.orm import FineTuningJob, JobEvent
 
     with app.state.sessionmaker() as s:
         jobs = s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))

@@ -13,13 +13,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.admission import candidates
-from store import workers
+from store import worker_registry
 from store.db import session_scope
-from store.models import FineTuningJob, JobEvent
+from store.orm import FineTuningJob, JobEvent
 from store.settings import Settings
 from tests.api.conftest import TeamKey, error_of, uploaded_id
-from trainer.gpus import GiB
-from trainer.worker.capacity import WorkerCapacity
+from trainer.plan.gpus import GiB
+from worker.capacity.measure import WorkerCapacity
 
 #: An H100 box with too little host memory for any job (the job process alone is planned at 2 GiB).
 SMALL = WorkerCapacity(device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * GiB,
@@ -38,12 +38,12 @@ def register(pg_url: str, settings: Settings) -> Iterator[Register]:
 
     def add(name: str, capacity: WorkerCapacity, queue: str | None = None) -> None:
         with session_scope(pg_url) as s:
-            workers.register(s, name, [queue or settings.default_queue], capacity.model_dump(mode="json"))
+            worker_registry.register(s, name, [queue or settings.default_queue], capacity.model_dump(mode="json"))
         names.append(name)
 
     def remove(name: str) -> None:
         with session_scope(pg_url) as s:
-            workers.unregister(s, name)
+            worker_registry.unregister(s, name)
 
     add.remove = remove  # type: ignore[attr-defined]
     yield add
@@ -120,7 +120,7 @@ def test_worker_recheck_fails_a_job_that_no_longer_fits_with_the_same_message(
 ) -> None:
     """Accepted while a big worker was live; run by a small one, whose re-check fails it with the
     message the API gives for the same job against that worker."""
-    from trainer.worker.job_runner import EXIT_DONE, HOSTNAME_ENV, run_job_process
+    from worker.job.runner import EXIT_DONE, HOSTNAME_ENV, run_job_process
 
     file_id = uploaded_id(client, team)
     register("adm-big-gone@test", BIG)

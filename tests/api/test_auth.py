@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from api.auth import hash_key
-from store.models import ApiKey
+from store.orm import ApiKey
 from tests.api.conftest import TeamKey, error_of, uploaded_id
 
 JOBS = "/v1/fine_tuning/jobs"
@@ -95,7 +95,7 @@ def test_cli_teams_and_keys(
 ) -> None:
     import secrets
 
-    from api.cli import main
+    from api.cli.main import main
     from store.settings import get_settings
 
     monkeypatch.setenv("ZENFLOW_DATABASE_URL", settings.database_url)
@@ -121,7 +121,7 @@ def test_cli_teams_and_keys(
 
 
 def test_cli_has_every_command() -> None:
-    from api.cli import build_parser
+    from api.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert {"serve", "db", "teams", "keys", "train"} <= set(sub.choices)  # type: ignore[union-attr]

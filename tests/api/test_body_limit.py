@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.config import ApiSettings
-from store.models import FineTuningJob
+from store.orm import FineTuningJob
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, upload
 

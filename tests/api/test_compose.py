@@ -40,7 +40,7 @@ def test_worker_reserves_an_nvidia_gpu_and_uses_cuda_torch() -> None:
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert "cu" in w["build"]["args"]["TORCH_INDEX_URL"]
     cmd = " ".join(w["command"])
-    assert "--pool=solo" in cmd and "--concurrency=1" in cmd and "trainer.worker:celery_app" in cmd
+    assert "--pool=solo" in cmd and "--concurrency=1" in cmd and "worker:celery_app" in cmd
     assert "cpu" in _compose()["services"]["api"]["build"]["args"]["TORCH_INDEX_URL"]
 
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from store.models import File, FineTuningJob
+from store.orm import File, FineTuningJob
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team
 from tests.model_folders import TOOL_CALL_RECORD, write_model_folder

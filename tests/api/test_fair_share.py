@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from store import jobs, quotas
-from store.models import FineTuningJob, JobRun, JobStatus, utcnow
+from store.orm import FineTuningJob, JobRun, JobStatus, utcnow
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, make_team, uploaded_id
 
@@ -164,9 +164,9 @@ def test_messages_still_match_queued_jobs(
     fs_app: tuple[FastAPI, TestClient, Enqueued], fs_settings: Settings
 ) -> None:
     """Whichever job a message runs, the broker holds one message per queued job, so the dispatcher's
-    reconciliation (trainer.worker.dispatch) re-sends nothing; a message whose own job is gone or
+    reconciliation (worker.dispatch) re-sends nothing; a message whose own job is gone or
     finished still runs the next job, and a dead run of this node is taken over first."""
-    from trainer.worker.dispatch import redispatch_lost_messages
+    from worker.dispatch import redispatch_lost_messages
 
     app, client, enqueued = fs_app
     teams, submitted, _ = _two_teams(app, client)
@@ -211,7 +211,7 @@ def test_messages_still_match_queued_jobs(
 def test_one_worker_runs_two_teams_interleaved(
     fs_app: tuple[FastAPI, TestClient, Enqueued], fs_settings: Settings, redis_url: str, tmp_path: Path
 ) -> None:
-    from tests.test_worker import Workers, wait_for
+    from tests.worker.test_worker import Workers, wait_for
 
     app, client, _ = fs_app
     teams, submitted, names = _two_teams(app, client)

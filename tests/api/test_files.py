@@ -7,7 +7,7 @@ import hashlib
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from store.models import File
+from store.orm import File
 from store.settings import Settings
 from tests.api.conftest import TeamKey, chat_jsonl, error_of, stored_files, upload, uploaded_id
 

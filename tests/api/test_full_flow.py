@@ -58,7 +58,7 @@ def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subproces
         ZENFLOW_DEFAULT_QUEUE=flow_settings.default_queue,
         ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="2",
         # The API tests' jobs in this database were "enqueued" by a recorder, never to Redis: the
-        # worker's reaper is not to send them (trainer.worker.dispatch; tested in tests/test_dispatch.py).
+        # worker's reaper is not to send them (worker.dispatch; tested in tests/worker/test_dispatch.py).
         ZENFLOW_DISPATCH_GRACE_SECONDS="86400",
     )
     log = (tmp_path / "worker.log").open("wb")
@@ -67,7 +67,7 @@ def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subproces
             sys.executable,
             "-m",
             "celery",
-            "--app=trainer.worker:celery_app",
+            "--app=worker:celery_app",
             "worker",
             "--pool=solo",
             "--concurrency=1",
@@ -95,7 +95,7 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
 ) -> None:  # type: ignore[no-untyped-def]
     from api.app import create_app
     from trainer.samples import TRAIN_FILE, VALID_FILE
-    from trainer.worker.broker import configure_celery
+    from worker.broker import configure_celery
 
     configure_celery(flow_settings)
     app = create_app(flow_settings, TEST_API_SETTINGS)
@@ -205,7 +205,7 @@ def test_zenflow_serve_embedded_is_ready(tmp_path: Path) -> None:
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "api.cli.main", "serve", "--port", str(port)],
         cwd=ROOT,
         env=env,
         stdout=log,

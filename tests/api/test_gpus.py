@@ -1,5 +1,5 @@
 """Multi-GPU jobs at the API: ``resources: {"gpus": N}`` is checked, stored, shown and routed to the
-queue of its size (``<default>-x<N>``); a job larger than every live worker runs (``workers.gpus_per_job``)
+queue of its size (``<default>-x<N>``); a job larger than every live worker runs (``worker_registry.gpus_per_job``)
 or with fewer examples per step than ranks is refused with nothing written; migration 0007 adds and
 removes the two columns. The slow end-to-end test runs such a job on the embedded server (CPU ranks)."""
 
@@ -24,14 +24,14 @@ from sqlalchemy import inspect, text, update
 from sqlalchemy.orm import Session
 
 from api import migrate
-from store import workers
+from store import worker_registry
 from store.db import make_engine, session_scope
-from store.models import FineTuningJob, JobEvent, Team, Worker, utcnow
+from store.orm import FineTuningJob, JobEvent, Team, Worker, utcnow
 from store.settings import Settings
 from tests.api.conftest import Enqueued, TeamKey, chat_jsonl, error_of, free_port, team_rows, uploaded_id
 from tests.support import create_database, drop_database, stop_process_group
-from trainer.gpus import GiB
-from trainer.worker.capacity import WorkerCapacity
+from trainer.plan.gpus import GiB
+from worker.capacity.measure import WorkerCapacity
 
 #: A box every tiny job fits (capacity admission is not what these tests are about).
 BIG = WorkerCapacity(device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * GiB,
@@ -47,13 +47,13 @@ def register(pg_url: str) -> Iterator[Register]:
 
     def add(name: str, gpus_per_job: int, queue: str) -> None:
         with session_scope(pg_url) as s:
-            workers.register(s, name, [queue], BIG.model_dump(mode="json"), gpus_per_job=gpus_per_job)
+            worker_registry.register(s, name, [queue], BIG.model_dump(mode="json"), gpus_per_job=gpus_per_job)
         names.append(name)
 
     yield add
     with session_scope(pg_url) as s:
         for name in names:
-            workers.unregister(s, name)
+            worker_registry.unregister(s, name)
 
 
 def _create(client: TestClient, team: TeamKey, file_id: str, resources: Any = None, **hp: Any) -> Any:
@@ -227,18 +227,18 @@ def test_max_gpus_per_job_counts_live_workers_only(pg_url: str) -> None:
         long_ago = utcnow() - timedelta(hours=1)
         # other tests' workers may be live: stale for this transaction only (rolled back at the end)
         s.execute(update(Worker).values(heartbeat_at=long_ago - timedelta(hours=2)))
-        assert workers.max_gpus_per_job(s, live_seconds=60) is None
-        workers.register(s, "reg-stale@test", ["q-x8"], {}, gpus_per_job=8, now=long_ago)
-        assert workers.max_gpus_per_job(s, live_seconds=60) is None
-        workers.register(s, "reg-one@test", ["q"], {})
-        workers.register(s, "reg-two@test", ["q-x2"], {}, gpus_per_job=2)
-        assert workers.get(s, "reg-one@test").gpus_per_job == 1  # type: ignore[union-attr]
-        assert workers.max_gpus_per_job(s, live_seconds=60) == 2
-        assert workers.max_gpus_per_job(s, live_seconds=7200) == 8
-        workers.register(s, "reg-two@test", ["q-x4"], {}, gpus_per_job=4)  # restarted with another size
-        assert workers.max_gpus_per_job(s, live_seconds=60) == 4
+        assert worker_registry.max_gpus_per_job(s, live_seconds=60) is None
+        worker_registry.register(s, "reg-stale@test", ["q-x8"], {}, gpus_per_job=8, now=long_ago)
+        assert worker_registry.max_gpus_per_job(s, live_seconds=60) is None
+        worker_registry.register(s, "reg-one@test", ["q"], {})
+        worker_registry.register(s, "reg-two@test", ["q-x2"], {}, gpus_per_job=2)
+        assert worker_registry.get(s, "reg-one@test").gpus_per_job == 1  # type: ignore[union-attr]
+        assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 2
+        assert worker_registry.max_gpus_per_job(s, live_seconds=7200) == 8
+        worker_registry.register(s, "reg-two@test", ["q-x4"], {}, gpus_per_job=4)  # restarted with another size
+        assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 4
         with pytest.raises(ValueError, match="gpus_per_job"):
-            workers.register(s, "reg-zero@test", ["q"], {}, gpus_per_job=0)
+            worker_registry.register(s, "reg-zero@test", ["q"], {}, gpus_per_job=0)
         s.rollback()
 
 
@@ -264,15 +264,15 @@ def _migration_round_trip(url: str) -> None:
                            "('old@host', '[\"q\"]', '{}', '2026-01-01 00:00:00+00', '2026-01-01 00:00:00+00')"))
             s.commit()
         migrate.upgrade(url, "0007")
-        if migrate.head() == "0007":  # no drift against store/models.py (later revisions: test_migrations)
+        if migrate.head() == "0007":  # no drift against store/orm.py (later revisions: test_migrations)
             migrate.check(url)
         with engine.connect() as conn:
             assert conn.execute(text("SELECT gpus_per_job FROM workers")).scalar_one() == 1
             assert conn.execute(text("SELECT resources FROM fine_tuning_jobs")).scalar_one() is None
         with Session(engine) as s:
-            workers.register(s, "new@host", ["q-x2"], {}, gpus_per_job=2)
+            worker_registry.register(s, "new@host", ["q-x2"], {}, gpus_per_job=2)
             s.commit()
-            assert workers.max_gpus_per_job(s, live_seconds=60) == 2
+            assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 2
             job = s.get(FineTuningJob, "ftjob-old")
             assert job is not None
             job.resources = {"gpus": 2}
@@ -317,7 +317,7 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
     port = free_port()
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli.main", "serve", "--port", str(port)], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, port, log_path
 

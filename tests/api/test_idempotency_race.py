@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.errors import APIError
-from store.models import FineTuningJob
+from store.orm import FineTuningJob
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, ServerThread, TeamKey, make_team, uploaded_id
 

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from store.jobs import add_event, set_status
-from store.models import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric
+from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric
 from tests.api.conftest import Enqueued, TeamKey, error_of, uploaded_id
 
 JOBS = "/v1/fine_tuning/jobs"
@@ -73,7 +73,7 @@ def test_create_commits_then_enqueues_then_stamps_dispatched_at(
     client: TestClient, app, team: TeamKey, fid: str  # type: ignore[no-untyped-def]
 ) -> None:
     """The outbox order: the row is committed (queued, not dispatched) before the enqueue, and
-    dispatched_at is recorded after it; a crash in between leaves it to trainer.worker.dispatch."""
+    dispatched_at is recorded after it; a crash in between leaves it to worker.dispatch."""
     seen: list[tuple[str, Any]] = []
 
     def probe(job_id: str, queue: str) -> None:

@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from store.models import FineTuningJob, JobStatus, RegisteredModel
+from store.orm import FineTuningJob, JobStatus, RegisteredModel
 from store.settings import Settings
 from tests.api.conftest import (
     TEST_API_SETTINGS,
@@ -71,7 +71,7 @@ def mclient(mapp: FastAPI) -> Iterator[TestClient]:
 
 def _run(mclient: TestClient, msettings: Settings, team: TeamKey, body: dict[str, Any]) -> dict[str, Any]:
     """Create a job through the API and run it with the job runner, in this process."""
-    from trainer.worker.job_runner import run_job_process
+    from worker.job.runner import run_job_process
 
     r = mclient.post(JOBS, headers=team.headers, json=body)
     assert r.status_code == 200, r.text
@@ -223,7 +223,7 @@ def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(trained: Trained, mcl
     rewrote it): the tar's mtimes follow the row, so the cached checksum must not outlive it."""
     import time
 
-    from store.model_registry import register_checkpoint
+    from store.model_ids import register_checkpoint
 
     ckpt = trained.checkpoints[0]
     first = _download(mclient, trained.team, ckpt)
@@ -242,8 +242,8 @@ def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(trained: Trained, mcl
 
 
 def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings: Settings) -> None:
-    from store.model_registry import register_checkpoint
-    from trainer.worker.job_runner import run_job_process
+    from store.model_ids import register_checkpoint
+    from worker.job.runner import run_job_process
 
     h, other = trained.team.headers, trained.other.headers
     for base in ("tiny-llama", "org/base-model"):

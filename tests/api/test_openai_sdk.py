@@ -17,11 +17,11 @@ from tests.api.conftest import TEST_API_SETTINGS, ServerThread, TeamKey, chat_js
 @pytest.fixture(scope="module")
 def sdk_app(settings: Settings) -> Iterator[FastAPI]:
     from api.app import create_app
-    from trainer.worker.broker import configure_celery
+    from worker.broker import configure_celery
 
     configure_celery(settings)  # Redis, this session's queue
     try:
-        yield create_app(settings, TEST_API_SETTINGS)  # the real enqueue: trainer.worker.broker.enqueue_job
+        yield create_app(settings, TEST_API_SETTINGS)  # the real enqueue: worker.broker.enqueue_job
     finally:
         configure_celery()
 

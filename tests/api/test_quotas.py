@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from store import quotas
-from store.models import File, FineTuningJob, JobEvent, JobRun, utcnow
+from store.orm import File, FineTuningJob, JobEvent, JobRun, utcnow
 from store.settings import Settings
 from tests.api.conftest import (
     TEST_API_SETTINGS,
@@ -236,7 +236,7 @@ def cli_env(pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
 def test_cli_sets_and_shows_quotas(
     cli_env: None, client: TestClient, app: FastAPI, team: TeamKey, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from api.cli import main
+    from api.cli.main import main
 
     assert main(["quotas", "set", "--team", team.name, "--max-running-jobs", "2", "--max-queued-jobs", "10",
                  "--gpu-hours", "100", "--storage-gib", "50"]) == 0

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 
 from api.config import ApiSettings
-from store.models import ApiKey, FineTuningJob
+from store.orm import ApiKey, FineTuningJob
 from tests.api.conftest import TeamKey, make_team, uploaded_id
 
 JOBS = "/v1/fine_tuning/jobs"

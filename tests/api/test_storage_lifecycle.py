@@ -21,11 +21,11 @@ from sqlalchemy import select
 from api.config import ApiSettings
 from api.retention import ForeignPathError, JobNotFinishedError, apply_retention, purge_job_outputs
 from store.ids import new_id
-from store.models import File, FineTuningJob, JobCheckpoint, JobEvent, JobStatus
+from store.orm import File, FineTuningJob, JobCheckpoint, JobEvent, JobStatus
 from store.settings import Settings
 from store.usage import DirectorySizeCache, directory_bytes, team_storage_bytes, team_storage_usage
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, uploaded_id
-from trainer.checkpoint import FINAL_DIR, list_checkpoints
+from trainer.run.checkpoint import FINAL_DIR, list_checkpoints
 
 # --- a real finished run, shared ------------------------------------------------------------------
 
@@ -44,7 +44,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, torch_single_thread: N
     """tiny-llama on the CPU, checkpoints every 2 steps, keep_checkpoints=2, cancelled after step 3 and
     resumed to its end (step 6): the trainer's pruning holds across the resume and at the end."""
     from trainer.events import Event
-    from trainer.loop import run_training
+    from trainer.run.loop import run_training
     from trainer.spec import JobSpec
 
     root = tmp_path_factory.mktemp("run")
@@ -175,7 +175,7 @@ def test_sweep_runs_in_the_api_and_purge_from_the_cli(
     capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:
     from api.app import create_app
-    from api.cli import main
+    from api.cli.main import main
     from store.settings import get_settings
 
     # A jobs_dir of its own: the sweeps here touch only jobs under it, not other tests' jobs.

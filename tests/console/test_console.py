@@ -112,7 +112,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     log = data_dir / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker",
+            [sys.executable, "-m", "api.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker",
              "--no-reaper", "--log-level", "warning"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:

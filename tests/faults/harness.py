@@ -247,7 +247,7 @@ class Stack:
             sys.executable,
             "-m",
             "celery",
-            "--app=trainer.worker:celery_app",
+            "--app=worker:celery_app",
             "worker",
             "--pool=solo",
             "--concurrency=1",
@@ -279,7 +279,7 @@ class Stack:
         return session_scope(self.database_url)
 
     def job(self, job_id: str) -> Any:
-        from store.models import FineTuningJob
+        from store.orm import FineTuningJob
 
         with self.session() as s:
             return s.get(FineTuningJob, job_id)
@@ -287,7 +287,7 @@ class Stack:
     def events(self, job_id: str) -> list[Any]:
         from sqlalchemy import select
 
-        from store.models import JobEvent
+        from store.orm import JobEvent
 
         with self.session() as s:
             return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)))
@@ -295,7 +295,7 @@ class Stack:
     def step_metrics(self, job_id: str) -> list[Any]:
         from sqlalchemy import select
 
-        from store.models import JobStepMetric
+        from store.orm import JobStepMetric
 
         with self.session() as s:
             return list(

@@ -8,7 +8,7 @@ for real. Then: the job says "no space left while writing checkpoint N", the par
 directory is gone, the earlier checkpoint is byte-for-byte what it was and still complete (and so
 resumable), and the worker holds the job for its backoff and re-queues it, the attempt not counted.
 Once space is back the job resumes from that checkpoint and succeeds. (The bound on such re-queues in
-a row is tests/test_job_disk_full.py.)
+a row is tests/worker/test_job_disk_full.py.)
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def digest(d: Path) -> dict[str, str]:
 
 
 def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
-    from trainer.checkpoint import is_complete, list_checkpoints, load_training_state
+    from trainer.run.checkpoint import is_complete, list_checkpoints, load_training_state
 
     with (
         small_filesystem(tmp_path / "jobs", SIZE_MB) as jobs_dir,

@@ -3,7 +3,7 @@ the message is gone, yet the job runs, once.
 
 The API commits the job, enqueues it and records ``dispatched_at``; Redis restarts empty before any
 worker took the message. The first worker to start runs the dispatch reconciler in its reaper thread
-(trainer.worker.dispatch): the queue holds no message for a job dispatched longer than the grace ago, so the
+(worker.dispatch): the queue holds no message for a job dispatched longer than the grace ago, so the
 job is dispatched again, with a "Broker message lost" event, and runs.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults.harness import Client, RedisServer, job_params, stack
-from trainer.worker.dispatch import LOST_EVENT
+from worker.dispatch import LOST_EVENT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

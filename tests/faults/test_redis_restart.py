@@ -63,7 +63,7 @@ def test_redis_restart_mid_job_loses_nothing(tmp_path: Path) -> None:
 
             from sqlalchemy import func, select
 
-            from store.models import FineTuningJob
+            from store.orm import FineTuningJob
 
             with st.session() as s:
                 n = s.scalar(select(func.count()).select_from(FineTuningJob))

@@ -1,7 +1,7 @@
 """A worker killed with SIGKILL mid-job: the job resumes from its last checkpoint on another worker and
 succeeds, and it never runs twice.
 
-What the design promises (trainer/worker/task.py, trainer/worker/reaper.py): the database is the source of truth;
+What the design promises (worker/task.py, worker/reaper.py): the database is the source of truth;
 the training subprocess dies with its worker (PR_SET_PDEATHSIG); the job row stays ``running`` while
 its heartbeat ages; a live worker's reaper re-queues it after ``heartbeat_timeout_seconds`` (attempts
 counted); the next run resumes from the newest complete checkpoint; a redelivered broker message for
@@ -36,7 +36,7 @@ def _runner_pids(job_id: str) -> list[int]:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"trainer.worker.job_runner" in cmd and job_id.encode() in cmd:
+            if b"worker.job.runner" in cmd and job_id.encode() in cmd:
                 pids.append(int(d.name))
     return pids
 
@@ -115,7 +115,7 @@ def test_sigkill_mid_job_resumes_from_checkpoint_without_duplicate_run(tmp_path:
 def _checkpoints(st, job_id):
     from sqlalchemy import select
 
-    from store.models import JobCheckpoint
+    from store.orm import JobCheckpoint
 
     with st.session() as s:
         return list(s.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job_id)))

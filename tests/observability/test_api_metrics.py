@@ -18,7 +18,7 @@ from sqlalchemy.orm import sessionmaker
 
 from api.metrics import JobsCollector, install_metrics, metrics_registry, request_duration_histogram
 from store.db import make_engine
-from store.models import Base, File, FineTuningJob, Team
+from store.orm import Base, File, FineTuningJob, Team
 from store.settings import Settings
 from tests.support import unavailable
 

@@ -25,7 +25,7 @@ WORKER = "obs-worker-1"
 
 
 def _gpu_present() -> bool:
-    from trainer.worker.nvml import Nvml
+    from worker.metrics.nvml import Nvml
 
     return Nvml().available()
 

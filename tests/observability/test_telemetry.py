@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from offload.metrics import StepMetrics
-from trainer.worker import metrics_server, nvml, telemetry
-from trainer.worker.metrics_server import HardwareCollector, WorkerCollector
-from trainer.worker.telemetry import WorkerTelemetry
+from worker.metrics import nvml, telemetry
+from worker.metrics import server as metrics_server
+from worker.metrics.server import HardwareCollector, WorkerCollector
+from worker.metrics.telemetry import WorkerTelemetry
 
 ROOT = Path(__file__).resolve().parents[2]
 L = {"worker": "w1", "hostname": "h1", "gpu": "0", "base_model": "tiny", "mode": "zenflow"}
@@ -229,7 +230,7 @@ CHILD = textwrap.dedent(
     """
     import os, sys
     from offload.metrics import StepMetrics
-    from trainer.worker.telemetry import WorkerTelemetry
+    from worker.metrics.telemetry import WorkerTelemetry
     t = WorkerTelemetry("w1", "0", hostname="h1")
     t.job_started(sys.argv[1], base_model="tiny", mode="zenflow")
     m = StepMetrics(step=1, wall_seconds=0.5, compute_seconds=0.4, stall_seconds=0.1,

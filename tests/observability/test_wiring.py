@@ -21,15 +21,15 @@ def _calls(path: Path) -> set[str]:
 def test_worker_serves_metrics_and_reports_exited_runners() -> None:
     worker = ROOT / "trainer" / "worker"
     assert "serve_worker_metrics" in _calls(worker / "hooks.py"), (
-        "trainer/worker/hooks.py: call trainer.worker.metrics_server.serve_worker_metrics() at worker start"
+        "worker/hooks.py: call worker.metrics.server.serve_worker_metrics() at worker start"
     )
     assert "job_process_exited" in _calls(worker / "task.py"), (
-        "trainer/worker/task.py: call trainer.worker.metrics_server.job_process_exited(pid) after the runner exits"
+        "worker/task.py: call worker.metrics.server.job_process_exited(pid) after the runner exits"
     )
 
 
 def test_job_runner_feeds_the_telemetry() -> None:
     calls = _calls(ROOT / "trainer" / "worker" / "job_runner.py")
     assert "track_job" in calls, (
-        "trainer/worker/job_runner.py: run training inside trainer.worker.telemetry.track_job(...)"
+        "worker/job/runner.py: run training inside worker.metrics.telemetry.track_job(...)"
     )

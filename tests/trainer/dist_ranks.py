@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.events import Event
-from trainer.launch import free_port
+from trainer.run.launch import free_port
 from trainer.spec import JobSpec
 
 
@@ -58,8 +58,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[Job], out: Any) -> N
     import torch
 
     torch.set_num_threads(1)
-    from trainer.distributed import init_from_env, shutdown
-    from trainer.loop import run_training
+    from trainer.run.distributed import init_from_env, shutdown
+    from trainer.run.loop import run_training
 
     ctx = init_from_env(device="cpu", timeout_seconds=120)
     try:

@@ -1,4 +1,4 @@
-"""One job as 2 data-parallel gloo ranks on the CPU (trainer.distributed, run_training(dist=...)):
+"""One job as 2 data-parallel gloo ranks on the CPU (trainer.run.distributed, run_training(dist=...)):
 the same weights as one process taking the whole batch, per-rank step events, checkpoints complete only
 with every rank's engine shard, exact 2->2 resume and re-cut 2->1 / 1->2 resumes."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_trainer_loop import Recorder, arithmetic_file, make_spec
 from tests.trainer.dist_ranks import Job, RankOutcome, run_ranks
-from trainer.batching import rank_part
-from trainer.checkpoint import (
+from tests.trainer.test_loop import Recorder, arithmetic_file, make_spec
+from trainer.data.batching import rank_part
+from trainer.run.checkpoint import (
     FINAL_DIR,
     MANIFEST,
     TRAINING_STATE,
@@ -24,8 +24,8 @@ from trainer.checkpoint import (
     latest_checkpoint,
     load_training_state,
 )
-from trainer.distributed import DistContext, all_sum, any_rank, init_from_env
-from trainer.loop import TrainResult, run_training
+from trainer.run.distributed import DistContext, all_sum, any_rank, init_from_env
+from trainer.run.loop import TrainResult, run_training
 from trainer.spec import JobSpec
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")

@@ -1,4 +1,4 @@
-"""A job on 2 ranks through the real worker path (``python -m trainer.worker --gpus-per-job 2`` on gloo
+"""A job on 2 ranks through the real worker path (``python -m worker --gpus-per-job 2`` on gloo
 CPU ranks, PostgreSQL, Redis), and the worker's rules around a job's size: where its ranks come from,
 jobs larger than the worker, the queues, the labels and exit codes of a rank."""
 
@@ -18,10 +18,10 @@ import pytest
 from sqlalchemy import select
 
 from store.db import session_scope
-from store.models import File, FineTuningJob, JobEvent, JobRun, JobStepMetric, RegisteredModel, Team
-from store.models import Worker as WorkerRow
+from store.orm import File, FineTuningJob, JobEvent, JobRun, JobStepMetric, RegisteredModel, Team
+from store.orm import Worker as WorkerRow
 from store.settings import Settings
-from tests.test_worker import get_job, sums_file
+from tests.worker.test_worker import get_job, sums_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def rank_pids(job_id: str) -> dict[int, int]:
             continue
         try:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
-            if b"trainer.worker.job_runner" not in cmd or job_id.encode() not in cmd or not alive(int(d.name)):
+            if b"worker.job.runner" not in cmd or job_id.encode() not in cmd or not alive(int(d.name)):
                 continue
             env = dict(kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv)
         except OSError:
@@ -100,14 +100,14 @@ def settings(service_env: dict[str, str]) -> Settings:
 
 
 def test_rank_group_takes_the_workers_gpus_or_cpu_ranks(settings: Settings) -> None:
-    from trainer.launch import RANK_CPUS_ENV
-    from trainer.worker.task import rank_group, worker_ranks
+    from trainer.run.launch import RANK_CPUS_ENV
+    from worker.task import rank_group, worker_ranks
 
     g = rank_group("ftjob-x", 2, "w@h", settings, devices=["3", "5", "6"])
     assert [(e["RANK"], e["WORLD_SIZE"], e["CUDA_VISIBLE_DEVICES"]) for e in g.envs] == [("0", "2", "3"),
                                                                                          ("1", "2", "5")]
     assert len({e["MASTER_PORT"] for e in g.envs}) == 1 and all(e["ZENFLOW_WORKER_HOSTNAME"] == "w@h" for e in g.envs)
-    assert g.argvs[0][-2:] == ["trainer.worker.job_runner", "ftjob-x"] and g.argvs[0] == g.argvs[1]
+    assert g.argvs[0][-2:] == ["worker.job.runner", "ftjob-x"] and g.argvs[0] == g.argvs[1]
     cpu = rank_group("ftjob-x", 2, "w@h", settings, devices=[])
     assert [e["CUDA_VISIBLE_DEVICES"] for e in cpu.envs] == ["", ""] and all(RANK_CPUS_ENV in e for e in cpu.envs)
     one = rank_group("ftjob-x", 1, "w@h", settings, devices=["3", "5"])
@@ -122,7 +122,7 @@ def test_a_job_larger_than_the_worker_goes_to_the_queue_of_its_size(
         settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Never run on fewer ranks: back to ``<queue>-x4`` with the attempt counted; failed (with what to
     start) once no attempt is left. The run ledger counts the job's own size."""
-    import trainer.worker.task as task
+    import worker.task as task
 
     sent: list[tuple[str, str | None]] = []
     monkeypatch.setattr(task, "enqueue_job", lambda job_id, queue=None: sent.append((job_id, queue)))
@@ -147,9 +147,9 @@ def test_a_job_larger_than_the_worker_goes_to_the_queue_of_its_size(
 
 
 def test_queues_of_a_multi_rank_worker(settings: Settings) -> None:
-    from trainer.worker.embedded import embedded_queues
-    from trainer.worker.launcher import gpu_groups
-    from trainer.worker.task import _queue_ranks
+    from worker.embedded import embedded_queues
+    from worker.launcher import gpu_groups
+    from worker.task import _queue_ranks
 
     assert embedded_queues(settings) == [settings.default_queue]
     both = settings.model_copy(update={"cpu_ranks": True, "gpus_per_job": 2})
@@ -166,7 +166,7 @@ def test_queues_of_a_multi_rank_worker(settings: Settings) -> None:
 
 def test_launcher_refuses_more_ranks_than_gpus() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
-    proc = subprocess.run([sys.executable, "-m", "trainer.worker", "--gpus", "none", "--gpus-per-job", "2"],
+    proc = subprocess.run([sys.executable, "-m", "worker", "--gpus", "none", "--gpus-per-job", "2"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**env, "PYTHONPATH": str(ROOT), "ZENFLOW_CPU_RANKS": "false"})
     assert proc.returncode == 2 and "--gpus-per-job 2: this worker has no GPU" in proc.stderr, proc.stderr
@@ -174,8 +174,8 @@ def test_launcher_refuses_more_ranks_than_gpus() -> None:
 
 
 def test_rank_labels_and_peer_loss(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.worker.job_runner import job_ranks, peer_lost
-    from trainer.worker.telemetry import gpu_label
+    from worker.job.runner import job_ranks, peer_lost
+    from worker.metrics.telemetry import gpu_label
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
@@ -204,7 +204,7 @@ def test_rank_labels_and_peer_loss(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Worker:
-    """``python -m trainer.worker --gpus none --gpus-per-job 2`` (gloo CPU ranks) on a private queue."""
+    """``python -m worker --gpus none --gpus-per-job 2`` (gloo CPU ranks) on a private queue."""
 
     def __init__(self, settings: Settings, redis_url: str, queue: str, tmp_path: Path) -> None:
         self.settings, self.queue, self.log = settings, queue, tmp_path / "worker.log"
@@ -218,14 +218,14 @@ class Worker:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "trainer.worker", "--gpus", "none", "--gpus-per-job", "2",
+        cmd = [sys.executable, "-m", "worker", "--gpus", "none", "--gpus-per-job", "2",
                "--queues", self.queue, "--loglevel", "INFO"]
         with self.log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         return self.proc
 
     def enqueue(self, job_id: str, queue: str) -> None:
-        from trainer.worker.broker import configure_celery, enqueue_job
+        from worker.broker import configure_celery, enqueue_job
 
         configure_celery(self.settings.model_copy(update={"broker_url": self.env["ZENFLOW_BROKER_URL"]}))
         try:
@@ -261,7 +261,7 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
     its final model loads with from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.worker.broker import queue_for_gpus
+    from worker.broker import queue_for_gpus
 
     url = worker.settings.resolved_database_url
     queue = queue_for_gpus(2, worker.queue)
@@ -314,8 +314,8 @@ def test_a_multi_gpu_worker_reads_every_gpu_of_its_group(monkeypatch: pytest.Mon
     """The worker's NVML series: one per GPU of its group, under the ``gpu`` label each rank uses."""
     from prometheus_client import CollectorRegistry
 
-    from trainer.worker import nvml
-    from trainer.worker.metrics_server import hardware_collectors
+    from worker.metrics import nvml
+    from worker.metrics.server import hardware_collectors
 
     class Fake(nvml.Nvml):
         def available(self) -> bool:

@@ -1,0 +1,186 @@
+"""The API's calls into trainer/: the dataset validator, the job spec's checks, and the job queue
+(which models a job may name: api.model_names).
+
+trainer.data.dataset, trainer.model.catalog and trainer.spec do not import torch (tests/trainer/test_spec.py::
+test_light_imports), so they are imported here at start-up. The queue's sending side
+(``worker.broker``, which imports Celery) is imported on the first enqueue: an app given its
+own ``enqueue`` (tests, benchmarks) never loads it. The check of LoRA ``target_modules`` builds the
+model on torch's meta device (trainer.model.lora.lora_target_problems), so the first job that names target
+modules imports torch in the API process (seconds, once; the module table is cached per model).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from api.errors import APIError, validation_error
+from offload.config import EngineConfig
+from store.settings import Settings
+from trainer.data.dataset import DatasetValidationError, validate_file
+from trainer.limits import JobLimits, LimitError, limit_errors
+from trainer.model.folder_check import ModelFolderError
+from trainer.model.folder_check import check_model_folder as check_folder
+from trainer.spec import Hyperparameters, JobSpec, LoraSpec, ResourceSpec, spec_from_job
+
+log = logging.getLogger(__name__)
+
+MAX_REPORTED_ERRORS = 20
+
+
+def _format_dataset_errors(errors: list[dict[str, Any]], fallback: str) -> str:
+    """``line 3: messages[1].role: unknown role 'bot' ...; ...`` (the validator's messages name both)."""
+    parts = [str(e.get("message") or e.get("detail") or "invalid") for e in errors[:5]]
+    if len(errors) > 5:
+        parts.append(f"and {len(errors) - 5} more")
+    return "; ".join(parts) or fallback
+
+
+def validate_dataset(path: Path, *, param: str = "file") -> int:
+    """Run the trainer's validator on an uploaded file; the number of examples, or a 400 naming the field."""
+    try:
+        report = validate_file(path)
+    except DatasetValidationError as exc:
+        errors = [dict(e) for e in (getattr(exc, "errors", None) or [])]
+        first_field = next((e.get("field") for e in errors if e.get("field")), None)
+        raise APIError(
+            400,
+            "Invalid fine-tuning file: " + _format_dataset_errors(errors, str(exc)),
+            param=param,
+            code="invalid_file_format",
+            extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
+        ) from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise APIError(400, f"Invalid fine-tuning file: {exc}", param=param, code="invalid_file_format") from exc
+    return report.num_examples
+
+
+def check_model_folder(folder: Path | None, name: str) -> None:
+    """A base model folder's config, weights and tokenizer (trainer.model.folder_check: read, no weights
+    loaded), or a 400 on ``model`` naming the cause; nothing to check for a built-in config (None)."""
+    if folder is None:
+        return
+    try:
+        check_folder(folder)
+    except ModelFolderError as exc:
+        raise APIError(400, f"Model {name[:200]!r} cannot be fine-tuned: {exc.problem}", param="model",
+                       code="invalid_model") from exc
+
+
+def resolved_hyperparameters(spec: JobSpec, num_examples: int | None) -> dict[str, Any] | None:
+    """The values the job will run with (trainer.spec.ResolvedHyperparameters), known at create from the
+    training file's example count; the run records them again once it has read the data."""
+    return spec.resolve(num_examples).model_dump(mode="json") if num_examples else None
+
+
+def job_limits(settings: Settings) -> JobLimits:
+    """The trainer's JobLimits from the service settings (``ZENFLOW_MAX_TOTAL_STEPS``, ...)."""
+    return JobLimits(**{name: getattr(settings, name) for name in JobLimits.model_fields})
+
+
+def request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, ...]:
+    """A spec location as the request spells it: hyperparameters (and the LoRA settings, which the
+    request gives inside them) under ``hyperparameters_param``."""
+    where = hyperparameters_param.split(".")
+    if loc and loc[0] == "hyperparameters":
+        return (*where, *loc[1:])
+    if loc and loc[0] == "lora":
+        return (*where, *loc)
+    return loc
+
+
+def check_job_spec(
+    *,
+    model: str,
+    training_file: Path,
+    validation_file: Path | None,
+    hyperparameters: dict[str, Any],
+    hyperparameters_param: str,
+    engine: dict[str, Any],
+    seed: int,
+    output_dir: Path,
+    limits: JobLimits | None = None,
+    num_examples: int | None = None,
+    resources: dict[str, Any] | None = None,
+) -> JobSpec:
+    """Build the trainer's JobSpec from the request so that every field is checked before any write
+    (returned, for the capacity check); a refusal is a 400 whose ``param`` is the field path
+    (``hyperparameters.max_steps``, ``engine.lr``).
+
+    With ``limits``, the service's bounds are checked too (trainer.limits.limit_errors: totals from
+    ``num_examples``, the training file's count; LoRA target modules against the model's modules).
+    ``resources`` (checked: :func:`check_resources`) gives the job's ranks, each of which needs at least
+    one example of every optimizer step (:func:`rank_batch_errors`).
+    """
+    fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
+    try:
+        spec = spec_from_job(
+            model=model, training_file=training_file, validation_file=validation_file,
+            hyperparameters=hyperparameters, engine=engine, seed=seed, output_dir=output_dir,
+            resources=resources,
+        )
+    except ValidationError as exc:
+        errors = [{**e, "loc": request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()]
+        raise validation_error(errors, fields=fields) from exc
+    refused = limit_errors(spec, limits, num_examples=num_examples) if limits is not None else []
+    refused = refused or rank_batch_errors(spec, num_examples)
+    if refused:
+        errors = [{"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
+                  for r in refused]
+        raise validation_error(errors, fields=fields)
+    return spec
+
+
+def check_resources(resources: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The request's ``resources`` checked by trainer.spec.ResourceSpec, strictly (``"2"`` or ``2.0`` is
+    no GPU count): the values given, or None when none were; else a 400 naming the field
+    (``resources.gpus``)."""
+    if resources is None:
+        return None
+    try:
+        checked = ResourceSpec.model_validate(resources, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(), prefix="resources", fields=ResourceSpec.model_fields) from exc
+    return checked.model_dump(mode="json", exclude_unset=True)
+
+
+def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitError]:
+    """A job on N ranks splits each optimizer step's batch across them: refuse a batch smaller than N
+    (given, or resolved from ``num_examples``: never more than the examples there are)."""
+    gpus = spec.resources.gpus
+    if gpus <= 1:
+        return []
+    batch = spec.hyperparameters.batch_size
+    need = f"at least resources.gpus ({gpus}): each rank needs one example or more per optimizer step"
+    if batch != "auto" and batch < gpus:
+        return [LimitError(("hyperparameters", "batch_size"), f"is {batch}; it must be {need}")]
+    if not num_examples:
+        return []
+    resolved = spec.resolve(num_examples).batch_size
+    if resolved >= gpus:
+        return []
+    if batch == "auto":
+        return [LimitError(("hyperparameters", "batch_size"),
+                           f"'auto' resolves to {resolved} for {num_examples} examples; give a batch size of {need}")]
+    return [LimitError(("training_file",), f"has {num_examples} examples, so each step's batch is {resolved}; "
+                                           f"it must be {need}")]
+
+
+def job_queue(gpus: int, settings: Settings) -> str:
+    """The queue of a job on ``gpus`` ranks (worker.broker.queue_for_gpus): the default queue
+    for one GPU, its ``-x<gpus>`` queue for more (only then is the broker module imported)."""
+    if gpus <= 1:
+        return settings.default_queue
+    from worker.broker import queue_for_gpus
+
+    return queue_for_gpus(gpus, settings.default_queue)
+
+
+def enqueue(job_id: str, queue: str) -> None:
+    """The default ``Enqueue``: send the job's run message to ``queue``'s workers."""
+    from worker import broker
+
+    broker.enqueue_job(job_id, queue=queue)

@@ -1,0 +1,392 @@
+"""Training data: JSONL validation and tokenization with loss masks.
+
+Two formats, one record per line (blank lines are skipped; every line of a file has the same format;
+a UTF-8 byte order mark and CRLF line ends are accepted):
+
+- chat: the OpenAI chat fine-tuning format, ``{"messages": [...], "tools": [...]}`` with roles system,
+  developer, user, assistant and tool, text content (a string or text parts), assistant ``tool_calls``
+  and ``weight`` 0/1 (weight 0 keeps the turn as context without loss): :mod:`trainer.data.chat_format`;
+- prompt/completion: ``{"prompt": str, "completion": str}``.
+
+:func:`validate_file` checks a file and raises :class:`DatasetValidationError` whose ``.errors`` is a
+list of ``{"line", "field", "message", "detail"}`` dicts; ``message`` is the full text, e.g.
+``"line 3: messages[1].role: unknown role 'bot' (expected system, developer, user, assistant, tool)"``,
+``detail`` the part after the field. Without a tokenizer only the format is checked; with one every
+example is also rendered with its chat template (a template's refusal is a line's error, see
+chat_format.RecordRefused) and tokenized, and examples over ``max_seq_length`` follow
+:attr:`DataOptions.truncation`: ``truncate`` (keep the first max_seq_length tokens; an example left with
+no learned token is dropped), ``drop`` or ``error``. The report counts and lists what was cut.
+
+Loss masks: only the tokens of learned assistant turns (content, tool calls and the template's
+end-of-turn marker) carry loss; prompt/completion examples are ``bos + prompt + completion + eos``
+with loss on the completion and eos. Labels use the Hugging Face convention: ``labels[t] ==
+input_ids[t]`` where token t is learned, -100 elsewhere.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+from trainer.data.chat_format import ChatRenderer, RecordRefused, SystemMessage, check_chat_record
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+Format = Literal["chat", "prompt_completion"]
+Truncation = Literal["truncate", "drop", "error"]
+#: Line numbers a report lists per kind (truncated, dropped); the counts are complete.
+MAX_LISTED_LINES = 100
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """How examples become training sequences (the job's ``truncation`` and ``system_message``)."""
+
+    truncation: Truncation = "truncate"
+    system_message: SystemMessage = "keep"
+
+    @classmethod
+    def of(cls, hyperparameters: Any) -> DataOptions:
+        """The options a job's (requested or resolved) hyperparameters give."""
+        return cls(hyperparameters.truncation, hyperparameters.system_message)
+
+
+class DataError(TypedDict):
+    line: int | None
+    field: str | None
+    message: str
+    detail: str
+
+
+class DatasetValidationError(ValueError):
+    """A training or validation file failed validation; ``errors`` names line and field of each."""
+
+    def __init__(self, path: str | Path, errors: list[DataError]) -> None:
+        self.path = str(path)
+        self.errors = errors
+        shown = "; ".join(e["message"] for e in errors[:5])
+        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+        super().__init__(f"{Path(path).name}: {shown}{more}")
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(1 for t in self.labels if t != IGNORE_INDEX)
+
+
+@dataclass
+class DatasetReport:
+    path: str
+    format: Format
+    #: Examples that train (after drops when a tokenizer was given).
+    num_examples: int
+    #: Filled when a tokenizer was given.
+    num_tokens: int | None = None
+    max_tokens: int | None = None
+    num_loss_tokens: int | None = None
+    max_seq_length: int | None = None
+    truncation: Truncation | None = None
+    #: Examples cut to max_seq_length / left out (too long under ``drop``, or with no learned token
+    #: left after truncation); the first MAX_LISTED_LINES line numbers of each.
+    num_truncated: int | None = None
+    num_dropped: int | None = None
+    truncated_lines: list[int] = field(default_factory=list)
+    dropped_lines: list[int] = field(default_factory=list)
+    examples: list[Example] = field(default_factory=list, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.format,
+            "num_examples": self.num_examples,
+            "num_tokens": self.num_tokens,
+            "max_tokens": self.max_tokens,
+            "num_loss_tokens": self.num_loss_tokens,
+            "max_seq_length": self.max_seq_length,
+            "truncation": self.truncation,
+            "num_truncated": self.num_truncated,
+            "num_dropped": self.num_dropped,
+            "truncated_lines": self.truncated_lines,
+            "dropped_lines": self.dropped_lines,
+        }
+
+    def event_message(self, kind: str) -> str:
+        """``Validated training file: 40 examples, 5120 tokens; 2 truncated to 512 tokens (lines 4, 9)``."""
+        cut = self.cut_summary()
+        return f"Validated {kind} file: {self.num_examples} examples, {self.num_tokens} tokens" + (f"; {cut}" if cut else "")
+
+    def cut_summary(self) -> str:
+        """What over-long examples became, e.g. ``"2 truncated to 512 tokens (lines 4, 9); 1 dropped (line
+        7)"``; empty when none was cut."""
+        parts = []
+        if self.num_truncated:
+            parts.append(f"{self.num_truncated} truncated to {self.max_seq_length} tokens ({_lines_text(self.truncated_lines, self.num_truncated)})")
+        if self.num_dropped:
+            why = "too long" if self.truncation == "drop" else "no assistant token left after truncation"
+            parts.append(f"{self.num_dropped} dropped, {why} ({_lines_text(self.dropped_lines, self.num_dropped)})")
+        return "; ".join(parts)
+
+
+def _lines_text(lines: list[int], count: int) -> str:
+    shown = ", ".join(str(n) for n in lines[:10])
+    more = f" and {count - min(len(lines), 10)} more" if count > min(len(lines), 10) else ""
+    return f"line{'s' if count > 1 else ''} {shown}{more}"
+
+
+def _err(line: int | None, fld: str | None, detail: str) -> DataError:
+    where = [p for p in (f"line {line}" if line is not None else None, fld) if p]
+    return {
+        "line": line,
+        "field": fld,
+        "message": ": ".join([*where, detail]),
+        "detail": detail,
+    }
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str | None]]:
+    """(1-based line number, text or None when not valid UTF-8), skipping blank lines; a byte order
+    mark at the start of the file is dropped."""
+    with path.open("rb") as fh:
+        for no, raw in enumerate(fh, start=1):
+            if no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield no, None
+                continue
+            if text.strip():
+                yield no, text
+
+
+def _check_prompt_completion(no: int, rec: dict[str, Any]) -> list[DataError]:
+    errs: list[DataError] = []
+    for key in ("prompt", "completion"):
+        if key not in rec or rec[key] is None:
+            errs.append(_err(no, key, "missing"))
+        elif not isinstance(rec[key], str):
+            errs.append(_err(no, key, "expected a string"))
+    if not errs and not rec["completion"].strip():
+        errs.append(_err(no, "completion", "empty (nothing to learn from)"))
+    return errs
+
+
+def _record_format(rec: dict[str, Any]) -> Format | None:
+    if "messages" in rec:
+        return "chat"
+    if "prompt" in rec or "completion" in rec:
+        return "prompt_completion"
+    return None
+
+
+FORMAT_NAMES = {"chat": "chat (messages)", "prompt_completion": "prompt/completion"}
+
+
+def _parse(no: int, text: str | None) -> tuple[dict[str, Any] | None, list[DataError]]:
+    """One line as a JSON object, or its errors."""
+    if text is None:
+        return None, [_err(no, None, "not valid UTF-8")]
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, [_err(no, None, f"invalid JSON: {e.msg} (column {e.colno})")]
+    except RecursionError:  # the decoder recurses per nesting level: [[[[...]]]] 100,000 deep
+        return None, [_err(no, None, "invalid JSON: nested too deeply (a record is an object of messages, "
+                                     "or of prompt and completion)")]
+    if not isinstance(rec, dict):
+        return None, [_err(no, None, f"expected a JSON object, got {type(rec).__name__}")]
+    return rec, []
+
+
+@dataclass
+class _Lengths:
+    """What the length policy did to one file's examples."""
+
+    max_len: int | None
+    policy: Truncation
+    truncated: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    num_truncated: int = 0
+    num_dropped: int = 0
+
+    def fit(self, no: int, fmt: Format, ex: Example) -> Example | DataError | None:
+        """The example to train on, an error (policy ``error``), or None (dropped)."""
+        n = len(ex.input_ids)
+        if self.max_len is None or n <= self.max_len:
+            return ex
+        if self.policy == "error":
+            fld = "messages" if fmt == "chat" else "prompt+completion"
+            return _err(no, fld, f"too long: {n} tokens (max_seq_length {self.max_len}); shorten it, raise "
+                                 'max_seq_length, or set hyperparameters.truncation to "truncate" or "drop"')
+        if self.policy == "truncate":
+            cut = Example(ex.input_ids[: self.max_len], ex.labels[: self.max_len])
+            if cut.num_loss_tokens:
+                self.num_truncated += 1
+                if len(self.truncated) < MAX_LISTED_LINES:
+                    self.truncated.append(no)
+                return cut
+        self.num_dropped += 1
+        if len(self.dropped) < MAX_LISTED_LINES:
+            self.dropped.append(no)
+        return None
+
+
+def validate_file(
+    path: str | Path,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_seq_length: int | None = None,
+    options: DataOptions | None = None,
+    max_errors: int = 20,
+    keep_examples: bool = False,
+) -> DatasetReport:
+    """Check a JSONL file; with a tokenizer also render, tokenize and apply ``options.truncation`` at
+    ``max_seq_length``.
+
+    Returns a DatasetReport (with the tokenized examples when ``keep_examples``); raises
+    DatasetValidationError listing up to ``max_errors`` problems.
+    """
+    path = Path(path)
+    opts = options or DataOptions()
+    errors: list[DataError] = []
+
+    def add(new: list[DataError]) -> None:
+        errors.extend(new)
+        if len(errors) >= max_errors:
+            raise _TooMany
+
+    if not path.is_file():
+        raise DatasetValidationError(path, [_err(None, None, f"file not found: {path}")])
+    renderer = ChatRenderer(tokenizer, opts.system_message) if tokenizer is not None else None
+    lengths = _Lengths(max_seq_length, opts.truncation)
+    fmt: Format | None = None
+    fmt_line = 0
+    count = 0
+    num_tokens = max_tokens = loss_tokens = 0
+    examples: list[Example] = []
+    try:
+        for no, text in _lines(path):
+            rec, errs = _parse(no, text)
+            if rec is None:
+                add(errs)
+                continue
+            rf = _record_format(rec)
+            if rf is None:
+                add([_err(no, "messages", "missing (expected 'messages', or 'prompt' and 'completion')")])
+                continue
+            if fmt is None:
+                fmt, fmt_line = rf, no
+            elif rf != fmt:
+                key = "messages" if rf == "chat" else "prompt"
+                add([_err(no, key, f"{FORMAT_NAMES[rf]} record in a {FORMAT_NAMES[fmt]} file (line {fmt_line})")])
+                continue
+            if rf == "chat":
+                errs = [_err(no, f, d) for f, d in check_chat_record(rec)]
+            else:
+                errs = _check_prompt_completion(no, rec)
+            if errs:
+                add(errs)
+                continue
+            if tokenizer is None:
+                count += 1
+                continue
+            try:
+                ex = tokenize_record(rec, rf, tokenizer, renderer=renderer)
+            except RecordRefused as e:
+                add([_err(no, e.field, e.detail)])
+                continue
+            if ex.num_loss_tokens == 0:
+                add([_err(no, "messages" if rf == "chat" else "completion", "no tokens to learn from")])
+                continue
+            fitted = lengths.fit(no, rf, ex)
+            if fitted is None:
+                continue
+            if not isinstance(fitted, Example):
+                add([fitted])
+                continue
+            count += 1
+            num_tokens += len(fitted.input_ids)
+            max_tokens = max(max_tokens, len(fitted.input_ids))
+            loss_tokens += fitted.num_loss_tokens
+            if keep_examples:
+                examples.append(fitted)
+    except _TooMany:
+        errors.append(_err(None, None, f"stopped after {max_errors} errors"))
+    if not errors and count == 0:
+        if lengths.num_dropped:
+            errors.append(_err(None, None, f"no example left: all {lengths.num_dropped} were dropped as longer "
+                                           f"than max_seq_length {max_seq_length} (truncation: {opts.truncation})"))
+        else:
+            errors.append(_err(None, None, "empty file: no examples"))
+    if errors:
+        raise DatasetValidationError(path, errors)
+    assert fmt is not None
+    report = DatasetReport(str(path), fmt, count, examples=examples)
+    if tokenizer is not None:
+        report.num_tokens, report.max_tokens, report.num_loss_tokens = num_tokens, max_tokens, loss_tokens
+        report.max_seq_length, report.truncation = max_seq_length, opts.truncation
+        report.num_truncated, report.num_dropped = lengths.num_truncated, lengths.num_dropped
+        report.truncated_lines, report.dropped_lines = lengths.truncated, lengths.dropped
+    return report
+
+
+def load_examples(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, max_seq_length: int, options: DataOptions | None = None
+) -> tuple[list[Example], DatasetReport]:
+    """Validate and tokenize a whole file (raises DatasetValidationError)."""
+    report = validate_file(path, tokenizer=tokenizer, max_seq_length=max_seq_length, options=options,
+                           keep_examples=True)
+    return report.examples, report
+
+
+# --- tokenization -----------------------------------------------------------------------------
+
+
+def _mask_by_spans(
+    tokenizer: PreTrainedTokenizerBase, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
+) -> Example:
+    """Tokens ending inside a span are learned (a token that starts before the span counts: the span
+    starts mid-token only in the prompt's last token; one that ends after it does not: the span's end
+    may fall inside the next turn's marker)."""
+    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    ids: list[int] = list(enc["input_ids"])
+    labels = [IGNORE_INDEX] * len(ids)
+    for t, (s, e) in enumerate(enc["offset_mapping"]):
+        if e > s and any(a < e <= b for a, b in spans):
+            labels[t] = ids[t]
+    return Example(ids, labels)
+
+
+def tokenize_record(
+    rec: dict[str, Any], fmt: Format, tokenizer: PreTrainedTokenizerBase, *, renderer: ChatRenderer | None = None
+) -> Example:
+    """Token ids and labels of one validated record; a chat record the template refuses raises RecordRefused."""
+    if fmt == "chat":
+        text, spans = (renderer or ChatRenderer(tokenizer)).render(rec)
+        return _mask_by_spans(tokenizer, text, spans, add_special_tokens=False)
+    prompt, completion = rec["prompt"], rec["completion"]
+    ex = _mask_by_spans(tokenizer, prompt + completion, [(len(prompt), len(prompt) + len(completion))], True)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if bos is not None and (not ex.input_ids or ex.input_ids[0] != bos):
+        ex.input_ids.insert(0, bos)
+        ex.labels.insert(0, IGNORE_INDEX)
+    if eos is not None and (not ex.input_ids or ex.input_ids[-1] != eos):
+        ex.input_ids.append(eos)
+        ex.labels.append(eos)
+    return ex

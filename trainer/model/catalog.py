@@ -1,0 +1,258 @@
+"""Base models: the built-in config registry and local Hugging Face directories.
+
+A job's ``model`` is either the name of a built-in config (random init from the job's seed, byte-level
+tokenizer; nothing is downloaded, for the demo and tests) or a local directory holding a Hugging Face
+causal-LM checkpoint (``config.json`` + weights + tokenizer files), loaded with
+``local_files_only=True``. Anything else raises :class:`UnknownModelError`.
+
+:func:`resolve_model`, :func:`default_learning_rate` and :func:`model_max_length` do not import torch
+(the API checks a model name at job creation); :func:`load_tokenizer` and :func:`load_model` do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from trainer.model.folder_check import ModelFolder
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A named LlamaConfig trained from a seeded random init with the byte-level tokenizer."""
+
+    name: str
+    description: str
+    config: dict[str, Any] = field(default_factory=dict)
+    #: Base learning rate for full fine-tuning and for LoRA (``learning_rate: auto``).
+    learning_rate: float = 1e-3
+    lora_learning_rate: float = 3e-3
+    #: Engine settings a job on this model gets for the fields it leaves unset (see
+    #: :func:`default_engine_settings`); empty = offload.config.EngineConfig's own defaults.
+    engine_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+#: ZenFlow settings for tiny-llama, measured with ``python -m bench.convergence --seeds 0,1,2,3,4,5``
+#: (the reasoning is in trainer/samples/tiny-llama.yaml): from a random init at lr 3e-3 the column
+#: importance is neither skewed nor stable, and the paper's fine-tuning defaults (topk 0.1, window 4,
+#: selection per epoch) ended at ~3.6x device mode's validation loss (measured under the old summed-lr
+#: CPU step, scale_cpu_lr=True); these end within ~2-3% of it. On a pretrained base the paper's defaults
+#: are within 1% (bench/convergence.py).
+TINY_LLAMA_ZENFLOW = {"topk_ratio": 0.25, "update_interval": 1, "select_interval": 1, "full_warm_up_rounds": 16}
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            "tiny-llama",
+            "Llama, 2 layers, hidden 64, byte vocab (~0.13M params): demo and tests",
+            dict(
+                hidden_size=64,
+                intermediate_size=172,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+            ),
+            learning_rate=3e-3,
+            lora_learning_rate=1e-2,
+            engine_defaults=TINY_LLAMA_ZENFLOW,
+        ),
+        BuiltinModel(
+            "small-llama",
+            "Llama, 8 layers, hidden 512, byte vocab (~25M params): GPU demo and benchmarks",
+            dict(
+                hidden_size=512,
+                intermediate_size=1376,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                max_position_embeddings=2048,
+            ),
+            learning_rate=1e-3,
+            lora_learning_rate=3e-3,
+        ),
+    )
+}
+
+#: Default base learning rates for local pretrained checkpoints.
+PRETRAINED_LEARNING_RATE = 1e-5
+PRETRAINED_LORA_LEARNING_RATE = 2e-4
+
+
+class UnknownModelError(ValueError):
+    """The model is neither a built-in config name nor a local directory with a config.json."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(
+            f"unknown model {name!r}: not a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
+            "and not a local directory containing config.json"
+        )
+
+
+def resolve_model(name: str) -> BuiltinModel | Path:
+    """The built-in entry or the local directory for ``name``; raises UnknownModelError."""
+    if name in BUILTIN_MODELS:
+        return BUILTIN_MODELS[name]
+    try:
+        path = Path(name).expanduser()
+        if path.is_dir() and (path / "config.json").is_file():
+            return path.resolve()
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL byte, names no directory
+        pass
+    raise UnknownModelError(name)
+
+
+def check_model(name: str) -> ModelFolder | None:
+    """A local folder's check (config, weights, tokenizer: trainer.model.folder_check.check_model_folder,
+    raising ModelFolderError with the cause); None for a built-in model."""
+    from trainer.model.folder_check import check_model_folder
+
+    m = resolve_model(name)
+    return None if isinstance(m, BuiltinModel) else check_model_folder(m)
+
+
+def default_learning_rate(name: str, *, lora: bool) -> float:
+    """Base learning rate used when the job says ``learning_rate: auto``."""
+    m = resolve_model(name)
+    if isinstance(m, BuiltinModel):
+        return m.lora_learning_rate if lora else m.learning_rate
+    return PRETRAINED_LORA_LEARNING_RATE if lora else PRETRAINED_LEARNING_RATE
+
+
+def default_engine_settings(name: str, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` (the engine fields a job sets) over the model's own engine defaults.
+
+    The model's defaults only fill gaps: a field the job sets always wins, and when the job's own
+    fields do not fit with a default (``update_interval: 4`` against a default ``select_interval: 1``,
+    say) the conflicting defaults are left out, so a job is never refused for a value it did not give.
+    Local checkpoints have no defaults of their own (offload.config.EngineConfig's apply).
+    """
+    from pydantic import ValidationError
+
+    from offload.config import EngineConfig
+
+    m = resolve_model(name)
+    defaults = m.engine_defaults if isinstance(m, BuiltinModel) else {}
+    merged = dict(given)
+    for key, value in defaults.items():
+        if key in given:
+            continue
+        trial = {**merged, key: value}
+        # "auto" (engine mode, accumulate_on: the job's plan resolves it) is checked as the engine's default
+        explicit = {k: v for k, v in trial.items() if v != "auto" or k not in ("mode", "accumulate_on")}
+        try:
+            EngineConfig.model_validate(explicit)
+        except ValidationError:
+            continue  # conflicts with what the job gave (or the job's own fields are invalid)
+        merged = trial
+    return merged
+
+
+def pretrained_placement(device: torch.device) -> dict[str, Any]:
+    """``from_pretrained`` options that put the weights on ``device`` shard by shard (CUDA); none on
+    the CPU, where from_pretrained already fills the meta-initialised model shard by shard."""
+    return {"device_map": {"": device}} if device.type == "cuda" else {}
+
+
+def model_max_length(name: str) -> int:
+    """Longest sequence the model supports: a local folder's position limit under any architecture's
+    name for it (trainer.model.folder_check.position_limit), else 2048."""
+    from trainer.model.folder_check import folder_position_limit
+
+    m = resolve_model(name)
+    if isinstance(m, BuiltinModel):
+        return int(m.config["max_position_embeddings"])
+    return folder_position_limit(m) or 2048
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The model directory's tokenizer (with pad token and chat template ensured), or the byte one."""
+    from trainer.data.tokenizer import build_byte_tokenizer, ensure_chat_ready
+
+    m = resolve_model(name)
+    if isinstance(m, BuiltinModel):
+        return build_byte_tokenizer(model_max_length=int(m.config["max_position_embeddings"]))
+    from trainer.model.folder_check import load_folder_tokenizer
+
+    return ensure_chat_ready(load_folder_tokenizer(m))  # ModelFolderError names what is wrong
+
+
+def builtin_config(name: str) -> Any:
+    """The ``transformers.LlamaConfig`` of a built-in model."""
+    from transformers import LlamaConfig
+
+    from trainer.data.tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS, byte_vocab_size
+
+    m = BUILTIN_MODELS[name]
+    vocab = (byte_vocab_size() + 7) // 8 * 8
+    return LlamaConfig(
+        vocab_size=vocab,
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        tie_word_embeddings=False,
+        **m.config,
+    )
+
+
+def load_model(
+    name: str,
+    *,
+    dtype: torch.dtype,
+    seed: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    device: torch.device | str | None = None,
+) -> PreTrainedModel:
+    """Build a built-in model from ``seed`` (deterministic) or load a local directory, on ``device``
+    (default: CPU).
+
+    A local directory is loaded straight onto a CUDA device (transformers' ``device_map``: the model is
+    made on the meta device and each safetensors shard is read and moved in turn), so the host never
+    holds a full copy: peak RSS is about one shard beyond the process. A built-in model (small) is made
+    on the CPU, so a seed gives the same weights on every device, then moved.
+    With ``tokenizer`` given, the embeddings grow when the tokenizer has more tokens than the model, and
+    the generation config stops on the tokenizer's stop tokens (trainer.data.tokenizer.stop_token_ids).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    target = torch.device("cpu" if device is None else device)
+    m = resolve_model(name)
+    model: PreTrainedModel
+    if isinstance(m, BuiltinModel):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(builtin_config(name))
+        model.to(dtype)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(m), local_files_only=True, dtype=dtype, **pretrained_placement(target)
+        )
+    model.to(target)  # type: ignore[arg-type]  # no-op where the weights already are
+    if tokenizer is not None:
+        fit_to_tokenizer(model, tokenizer)
+    return model
+
+
+def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
+    """Grow the embeddings to the tokenizer's tokens and make generation stop on eos and the
+    end-of-turn marker; the number of rows added (tokens the tokenizer gained, e.g. an end-of-turn
+    marker; see trainer.data.tokenizer: a LoRA adapter must then carry the embeddings to be usable)."""
+    import torch
+
+    from trainer.data.tokenizer import align_generation_config
+
+    vocab = model.get_input_embeddings().weight
+    assert isinstance(vocab, torch.Tensor)
+    added = max(0, len(tokenizer) - vocab.shape[0])
+    if added:
+        model.resize_token_embeddings(len(tokenizer))
+    align_generation_config(model, tokenizer)
+    return added

@@ -1,0 +1,125 @@
+"""``zenflow plan SPEC.yaml --gpu h200 --host-memory 128GiB [--json]``: the memory and speed plan of a
+job on a machine, without running it (:mod:`trainer.plan.planner`).
+
+The machine is a known GPU (``--gpu``, see :data:`trainer.plan.gpus.KNOWN_GPUS`; ``cpu`` for a CPU run;
+default this host's) with the host's figures (memory, cores, CPU AdamW and PCIe GB/s, locked-memory
+limit) given or taken from this host. The number of examples is the training file's
+line count when the file exists (``--num-examples`` overrides it). Exit codes: 0 the job fits, 3 it
+does not (the problems say what to change), 2 bad input (spec, model or machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.plan.gpus import KNOWN_GPUS, Machine, format_bytes, host_memory_bytes, parse_bytes, usable_cores
+from trainer.plan.planner import Plan, plan_job
+
+EXIT_FITS = 0
+EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 3
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``plan`` to ``subparsers`` (from ``ArgumentParser.add_subparsers()``)."""
+    p = subparsers.add_parser(
+        "plan",
+        help="whether a job fits a machine, its memory per component and predicted speed",
+        description="Plan a job spec (YAML) on a machine: memory per component, settings for its 'auto' "
+                    "values, predicted step time per engine mode. Nothing is loaded or run.",
+        epilog="exit codes: 0 fits, 3 does not fit (see the problems), 2 bad input",
+    )
+    p.add_argument("spec", type=Path, help="job spec (YAML)")
+    p.add_argument("--gpu", default=None,
+                   help=f"GPU model ({', '.join(KNOWN_GPUS)}) or 'cpu' (default: this host's GPU, else its CPU)")
+    p.add_argument("--host-memory", default=None, help="host memory, e.g. 128GiB (default: this host's)")
+    p.add_argument("--cores", type=int, default=None, help="CPU cores for the job (default: this host's usable cores)")
+    p.add_argument("--cpu-adam-gbps", type=float, default=None, help="measured CPU AdamW GB/s (default: per-core estimate)")
+    p.add_argument("--pcie-gbps", type=float, default=None, help="host<->device GB/s (default: from the PCIe generation)")
+    p.add_argument("--locked-memory", default=None, help="locked-memory limit (ulimit -l), e.g. 64GiB (default: unlimited)")
+    p.add_argument("--num-examples", type=int, default=None, help="training examples (default: the file's lines)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def _machine(args: argparse.Namespace) -> Machine:
+    host = parse_bytes(args.host_memory) if args.host_memory else host_memory_bytes()
+    cores = args.cores or usable_cores()
+    locked = parse_bytes(args.locked_memory) if args.locked_memory else None
+    if args.gpu is None:  # this host's GPU (or its CPU), with the figures given here
+        found = Machine.detect()
+        update = {"host_memory_bytes": host, "cores": cores, "locked_memory_bytes": locked or found.locked_memory_bytes}
+        if args.cpu_adam_gbps:
+            update["cpu_adam_gbps"] = args.cpu_adam_gbps
+        if args.pcie_gbps:
+            update["pcie_gbps"] = args.pcie_gbps
+        return Machine.model_validate({**found.model_dump(), **update})
+    if args.gpu.lower() == "cpu":
+        return Machine.for_cpu(host_memory_bytes=host, cores=cores, cpu_adam_gbps=args.cpu_adam_gbps,
+                               locked_memory_bytes=locked)
+    return Machine.for_gpu(args.gpu, host_memory_bytes=host, cores=cores, cpu_adam_gbps=args.cpu_adam_gbps,
+                           pcie_gbps=args.pcie_gbps, locked_memory_bytes=locked)
+
+
+def _count_examples(path: Path) -> int | None:
+    try:
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip()) or None
+    except OSError:
+        return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from trainer.spec import load_spec
+
+    try:
+        spec = load_spec(args.spec, output_dir=Path("."))
+        machine = _machine(args)
+        n = args.num_examples or _count_examples(spec.training_file)
+        plan = plan_job(spec, machine, num_examples=n)
+    except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError
+        print(f"zenflow plan: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+
+
+def _size(n: int) -> str:
+    return f"{format_bytes(n):>11s}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a text table."""
+    m, s = plan.machine, plan.settings
+    lines = [
+        f"model        {plan.model}: {plan.params:,} parameters, {plan.trainable_params:,} trainable, {plan.dtype}",
+        f"machine      {m.gpu_name}: {_size(m.gpu_memory_bytes).strip()} device, {_size(m.host_memory_bytes).strip()} "
+        f"host, {m.cores} cores, PCIe {m.pcie_gbps:g} GB/s, CPU AdamW {m.cpu_adam_gbps:g} GB/s",
+        f"step         batch {plan.batch_size} x {plan.max_seq_length} tokens",
+        f"settings     mode {s.mode}, micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
+        f"{str(s.gradient_checkpointing).lower()}, packing {str(s.packing).lower()}, accumulate_on {s.accumulate_on}, "
+        f"update_interval {s.update_interval}",
+        f"fits         {'yes' if plan.fits else 'NO'}",
+        "",
+        f"device memory {_size(plan.device_bytes)} of {_size(plan.device_capacity_bytes).strip()} usable",
+        *(f"  {k:22s}{_size(v)}" for k, v in plan.device.items()),
+        f"host memory   {_size(plan.host_bytes)} of {_size(plan.host_capacity_bytes).strip()}",
+        *(f"  {k:22s}{_size(v)}" for k, v in plan.host.items()),
+        "",
+        f"{'mode':9s}{'fits':>5s}{'step s':>10s}{'tokens/s':>12s}{'gpu s':>9s}{'pcie s':>9s}{'cpu s':>9s}  bound",
+    ]
+    for name, e in plan.modes.items():
+        lines.append(f"{name:9s}{'yes' if e.fits else 'no':>5s}{e.step_seconds:10.3f}{e.tokens_per_second:12,.0f}"
+                     f"{e.gpu_seconds:9.3f}{e.pcie_seconds:9.3f}{e.cpu_seconds:9.3f}  {e.bound}")
+    if plan.reasons:
+        lines += ["", *(f"- {r}" for r in plan.reasons)]
+    if plan.problems:
+        lines += ["", *(f"! {'.'.join(p.loc)}: {p.message}" for p in plan.problems)]
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Predicted optimizer-step time per engine mode: a roofline over GPU FLOPs, PCIe bytes and CPU
+AdamW bytes (for :mod:`trainer.plan.planner`).
+
+- GPU: ``6 x matmul params x tokens`` FLOPs for full fine-tuning (forward 2, backward 4; LoRA: 4, no
+  weight gradients for frozen weights), plus causal attention (``6 x layers x seq x query width`` per
+  token), plus one more forward (``2 x params x tokens`` and its attention) with activation
+  checkpointing; divided by the GPU's dense bf16 FLOP/s times a utilization factor: ``UTILIZATION``
+  (what Hugging Face Llama training with SDPA reaches on large micro-batches, ~45% of peak) scaled by
+  ``N / (N + UTILIZATION_HALF_TOKENS)`` for ``N`` tokens per micro-batch (small matmuls keep the GPU
+  below its roofline). The device optimizer adds its memory traffic over the device memory bandwidth.
+- PCIe: bytes copied per optimizer step over the achievable pinned-copy rate.
+- CPU: AdamW and accumulation bytes over the measured CPU AdamW rate (zenflow's worker gets its
+  ``cpu_optimizer_cores_ratio`` share of it; offload runs on all cores).
+
+Modes combine them differently: ``device`` is the GPU alone; ``offload`` is the serial sum (the device
+waits for the copies and the CPU step every step); ``zenflow`` overlaps: the CPU work and copies of a
+window run while the GPU computes the next one, so a step takes the longest of the three (with
+``overlap_step=False`` the window's CPU AdamW is added instead). These are estimates for choosing
+settings and for admission, not promises: ``bench/gpu_check.sh`` prints planned vs measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.plan.gpus import Machine
+from trainer.plan.shapes import ModelShape
+
+#: Fraction of the dense bf16 peak a large micro-batch reaches (fp32 peak for a CPU machine: 0.5).
+UTILIZATION = 0.45
+CPU_UTILIZATION = 0.5
+#: Tokens per micro-batch at which the utilization is half of ``UTILIZATION``.
+UTILIZATION_HALF_TOKENS = 1024
+#: Bytes AdamW moves per parameter (read fp32 param, moments and a bf16 gradient, write them and a
+#: bf16 copy: the byte model bench/cpu_adam.py and the workers' measurement use).
+ADAM_BYTES_PER_PARAM = 28
+#: Bytes the fused device AdamW moves per parameter (fp32 master, moments, gradient, the bf16 copy).
+DEVICE_ADAM_BYTES_PER_PARAM = 32
+#: Host accumulation moves this many parameter-dtype elements per parameter and step: the streamed
+#: gradient read, the window accumulator (kept in the parameter dtype, offload.memory) read and written.
+ACCUMULATE_ELEMENTS_PER_PARAM = 3
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One mode's predicted optimizer step: its parts and the total (seconds)."""
+
+    mode: str
+    gpu_seconds: float
+    pcie_seconds: float
+    cpu_seconds: float
+    step_seconds: float
+    tokens_per_second: float
+    #: What bounds the step: ``gpu``, ``pcie`` or ``cpu``.
+    bound: str
+    #: zenflow: the window length the prediction assumes.
+    update_interval: int | None = None
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """Parameters that take part in matmuls (embedding lookups and norms do not)."""
+    embed = shape.modules.get("embeddings", 0)
+    tied = "lm_head" not in shape.modules
+    return max(0, shape.params - (0 if tied else embed) - shape.modules.get("final_norm", 0))
+
+
+def compute_seconds(
+    shape: ModelShape, machine: Machine, *, tokens: int, micro_tokens: int, seq: int, checkpointing: bool
+) -> float:
+    """GPU seconds of forward and backward for ``tokens`` tokens in micro-batches of ``micro_tokens``."""
+    p = matmul_params(shape)
+    attn = 2 * shape.num_layers * seq * shape.heads * shape.head_dim  # forward, per token (causal)
+    lora = shape.lora_rank is not None
+    passes = (2 if lora else 3) + (1 if checkpointing else 0)  # forward-equivalents per step
+    flops = passes * (2 * p + attn) * tokens
+    util = CPU_UTILIZATION if machine.device_type == "cpu" else UTILIZATION
+    util *= micro_tokens / (micro_tokens + UTILIZATION_HALF_TOKENS)
+    return flops / (machine.gpu_flops * util)
+
+
+def step_times(
+    shape: ModelShape,
+    machine: Machine,
+    *,
+    tokens: int,
+    micro_tokens: int,
+    seq: int,
+    checkpointing: bool,
+    dtype_bytes: int,
+    host_params: dict[str, int],
+    accumulate_on: str,
+    update_interval: int | None,
+    max_update_interval: int,
+    cpu_share: float,
+    overlap_step: bool,
+) -> dict[str, StepTime]:
+    """Predicted step time of each mode. ``host_params``: parameters the CPU updates per mode
+    (offload: all trainable, zenflow: the split weights); ``update_interval`` None: the shortest
+    window that hides the CPU work (at most ``max_update_interval``: the engine's ``auto``)."""
+    trainable = shape.trainable_params
+    gpu = compute_seconds(shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq,
+                          checkpointing=checkpointing)
+    hbm = machine.gpu_memory_gbps * 1e9
+    pcie, adam = machine.pcie_gbps * 1e9, machine.cpu_adam_gbps * 1e9
+    out: dict[str, StepTime] = {}
+
+    def add(mode: str, g: float, p: float, c: float, total: float, interval: int | None = None) -> None:
+        parts = {"gpu": g, "pcie": p, "cpu": c}
+        out[mode] = StepTime(mode, g, p, c, total, tokens / total if total > 0 else math.inf,
+                             max(parts, key=lambda k: parts[k]), interval)
+
+    g_dev = gpu + trainable * DEVICE_ADAM_BYTES_PER_PARAM / hbm
+    add("device", g_dev, 0.0, 0.0, g_dev)
+    n_off = host_params.get("offload", trainable)
+    p_off = 2 * n_off * dtype_bytes / pcie
+    c_off = n_off * ADAM_BYTES_PER_PARAM / adam
+    add("offload", gpu, p_off, c_off, gpu + p_off + c_off)
+
+    split = host_params.get("zenflow", 0)
+    full = trainable - split
+    worker = adam * cpu_share
+    on_device = accumulate_on == "device"
+
+    def zenflow(interval: int) -> tuple[float, float, float]:
+        g = gpu + full * DEVICE_ADAM_BYTES_PER_PARAM / hbm
+        if on_device:  # an fp32 add on the device per step; per window the accumulator goes down
+            g += split * (dtype_bytes + 8) / hbm  # rounded to the param dtype, the new params come up
+            p = split * 2 * dtype_bytes / interval / pcie
+            c = split * ADAM_BYTES_PER_PARAM / interval / worker
+        else:  # every step's gradient crosses PCIe and is added on the CPU
+            p = split * dtype_bytes * (1 + 1 / interval) / pcie
+            c = split * (ACCUMULATE_ELEMENTS_PER_PARAM * dtype_bytes + ADAM_BYTES_PER_PARAM / interval) / worker
+        return g, p, c
+
+    if update_interval is None:
+        interval = max_update_interval
+        for i in range(1, max_update_interval + 1):
+            g, p, c = zenflow(i)
+            if max(p, c) <= g:
+                interval = i
+                break
+    else:
+        interval = update_interval
+    g, p, c = zenflow(interval)
+    if overlap_step:
+        total = max(g, p, c)
+    else:  # the boundary waits for the window's CPU AdamW
+        total = max(g, p, c - split * ADAM_BYTES_PER_PARAM / interval / worker) + (
+            split * ADAM_BYTES_PER_PARAM / interval / worker)
+    add("zenflow", g, p, c, total, interval)
+    return out

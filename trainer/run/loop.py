@@ -1,0 +1,356 @@
+"""The training run: a JobSpec in, a fine-tuned model directory out, on the ZenFlow offload engine.
+Its parts live beside it: data, model and engine set-up and resume in :mod:`trainer.run.setup`, one
+optimizer step in :mod:`trainer.run.step`, batching and loss in :mod:`trainer.data.batching`, checkpoints and
+``final/`` in :mod:`trainer.run.outputs` (format and RNG states in :mod:`trainer.run.checkpoint`), LoRA and
+the exported weights in :mod:`trainer.model.lora`.
+
+:func:`run_training` validates and tokenizes the data (tokenizer from the model directory, or the
+byte-level one for built-in configs), resolves the hyperparameters, builds the model (bf16 on CUDA
+with the offload/zenflow modes, fp32 otherwise; LoRA through peft when asked) and the
+``offload.engine.ZenFlowEngine``, then runs ``n_epochs`` over the data:
+
+- each epoch visits the examples in an order drawn from a generator seeded with (seed, epoch), so a
+  data position is just the global step; ``engine.new_epoch()`` is called at each epoch start;
+- each optimizer step takes ``batch_size`` examples, cut into micro-batches of ``micro_batch_size``
+  sequences (right-padded, labels -100 on padding and non-learned tokens; or packed rows,
+  :mod:`trainer.data.packing`); forward/backward per micro-batch with the loss normalized by the learned
+  tokens of the whole step, then ``engine.set_lr(schedule(step))``, one ``engine.step()``,
+  ``engine.zero_grad()`` (:mod:`trainer.run.step`); a :class:`~trainer.events.StepEvent` reports the
+  optimizer step: loss, lr, tokens (summed over its micro-batches)/s, the engine's stall fraction and
+  its ``StepMetrics`` record;
+- validation loss every ``eval_every`` steps and at the end, in micro-batches too;
+- a resumable checkpoint every ``checkpoint_every`` steps and at the end (exported weights from
+  ``engine.consolidated_state_dict()``, resume state from ``engine.state_dict()`` (which holds the
+  device values of the trainable parameters too), RNG states); older checkpoints beyond
+  keep_checkpoints go;
+- ``should_cancel()`` is polled between steps: when true, the loop checkpoints and returns with
+  ``cancelled=True`` (no final model);
+- at the end: ``engine.flush()``, last checkpoint, ``final/`` (the model only: safetensors, config,
+  tokenizer; the merged model plus ``adapter/`` for LoRA) and ``result.json``.
+
+With ``resume=True`` (default) a run continues from the newest complete checkpoint in output_dir
+(refused when its hyperparameters differ) and a finished run returns its recorded result at once;
+``resume=False`` deletes earlier outputs first. Resuming gives bit-identical weights to an
+uninterrupted run with the same seed (the engine's state, the device parameters, RNG states and the
+data position are all restored; checkpoints do not perturb the trajectory).
+
+Data-parallel ranks (``dist``, a :class:`trainer.run.distributed.DistContext` of world N ==
+``spec.resources.gpus``): every rank runs :func:`run_training` over an identical replica with the engine
+on the group, and loads the same data in the same order. Each optimizer step's ``batch_size`` examples
+are cut into N contiguous near-equal parts (:func:`trainer.data.batching.rank_part`; ``batch_size`` must be at
+least N), rank r taking part r in its own micro-batches, so the data position is still the global step
+and a checkpoint resumes on any N. The loss is normalized by the step's learned tokens summed over all
+ranks (:mod:`trainer.run.step`); the step's loss and tokens, the validation loss (its examples split the same
+way) and the cancel decision (``should_cancel()`` is asked on every rank; any rank's yes stops all at
+the same step) are combined across ranks, so every rank takes the same branches. Events: EVERY rank
+emits its own :class:`~trainer.events.StepEvent` (the global loss and tokens, its own engine
+``StepMetrics`` with ``rank``) and, on a failure, its own ErrorEvent; everything else (logs, RunStarted,
+EvalEvent, checkpoint events, RunFinished) comes from rank 0 only. Rank 0 writes the checkpoints' shared
+files, ``final/`` and ``result.json``; every rank adds its engine shard (and RNG states) to each
+checkpoint (:mod:`trainer.run.outputs`). All ranks flush at the same point and meet at a barrier before
+returning the same TrainResult (rank 0's). The caller owns the process group (init and shutdown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.data.batching import Batch, epoch_order, evaluate, evaluate_sums, micro_batches, rank_part
+from trainer.data.dataset import DatasetValidationError, Example
+from trainer.events import (
+    ErrorEvent,
+    EvalEvent,
+    Event,
+    EventCallback,
+    LogEvent,
+    RunFinished,
+    RunStarted,
+    StepEvent,
+    skipped_step_warning,
+)
+from trainer.run.checkpoint import (
+    FINAL_DIR,
+    RESULT_FILE,
+    cleanup_partial,
+    is_complete,
+    remove_outputs,
+)
+from trainer.run.distributed import DistContext, all_sum, any_rank, barrier, broadcast_object
+from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
+from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
+from trainer.run.step import optimizer_step
+from trainer.spec import JobSpec
+
+__all__ = ["ResumeMismatchError", "TrainResult", "run_training"]
+
+MAX_SKIPPED_IN_A_ROW = 100  # steps the engine may skip in a row (fp16 loss scale 2**16 -> 1 takes 16)
+
+
+@dataclass
+class TrainResult:
+    final_model_dir: str | None
+    steps: int
+    total_steps: int
+    #: Mean batch loss over the last (up to) 20 steps.
+    train_loss: float | None
+    valid_loss: float | None
+    trained_tokens: int
+    cancelled: bool
+    last_checkpoint: str | None = None
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _finished_result(out: Path) -> TrainResult | None:
+    p = out / RESULT_FILE
+    if not (p.is_file() and is_complete(out / FINAL_DIR)):
+        return None
+    try:
+        return TrainResult(**json.loads(p.read_text()))
+    except (ValueError, TypeError):
+        return None
+
+
+def _use_progress(progress: bool | None) -> bool:
+    if progress is not None:
+        return progress
+    return sys.stderr.isatty()
+
+
+def run_training(
+    spec: JobSpec,
+    *,
+    on_event: EventCallback | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    resume: bool = True,
+    progress: bool | None = None,
+    dist: DistContext | None = None,
+) -> TrainResult:
+    """Run one job to completion (or cancellation) and return its result; see the module docstring.
+
+    ``on_event`` receives every :mod:`trainer.events` record (with ranks: see the module docstring);
+    ``progress`` shows a tqdm bar (default: when stderr is a TTY; rank 0 only). ``dist``: this process is
+    one of the job's data-parallel ranks (None: the only process). Raises DatasetValidationError for bad
+    data, UnknownModelError, and any training error (after an ErrorEvent).
+    """
+    if spec.output_dir is None:
+        raise ValueError("spec.output_dir is required")
+    if dist is not None and dist.world_size != spec.resources.gpus:
+        raise ValueError(
+            f"the job asks for {spec.resources.gpus} rank(s) (resources.gpus) but runs in a group of {dist.world_size}"
+        )
+    if dist is not None and dist.world_size == 1:
+        dist = None  # a group of one is a single process
+    main = dist is None or dist.is_main
+    out = Path(spec.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def emit(ev: Event) -> None:
+        if on_event is not None and (main or isinstance(ev, StepEvent | ErrorEvent)):
+            on_event(ev)
+
+    done: TrainResult | None = None
+    if main:
+        cleanup_partial(out)
+        if not resume:
+            remove_outputs(out)
+        else:
+            done = _finished_result(out)
+    if dist is not None:  # also keeps the other ranks off output_dir until rank 0 has tidied it
+        done = broadcast_object(dist, done)
+    if done is not None:
+        emit(LogEvent(f"Run already finished; final model at {done.final_model_dir}"))
+        return done
+
+    def emit_error(ev: ErrorEvent) -> None:
+        with contextlib.suppress(Exception):  # the callback itself may be what failed
+            emit(ev)
+
+    try:
+        data = load_data(spec, emit, dist)
+        built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
+        try:
+            return _Run(spec, out, data, built, emit, should_cancel, main and _use_progress(progress), dist).train()
+        finally:
+            release(built)
+    except DatasetValidationError as e:
+        emit_error(ErrorEvent(str(e), type(e).__name__, errors=[dict(x) for x in e.errors]))
+        raise
+    except Exception as e:
+        emit_error(ErrorEvent(f"{type(e).__name__}: {e}", type(e).__name__))
+        raise
+
+
+class _Run:
+    """The step loop over a built run: steps, evaluation, checkpoints, cancellation, the result."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        out: Path,
+        data: RunData,
+        built: Built,
+        emit: Callable[[Event], None],
+        should_cancel: Callable[[], bool] | None,
+        progress: bool,
+        dist: DistContext | None = None,
+    ) -> None:
+        self.spec, self.out, self.data, self.built, self.emit = spec, out, data, built, emit
+        self.dist = dist
+        self.hp = data.hp
+        self.state = built.progress
+        self.outputs = RunOutputs(spec, out, data, built, emit, dist)
+        self.should_cancel = should_cancel or (lambda: False)
+        self.progress = progress
+        self.skipped_in_a_row = 0
+
+    def train(self) -> TrainResult:
+        hp, data, built, state = self.hp, self.data, self.built, self.state
+        model, engine = built.model, built.engine
+        n_params = sum(p.numel() for p in model.parameters())
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.emit(
+            RunStarted(
+                total_steps=hp.total_steps,
+                start_step=state.step,
+                hyperparameters=hp.model_dump(),
+                device=str(built.device),
+                dtype=str(built.dtype).removeprefix("torch."),
+                mode=engine.mode,
+                num_parameters=n_params,
+                trainable_parameters=n_train,
+                num_examples=len(data.train),
+                num_validation_examples=len(data.valid),
+            )
+        )
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=hp.total_steps, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        cancelled = False
+        order: list[int] = []
+        order_epoch = -1
+        try:
+            while state.step < hp.total_steps:
+                if any_rank(self.dist, self.should_cancel()):
+                    cancelled = True
+                    break
+                epoch, b = divmod(state.step, hp.steps_per_epoch)
+                if epoch != order_epoch:
+                    order, order_epoch = epoch_order(len(data.train), hp.seed, epoch), epoch
+                if b == 0:
+                    engine.new_epoch()
+                t0 = time.perf_counter()
+                idx = order[b * hp.batch_size : (b + 1) * hp.batch_size]
+                if self.dist is not None:
+                    idx = rank_part(idx, self.dist.rank, self.dist.world_size)
+                micro = list(self._micro_batches([data.train[i] for i in idx]))
+                lr = hp.lr_at(state.step)
+                done = optimizer_step(model, engine, micro, lr, state.step + 1, dist=self.dist)
+                m = done.metrics
+                self.skipped_in_a_row = self.skipped_in_a_row + 1 if m.skipped else 0
+                if m.skipped:  # gradient norm not finite: nothing was updated
+                    self.emit(skipped_step_warning(m, state.step + 1))
+                if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise FloatingPointError(f"gradient norm not finite for {self.skipped_in_a_row} steps in a row")
+                dt = time.perf_counter() - t0
+                state.step += 1
+                state.losses = [*state.losses[-(LOSS_WINDOW - 1) :], done.loss]
+                state.trained_tokens += done.tokens
+                wall = m.wall_seconds if m.wall_seconds > 0 else dt
+                self.emit(
+                    StepEvent(
+                        step=state.step,
+                        total_steps=hp.total_steps,
+                        epoch=epoch,
+                        loss=done.loss,
+                        lr=lr,
+                        tokens=done.tokens,
+                        tokens_per_second=done.tokens / dt if dt > 0 else 0.0,
+                        step_seconds=wall,
+                        stall_seconds=m.stall_seconds,
+                        stall_fraction=m.stall_fraction,
+                        engine=m,
+                        rank_tokens=done.rank_tokens,
+                    )
+                )
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{done.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{done.tokens / dt:.0f}")
+                if data.valid and hp.eval_every and state.step % hp.eval_every == 0 and state.step < hp.total_steps:
+                    self._eval()
+                if state.step % hp.checkpoint_every == 0 and state.step < hp.total_steps:
+                    self.outputs.save_checkpoint(state)
+            if cancelled:
+                if state.step > 0 and state.last_saved != state.step:
+                    self.outputs.save_checkpoint(state)
+                self.emit(LogEvent(f"Cancelled at step {state.step}"))
+                result = self._result(None, cancelled=True)
+            else:
+                engine.flush()
+                if data.valid and hp.eval_every:
+                    self._eval()  # on the flushed (final) weights
+                if state.last_saved != state.step:
+                    self.outputs.save_checkpoint(state)
+                final = self.outputs.export_final(state)
+                result = self._result(str(final), cancelled=False)
+                self.outputs.write_result(result.as_dict())
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.dist is not None:
+            result = broadcast_object(self.dist, result)  # the same result on every rank: rank 0's
+        self.emit(
+            RunFinished(
+                steps=result.steps,
+                cancelled=result.cancelled,
+                final_model_dir=result.final_model_dir,
+                train_loss=result.train_loss,
+                valid_loss=result.valid_loss,
+                trained_tokens=result.trained_tokens,
+            )
+        )
+        barrier(self.dist)  # no rank leaves while another still works on the outputs
+        return result
+
+    def _micro_batches(self, examples: list[Example]) -> Iterator[Batch]:
+        hp = self.hp
+        return micro_batches(examples, hp.micro_batch_size, pad_id=self.data.pad_id, device=self.built.device,
+                             packing=hp.packing, max_seq_length=hp.max_seq_length)
+
+    def _eval(self) -> None:
+        hp, data, built, dist = self.hp, self.data, self.built, self.dist
+        kw: dict[str, Any] = {"pad_id": data.pad_id, "device": built.device, "packing": hp.packing,
+                              "max_seq_length": hp.max_seq_length}
+        if dist is None:
+            loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
+        else:  # each rank its part; the summed losses and counts added up
+            part = rank_part(data.valid, dist.rank, dist.world_size)
+            s_total, n_total = all_sum(dist, evaluate_sums(built.model, part, hp.micro_batch_size, **kw))
+            n = int(n_total)
+            loss = s_total / n if n else float("nan")
+        self.state.valid_loss = loss
+        self.emit(EvalEvent(self.state.step, loss, n))
+
+    def _result(self, final: str | None, *, cancelled: bool) -> TrainResult:
+        return TrainResult(
+            final_model_dir=final,
+            steps=self.state.step,
+            total_steps=self.hp.total_steps,
+            train_loss=mean_loss(self.state),
+            valid_loss=self.state.valid_loss,
+            trained_tokens=self.state.trained_tokens,
+            cancelled=cancelled,
+            last_checkpoint=self.state.last_checkpoint,
+            hyperparameters=self.hp.model_dump(),
+        )

@@ -1,0 +1,251 @@
+"""What the training run writes: resumable checkpoints (exported weights, LoRA adapter, the engine's
+state, RNG states, the run's progress) and the ``final/`` model, both through
+:func:`trainer.run.checkpoint.write_atomic_dir`.
+
+Exported weights come from ``engine.consolidated_state_dict()``; for LoRA the merged model is written
+plus ``adapter/``. Older checkpoints beyond ``keep_checkpoints`` are pruned after each save.
+
+With N > 1 data-parallel ranks every rank must call :meth:`RunOutputs.save_checkpoint`,
+:meth:`~RunOutputs.export_final` and :meth:`~RunOutputs.write_result` at the same points (they hold
+collectives). A checkpoint is written in two phases so that its directory only becomes complete with
+every rank's shard in it:
+
+1. each rank > 0 saves its engine shard and RNG states to ``<checkpoint>.tmp-engine-rankRRRRR-of-NNNNN.pt``
+   beside the checkpoint (a ``.tmp-`` name: :func:`trainer.run.checkpoint.cleanup_partial` removes leftovers);
+   the ranks then sum their failures (a collective every rank reaches), and all raise if any failed;
+2. rank 0 writes the model files, ``training_state.pt`` (no engine state, ``world_size`` N) and its own
+   shard into the temporary directory, moves the other ranks' staged files in, and only then lets
+   :func:`~trainer.run.checkpoint.write_atomic_dir` write the manifest (which lists every shard file) and
+   rename; its outcome (the path, or the error) is broadcast, so every rank raises when it failed.
+
+Only rank 0 writes ``final/`` (the model files of the last checkpoint, no shard or training state) and
+``result.json``, and prunes old checkpoints; only it emits CheckpointSaved/CheckpointRemoved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from trainer.events import CheckpointRemoved, CheckpointSaved, Event
+from trainer.model.lora import current_state, merged_lora_state
+from trainer.run.checkpoint import (
+    FINAL_DIR,
+    MANIFEST,
+    RESULT_FILE,
+    TRAINING_STATE,
+    DiskFullError,
+    checkpoint_name,
+    engine_shard_name,
+    is_engine_shard,
+    is_out_of_space,
+    link_or_copy,
+    prune_checkpoints,
+    rng_state,
+    save_model_files,
+    save_rank_state,
+    save_training_state,
+    write_atomic_dir,
+    write_json_atomic,
+)
+from trainer.run.distributed import DistContext, all_sum, broadcast_object
+from trainer.run.setup import Built, Progress, RunData
+from trainer.spec import JobSpec
+
+if TYPE_CHECKING:
+    import torch
+
+STATE_VERSION = 1
+#: Steps averaged for TrainResult.train_loss.
+LOSS_WINDOW = 20
+
+T = TypeVar("T")
+
+
+def mean_loss(progress: Progress) -> float | None:
+    w = progress.losses[-LOSS_WINDOW:]
+    return sum(w) / len(w) if w else None
+
+
+def metrics(progress: Progress) -> dict[str, Any]:
+    """The run's figures as recorded in checkpoint and final manifests."""
+    return {
+        "step": progress.step,
+        "train_loss": progress.losses[-1] if progress.losses else None,
+        "train_mean_loss": mean_loss(progress),
+        "valid_loss": progress.valid_loss,
+        "trained_tokens": progress.trained_tokens,
+    }
+
+
+class RunOutputs:
+    """Writes the checkpoints and the final model of one run into ``out`` (rank 0 writes the shared
+    files; with several ranks each adds its engine shard to every checkpoint)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        out: Path,
+        data: RunData,
+        built: Built,
+        emit: Callable[[Event], None],
+        dist: DistContext | None = None,
+    ) -> None:
+        self.spec, self.out, self.data, self.built, self.emit = spec, out, data, built, emit
+        self.dist = dist
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist is None or self.dist.is_main
+
+    def _export(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """(model weights to write, LoRA adapter weights or None)."""
+        model = self.built.model
+        state = current_state(model, self.built.engine.consolidated_state_dict())
+        if self.spec.lora is None:
+            return state, None
+        return merged_lora_state(model, state), state
+
+    def _on_main(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` run by rank 0 only; every rank gets its value, or raises when it failed there (a
+        DiskFullError for want of space, like rank 0's)."""
+        if self.dist is None:
+            return fn()
+        if self.dist.is_main:
+            try:
+                value = fn()
+            except Exception as e:
+                broadcast_object(self.dist, ("error", f"{type(e).__name__}: {e}", is_out_of_space(e)))
+                raise
+            broadcast_object(self.dist, ("ok", value, False))
+            return value
+        kind, value, full = broadcast_object(self.dist, None)
+        if kind != "ok":
+            if full:
+                raise DiskFullError(what)
+            raise RuntimeError(f"{what} failed on rank 0: {value}")
+        return value  # type: ignore[no-any-return,unused-ignore]
+
+    def _staged(self, step: int, rank: int) -> Path:
+        """Where rank ``rank`` > 0 leaves its shard for rank 0 to move into checkpoint ``step``."""
+        assert self.dist is not None
+        return self.out / f"{checkpoint_name(step)}.tmp-{engine_shard_name(rank, self.dist.world_size)}"
+
+    def _stage_shards(self, step: int, rank_state: dict[str, Any]) -> None:
+        """Phase 1 (ranks > 0 save their shard beside the checkpoint); raises on every rank if any failed."""
+        assert self.dist is not None
+        dist = self.dist
+        problem: BaseException | None = None
+        staged = self._staged(step, dist.rank)
+        if not dist.is_main:
+            try:
+                save_rank_state(staged, rank_state)
+            except Exception as e:
+                problem = e
+        full = problem is not None and is_out_of_space(problem, self.out)
+        n_full, n_failed = all_sum(dist, [float(full), float(problem is not None)])
+        if n_failed == 0:
+            return
+        if not dist.is_main:
+            staged.unlink(missing_ok=True)
+        if n_full > 0:
+            raise DiskFullError(f"checkpoint {step}") from problem
+        raise RuntimeError(f"checkpoint {step}: {int(n_failed)} rank(s) could not write their engine shard") from problem
+
+    def save_checkpoint(self, progress: Progress) -> None:
+        """Write a checkpoint at ``progress.step``, record it in ``progress``, prune older ones."""
+        built, dist, step = self.built, self.dist, progress.step
+        engine_state = built.engine.state_dict()
+        rng = rng_state()
+        rank_state: dict[str, Any] = {}
+        if dist is not None:
+            rank_state = {"version": STATE_VERSION, "step": step, "rank": dist.rank,
+                          "world_size": dist.world_size, "engine": engine_state, "rng": rng}
+            self._stage_shards(step, rank_state)
+        figures = metrics(progress)
+
+        def write_all() -> str:
+            return str(self._write_checkpoint(progress, figures, engine_state, rng, rank_state))
+
+        path = self._on_main(f"checkpoint {step}", write_all)
+        progress.last_saved, progress.last_checkpoint = step, path
+        if self.is_main:
+            self.emit(CheckpointSaved(step, path, figures))
+            for c in prune_checkpoints(self.out, self.spec.keep_checkpoints):
+                self.emit(CheckpointRemoved(c.step, str(c.path)))
+
+    def _write_checkpoint(
+        self,
+        progress: Progress,
+        figures: dict[str, Any],
+        engine_state: dict[str, Any],
+        rng: dict[str, Any],
+        rank_state: dict[str, Any],
+    ) -> Path:
+        """Phase 2 (rank 0, or the single process): the checkpoint directory, with every shard in it."""
+        built, data, dist = self.built, self.data, self.dist
+        weights, adapter = self._export()
+        tstate: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "step": progress.step,
+            "hyperparameters": data.hp.model_dump(),
+            "rng": rng,
+            "losses": progress.losses[-LOSS_WINDOW:],
+            "trained_tokens": progress.trained_tokens,
+            "valid_loss": progress.valid_loss,
+        }
+        if dist is None:
+            tstate["engine"] = engine_state
+        else:
+            tstate["world_size"] = dist.world_size  # the engine state is in the per-rank shard files
+
+        def write(tmp: Path) -> None:
+            save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+            if adapter is not None:
+                # Explicit save_embedding_layers (never "auto": no Hub lookup of the base config): the
+                # embeddings go into the adapter only when the vocabulary grew, so that the adapter
+                # works with the tokens it was trained with on a base model resized to the tokenizer.
+                built.model.save_pretrained(str(tmp / "adapter"), state_dict=adapter,
+                                            save_embedding_layers=built.added_tokens > 0)
+            save_training_state(tmp, tstate)
+            if dist is not None:
+                save_rank_state(tmp / engine_shard_name(0, dist.world_size), rank_state)
+                for r in range(1, dist.world_size):
+                    os.replace(self._staged(progress.step, r), tmp / engine_shard_name(r, dist.world_size))
+
+        manifest: dict[str, Any] = {"kind": "checkpoint", "step": progress.step, "base_model": self.spec.model,
+                                    "metrics": figures}
+        if dist is not None:
+            manifest["world_size"] = dist.world_size
+        try:
+            return write_atomic_dir(self.out / checkpoint_name(progress.step), write, manifest)
+        finally:
+            if dist is not None:  # shards not moved in (a failed write) are of no use
+                for r in range(1, dist.world_size):
+                    self._staged(progress.step, r).unlink(missing_ok=True)
+
+    def export_final(self, progress: Progress) -> Path:
+        """``final/``: the last checkpoint's model files (hard links where possible), no training state
+        or engine shards; written by rank 0, its path returned on every rank."""
+        assert progress.last_checkpoint is not None
+        src = Path(progress.last_checkpoint)
+
+        def write(tmp: Path) -> None:
+            for p in sorted(src.rglob("*")):
+                if p.is_file() and p.name not in (TRAINING_STATE, MANIFEST) and not is_engine_shard(p.name):
+                    link_or_copy(p, tmp / p.relative_to(src))
+
+        def export() -> str:
+            return str(write_atomic_dir(
+                self.out / FINAL_DIR,
+                write,
+                {"kind": "final", "step": progress.step, "base_model": self.spec.model, "metrics": metrics(progress)},
+            ))
+
+        return Path(self._on_main("the final model", export))
+
+    def write_result(self, result: dict[str, Any]) -> None:
+        """``result.json`` (rank 0); every rank raises when it could not be written."""
+        self._on_main(RESULT_FILE, lambda: write_json_atomic(self.out / RESULT_FILE, result))

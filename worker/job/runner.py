@@ -1,0 +1,460 @@
+"""Run one job from the database: ``python -m worker.job.runner JOB_ID``.
+
+The worker task spawns this as a subprocess (a killable PID, CUDA initialised only here). It loads the
+job and file rows, builds the JobSpec (:func:`trainer.spec.spec_from_job`), makes the job's checkpoint
+rows match its output directory, runs :func:`trainer.run.loop.run_training` with a
+:class:`~worker.job.reporter.DBReporter` (events -> rows, written in order by a
+:class:`~worker.job.writer.ReportWriter` that waits out database outages) inside
+:func:`~worker.metrics.telemetry.track_job` (Prometheus), while a
+:class:`~worker.job.monitor.JobMonitor` beats the heartbeat and polls for a cancel, and writes the
+end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
+registered by :mod:`store.model_ids`,
+``trained_tokens``, the metrics CSV as a result file), cancelled, or failed with ``error = {code,
+message, param}``; data errors name the file param. Every database write is retried across
+connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries
+SQL (:func:`worker.errors.public_message`).
+
+Exit codes: 0 the job reached a terminal state; 75 preempted by SIGTERM (checkpoint written, job left
+running for the worker to re-queue, attempt not counted); 69 interrupted: the database was unreachable
+for longer than the outage window (checkpoint written if the disk allowed, unwritten reports saved in
+the output directory for the next run; the worker re-queues the job, the attempt counted); 74 no space
+left while writing a checkpoint (the previous one kept; the worker re-queues after a backoff, the
+attempt not counted); 3 the job is not ours: already claimed elsewhere, or taken away while running
+(re-queued by the reaper, finished elsewhere), in which case the process exits at once without writing
+more (another process may own the output directory); 64 the job asks for another number of ranks
+than this group has (not claimed); 76 a peer rank failed (its collective broke: the job is left
+running, the group's code is the failed rank's); any other exit (a crash, a signal) leaves the job
+running for the worker or the reaper to re-queue.
+
+A job on N > 1 ranks (``resources.gpus``) runs as N of these processes, started by the worker as one
+:class:`trainer.run.launch.RankGroup` with the ``env://`` variables (WORLD_SIZE > 1): each joins the group
+(:func:`trainer.run.distributed.init_from_env`) first. Rank 0 is the runner described above and, once it
+knows whether the job runs, hands the JobSpec (or None) to the others (:func:`run_peer_rank`); they
+never touch the database, train with ``dist`` and report only their step metrics to Prometheus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from store import jobs, model_ids
+from store.db import session_scope
+from store.orm import File, FineTuningJob, JobStatus, utcnow
+from store.results import add_results_file
+from store.settings import Settings, get_settings
+from trainer.model.catalog import BUILTIN_MODELS
+from worker.capacity import fit
+from worker.errors import public_message, scrub
+from worker.job.monitor import EXIT_LOST, JobMonitor, exit_lost
+from worker.job.reporter import DBReporter
+from worker.job.writer import SPOOL_NAME, ReportWriter
+from worker.retry import DatabaseUnavailable, retry_db
+
+log = logging.getLogger("zenflow.job_runner")
+
+EXIT_DONE = 0
+EXIT_PREEMPTED = 75
+#: The database stayed unreachable for longer than the outage window (sysexits EX_UNAVAILABLE).
+EXIT_DB_UNAVAILABLE = 69
+#: The job asks for a different number of ranks than this process group has (sysexits EX_USAGE).
+EXIT_WRONG_RANKS = 64
+#: Rank 0's collective broke because a peer rank failed (sysexits EX_PROTOCOL); the job is left running.
+EXIT_PEER_LOST = 76
+#: No space left while writing a checkpoint (sysexits EX_IOERR).
+EXIT_DISK_FULL = 74
+HOSTNAME_ENV = "ZENFLOW_WORKER_HOSTNAME"
+#: What the worker task runs with ``python -m``.
+JOB_RUNNER_MODULE = "worker.job.runner"
+#: After an interruption, how long the unwritten reports may still try the database before they are
+#: saved to the spool file.
+_LAST_TRY_SECONDS = 10.0
+
+__all__ = ["EXIT_DB_UNAVAILABLE", "EXIT_DISK_FULL", "EXIT_DONE", "EXIT_LOST", "EXIT_PEER_LOST", "EXIT_PREEMPTED",
+           "EXIT_WRONG_RANKS", "HOSTNAME_ENV", "JOB_RUNNER_MODULE", "run_job_process", "run_peer_rank"]
+
+EndState = Callable[[Session, FineTuningJob], None]
+
+
+def runner_hostname() -> str:
+    """This process's claim on a job: the worker's nodename (from the env) or host:pid standalone."""
+    return os.environ.get(HOSTNAME_ENV) or f"runner@{socket.gethostname()}:{os.getpid()}"
+
+
+def _finish(url: str, job_id: str, hostname: str, end: EndState, window: float) -> int:
+    """Write the end state (``end``, a :mod:`store.jobs` transition) if the job is still ours, retrying
+    across connection drops; the exit code: done, lost (taken away meanwhile) or database unavailable."""
+
+    def once() -> bool:
+        with session_scope(url) as s:
+            job = jobs.lock_job(s, job_id)
+            if job is None or job.status != JobStatus.running.value or job.worker_hostname != hostname:
+                return False
+            job.heartbeat_at = utcnow()
+            end(s, job)
+        return True
+
+    try:
+        return EXIT_DONE if retry_db(once, window=window, what=f"job {job_id}: end state") else EXIT_LOST
+    except DatabaseUnavailable as e:
+        log.error("job %s: could not write its end state: %s", job_id, e)
+        return EXIT_DB_UNAVAILABLE
+
+
+def _failed(code: str, message: str, *, param: str | None = None, event: str,
+            error: Exception | None = None) -> EndState:
+    """Fail the job; its one error event carries ``error``'s type (and a data file's line errors)."""
+    data: dict[str, Any] | None = None
+    if error is not None:
+        data = {"error_type": type(error).__name__}
+        line_errors = getattr(error, "errors", None)  # DatasetValidationError's
+        if isinstance(line_errors, list):
+            data["errors"] = [dict(x) for x in line_errors[:20]]
+    return lambda s, job: jobs.fail(s, job, code, message, param=param, event=event, data=data)
+
+
+def _succeeded(result: Any, results_dir: Path) -> EndState:
+    """The job's outputs, its metrics CSV as a ``fine-tune-results`` file listed in ``result_files`` (in
+    the same transaction; a file that cannot be written is logged and left out: the model is what the
+    job was for), then succeeded."""
+
+    def end(s: Session, job: FineTuningJob) -> None:
+        model_ids.register_final(s, job, result.final_model_dir)  # job.fine_tuned_model = its ft: id
+        job.trained_tokens = result.trained_tokens
+        job.global_step = result.steps
+        try:
+            add_results_file(s, job, results_dir)
+        except OSError:
+            log.exception("job %s: could not write its results file", job.id)
+        jobs.succeed(s, job, f"Job succeeded: {result.steps} steps, fine-tuned model {job.fine_tuned_model}")
+
+    return end
+
+
+def _claim_standalone(s: Session, job: FineTuningJob, hostname: str, settings: Settings) -> bool:
+    """Whether this process runs the job: claimed for it by its worker, or (run by hand) a waiting job
+    claimed here the way the worker does."""
+    if job.status == JobStatus.running.value:
+        return job.worker_hostname == hostname
+    return jobs.claim(s, job, hostname, max_attempts=settings.max_job_attempts,
+                      heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds) is jobs.Claim.claimed
+
+
+def job_ranks(resources: dict[str, Any] | None) -> int:
+    """The ranks a job row's ``resources`` asks for (missing: one)."""
+    try:
+        return max(1, int((resources or {}).get("gpus", 1)))
+    except (TypeError, ValueError):
+        return 1
+
+
+def _load(url: str, job_id: str, hostname: str, settings: Settings, *,
+          world: int = 1) -> int | tuple[dict[str, Any], dict[str, str]]:
+    """The spec's fields and the data files' params, or the exit code when the job is not to run here."""
+    with session_scope(url) as s:
+        job = jobs.lock_job(s, job_id)
+        if job is None:
+            log.error("job %s not found", job_id)
+            return EXIT_DONE
+        if JobStatus(job.status).terminal:
+            return EXIT_DONE
+        if job_ranks(job.resources) != world:  # never run a job on other ranks than it asks for
+            log.error("job %s asks for %d rank(s); this group has %d", job_id, job_ranks(job.resources), world)
+            return EXIT_WRONG_RANKS
+        if not _claim_standalone(s, job, hostname, settings):
+            log.warning("job %s is %s on %s: not ours", job_id, job.status, job.worker_hostname)
+            return EXIT_LOST
+        try:  # an ft: id or a model-root name -> its folder (the team's own, still there)
+            model = model_ids.spec_model(s, job.team_id, job.model, settings.model_roots, BUILTIN_MODELS)
+        except model_ids.ModelLookupError as e:
+            jobs.fail(s, job, "model_not_found", str(e), param="model")
+            return EXIT_DONE
+        training = s.get(File, job.training_file_id)
+        validation = s.get(File, job.validation_file_id) if job.validation_file_id else None
+        output_dir = Path(job.output_dir) if job.output_dir else settings.resolved_jobs_dir / job.id
+        job.output_dir = str(output_dir)
+        fields: dict[str, Any] = dict(
+            model=model,
+            training_file=training.storage_path if training else "",
+            validation_file=validation.storage_path if validation else None,
+            hyperparameters=job.hyperparameters,
+            engine=job.engine,
+            seed=job.seed,
+            output_dir=output_dir,
+            resources=job.resources,
+        )
+    paths = {str(Path(p)): name for p, name in ((fields["training_file"], "training_file"),
+                                                 (fields["validation_file"], "validation_file")) if p}
+    return fields, paths
+
+
+class _Announce:
+    """Rank 0 tells the other ranks, once, whether the job runs: its JobSpec, or None (not ours, refused,
+    invalid, failed to start); a no-op without a group."""
+
+    def __init__(self, dist: Any) -> None:
+        self.dist, self.done = dist, dist is None
+
+    def __call__(self, spec: Any) -> None:
+        if self.done:
+            return
+        self.done = True
+        from trainer.run.distributed import broadcast_object
+
+        try:
+            broadcast_object(self.dist, spec)
+        except Exception:  # the peers are gone: the supervisor settles the group
+            log.exception("could not hand the job to the other ranks")
+
+
+def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any = None) -> int:
+    """Run the job to an end state; see the module docstring for the exit codes. ``dist``: this is rank
+    0 of the job's :class:`trainer.run.distributed.DistContext` (None: the only process)."""
+    from trainer.spec import spec_from_job
+
+    settings = settings or get_settings()
+    url, window = settings.resolved_database_url, settings.job_db_outage_seconds
+    hostname = runner_hostname()
+    world = dist.world_size if dist is not None else 1
+    announce = _Announce(dist)
+    try:
+        try:
+            loaded = retry_db(lambda: _load(url, job_id, hostname, settings, world=world), window=window,
+                              what=f"job {job_id}: start")
+        except DatabaseUnavailable as e:
+            log.error("job %s: cannot start: %s", job_id, e)
+            return EXIT_DB_UNAVAILABLE
+        if isinstance(loaded, int):
+            return loaded
+        fields, paths = loaded
+
+        try:
+            spec = spec_from_job(**fields)
+        except Exception as e:
+            msg = scrub(str(e))
+            announce(None)
+            return _finish(url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window)
+        return _supervised(spec, job_id, url, hostname, paths, settings, dist, announce)
+    finally:
+        announce(None)  # whatever stopped the job before it ran: the other ranks exit
+
+
+def _supervised(spec: Any, job_id: str, url: str, hostname: str, paths: dict[str, str], settings: Settings,
+                dist: Any, announce: _Announce) -> int:
+    """The claimed job with its monitor and writer running: the admission recheck, then the run."""
+    window = settings.job_db_outage_seconds
+    interrupted = threading.Event()  # the database away for longer than the window
+    monitor = JobMonitor(job_id, url, hostname, settings.heartbeat_interval_seconds,
+                         outage_seconds=window, interrupted=interrupted)
+
+    def on_lost() -> None:
+        monitor.lost.set()
+        exit_lost(job_id)
+
+    writer = ReportWriter(url, job_id, hostname, outage_seconds=window, max_items=settings.job_db_buffer_items,
+                          on_lost=on_lost, interrupted=interrupted)
+    writer.start()
+    monitor.start()
+    previous = signal.signal(signal.SIGTERM, lambda *_: monitor.preempted.set())
+    try:
+        # Rather than run out of memory halfway: the job's plan against this worker's capacity. After
+        # the heartbeat has started: planning (and measuring a capacity the worker has not registered
+        # yet) can take seconds, longer than a short heartbeat timeout.
+        if (refused := fit.recheck(url, job_id, hostname, spec, window=window)) is not None:
+            monitor.stop()
+            announce(None)
+            return _finish(url, job_id, hostname, _failed(fit.CODE, refused.message, param=refused.param,
+                                                          event=refused.message), window)
+        announce(spec)
+        return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings, dist).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monitor.stop()
+        writer.close()
+
+
+_PEER_LOST_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl error",
+                    "nccl communicator", "gloo")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether a rank's training error is its collective breaking (a peer rank died), not its own
+    failure: torch.distributed's errors, and gloo's and NCCL's plain RuntimeErrors about the link."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+        if dist_error is not None and isinstance(cur, dist_error):
+            return True
+        if isinstance(cur, RuntimeError) and any(s in str(cur).lower() for s in _PEER_LOST_SIGNS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+class _Run:
+    """One run of the job in this process, from the reconciliation of its checkpoints to its exit code."""
+
+    def __init__(self, spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, writer: ReportWriter,
+                 paths: dict[str, str], settings: Settings, dist: Any = None) -> None:
+        self.spec, self.job_id, self.url, self.hostname, self.dist = spec, job_id, url, hostname, dist
+        self.monitor, self.writer, self.paths = monitor, writer, paths
+        self.window, self.files_dir = settings.job_db_outage_seconds, settings.resolved_files_dir
+        self.out = Path(spec.output_dir)
+        self.spool = self.out / SPOOL_NAME
+
+    def run(self) -> int:
+        from trainer.data.dataset import DatasetValidationError
+        from trainer.model.catalog import UnknownModelError
+        from trainer.model.folder_check import ModelFolderError
+        from trainer.run.checkpoint import DiskFullError, is_out_of_space, prune_checkpoints
+        from trainer.run.loop import run_training
+        from worker.metrics.telemetry import track_job
+
+        reporter = DBReporter(self.writer)
+        if n := self.writer.load_spool(self.spool):
+            log.info("job %s: writing %d reports a previous run could not", self.job_id, n)
+        prune_checkpoints(self.out, self.spec.keep_checkpoints)
+        reporter.sync_checkpoints(self.out)
+        spec, monitor = self.spec, self.monitor
+        end: EndState
+        try:
+            try:
+                # Prometheus telemetry of this run sees every event after the database.
+                with track_job(self.job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
+                    result = run_training(spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop,
+                                          dist=self.dist)
+            finally:
+                monitor.stop()
+        except DatasetValidationError as e:
+            param = self.paths.get(str(Path(e.path)), "training_file")
+            end = _failed(f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}", error=e)
+        except UnknownModelError as e:
+            end = _failed("model_not_found", str(e), param="model", event=str(e), error=e)
+        except ModelFolderError as e:  # the folder changed since the job was created
+            msg = f"the model cannot be fine-tuned: {e.problem}"
+            end = _failed("invalid_model", msg, param="model", event=f"Invalid model: {e.problem}", error=e)
+        except Exception as e:
+            if isinstance(e, DiskFullError) or is_out_of_space(e):
+                log.error("job %s: %s", self.job_id, e)
+                self._drain()
+                return EXIT_DISK_FULL
+            if self.dist is not None and peer_lost(e):
+                log.error("job %s: another rank failed (%s); leaving the job to the worker", self.job_id, e)
+                self._drain()
+                return EXIT_PEER_LOST
+            log.exception("job %s failed", self.job_id)
+            msg = public_message(e)
+            end = _failed("training_error", msg, event=f"Training failed: {msg}", error=e)
+        else:
+            if result.cancelled and monitor.cancel.is_set():
+                end = lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")  # noqa: E731
+            elif result.cancelled:  # preempted, or the database away for too long (interrupted)
+                self._drain()
+                return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
+            else:
+                end = _succeeded(result, self.files_dir)
+        if monitor.lost.is_set():
+            return EXIT_LOST
+        if not self._drain():
+            if self.writer.fatal is None:
+                return EXIT_DB_UNAVAILABLE
+            msg = public_message(self.writer.fatal)
+            end = _failed("training_error", msg, event=f"Training failed: {msg}")
+        return _finish(self.url, self.job_id, self.hostname, end, self.window)
+
+    def _drain(self) -> bool:
+        """Wait for the reports to be written (within the outage window; after an interruption, a last
+        short try); what cannot be is saved to the spool file for the next run. True when all went."""
+        w = self.writer
+        if w.flush() or w.fatal is not None:
+            return w.fatal is None
+        w.flush(min(_LAST_TRY_SECONDS, self.window), past_interruption=True)
+        left = w.close()
+        if left:
+            saved = w.save_spool(self.spool, left)
+            log.error("job %s: database unavailable; %d reports %s", self.job_id, len(left),
+                      f"saved to {self.spool} for the next run" if saved else "lost")
+        return not left
+
+
+def run_peer_rank(job_id: str, dist: Any) -> int:
+    """Rank > 0 of a job's group: train the JobSpec rank 0 hands over (none: exit at once) and report
+    only this rank's step metrics, to Prometheus. Exit 0 when the run ends (done, cancelled, or an
+    input error rank 0 reports), 74 on a full disk, 1 on any other failure (logged here)."""
+    from trainer.data.dataset import DatasetValidationError
+    from trainer.model.catalog import UnknownModelError
+    from trainer.model.folder_check import ModelFolderError
+    from trainer.run.checkpoint import DiskFullError, is_out_of_space
+    from trainer.run.distributed import broadcast_object
+    from trainer.run.loop import run_training
+    from worker.metrics.telemetry import track_job
+
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # preempted: stop with the others
+    try:
+        spec = broadcast_object(dist, None)
+        if spec is None:
+            return EXIT_DONE
+        with track_job(job_id, base_model=spec.model, mode=spec.engine.mode, count=False) as tj:
+            run_training(spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist)
+    except (DatasetValidationError, UnknownModelError, ModelFolderError) as e:
+        log.info("job %s rank %d: %s (rank 0 reports it)", job_id, dist.rank, e)
+    except Exception as e:
+        if isinstance(e, DiskFullError) or is_out_of_space(e):
+            log.error("job %s rank %d: %s", job_id, dist.rank, e)
+            return EXIT_DISK_FULL
+        log.exception("job %s rank %d failed", job_id, dist.rank)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return EXIT_DONE
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+def run_rank(job_id: str) -> int:
+    """One rank of a job's group (WORLD_SIZE > 1): join the group, run as rank 0 or a peer, leave."""
+    from trainer.run.distributed import init_from_env, shutdown
+
+    try:
+        dist = init_from_env()
+    except Exception:
+        log.exception("job %s: cannot join its process group", job_id)
+        return 1
+    try:
+        if dist is None or dist.rank == 0:
+            return run_job_process(job_id, dist=dist)
+        return run_peer_rank(job_id, dist)
+    finally:
+        shutdown(dist)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {JOB_RUNNER_MODULE}", description="Run one job from the database.")
+    parser.add_argument("job_id")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _world_size() > 1:
+        return run_rank(args.job_id)
+    return run_job_process(args.job_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

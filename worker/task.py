@@ -1,0 +1,328 @@
+"""The run task (``zenflow.run_job``) and the supervision of the job's child process.
+
+:func:`run_job`:
+
+1. takes the message as a turn on its queue and claims, under the row locks, the job fair share
+   puts first (:func:`store.jobs.claim_next`; the message's own job only when it is a dead run to
+   take over): a terminal job, or one running elsewhere with a fresh heartbeat, is never run twice;
+   while only jobs of teams at their running quota wait, it re-checks for ``quota_hold_seconds``
+   and then sends the message back to the queue;
+2. runs ``python -m worker.job.runner JOB_ID`` in a fresh subprocess (a killable PID; CUDA is
+   initialised only there; ``PR_SET_PDEATHSIG`` makes it die with the worker; it inherits
+   ``CUDA_VISIBLE_DEVICES``) and waits, escalating a cancel the runner does not honour within
+   ``CANCEL_GRACE_SECONDS`` to SIGTERM and then SIGKILL. A job asking for R > 1 ranks
+   (``resources.gpus``) runs as R such processes, one :class:`trainer.run.launch.RankGroup` (rank r on
+   the worker's r-th GPU, or gloo CPU ranks on a worker without GPUs where ``cpu_ranks`` allows),
+   supervised as one: a rank's death takes the others down and its exit code is the group's. A job
+   asking for more ranks than this worker has is never run on fewer: it goes back to its queue (the
+   one of its size) with the attempt counted, or fails when none are left;
+3. if the subprocess ended without a terminal state (crash, OOM kill, preemption), re-queues the job
+   (it resumes from its last checkpoint) while attempts remain, else fails it; a runner interrupted by
+   a database outage is re-queued, never failed for it, and one stopped by a full disk is re-queued
+   after a backoff without counting an attempt (:mod:`worker.requeue`).
+
+A worker that is killed outright leaves its job running with a heartbeat that goes stale;
+:mod:`worker.reaper` re-queues it, and a restarted worker re-queues its own node's jobs at
+once. On a warm shutdown (:mod:`worker.hooks`) the running job is preempted (SIGTERM:
+checkpoint, exit) and re-queued without counting an attempt. A re-queue commits the row, then sends
+the message and stamps ``dispatched_at`` (:mod:`worker.dispatch`). Does not import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import select, update
+
+from store import jobs
+from store.db import session_scope
+from store.orm import FineTuningJob, JobRun, JobStatus
+from store.settings import Settings, get_settings
+from trainer.run.launch import RankGroup, group_envs
+from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
+from worker.dispatch import dispatch_job
+from worker.errors import public_message
+from worker.job.runner import HOSTNAME_ENV, JOB_RUNNER_MODULE, job_ranks
+from worker.metrics.nvml import detect_gpus
+from worker.metrics.server import job_process_exited
+from worker.requeue import describe_exit, end_backoff, settle_after_exit
+
+log = logging.getLogger("zenflow.worker")
+
+#: After cancel_requested, how long the runner may take to checkpoint and stop before it is killed.
+CANCEL_GRACE_SECONDS = 120.0
+#: How long a terminated runner gets to exit before SIGKILL.
+TERM_GRACE_SECONDS = 30.0
+_POLL_SECONDS = 1.0
+
+#: This worker's nodename (``-n``), recorded in job.worker_hostname: set on celeryd_init (CLI worker,
+#: worker.hooks) or by the embedded worker (the request's hostname is the bare host there).
+_node_hostname: str | None = None
+
+
+def set_node_hostname(name: str | None) -> None:
+    global _node_hostname
+    _node_hostname = name
+
+
+def node_hostname() -> str | None:
+    return _node_hostname
+
+
+# --- the task ---------------------------------------------------------------------------------
+
+
+def claim_job(job_id: str, hostname: str, settings: Settings) -> str:
+    """Decide under the row lock whether this worker runs the job: "claimed" or why not."""
+    with session_scope(settings.resolved_database_url) as s:
+        return jobs.claim(s, jobs.lock_job(s, job_id), hostname, max_attempts=settings.max_job_attempts,
+                          heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)
+
+
+#: While only jobs held back by their team's max_running_jobs quota wait, how often a worker re-checks.
+HOLD_POLL_SECONDS = 1.0
+
+
+def claim_next_job(message_job_id: str, hostname: str, settings: Settings, *,
+                   queue: str | None = None) -> jobs.NextClaim:
+    """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next)."""
+    with session_scope(settings.resolved_database_url) as s:
+        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue,
+                               gpus=_queue_ranks(queue))
+
+
+def claim_for_message(message_job_id: str, hostname: str, settings: Settings, *,
+                      queue: str | None = None) -> jobs.NextClaim:
+    """:func:`claim_next_job`, re-checked every second for up to ``quota_hold_seconds`` while only jobs
+    held back by their team's running quota wait; then the message goes back to the queue (for one of
+    them), so the broker keeps one message per queued job."""
+    deadline = time.monotonic() + settings.quota_hold_seconds
+    while True:
+        result = claim_next_job(message_job_id, hostname, settings, queue=queue)
+        if result.outcome is not jobs.Claim.held or time.monotonic() >= deadline:
+            break
+        time.sleep(HOLD_POLL_SECONDS)
+    if result.outcome is jobs.Claim.held and result.job_id and result.queue:
+        enqueue_job(result.job_id, queue=result.queue)
+    return result
+
+
+def finish_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool = False) -> str:
+    """After the runner exits: leave a terminal job alone, else re-queue it (or fail: no attempts left);
+    see :mod:`worker.requeue` (interrupted and disk-full exits too). What happened, for the logs.
+
+    ``preempted``: we sent the runner SIGTERM (worker shutdown), so its death is not the job's fault.
+    """
+    # enqueue_job is looked up at call time (tests patch it).
+    return settle_after_exit(job_id, rc, hostname, settings, preempted=preempted,
+                             enqueue=lambda j, q: enqueue_job(j, queue=q))
+
+
+def child_env(settings: Settings, hostname: str) -> dict[str, str]:
+    """The runner's environment: ours (CUDA_VISIBLE_DEVICES included) plus our resolved settings."""
+    env = dict(os.environ)
+    env.update(
+        ZENFLOW_DATABASE_URL=settings.resolved_database_url,
+        ZENFLOW_DATA_DIR=str(settings.data_dir.resolve()),
+        ZENFLOW_JOBS_DIR=str(settings.resolved_jobs_dir),
+        ZENFLOW_FILES_DIR=str(settings.resolved_files_dir),
+        ZENFLOW_HEARTBEAT_INTERVAL_SECONDS=str(settings.heartbeat_interval_seconds),
+        ZENFLOW_MAX_JOB_ATTEMPTS=str(settings.max_job_attempts),
+        ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS=str(settings.heartbeat_timeout_seconds),
+        ZENFLOW_JOB_DB_OUTAGE_SECONDS=str(settings.job_db_outage_seconds),
+        ZENFLOW_JOB_DB_BUFFER_ITEMS=str(settings.job_db_buffer_items),
+        **{HOSTNAME_ENV: hostname},
+    )
+    return env
+
+
+# --- ranks ------------------------------------------------------------------------------------
+
+
+def worker_devices() -> list[str]:
+    """This worker's GPUs, as its ranks are to see them: the entries of ``CUDA_VISIBLE_DEVICES``
+    (indices or UUIDs; empty or ``-1``: none), else every GPU NVML sees."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [d.strip() for d in cvd.split(",") if d.strip() and d.strip() != "-1"]
+    return [str(i) for i, _ in detect_gpus()]
+
+
+def worker_ranks(settings: Settings, devices: list[str] | None = None) -> int:
+    """How many ranks a job may have here: one per GPU; on a worker without GPUs, ``gpus_per_job``
+    gloo CPU ranks where ``cpu_ranks`` allows them, else one."""
+    devices = worker_devices() if devices is None else devices
+    if devices:
+        return len(devices)
+    return settings.gpus_per_job if settings.cpu_ranks else 1
+
+
+def claimed_ranks(job_id: str, settings: Settings) -> int:
+    """The ranks the claimed job asks for (its ``resources``); its run in the ledger counts that many
+    GPUs (the claim assumed the size of the message's queue)."""
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(FineTuningJob, job_id)
+        ranks = job_ranks(job.resources if job is not None else None)
+        s.execute(update(JobRun).where(JobRun.job_id == job_id, JobRun.ended_at.is_(None), JobRun.gpus != ranks)
+                  .values(gpus=ranks))
+    return ranks
+
+
+def _queue_ranks(queue: str | None) -> int:
+    """The job size a queue is for (``<base>-x<N>``: N; any other: 1)."""
+    head, sep, n = (queue or "").rpartition("-x")
+    return int(n) if sep and head and n.isdigit() and int(n) > 1 else 1
+
+
+def send_back_oversized(job_id: str, ranks: int, have: int, hostname: str, settings: Settings) -> str:
+    """A job asking for more ranks than this worker has: back to the queue of its size (its ``queue``
+    re-cut for ``ranks`` when it names another size), the attempt counted, or failed when none are left.
+    What happened, for the logs."""
+    url = settings.resolved_database_url
+
+    def settle() -> tuple[str, str | None]:
+        with session_scope(url) as s:
+            job = jobs.lock_job(s, job_id)
+            if job is None or job.status != JobStatus.running.value or job.worker_hostname != hostname:
+                return "not-ours", None
+            why = f"this job needs {ranks} GPUs (resources.gpus) and worker {hostname} runs jobs of {have}"
+            if job.attempts >= settings.max_job_attempts:
+                jobs.fail(s, job, "insufficient_gpus", f"{why}; gave up after {job.attempts} attempts: start "
+                          f"a worker with --gpus-per-job {ranks} for the queue {queue_for_gpus(ranks, job.queue)}")
+                return "failed", None
+            if _queue_ranks(job.queue) != ranks:
+                base = job.queue.rpartition("-x")[0] if _queue_ranks(job.queue) > 1 else job.queue
+                job.queue = queue_for_gpus(ranks, base)
+            return "requeued", jobs.requeue(s, job, f"Not run: {why}")
+
+    outcome, queue = settle()
+    if queue is not None:
+        dispatch_job(url, job_id, queue, enqueue=lambda j, q: enqueue_job(j, queue=q))
+    return outcome
+
+
+def rank_group(job_id: str, ranks: int, hostname: str, settings: Settings,
+               devices: list[str] | None = None) -> RankGroup:
+    """The job's ranks, not started: one runner with the worker's environment for a one-rank job (on
+    the worker's first GPU); else ``ranks`` runners with the ``env://`` variables, rank r on the r-th
+    GPU, or CPU ranks (an even share of the cores each) on a worker without GPUs."""
+    devices = worker_devices() if devices is None else devices
+    argv = [sys.executable, "-m", JOB_RUNNER_MODULE, job_id]
+    base = child_env(settings, hostname)
+    if ranks == 1:
+        if len(devices) > 1:
+            base["CUDA_VISIBLE_DEVICES"] = devices[0]
+        envs = [base]
+    else:
+        envs = group_envs(ranks, devices=devices[:ranks] if devices else None, base=base)
+    return RankGroup([argv] * ranks, envs, term_grace=TERM_GRACE_SECONDS)
+
+
+_current_lock = threading.Lock()
+_current: RankGroup | None = None
+_preempted = threading.Event()
+
+
+def preempt_current(sig: int = signal.SIGTERM) -> bool:
+    """Signal the running job's ranks (SIGTERM: checkpoint and exit 75), or end the disk-full backoff
+    of a job waiting here (it is re-queued at once); False when neither."""
+    with _current_lock:
+        group = _current
+    if group is None or not group.alive():
+        return end_backoff()
+    _preempted.set()
+    group.kill() if sig == signal.SIGKILL else group.terminate(sig)
+    return True
+
+
+def _cancel_requested(job_id: str, settings: Settings) -> bool:
+    with session_scope(settings.resolved_database_url) as s:
+        return bool(s.execute(select(FineTuningJob.cancel_requested).where(FineTuningJob.id == job_id)).scalar())
+
+
+def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: float = CANCEL_GRACE_SECONDS,
+              ranks: int = 1) -> int:
+    """Run the job's runner (or its ``ranks`` runners, one group) to the end; the return code (negative:
+    killed by a signal; for a group, the code of the rank that failed first, else rank 0's)."""
+    global _current
+    group = rank_group(job_id, ranks, hostname, settings)
+    with _current_lock:
+        group.start()
+        _current = group
+        _preempted.clear()
+    cancel_seen: float | None = None
+    terminated: float | None = None
+    last_check = 0.0
+    try:
+        while True:
+            try:
+                rc = group.wait(timeout=_POLL_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+            else:
+                for pid in group.pids:
+                    _report_exit(pid)
+                return rc
+            now = time.monotonic()
+            if terminated is not None:
+                if now - terminated > TERM_GRACE_SECONDS:
+                    group.kill()
+                continue
+            if now - last_check >= 5 * _POLL_SECONDS:
+                last_check = now
+                try:
+                    if cancel_seen is None and _cancel_requested(job_id, settings):
+                        cancel_seen = now
+                except Exception as e:  # the database is away: try again next round
+                    log.warning("job %s: cancel check failed: %s", job_id, public_message(e))
+            if cancel_seen is not None and now - cancel_seen > cancel_grace:
+                log.warning("job %s: runner ignored the cancel for %.0fs; terminating it", job_id, cancel_grace)
+                group.terminate()
+                terminated = now
+    finally:
+        with _current_lock:
+            _current = None
+        if group.alive():  # an exception here: nothing of the job outlives its supervision
+            group.kill()
+
+
+def _report_exit(pid: int) -> None:
+    """Fold the dead runner's metric samples (a metrics problem never stops a worker)."""
+    try:
+        job_process_exited(pid)
+    except Exception:
+        log.exception("worker metrics: could not fold the runner's samples")
+
+
+@celery_app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_job(self: Any, job_id: str) -> str:
+    """Run one job (see the module docstring); returns what happened, for the logs."""
+    settings = get_settings()
+    hostname = _node_hostname or self.request.hostname or f"celery@{socket.gethostname()}"
+    # The message is a turn on its queue: the job that runs is the one fair share puts first.
+    routing_key = (self.request.delivery_info or {}).get("routing_key")
+    claimed = claim_for_message(job_id, hostname, settings, queue=routing_key)
+    if claimed.outcome is not jobs.Claim.claimed or claimed.job_id is None:
+        log.info("message for job %s: %s, nothing run", job_id, claimed.outcome.value)
+        return claimed.outcome.value
+    job_id = claimed.job_id
+    ranks, have = claimed_ranks(job_id, settings), worker_ranks(settings)
+    if ranks > have:
+        outcome = send_back_oversized(job_id, ranks, have, hostname, settings)
+        log.warning("job %s needs %d ranks, this worker has %d: %s", job_id, ranks, have, outcome)
+        return outcome
+    log.info("job %s: running on %s%s", job_id, hostname, f" as {ranks} ranks" if ranks > 1 else "")
+    rc = run_child(job_id, hostname, settings, ranks=ranks)
+    outcome = finish_after_exit(job_id, rc, hostname, settings, preempted=_preempted.is_set())
+    log.info("job %s: runner exited (%s): %s", job_id, describe_exit(rc), outcome)
+    return outcome
+
+
