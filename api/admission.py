@@ -59,28 +59,43 @@ def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
     if not sizes:
         if settings.cpu_ranks and settings.gpus_per_job >= gpus:
             return
-        message = (f"No worker is live to run a job on {gpus} GPUs: start one with --gpus-per-job {gpus} "
-                   "or ask for resources.gpus 1")
+        message = (
+            f"No worker is live to run a job on {gpus} GPUs: start one with --gpus-per-job {gpus} "
+            "or ask for resources.gpus 1"
+        )
     elif gpus > sizes[-1]:
-        message = (f"The job asks for {gpus} GPUs, more than any live worker runs: the largest jobs live "
-                   f"workers serve are {sizes[-1]} GPU{'s' if sizes[-1] > 1 else ''}")
+        message = (
+            f"The job asks for {gpus} GPUs, more than any live worker runs: the largest jobs live "
+            f"workers serve are {sizes[-1]} GPU{'s' if sizes[-1] > 1 else ''}"
+        )
     elif gpus not in sizes:
-        message = (f"The job asks for {gpus} GPUs and no live worker runs jobs of that size (a worker runs "
-                   f"jobs of exactly its --gpus-per-job): live workers run jobs of "
-                   f"{', '.join(map(str, sizes))} GPUs; ask for one of these or start a worker with "
-                   f"--gpus-per-job {gpus}")
+        message = (
+            f"The job asks for {gpus} GPUs and no live worker runs jobs of that size (a worker runs "
+            f"jobs of exactly its --gpus-per-job): live workers run jobs of "
+            f"{', '.join(map(str, sizes))} GPUs; ask for one of these or start a worker with "
+            f"--gpus-per-job {gpus}"
+        )
     else:
         return
     raise APIError(400, message, param="resources.gpus", code=CODE)
 
 
-def check_capacity(session: Session, spec: Any, settings: Settings, *, queue: str, num_examples: int | None,
-                   hyperparameters_param: str) -> None:
+def check_capacity(
+    session: Session,
+    spec: Any,
+    settings: Settings,
+    *,
+    queue: str,
+    num_examples: int | None,
+    hyperparameters_param: str,
+) -> None:
     """Raise a 400 naming the field when ``spec`` (a checked trainer JobSpec) fits no candidate of ``queue``."""
     try:
         refused = refusal(spec, candidates(session, queue, settings), num_examples=num_examples)
     except ValueError as e:  # the model's config cannot be built on the meta device (UnknownModelError too)
-        raise APIError(400, f"Cannot plan model {spec.model!r}: {e}", param="model", code="invalid_model") from e
+        raise APIError(
+            400, f"Cannot plan model {spec.model!r}: {e}", param="model", code="invalid_model"
+        ) from e
     if refused is None:
         return
     loc = request_loc(refused.loc, hyperparameters_param)

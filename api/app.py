@@ -64,7 +64,9 @@ def create_app(
         await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
         if api_settings.gc_freeze:
             freeze_startup_heap(with_broker=enqueue is None)
-        retention = asyncio.create_task(_retention_loop(app)) if api_settings.retention_interval_seconds else None
+        retention = (
+            asyncio.create_task(_retention_loop(app)) if api_settings.retention_interval_seconds else None
+        )
         try:
             yield
         finally:
@@ -105,8 +107,11 @@ def create_app(
     install_console(app)  # the static self-serve console at /console (api/console.py)
     app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
     _install_metrics(app)
-    app.add_middleware(HeaderLimitMiddleware, max_count=api_settings.max_header_count,
-                       max_bytes=api_settings.max_header_bytes)
+    app.add_middleware(
+        HeaderLimitMiddleware,
+        max_count=api_settings.max_header_count,
+        max_bytes=api_settings.max_header_bytes,
+    )
     _install_openapi(app)
     return app
 
@@ -120,9 +125,23 @@ _REQUEST_PATH_MODULES = ("trainer.data.dataset", "trainer.model.catalog", "train
 #: and transformers take seconds, and transformers' lazy module is not safe to import from two
 #: threads at once (a create and a chat request racing on first use saw "cannot import name
 #: PreTrainedTokenizerFast"), so they are imported once, at start, before requests are served.
-_CREATE_PATH_MODULES = ("torch", "trainer.plan.planner", "trainer.model.folder_check", "trainer.data.chat_format")
-_TRANSFORMERS_NAMES = ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig", "LlamaConfig",
-                       "LlamaForCausalLM", "PreTrainedModel", "PreTrainedTokenizerBase", "PreTrainedTokenizerFast")
+_CREATE_PATH_MODULES = (
+    "torch",
+    "trainer.plan.planner",
+    "trainer.model.folder_check",
+    "trainer.data.chat_format",
+)
+_TRANSFORMERS_NAMES = (
+    "AutoConfig",
+    "AutoModelForCausalLM",
+    "AutoTokenizer",
+    "GenerationConfig",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "PreTrainedModel",
+    "PreTrainedTokenizerBase",
+    "PreTrainedTokenizerFast",
+)
 
 
 def _import_quietly(names: tuple[str, ...]) -> None:
@@ -172,7 +191,10 @@ def _install_openapi(app: FastAPI) -> None:
                     if isinstance(op, dict):
                         op.get("responses", {}).pop("422", None)
             schemas = schema.get("components", {}).get("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):  # in this order: the first refers to the second
+            for name in (
+                "HTTPValidationError",
+                "ValidationError",
+            ):  # in this order: the first refers to the second
                 others = {k: v for k, v in schemas.items() if k != name}
                 if f'"#/components/schemas/{name}"' not in json.dumps([schema["paths"], others]):
                     schemas.pop(name, None)
@@ -192,8 +214,12 @@ async def _retention_loop(app: FastAPI) -> None:
     while True:
         await asyncio.sleep(api_settings.retention_interval_seconds)
         try:
-            await run_in_threadpool(sweep, app.state.sessionmaker, keep=api_settings.retain_checkpoints,
-                                    jobs_dir=settings.resolved_jobs_dir)
+            await run_in_threadpool(
+                sweep,
+                app.state.sessionmaker,
+                keep=api_settings.retain_checkpoints,
+                jobs_dir=settings.resolved_jobs_dir,
+            )
         except Exception:
             log.exception("retention sweep failed")
 

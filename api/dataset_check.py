@@ -45,10 +45,13 @@ def _model_stamp(model: str) -> tuple[int, int] | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _report(path: str, stamp: tuple[int, int], model: str, max_len: int, options: DataOptions) -> DatasetReport:
+def _report(
+    path: str, stamp: tuple[int, int], model: str, max_len: int, options: DataOptions
+) -> DatasetReport:
     tokenizer = _tokenizer(model, _model_stamp(model))
-    return validate_file(path, tokenizer=tokenizer, max_seq_length=max_len, options=options,
-                         max_errors=MAX_REPORTED_ERRORS)
+    return validate_file(
+        path, tokenizer=tokenizer, max_seq_length=max_len, options=options, max_errors=MAX_REPORTED_ERRORS
+    )
 
 
 def data_max_length(model: str, hyperparameters: Hyperparameters) -> int:
@@ -56,10 +59,14 @@ def data_max_length(model: str, hyperparameters: Hyperparameters) -> int:
     the example count)."""
     from trainer.model.catalog import model_max_length
 
-    return hyperparameters.resolve(1, base_learning_rate=1.0, model_max_length=model_max_length(model)).max_seq_length
+    return hyperparameters.resolve(
+        1, base_learning_rate=1.0, model_max_length=model_max_length(model)
+    ).max_seq_length
 
 
-def check_file(path: Path, model: str, hyperparameters: Hyperparameters, *, param: str, code: str) -> DatasetReport:
+def check_file(
+    path: Path, model: str, hyperparameters: Hyperparameters, *, param: str, code: str
+) -> DatasetReport:
     """The file's report with ``model``'s tokenizer; a 400 (``param``, ``code``) naming the lines."""
     options = DataOptions.of(hyperparameters)
     max_len = data_max_length(model, hyperparameters)
@@ -67,13 +74,24 @@ def check_file(path: Path, model: str, hyperparameters: Hyperparameters, *, para
         return _report(str(path), _stamp(path), model, max_len, options)
     except DatasetValidationError as exc:
         errors = [dict(e) for e in exc.errors]
-        shown = "; ".join(str(e["message"]) for e in errors[:5]) + (f"; and {len(errors) - 5} more" if len(errors) > 5 else "")
+        shown = "; ".join(str(e["message"]) for e in errors[:5]) + (
+            f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
+        )
         first_field = next((e["field"] for e in errors if e.get("field")), None)
-        raise APIError(400, f"Invalid {param} for model {Path(model).name!r}: {shown}", param=param, code=code,
-                       extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]}) from exc
+        raise APIError(
+            400,
+            f"Invalid {param} for model {Path(model).name!r}: {shown}",
+            param=param,
+            code=code,
+            extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
+        ) from exc
     except (OSError, ValueError) as exc:  # the model's tokenizer cannot be loaded
-        raise APIError(400, f"Model {Path(model).name!r}: its tokenizer cannot be loaded ({exc})", param="model",
-                       code="invalid_model") from exc
+        raise APIError(
+            400,
+            f"Model {Path(model).name!r}: its tokenizer cannot be loaded ({exc})",
+            param="model",
+            code="invalid_model",
+        ) from exc
 
 
 def check_job_data(spec: JobSpec) -> None:

@@ -45,8 +45,14 @@ def _env(data_dir: Path) -> dict[str, str]:
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "api.cli.main", *args], env=env, cwd=ROOT, check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli.main", *args],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip()
 
 
@@ -77,8 +83,12 @@ def _follow_events(base: str, key: str, job_id: str, timeout: float) -> None:
         if last:
             headers["Last-Event-ID"] = last
         try:
-            with httpx.stream("GET", f"{base}/v1/fine_tuning/jobs/{job_id}/events", headers=headers,
-                              timeout=httpx.Timeout(10, read=60)) as r:
+            with httpx.stream(
+                "GET",
+                f"{base}/v1/fine_tuning/jobs/{job_id}/events",
+                headers=headers,
+                timeout=httpx.Timeout(10, read=60),
+            ) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith("id: "):
@@ -100,7 +110,12 @@ def _print_event(ev: dict[str, Any]) -> None:
     raw = ev.get("data")
     data: dict[str, Any] = raw if isinstance(raw, dict) else {}
     step = data.get("step")
-    if ev.get("type") == "metrics" and isinstance(step, int) and step % 16 and step not in (1, data.get("total_steps")):
+    if (
+        ev.get("type") == "metrics"
+        and isinstance(step, int)
+        and step % 16
+        and step not in (1, data.get("total_steps"))
+    ):
         return
     stamp = time.strftime("%H:%M:%S", time.localtime(ev["created_at"]))
     msg = ev["message"]
@@ -112,7 +127,12 @@ def _print_event(ev: dict[str, Any]) -> None:
 def _chat(client: OpenAI, model: str, question: str) -> str:
     """Ask ``model`` one question through the chat completions endpoint, streamed; the answer."""
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0, stream=True)
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+    )
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
@@ -137,9 +157,14 @@ def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
     base = f"http://127.0.0.1:{port}"
     log_path = data_dir / "serve.log"
     log_file = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     ok = False
     try:
         _wait_ready(base, proc, timeout=120)
@@ -150,8 +175,9 @@ def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
             train = client.files.create(file=(TRAIN_FILE.name, fh), purpose="fine-tune")
         with VALID_FILE.open("rb") as fh:
             valid = client.files.create(file=(VALID_FILE.name, fh), purpose="fine-tune")
-        print(f"uploaded {train.filename} -> {train.id} ({train.bytes} bytes), "
-              f"{valid.filename} -> {valid.id}")
+        print(
+            f"uploaded {train.filename} -> {train.id} ({train.bytes} bytes), {valid.filename} -> {valid.id}"
+        )
 
         job = client.fine_tuning.jobs.create(
             model="tiny-llama",
@@ -159,8 +185,16 @@ def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
             validation_file=valid.id,
             suffix="capitals",
             seed=0,
-            method={"type": "supervised", "supervised": {"hyperparameters": {
-                "n_epochs": N_EPOCHS, "batch_size": 8, "learning_rate_multiplier": 1.0}}},
+            method={
+                "type": "supervised",
+                "supervised": {
+                    "hyperparameters": {
+                        "n_epochs": N_EPOCHS,
+                        "batch_size": 8,
+                        "learning_rate_multiplier": 1.0,
+                    }
+                },
+            },
             # The sample spec's ZenFlow settings, measured for this random-init model (see its comments).
             extra_body={"engine": yaml.safe_load(SPEC_FILE.read_text())["engine"]},
             extra_headers={"Idempotency-Key": f"demo-{team}"},
@@ -169,28 +203,38 @@ def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
         _follow_events(base, key, job.id, timeout=timeout)
 
         job = client.fine_tuning.jobs.retrieve(job.id)
-        print(f"==> {job.id} {job.status}; fine_tuned_model={job.fine_tuned_model} "
-              f"trained_tokens={job.trained_tokens}")
+        print(
+            f"==> {job.id} {job.status}; fine_tuned_model={job.fine_tuned_model} "
+            f"trained_tokens={job.trained_tokens}"
+        )
         if job.status != "succeeded":
             print(f"job did not succeed: {job.error}", file=sys.stderr)
             return 1
         ckpts = client.fine_tuning.jobs.checkpoints.list(job.id).data
         for c in ckpts:
-            print(f"  checkpoint step {c.step_number}: {c.fine_tuned_model_checkpoint} "
-                  f"train_loss={c.metrics.train_loss} valid_loss={c.metrics.valid_loss}")
+            print(
+                f"  checkpoint step {c.step_number}: {c.fine_tuned_model_checkpoint} "
+                f"train_loss={c.metrics.train_loss} valid_loss={c.metrics.valid_loss}"
+            )
         metrics = client.get(f"/fine_tuning/jobs/{job.id}/metrics", cast_to=dict)["data"]
         if metrics:
             stall = sum(m["stall_fraction"] for m in metrics) / len(metrics)
-            print(f"  {len(metrics)} steps recorded; loss {metrics[0]['train_loss']:.3f} -> "
-                  f"{metrics[-1]['train_loss']:.3f}; mean stall fraction {stall:.3f}")
+            print(
+                f"  {len(metrics)} steps recorded; loss {metrics[0]['train_loss']:.3f} -> "
+                f"{metrics[-1]['train_loss']:.3f}; mean stall fraction {stall:.3f}"
+            )
         for file_id in job.result_files or []:  # the metrics CSV, fetched as with OpenAI
             csv_text = client.files.content(file_id).text
-            print(f"  result file {file_id}: {len(csv_text.splitlines()) - 1} rows, columns "
-                  f"{csv_text.splitlines()[0] if csv_text else ''}")
+            print(
+                f"  result file {file_id}: {len(csv_text.splitlines()) - 1} rows, columns "
+                f"{csv_text.splitlines()[0] if csv_text else ''}"
+            )
         model = job.fine_tuned_model
         if not model:
             raise RuntimeError("the job succeeded without a fine_tuned_model")
-        print(f"==> download it: curl -H 'Authorization: Bearer <key>' -o model.tar '{base}/v1/models/{model}/content'")
+        print(
+            f"==> download it: curl -H 'Authorization: Bearer <key>' -o model.tar '{base}/v1/models/{model}/content'"
+        )
         question = "What is the capital of France?"
         print(f"==> chatting with {model} (client.chat.completions.create, stream=True)")
         print(f"  user:  {question}")
@@ -201,8 +245,10 @@ def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
             print(f"==> console: {base}/console/ (paste the key {key}); serving until Ctrl-C")
             _wait_for_interrupt(proc)
         else:
-            print(f"==> console: {base}/console/ (stops with this demo; `python -m api.demo --stay` keeps "
-                  "serving it; `zenflow serve` serves it too)")
+            print(
+                f"==> console: {base}/console/ (stops with this demo; `python -m api.demo --stay` keeps "
+                "serving it; `zenflow serve` serves it too)"
+            )
         return 0
     except Exception as exc:
         print(f"demo failed: {exc.__class__.__name__}: {exc}", file=sys.stderr)
@@ -240,8 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, default=ROOT / "var" / "demo")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the job")
     p.add_argument("--keep", action="store_true", help="keep the data dir of a previous run")
-    p.add_argument("--stay", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep serving after the demo, for the console (default: when stdin is a terminal)")
+    p.add_argument(
+        "--stay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep serving after the demo, for the console (default: when stdin is a terminal)",
+    )
     args = p.parse_args(argv)
     stay = sys.stdin.isatty() if args.stay is None else args.stay
     return run(args.data_dir.resolve(), timeout=args.timeout, keep=args.keep, stay=stay)

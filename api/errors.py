@@ -42,7 +42,9 @@ _DEFAULT_CODES = {
 }
 
 # Pieces pydantic adds to ``loc`` for union members and wrapped validators; not field names.
-_TAG = re.compile(r"^(int|float|str|bool|none|bytes|dict\[.*|list\[.*|tuple\[.*|literal\[.*|function-.*|.*\[.*\]|json-or-python\[.*)$")
+_TAG = re.compile(
+    r"^(int|float|str|bool|none|bytes|dict\[.*|list\[.*|tuple\[.*|literal\[.*|function-.*|.*\[.*\]|json-or-python\[.*)$"
+)
 
 
 class APIError(Exception):
@@ -179,8 +181,12 @@ def body_type_error(errors: Sequence[Mapping[str, Any]], content_type: str | Non
         return None
     if not _is_json(content_type):
         got = f"got {content_type!r}" if content_type else "no Content-Type header was sent"
-        return APIError(400, f"Send the request body as JSON with 'Content-Type: application/json' ({got})",
-                        param="Content-Type", code="invalid_content_type")
+        return APIError(
+            400,
+            f"Send the request body as JSON with 'Content-Type: application/json' ({got})",
+            param="Content-Type",
+            code="invalid_content_type",
+        )
     return APIError(400, "The request body must be a JSON object", code="invalid_value")
 
 
@@ -192,8 +198,9 @@ def allowed_methods(scope: Scope) -> list[str]:
     against the routes, so routers included with their own matching are asked too)."""
     router = scope.get("router") or getattr(scope.get("app"), "router", None)
     routes = list(getattr(router, "routes", ()))
-    return [m for m in _METHODS
-            if any(route.matches({**scope, "method": m})[0] == Match.FULL for route in routes)]
+    return [
+        m for m in _METHODS if any(route.matches({**scope, "method": m})[0] == Match.FULL for route in routes)
+    ]
 
 
 def _db_unavailable(exc: Exception) -> bool:
@@ -247,15 +254,18 @@ def install_error_handlers(app: FastAPI) -> None:
         if _db_unavailable(exc):
             log.warning("database unavailable: %s", exc.__class__.__name__)
             return APIError(
-                503, "The database is unavailable; retry shortly", code="database_unavailable",
+                503,
+                "The database is unavailable; retry shortly",
+                code="database_unavailable",
                 headers={"Retry-After": "1"},
             ).response()
         if isinstance(exc, sa_exc.IntegrityError):
             return APIError(409, "The request conflicts with the current state", code="conflict").response()
         if isinstance(exc, sa_exc.DataError):  # a value the database cannot hold (out of range, NUL byte)
             log.warning("database refused a value: %s", exc.orig)
-            return APIError(400, "A value in the request is out of range for this server",
-                            code="invalid_value").response()
+            return APIError(
+                400, "A value in the request is out of range for this server", code="invalid_value"
+            ).response()
         log.exception("database error")
         return APIError(500, "Internal server error", code="internal_error").response()
 

@@ -38,8 +38,12 @@ class HeaderLimitMiddleware:
                 if size > self.max_bytes:
                     problem = f"{size} bytes of headers, over the server's limit of {self.max_bytes}"
             if problem is not None:
-                err = APIError(431, f"Request headers too large: {problem}", code="request_header_too_large",
-                               headers={"Connection": "close"})
+                err = APIError(
+                    431,
+                    f"Request headers too large: {problem}",
+                    code="request_header_too_large",
+                    headers={"Connection": "close"},
+                )
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -56,6 +60,9 @@ async def no_nul_in_ids(request: Request, _team: TeamDep) -> None:
             raise not_found(ID_KINDS.get(name, "object"), _shown(value), param=name)
     for name, value in request.query_params.multi_items():
         if "\x00" in value or "\x00" in name:
-            raise APIError(400, f"Invalid {_shown(name)}: NUL bytes are not allowed", param=_shown(name),
-                           code="invalid_value")
-
+            raise APIError(
+                400,
+                f"Invalid {_shown(name)}: NUL bytes are not allowed",
+                param=_shown(name),
+                code="invalid_value",
+            )

@@ -54,7 +54,9 @@ def validate_dataset(path: Path, *, param: str = "file") -> int:
             extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
-        raise APIError(400, f"Invalid fine-tuning file: {exc}", param=param, code="invalid_file_format") from exc
+        raise APIError(
+            400, f"Invalid fine-tuning file: {exc}", param=param, code="invalid_file_format"
+        ) from exc
     return report.num_examples
 
 
@@ -66,8 +68,12 @@ def check_model_folder(folder: Path | None, name: str) -> None:
     try:
         check_folder(folder)
     except ModelFolderError as exc:
-        raise APIError(400, f"Model {name[:200]!r} cannot be fine-tuned: {exc.problem}", param="model",
-                       code="invalid_model") from exc
+        raise APIError(
+            400,
+            f"Model {name[:200]!r} cannot be fine-tuned: {exc.problem}",
+            param="model",
+            code="invalid_model",
+        ) from exc
 
 
 def resolved_hyperparameters(spec: JobSpec, num_examples: int | None) -> dict[str, Any] | None:
@@ -118,18 +124,27 @@ def check_job_spec(
     fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
     try:
         spec = spec_from_job(
-            model=model, training_file=training_file, validation_file=validation_file,
-            hyperparameters=hyperparameters, engine=engine, seed=seed, output_dir=output_dir,
+            model=model,
+            training_file=training_file,
+            validation_file=validation_file,
+            hyperparameters=hyperparameters,
+            engine=engine,
+            seed=seed,
+            output_dir=output_dir,
             resources=resources,
         )
     except ValidationError as exc:
-        errors = [{**e, "loc": request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()]
+        errors = [
+            {**e, "loc": request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()
+        ]
         raise validation_error(errors, fields=fields) from exc
     refused = limit_errors(spec, limits, num_examples=num_examples) if limits is not None else []
     refused = refused or rank_batch_errors(spec, num_examples)
     if refused:
-        errors = [{"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
-                  for r in refused]
+        errors = [
+            {"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
+            for r in refused
+        ]
         raise validation_error(errors, fields=fields)
     return spec
 
@@ -163,10 +178,18 @@ def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitErro
     if resolved >= gpus:
         return []
     if batch == "auto":
-        return [LimitError(("hyperparameters", "batch_size"),
-                           f"'auto' resolves to {resolved} for {num_examples} examples; give a batch size of {need}")]
-    return [LimitError(("training_file",), f"has {num_examples} examples, so each step's batch is {resolved}; "
-                                           f"it must be {need}")]
+        return [
+            LimitError(
+                ("hyperparameters", "batch_size"),
+                f"'auto' resolves to {resolved} for {num_examples} examples; give a batch size of {need}",
+            )
+        ]
+    return [
+        LimitError(
+            ("training_file",),
+            f"has {num_examples} examples, so each step's batch is {resolved}; it must be {need}",
+        )
+    ]
 
 
 def job_queue(gpus: int, settings: Settings) -> str:

@@ -28,7 +28,9 @@ from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStep
 #: ranks that queue alone, and nothing for a job that does not wait (NULL matches no queue).
 _RANKED = aliased(FineTuningJob, name="ranked_job")
 _JOB_QUEUE = (
-    select(_RANKED.queue).where(_RANKED.id == bindparam("job_id"), _RANKED.status.in_(PENDING)).scalar_subquery()
+    select(_RANKED.queue)
+    .where(_RANKED.id == bindparam("job_id"), _RANKED.status.in_(PENDING))
+    .scalar_subquery()
 )
 _JOB_QUEUE_RANKS = fair_order(_JOB_QUEUE, name="job_queue_ranks")
 
@@ -105,8 +107,11 @@ def list_statement(with_status: bool, with_cursor: bool) -> Select[Any]:
         stmt = stmt.where(FineTuningJob.status == bindparam("status"))
     if with_cursor:
         stmt = stmt.where(
-            after_clause((FineTuningJob.created_at, FineTuningJob.id),
-                         (bindparam("after_created_at"), bindparam("after_id")), descending=True)
+            after_clause(
+                (FineTuningJob.created_at, FineTuningJob.id),
+                (bindparam("after_created_at"), bindparam("after_id")),
+                descending=True,
+            )
         )
     return stmt.order_by(FineTuningJob.created_at.desc(), FineTuningJob.id.desc()).limit(bindparam("limit"))
 
@@ -123,7 +128,12 @@ def get_team_job(session: Session, team_id: str, job_id: str, *, lock: bool = Fa
 
 def estimated_finish(job: Any) -> int | None:
     started = as_utc(job.started_at)
-    if job.status != JobStatus.running.value or started is None or not job.total_steps or job.global_step <= 0:
+    if (
+        job.status != JobStatus.running.value
+        or started is None
+        or not job.total_steps
+        or job.global_step <= 0
+    ):
         return None
     elapsed = (datetime.now(UTC) - started).total_seconds()
     return int(started.timestamp() + elapsed * job.total_steps / job.global_step)
@@ -133,8 +143,11 @@ def _error(job: Any) -> dict[str, Any] | None:
     if not job.error:
         return None
     e = job.error
-    return {"code": str(e.get("code") or "error"), "message": str(e.get("message") or "The job failed"),
-            "param": e.get("param")}
+    return {
+        "code": str(e.get("code") or "error"),
+        "message": str(e.get("message") or "The job failed"),
+        "param": e.get("param"),
+    }
 
 
 #: OpenAI's hyperparameters, first in the job object's ``hyperparameters``.
@@ -189,7 +202,11 @@ def job_dict(job: Any, position: int | None) -> dict[str, Any]:
         "resources": job_resources(job),
         "queue_position": position,
         "cancel_requested": job.cancel_requested,
-        "progress": {"step": job.global_step or 0, "total_steps": job.total_steps, "attempts": job.attempts or 0},
+        "progress": {
+            "step": job.global_step or 0,
+            "total_steps": job.total_steps,
+            "attempts": job.attempts or 0,
+        },
         "output_dir": job.output_dir,
     }
 
@@ -232,9 +249,17 @@ def checkpoint_object(ck: JobCheckpoint) -> JobCheckpointObject:
 
 def step_metric_object(r: JobStepMetric) -> StepMetric:
     return StepMetric(
-        step=r.step, created_at=unix(r.created_at) or 0, train_loss=r.train_loss, valid_loss=r.valid_loss,
-        lr=r.lr, tokens_per_second=r.tokens_per_second, step_seconds=r.step_seconds or 0.0,
-        stall_seconds=r.stall_seconds or 0.0, stall_fraction=r.stall_fraction or 0.0,
-        gpu_utilization=r.gpu_utilization, cpu_optimizer_seconds=r.cpu_optimizer_seconds or 0.0,
-        bytes_device_to_host=r.bytes_device_to_host or 0, bytes_host_to_device=r.bytes_host_to_device or 0,
+        step=r.step,
+        created_at=unix(r.created_at) or 0,
+        train_loss=r.train_loss,
+        valid_loss=r.valid_loss,
+        lr=r.lr,
+        tokens_per_second=r.tokens_per_second,
+        step_seconds=r.step_seconds or 0.0,
+        stall_seconds=r.stall_seconds or 0.0,
+        stall_fraction=r.stall_fraction or 0.0,
+        gpu_utilization=r.gpu_utilization,
+        cpu_optimizer_seconds=r.cpu_optimizer_seconds or 0.0,
+        bytes_device_to_host=r.bytes_device_to_host or 0,
+        bytes_host_to_device=r.bytes_host_to_device or 0,
     )

@@ -55,7 +55,9 @@ def model_members(folder: Path, fmt: DownloadFormat) -> list[Member]:
         rel = p.relative_to(root)
         if p.is_symlink() or not p.is_file():
             continue
-        if fmt == "model" and (rel.parts[0] == ADAPTER_DIR or rel.name in SERVER_ONLY or rel.name.startswith(".")):
+        if fmt == "model" and (
+            rel.parts[0] == ADAPTER_DIR or rel.name in SERVER_ONLY or rel.name.startswith(".")
+        ):
             continue
         members.append(Member(rel.as_posix(), p, p.stat().st_size))
     return sorted(members, key=lambda m: m.name)

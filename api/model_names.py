@@ -49,8 +49,12 @@ class ModelNotFound(APIError):
 
     def __init__(self, model: str, *, param: str | None = "model") -> None:
         shown = model if len(model) <= 200 else model[:200] + "..."
-        super().__init__(404, f"The model '{shown}' does not exist or you do not have access to it.",
-                         param=param, code="model_not_found")
+        super().__init__(
+            404,
+            f"The model '{shown}' does not exist or you do not have access to it.",
+            param=param,
+            code="model_not_found",
+        )
 
 
 class InvalidModelName(APIError):
@@ -62,15 +66,22 @@ class InvalidModelName(APIError):
 
 
 def _looks_like_path(name: str) -> bool:
-    return (name.startswith(("/", "~", ".")) or "\\" in name or "//" in name
-            or any(seg in (".", "..") for seg in name.split("/")))
+    return (
+        name.startswith(("/", "~", "."))
+        or "\\" in name
+        or "//" in name
+        or any(seg in (".", "..") for seg in name.split("/"))
+    )
 
 
 def _ref(row: RegisteredModel, owner: str) -> ModelRef:
     created = as_utc(row.created_at)
     return ModelRef(
-        id=row.id, kind="checkpoint" if row.kind == "checkpoint" else "fine-tuned", path=Path(row.path),
-        adapter_path=Path(row.adapter_path) if row.adapter_path else None, owned_by=owner,
+        id=row.id,
+        kind="checkpoint" if row.kind == "checkpoint" else "fine-tuned",
+        path=Path(row.path),
+        adapter_path=Path(row.adapter_path) if row.adapter_path else None,
+        owned_by=owner,
         created=int(created.timestamp()) if created else 0,
     )
 
@@ -80,7 +91,9 @@ def _base_ref(name: str, folder: Path) -> ModelRef:
         created = int((folder / "config.json").stat().st_mtime)
     except OSError:
         created = 0
-    return ModelRef(id=name, kind="base", path=folder, adapter_path=None, owned_by=SYSTEM_OWNER, created=created)
+    return ModelRef(
+        id=name, kind="base", path=folder, adapter_path=None, owned_by=SYSTEM_OWNER, created=created
+    )
 
 
 def _builtin_ref(name: str) -> ModelRef:
@@ -93,12 +106,15 @@ def team_owner(session: Session, team_id: str) -> str:
     return team.name if team is not None else team_id
 
 
-def resolve_model(session: Session, team_id: str, model: str, settings: Settings, *,
-                  param: str | None = "model") -> ModelRef:
+def resolve_model(
+    session: Session, team_id: str, model: str, settings: Settings, *, param: str | None = "model"
+) -> ModelRef:
     """The model ``model`` names for this team; raises :class:`ModelNotFound` (404) or
     :class:`InvalidModelName` (400), both naming ``param``."""
     if not model or len(model) > MAX_MODEL_NAME or "\x00" in model:
-        raise InvalidModelName(model.replace("\x00", ""), f"must be 1 to {MAX_MODEL_NAME} characters", param=param)
+        raise InvalidModelName(
+            model.replace("\x00", ""), f"must be 1 to {MAX_MODEL_NAME} characters", param=param
+        )
     if model.startswith(registry.FT_PREFIX):
         row = registry.find_model(session, team_id, model)
         if row is None or not os.path.isdir(row.path):
@@ -107,8 +123,12 @@ def resolve_model(session: Session, team_id: str, model: str, settings: Settings
     if model in BUILTIN_MODELS:
         return _builtin_ref(model)
     if _looks_like_path(model):
-        raise InvalidModelName(model, "name a built-in model, a base model the service offers (GET /v1/models) "
-                               "or one of your fine-tuned models, not a server path", param=param)
+        raise InvalidModelName(
+            model,
+            "name a built-in model, a base model the service offers (GET /v1/models) "
+            "or one of your fine-tuned models, not a server path",
+            param=param,
+        )
     folder = registry.base_model_dir(settings.model_roots, model)
     if folder is None:
         raise ModelNotFound(model, param=param)
@@ -124,8 +144,11 @@ def available_models(session: Session, team_id: str, settings: Settings) -> list
     """Every model the team may name: built-in configs, base models under the roots, then its own
     fine-tuned models and checkpoints (oldest first)."""
     refs = [_builtin_ref(name) for name in BUILTIN_MODELS]
-    refs += [_base_ref(name, folder) for name, folder in registry.base_models(settings.model_roots).items()
-             if name not in BUILTIN_MODELS]
+    refs += [
+        _base_ref(name, folder)
+        for name, folder in registry.base_models(settings.model_roots).items()
+        if name not in BUILTIN_MODELS
+    ]
     owner = team_owner(session, team_id)
     refs += [_ref(row, owner) for row in registry.team_models(session, team_id)]
     return refs

@@ -44,7 +44,9 @@ def page(
     return rows[:limit], len(rows) > limit
 
 
-def list_object(data: list[T], has_more: bool, *, id_of: Callable[[T], str] = attrgetter("id")) -> dict[str, Any]:
+def list_object(
+    data: list[T], has_more: bool, *, id_of: Callable[[T], str] = attrgetter("id")
+) -> dict[str, Any]:
     """The OpenAI list object of one page, as plain data (validated by the endpoint's ``ListObject``
     response model): ``first_id``/``last_id`` are ``id_of`` of the first and last items, None when
     the page is empty."""

@@ -97,7 +97,9 @@ def apply_retention(session: Session, job: FineTuningJob, *, keep: int, jobs_dir
         if result.removed:
             result.freed_bytes = max(0, before - directory_bytes(out))
             OUTPUT_SIZES.forget(out)
-    rows = {r.step_number: r for r in session.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job.id))}
+    rows = {
+        r.step_number: r for r in session.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job.id))
+    }
     for step, row in rows.items():
         if step not in {ck.step for ck in kept}:
             session.delete(row)
@@ -107,14 +109,23 @@ def apply_retention(session: Session, job: FineTuningJob, *, keep: int, jobs_dir
         if ck.step not in rows:
             metrics = ck.manifest.get("metrics")
             model_id = model_ids.register_checkpoint(session, job.id, ck.step, str(ck.path))
-            session.add(JobCheckpoint(job_id=job.id, step_number=ck.step, path=str(ck.path),
-                                      fine_tuned_model_checkpoint=model_id,
-                                      metrics=metrics if isinstance(metrics, dict) else {}))
+            session.add(
+                JobCheckpoint(
+                    job_id=job.id,
+                    step_number=ck.step,
+                    path=str(ck.path),
+                    fine_tuned_model_checkpoint=model_id,
+                    metrics=metrics if isinstance(metrics, dict) else {},
+                )
+            )
             result.rows_added += 1
     if result.removed:
-        add_event(session, job.id,
-                  f"Retention: removed {len(result.removed)} old checkpoint(s), kept the newest {keep} and the final model",
-                  data={"removed": result.removed, "freed_bytes": result.freed_bytes})
+        add_event(
+            session,
+            job.id,
+            f"Retention: removed {len(result.removed)} old checkpoint(s), kept the newest {keep} and the final model",
+            data={"removed": result.removed, "freed_bytes": result.freed_bytes},
+        )
     return result
 
 
@@ -123,7 +134,9 @@ def sweep(session_factory: Callable[[], Session], *, keep: int, jobs_dir: Path) 
     another process holds locked right now are skipped (they are done by the next sweep)."""
     with session_factory() as session:
         ids = session.scalars(
-            select(FineTuningJob.id).where(FineTuningJob.status.in_(TERMINAL), FineTuningJob.output_dir.is_not(None))
+            select(FineTuningJob.id).where(
+                FineTuningJob.status.in_(TERMINAL), FineTuningJob.output_dir.is_not(None)
+            )
         ).all()
     done: list[Pruned] = []
     for job_id in ids:
@@ -139,8 +152,14 @@ def sweep(session_factory: Callable[[], Session], *, keep: int, jobs_dir: Path) 
                 log.exception("retention: job %s", job_id)
                 continue
         if pruned.removed or pruned.rows_deleted or pruned.rows_added:
-            log.info("retention: job %s: removed %d path(s) (%d bytes), deleted %d row(s), added %d", job_id,
-                     len(pruned.removed), pruned.freed_bytes, pruned.rows_deleted, pruned.rows_added)
+            log.info(
+                "retention: job %s: removed %d path(s) (%d bytes), deleted %d row(s), added %d",
+                job_id,
+                len(pruned.removed),
+                pruned.freed_bytes,
+                pruned.rows_deleted,
+                pruned.rows_added,
+            )
             done.append(pruned)
     return done
 
@@ -158,7 +177,9 @@ def purge_job_outputs(session: Session, job_id: str, *, jobs_dir: Path, team_id:
     result = Pruned(job.id)
     out = _output_dir(job, jobs_dir)
     if out is None and job.output_dir:
-        raise ForeignPathError(f"job {job.id}: output directory {job.output_dir} is not under {jobs_dir}; not removed")
+        raise ForeignPathError(
+            f"job {job.id}: output directory {job.output_dir} is not under {jobs_dir}; not removed"
+        )
     if out is not None and out.exists():
         result.freed_bytes = directory_bytes(out)
         shutil.rmtree(out)  # an error here leaves the rows: nothing claims to be gone that is not
@@ -169,7 +190,11 @@ def purge_job_outputs(session: Session, job_id: str, *, jobs_dir: Path, team_id:
         session.delete(row)
     model_ids.forget_job_models(session, job.id)
     result.rows_deleted = len(rows)
-    add_event(session, job.id, f"Outputs removed (checkpoints and final model): {result.freed_bytes} bytes freed",
-              data={"removed": result.removed, "freed_bytes": result.freed_bytes})
+    add_event(
+        session,
+        job.id,
+        f"Outputs removed (checkpoints and final model): {result.freed_bytes} bytes freed",
+        data={"removed": result.removed, "freed_bytes": result.freed_bytes},
+    )
     session.commit()
     return result

@@ -303,8 +303,12 @@ class ErrorDetail(BaseModel):
 
     message: str
     type: Literal["invalid_request_error", "server_error"]
-    param: str | None = Field(None, description="The parameter at fault (a field path such as hyperparameters.n_epochs)")
-    code: str | None = Field(None, description="Machine-readable reason, e.g. invalid_value, not_found, invalid_api_key")
+    param: str | None = Field(
+        None, description="The parameter at fault (a field path such as hyperparameters.n_epochs)"
+    )
+    code: str | None = Field(
+        None, description="Machine-readable reason, e.g. invalid_value, not_found, invalid_api_key"
+    )
     #: Upload validation (invalid_file_format) also names the first failing field and lists the errors.
     field: str | None = Field(None, description="Upload validation: the first field at fault")
     errors: list[dict[str, Any]] | None = Field(
@@ -332,10 +336,14 @@ class Readiness(BaseModel):
 class QuotaLimits(BaseModel):
     """A team's limits (null = unlimited)."""
 
-    max_running_jobs: int | None = Field(description="Jobs of the team running at once (more wait their turn)")
+    max_running_jobs: int | None = Field(
+        description="Jobs of the team running at once (more wait their turn)"
+    )
     max_queued_jobs: int | None = Field(description="Jobs of the team waiting at once (a create beyond: 429)")
     gpu_hours: float | None = Field(description="GPU-hours per rolling period (a create beyond: 429)")
-    storage_bytes: int | None = Field(description="Bytes stored: files, results, job outputs (a create beyond: 400)")
+    storage_bytes: int | None = Field(
+        description="Bytes stored: files, results, job outputs (a create beyond: 400)"
+    )
 
 
 class QuotaUsage(BaseModel):
@@ -368,7 +376,8 @@ class ModelObject(BaseModel):
     owned_by: str
     kind: Literal["builtin", "base", "fine-tuned", "checkpoint"] = Field(
         description="builtin: a random-init config; base: under the service's model roots; fine-tuned, "
-                    "checkpoint: the team's own (ft: ids, downloadable at /v1/models/{id}/content)")
+        "checkpoint: the team's own (ft: ids, downloadable at /v1/models/{id}/content)"
+    )
 
 
 class ModelDeleted(BaseModel):

@@ -27,20 +27,39 @@ def uvicorn_options(api_settings: ApiSettings | None = None) -> dict[str, Any]:
     header was read into memory). The cost is h11's pure-Python parsing per request.
     """
     s = api_settings or get_api_settings()
-    return {"http": "h11", "h11_max_incomplete_event_size": s.max_header_bytes,
-            "timeout_keep_alive": s.keep_alive_seconds}
+    return {
+        "http": "h11",
+        "h11_max_incomplete_event_size": s.max_header_bytes,
+        "timeout_keep_alive": s.keep_alive_seconds,
+    }
 
 
 def uvicorn_command(port: int, *, host: str = "127.0.0.1", workers: int = 1) -> list[str]:
     """argv that runs the API alone (no worker) under uvicorn, from the app factory, quietly: what the
     load benchmark and the multi-process tests start (with :func:`uvicorn_options`)."""
     opts = uvicorn_options()
-    return [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--host", host,
-            "--port", str(port), "--no-access-log", "--log-level", "warning", "--workers", str(workers),
-            "--http", opts["http"], "--h11-max-incomplete-event-size", str(opts["h11_max_incomplete_event_size"]),
-            "--timeout-keep-alive", str(opts["timeout_keep_alive"])]
-
-
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "api.app:create_app",
+        "--factory",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+        "--workers",
+        str(workers),
+        "--http",
+        opts["http"],
+        "--h11-max-incomplete-event-size",
+        str(opts["h11_max_incomplete_event_size"]),
+        "--timeout-keep-alive",
+        str(opts["timeout_keep_alive"]),
+    ]
 
 
 def start_worker(settings: Settings, *, reaper: bool) -> Callable[[], None]:
@@ -95,12 +114,16 @@ def serve(
             stops.append(start_reaper(settings))
         log.info(
             "ZenFlow API on http://%s:%d (database %s, broker %s, %s)",
-            host, port, _redact(settings.resolved_database_url), _redact(settings.resolved_broker_url),
+            host,
+            port,
+            _redact(settings.resolved_database_url),
+            _redact(settings.resolved_broker_url),
             "embedded worker" if run_worker else "no worker in this process",
         )
         with _after_uvicorn_signals():
-            config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                    **uvicorn_options(api_settings))
+            config = uvicorn.Config(
+                app, host=host, port=port, log_level=log_level, lifespan="on", **uvicorn_options(api_settings)
+            )
             uvicorn.Server(config).run()
     finally:
         for stop in reversed(stops):

@@ -195,7 +195,9 @@ class RawClient:
         self.timeout = timeout
         self.host = u.hostname or "127.0.0.1"
         self.port = u.port or 80
-        self._head = f"Host: {self.host}:{self.port}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._head = f"Host: {self.host}:{self.port}\r\n" + "".join(
+            f"{k}: {v}\r\n" for k, v in headers.items()
+        )
         self._idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._slots = asyncio.Semaphore(max_connections)
 
@@ -206,7 +208,9 @@ class RawClient:
         body = _json_dumps(json).encode()
         return await self.request("POST", path, body, "application/json")
 
-    async def request(self, method: str, target: str, body: bytes = b"", content_type: str = "") -> RawResponse:
+    async def request(
+        self, method: str, target: str, body: bytes = b"", content_type: str = ""
+    ) -> RawResponse:
         """One exchange, bounded by ``timeout`` (waiting for a connection included), like httpx's."""
         async with asyncio.timeout(self.timeout):
             return await self._request(method, target, body, content_type)
@@ -337,7 +341,9 @@ class Phase:
         wall = self.wall_s or 1.0
         out = f"cpu: client {self.client_cpu_s / n * 1000:.2f} ms/req ({self.client_cpu_s / wall:.2f} cores)"
         if self.server_cpu_s is not None:
-            out += f"  server {self.server_cpu_s / n * 1000:.2f} ms/req ({self.server_cpu_s / wall:.2f} cores)"
+            out += (
+                f"  server {self.server_cpu_s / n * 1000:.2f} ms/req ({self.server_cpu_s / wall:.2f} cores)"
+            )
         if self.machine_cpu_s is not None:
             others = self.machine_cpu_s - self.client_cpu_s - (self.server_cpu_s or 0.0)
             out += (
@@ -399,7 +405,11 @@ def _check(r: httpx.Response) -> httpx.Response:
 
 
 async def main_async(
-    args: argparse.Namespace, base_url: str, key: str, env: dict[str, str] | None, server_pid: int | None = None
+    args: argparse.Namespace,
+    base_url: str,
+    key: str,
+    env: dict[str, str] | None,
+    server_pid: int | None = None,
 ) -> list[tuple[Phase, float]]:
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
@@ -424,7 +434,9 @@ async def main_async(
                 _check(await c.post("/v1/fine_tuning/jobs", json=body)).json()["id"]
                 for _ in range(args.seed_jobs)
             ]
-        lc: Any = c if args.client == "httpx" else RawClient(base_url, headers, args.connections, args.timeout)
+        lc: Any = (
+            c if args.client == "httpx" else RawClient(base_url, headers, args.connections, args.timeout)
+        )
         meter = CpuMeter(server_pid)
         # warm-up: connections, the server's caches
         for i in range(20):
@@ -506,8 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=5000, help="cap on requests per phase")
     p.add_argument("--seed-jobs", type=int, default=50)
     p.add_argument("--connections", type=int, default=64)
-    p.add_argument("--client", choices=("raw", "httpx"), default="raw",
-                   help="HTTP client of the measured phases (raw: minimal asyncio HTTP/1.1, cheap on CPU)")
+    p.add_argument(
+        "--client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="HTTP client of the measured phases (raw: minimal asyncio HTTP/1.1, cheap on CPU)",
+    )
     p.add_argument("--probe", type=int, default=30, help="sequential requests per operation before its phase")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--model", default="tiny-llama")
@@ -540,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             results = runner.run(
-                main_async(args, base_url, key, server.env if server else None, server.proc.pid if server else None)
+                main_async(
+                    args, base_url, key, server.env if server else None, server.proc.pid if server else None
+                )
             )
         reads = [ph for ph, _ in results if ph.name in ("list", "get")]
         worst = max((ph.pct(99) for ph in reads), default=float("nan"))

@@ -52,7 +52,12 @@ BASE_MODES = ("device", "offload", "zenflow")
 #: The paper's fine-tuning defaults (and EngineConfig's).
 PAPER = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": "auto", "full_warm_up_rounds": 0}
 SCALE_CPU_LR = {
-    f"zf-u{ui}-{'sum' if on else 'plain'}": {"mode": "zenflow", **PAPER, "update_interval": ui, "scale_cpu_lr": on}
+    f"zf-u{ui}-{'sum' if on else 'plain'}": {
+        "mode": "zenflow",
+        **PAPER,
+        "update_interval": ui,
+        "scale_cpu_lr": on,
+    }
     for ui in (4, 8)
     for on in (True, False)
 }
@@ -86,7 +91,12 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 
 
 def run_one(
-    spec_path: Path, engine: dict[str, Any], seed: int, device: str, max_steps: int | None, dtype: str | None = None
+    spec_path: Path,
+    engine: dict[str, Any],
+    seed: int,
+    device: str,
+    max_steps: int | None,
+    dtype: str | None = None,
 ) -> Run:
     from trainer.run.loop import run_training
     from trainer.spec import EngineSettings, Hyperparameters, load_spec
@@ -98,7 +108,11 @@ def run_one(
         if max_steps is not None:
             hp["max_steps"] = max_steps
         settings = EngineSettings(**{**spec.engine.model_dump(exclude={"lr"}), **engine})
-        update: dict[str, Any] = {"engine": settings, "hyperparameters": Hyperparameters(**hp), "device": device}
+        update: dict[str, Any] = {
+            "engine": settings,
+            "hyperparameters": Hyperparameters(**hp),
+            "device": device,
+        }
         if dtype is not None:
             update["dtype"] = dtype
         spec = spec.model_copy(update=update)
@@ -120,23 +134,41 @@ class PretrainedJob:
 
 
 def run_pretrained(
-    job: PretrainedJob, engine: dict[str, Any], seed: int, device: str, max_steps: int | None, dtype: str | None = None
+    job: PretrainedJob,
+    engine: dict[str, Any],
+    seed: int,
+    device: str,
+    max_steps: int | None,
+    dtype: str | None = None,
 ) -> Run:
     from trainer.run.loop import run_training
     from trainer.spec import JobSpec
 
     hp: dict[str, Any] = {
-        "n_epochs": job.epochs, "batch_size": job.batch_size, "learning_rate": job.lr, "warmup": 0.05,
-        "max_seq_length": 128, "eval_every": 100_000, "checkpoint_every": 100_000, "seed": seed,
+        "n_epochs": job.epochs,
+        "batch_size": job.batch_size,
+        "learning_rate": job.lr,
+        "warmup": 0.05,
+        "max_seq_length": 128,
+        "eval_every": 100_000,
+        "checkpoint_every": 100_000,
+        "seed": seed,
     }
     if max_steps is not None:
         hp["max_steps"] = max_steps
     with tempfile.TemporaryDirectory(prefix="zenflow-convergence-") as tmp:
-        spec = JobSpec.model_validate({
-            "model": str(job.base), "training_file": str(job.train), "validation_file": str(job.valid),
-            "hyperparameters": hp, "output_dir": tmp, "device": device, "engine": engine,
-            **({"dtype": dtype} if dtype is not None else {}),
-        })
+        spec = JobSpec.model_validate(
+            {
+                "model": str(job.base),
+                "training_file": str(job.train),
+                "validation_file": str(job.valid),
+                "hyperparameters": hp,
+                "output_dir": tmp,
+                "device": device,
+                "engine": engine,
+                **({"dtype": dtype} if dtype is not None else {}),
+            }
+        )
         t0 = time.perf_counter()
         res = run_training(spec, resume=False, progress=False)
         return Run("", seed, res.steps, res.train_loss, res.valid_loss, time.perf_counter() - t0)
@@ -174,12 +206,19 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", type=Path, default=None, help="run this job spec instead of the pretrained base")
+    ap.add_argument(
+        "--spec", type=Path, default=None, help="run this job spec instead of the pretrained base"
+    )
     ap.add_argument("--epochs", type=int, default=3, help="pretrained base: fine-tuning epochs")
     ap.add_argument("--lr", type=float, default=1e-3, help="pretrained base: peak learning rate")
-    ap.add_argument("--pretrain-steps", type=int, default=0, help="pretrained base: pretraining steps (0: default)")
-    ap.add_argument("--scale-cpu-lr", action="store_true",
-                    help="add zenflow scale_cpu_lr true/false at update intervals 4 and 8")
+    ap.add_argument(
+        "--pretrain-steps", type=int, default=0, help="pretrained base: pretraining steps (0: default)"
+    )
+    ap.add_argument(
+        "--scale-cpu-lr",
+        action="store_true",
+        help="add zenflow scale_cpu_lr true/false at update intervals 4 and 8",
+    )
     ap.add_argument("--modes", default="", help="comma list of variants to run (default: all, device first)")
     ap.add_argument(
         "--variant",
@@ -193,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=None, help="cut the job short (all variants)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training thread (0: leave)")
-    ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
-                    help="parameter dtype (default: the job's)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16"],
+        help="parameter dtype (default: the job's)",
+    )
     ap.add_argument(
         "--max-ratio",
         type=float,

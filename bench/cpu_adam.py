@@ -204,10 +204,12 @@ def _print_table(res: dict[str, Any]) -> None:
     print()
     if "acc_ours_ms" in res:
         b = res["acc_bytes_per_param"]
-        print(f"  window accumulation acc += alpha * g ({b} B/param): C++ {res['acc_ours_ms']:.2f} ms "
-              f"({res['acc_ours_GBps']:.1f} GB/s, {res['acc_bandwidth_fraction'] * 100:.1f}% of the bound), "
-              f"torch path {res['acc_torch_ms']:.2f} ms ({res['acc_torch_GBps']:.1f} GB/s): "
-              f"{res['acc_speedup_vs_torch']:.2f}x")
+        print(
+            f"  window accumulation acc += alpha * g ({b} B/param): C++ {res['acc_ours_ms']:.2f} ms "
+            f"({res['acc_ours_GBps']:.1f} GB/s, {res['acc_bandwidth_fraction'] * 100:.1f}% of the bound), "
+            f"torch path {res['acc_torch_ms']:.2f} ms ({res['acc_torch_GBps']:.1f} GB/s): "
+            f"{res['acc_speedup_vs_torch']:.2f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

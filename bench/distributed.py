@@ -53,8 +53,16 @@ from trainer.run.launch import RANK_CPUS_ENV, RankGroup, group_envs
 #: bench.engine's presets plus one in between "small" and "1b" (~0.2B parameters) for multi-GPU hosts.
 MODELS: dict[str, dict[str, int]] = {
     **PRESETS,
-    "medium": {"vocab": 32000, "hidden": 1024, "inter": 2816, "layers": 8, "heads": 16, "kv": 4, "seq": 512,
-               "batch": 16},
+    "medium": {
+        "vocab": 32000,
+        "hidden": 1024,
+        "inter": 2816,
+        "layers": 8,
+        "heads": 16,
+        "kv": 4,
+        "seq": 512,
+        "batch": 16,
+    },
 }
 MODES = ("zenflow", "offload", "device")
 QUICK = {"steps": 3, "warmup": 1, "batch": 4, "seq": 32, "model": "tiny"}
@@ -62,11 +70,17 @@ QUICK = {"steps": 3, "warmup": 1, "batch": 4, "seq": 32, "model": "tiny"}
 
 # --------------------------------------------------------------------------------------------- ranks
 def _engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
-    common: dict[str, Any] = {"lr": args.lr, "weight_decay": 0.0, "max_grad_norm": 1.0,
-                              "cpu_optimizer_cores_ratio": args.cores_ratio}
+    common: dict[str, Any] = {
+        "lr": args.lr,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "cpu_optimizer_cores_ratio": args.cores_ratio,
+    }
     if mode != "zenflow":
         return EngineConfig.model_validate({"mode": mode, **common})
-    return EngineConfig(mode="zenflow", topk_ratio=args.topk_ratio, update_interval=args.update_interval, **common)
+    return EngineConfig(
+        mode="zenflow", topk_ratio=args.topk_ratio, update_interval=args.update_interval, **common
+    )
 
 
 def _checksums(state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
@@ -90,8 +104,17 @@ def _max_rel_diff(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -
     return worst, where
 
 
-def _run_mode(mode: str, args: argparse.Namespace, rank: int, world: int, group: Any, device: torch.device,
-              dtype: torch.dtype, batches: list[torch.Tensor], work: Path) -> dict[str, Any]:
+def _run_mode(
+    mode: str,
+    args: argparse.Namespace,
+    rank: int,
+    world: int,
+    group: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    batches: list[torch.Tensor],
+    work: Path,
+) -> dict[str, Any]:
     preset = MODELS[args.model]
     model = build_model(preset, device, dtype, args.seed)
     model.train()
@@ -161,21 +184,34 @@ def rank_main(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype) or (
-        torch.bfloat16 if cuda else torch.float32)
+        torch.bfloat16 if cuda else torch.float32
+    )
     group = None
     if world > 1:
         import torch.distributed as dist
 
         backend = "nccl" if cuda else "gloo"
         kw: dict[str, Any] = {"device_id": device} if cuda else {}
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout), **kw)
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=args.timeout),
+            **kw,
+        )
         group = dist.group.WORLD
     preset = MODELS[args.model]
     batches = make_batches(args.warmup + args.steps, preset["vocab"], args.batch, args.seq, seed=1)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    results: dict[str, Any] = {"rank": rank, "world_size": world, "device": str(device), "device_name": name,
-                               "dtype": str(dtype).removeprefix("torch."), "modes": {}}
+    results: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "device": str(device),
+        "device_name": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "modes": {},
+    }
     try:
         for mode in args.modes.split(","):
             results["modes"][mode] = _run_mode(mode, args, rank, world, group, device, dtype, batches, work)
@@ -191,12 +227,42 @@ def rank_main(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ launcher
 def _child_argv(args: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "bench.distributed", "--rank-worker", "--work-dir", args.work_dir,
-            "--device", args.device, "--model", args.model, "--modes", args.modes, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-            "--dtype", args.dtype, "--lr", str(args.lr), "--topk-ratio", str(args.topk_ratio),
-            "--update-interval", str(args.update_interval), "--cores-ratio", str(args.cores_ratio),
-            "--seed", str(args.seed), "--timeout", str(args.timeout)]
+    return [
+        sys.executable,
+        "-m",
+        "bench.distributed",
+        "--rank-worker",
+        "--work-dir",
+        args.work_dir,
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--modes",
+        args.modes,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--dtype",
+        args.dtype,
+        "--lr",
+        str(args.lr),
+        "--topk-ratio",
+        str(args.topk_ratio),
+        "--update-interval",
+        str(args.update_interval),
+        "--cores-ratio",
+        str(args.cores_ratio),
+        "--seed",
+        str(args.seed),
+        "--timeout",
+        str(args.timeout),
+    ]
 
 
 def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
@@ -215,8 +281,9 @@ def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
     logs = [open(work / f"log-{nproc}-{r}.txt", "wb") for r in range(nproc)]  # noqa: SIM115 (closed below)
     why = None
     try:
-        with RankGroup([_child_argv(args)] * nproc, envs, term_grace=5.0, stdout=logs,
-                       stderr=subprocess.STDOUT) as group:
+        with RankGroup(
+            [_child_argv(args)] * nproc, envs, term_grace=5.0, stdout=logs, stderr=subprocess.STDOUT
+        ) as group:
             group.start()
             try:
                 rc = group.wait(timeout=args.timeout)
@@ -230,8 +297,10 @@ def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
         for log in logs:
             log.close()
     if why is not None:
-        tails = "".join(f"\n--- process {i} ---\n" + (work / f"log-{nproc}-{i}.txt").read_text(errors="replace")[-2000:]
-                        for i in range(nproc))
+        tails = "".join(
+            f"\n--- process {i} ---\n" + (work / f"log-{nproc}-{i}.txt").read_text(errors="replace")[-2000:]
+            for i in range(nproc)
+        )
         raise RuntimeError(f"{why}{tails}")
 
 
@@ -247,7 +316,9 @@ def summarize(mode: str, single: dict[str, Any], ranks: list[dict[str, Any]]) ->
         "steps": steps,
         "steps_per_s": steps / slowest if slowest > 0 else 0.0,
         "single_steps_per_s": s["steps"] / s["wall_s"] if s["wall_s"] > 0 else 0.0,
-        "speedup_vs_single": (s["wall_s"] / s["steps"]) / (slowest / steps) if slowest > 0 and s["steps"] else 0.0,
+        "speedup_vs_single": (s["wall_s"] / s["steps"]) / (slowest / steps)
+        if slowest > 0 and s["steps"]
+        else 0.0,
         "stall_fraction": statistics.fmean(f for r in rs for f in r["stall_fractions"]) if steps else 0.0,
         "single_stall_fraction": statistics.fmean(s["stall_fractions"]) if s["stall_fractions"] else 0.0,
         "host_bytes_per_rank": host,
@@ -266,42 +337,59 @@ def summarize(mode: str, single: dict[str, Any], ranks: list[dict[str, Any]]) ->
 
 def print_table(doc: dict[str, Any]) -> None:
     e = doc["env"]
-    print(f"distributed engine benchmark: {e['model']} ({e['params'] / 1e6:.2f}M params, {e['dtype']}), "
-          f"{e['nproc']} ranks ({e['backend']}) vs 1 process, global batch {e['batch']}x{e['seq']}, "
-          f"{e['steps']} timed steps")
-    cols = (f"{'mode':<8} {'steps/s':>8} {'single':>8} {'stall':>6} {'host MB/rank':>12} {'ratio':>6} "
-            f"{'reduced MB/st':>13} {'gathered MB/st':>14} {'max rel diff':>12} {'same':>5}")
+    print(
+        f"distributed engine benchmark: {e['model']} ({e['params'] / 1e6:.2f}M params, {e['dtype']}), "
+        f"{e['nproc']} ranks ({e['backend']}) vs 1 process, global batch {e['batch']}x{e['seq']}, "
+        f"{e['steps']} timed steps"
+    )
+    cols = (
+        f"{'mode':<8} {'steps/s':>8} {'single':>8} {'stall':>6} {'host MB/rank':>12} {'ratio':>6} "
+        f"{'reduced MB/st':>13} {'gathered MB/st':>14} {'max rel diff':>12} {'same':>5}"
+    )
     print(cols)
     print("-" * len(cols))
     for mode, r in doc["results"].items():
         ratio = r["host_bytes_per_rank_ratio"]
         diff = r["max_rel_diff_vs_single"]
-        print(f"{mode:<8} {r['steps_per_s']:>8.3f} {r['single_steps_per_s']:>8.3f} {r['stall_fraction']:>6.1%} "
-              f"{r['host_bytes_per_rank'] / 1e6:>12.2f} {'-' if ratio is None else f'{ratio:.3f}':>6} "
-              f"{r['bytes_reduced_per_step'] / 1e6:>13.3f} {r['bytes_gathered_per_step'] / 1e6:>14.3f} "
-              f"{'-' if diff is None else f'{diff:.2e}':>12} {'yes' if r['replicas_identical'] else 'NO':>5}")
+        print(
+            f"{mode:<8} {r['steps_per_s']:>8.3f} {r['single_steps_per_s']:>8.3f} {r['stall_fraction']:>6.1%} "
+            f"{r['host_bytes_per_rank'] / 1e6:>12.2f} {'-' if ratio is None else f'{ratio:.3f}':>6} "
+            f"{r['bytes_reduced_per_step'] / 1e6:>13.3f} {r['bytes_gathered_per_step'] / 1e6:>14.3f} "
+            f"{'-' if diff is None else f'{diff:.2e}':>12} {'yes' if r['replicas_identical'] else 'NO':>5}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2, help="ranks of the distributed run")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
-    ap.add_argument("--model", choices=sorted(MODELS), default="tiny", help="Llama-shaped preset (random init)")
+    ap.add_argument(
+        "--model", choices=sorted(MODELS), default="tiny", help="Llama-shaped preset (random init)"
+    )
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (same data in both runs)")
     ap.add_argument("--batch", type=int, default=0, help="global batch (sequences; default: the preset's)")
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the preset's)")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="auto: cuda when at least --nproc GPUs are visible, else cpu")
-    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: cuda when at least --nproc GPUs are visible, else cpu",
+    )
+    ap.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
+    )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=2)
     ap.add_argument("--cores-ratio", type=float, default=0.5, help="cpu_optimizer_cores_ratio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600, help="seconds each launch may take")
-    ap.add_argument("--quick", action="store_true", help="tiny and short (the smoke test): "
-                    + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny and short (the smoke test): " + ", ".join(f"{k} {v}" for k, v in QUICK.items()),
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work-dir", default="", help=argparse.SUPPRESS)
@@ -349,16 +437,31 @@ def main(argv: list[str] | None = None) -> int:
     results = {m: summarize(m, single, ranks) for m in modes}
     first = single["modes"][modes[0]]
     doc = {
-        "env": {"nproc": args.nproc, "backend": "nccl" if args.device == "cuda" else "gloo",
-                "device": args.device, "device_name": single["device_name"],
-                "torch": torch.__version__, "model": args.model, "params": first["params"], "dtype": single["dtype"],
-                "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-                "topk_ratio": args.topk_ratio, "update_interval": args.update_interval,
-                "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-                "seconds_total": round(time.perf_counter() - t0, 2)},
+        "env": {
+            "nproc": args.nproc,
+            "backend": "nccl" if args.device == "cuda" else "gloo",
+            "device": args.device,
+            "device_name": single["device_name"],
+            "torch": torch.__version__,
+            "model": args.model,
+            "params": first["params"],
+            "dtype": single["dtype"],
+            "batch": args.batch,
+            "seq": args.seq,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "lr": args.lr,
+            "topk_ratio": args.topk_ratio,
+            "update_interval": args.update_interval,
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "seconds_total": round(time.perf_counter() - t0, 2),
+        },
         "results": results,
-        "ratios": {f"{m}_{k}": r[k] for m, r in results.items()
-                   for k in ("host_bytes_per_rank_ratio", "speedup_vs_single", "max_rel_diff_vs_single")},
+        "ratios": {
+            f"{m}_{k}": r[k]
+            for m, r in results.items()
+            for k in ("host_bytes_per_rank_ratio", "speedup_vs_single", "max_rel_diff_vs_single")
+        },
     }
     if args.json:
         print(json.dumps(doc, indent=2))

@@ -46,12 +46,48 @@ from offload.engine import ZenFlowEngine
 
 PRESETS: dict[str, dict[str, int]] = {
     # name: Llama shape + default batch / sequence length
-    "tiny": {"vocab": 256, "hidden": 64, "inter": 176, "layers": 2, "heads": 4, "kv": 4, "seq": 64, "batch": 8},
-    "small": {"vocab": 4096, "hidden": 512, "inter": 1376, "layers": 4, "heads": 8, "kv": 8, "seq": 128, "batch": 8},
+    "tiny": {
+        "vocab": 256,
+        "hidden": 64,
+        "inter": 176,
+        "layers": 2,
+        "heads": 4,
+        "kv": 4,
+        "seq": 64,
+        "batch": 8,
+    },
+    "small": {
+        "vocab": 4096,
+        "hidden": 512,
+        "inter": 1376,
+        "layers": 4,
+        "heads": 8,
+        "kv": 8,
+        "seq": 128,
+        "batch": 8,
+    },
     # narrow and deep: about as many parameter tensors as the 1b preset (219), each small (dispatch-bound)
-    "deep": {"vocab": 256, "hidden": 64, "inter": 176, "layers": 24, "heads": 4, "kv": 4, "seq": 32, "batch": 4},
+    "deep": {
+        "vocab": 256,
+        "hidden": 64,
+        "inter": 176,
+        "layers": 24,
+        "heads": 4,
+        "kv": 4,
+        "seq": 32,
+        "batch": 4,
+    },
     # TinyLlama-1.1B's shape (~1.1e9 parameters)
-    "1b": {"vocab": 32000, "hidden": 2048, "inter": 5632, "layers": 22, "heads": 32, "kv": 4, "seq": 2048, "batch": 8},
+    "1b": {
+        "vocab": 32000,
+        "hidden": 2048,
+        "inter": 5632,
+        "layers": 22,
+        "heads": 32,
+        "kv": 4,
+        "seq": 2048,
+        "batch": 8,
+    },
 }
 VARIANTS = ("device", "offload", "zenflow", "zenflow-dacc")
 
@@ -93,7 +129,9 @@ class Result:
     per_step: list[dict[str, Any]] = field(default_factory=list)
 
 
-def build_model(preset: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+def build_model(
+    preset: dict[str, int], device: torch.device, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -199,8 +237,12 @@ def run_variant(
                 metrics.append(m)
                 reselected.append(engine.counters()["reselections"] > before)
             if args.verbose:
-                print(f"  {variant} step {i + 1}: loss {losses[-1]:.4f} wall {m.wall_seconds:.3f}s "
-                      f"stall {m.stall_seconds:.3f}s", file=sys.stderr, flush=True)
+                print(
+                    f"  {variant} step {i + 1}: loss {losses[-1]:.4f} wall {m.wall_seconds:.3f}s "
+                    f"stall {m.stall_seconds:.3f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         c1 = engine.counters()
         placement = engine.placement.as_dict()
         engine.flush()
@@ -245,9 +287,15 @@ def run_variant(
         worker_busy_ms_per_step=busy_ms,
         skipped_steps=sum(m.skipped for m in metrics),
         per_step=[
-            {"wall_s": round(m.wall_seconds, 6), "stall_s": round(m.stall_seconds, 6),
-             "cpu_opt_s": round(m.cpu_optimizer_seconds, 6), "window_end": m.applied_cpu_update,
-             "synchronous": m.synchronous, "reselected": rs, "skipped": m.skipped}
+            {
+                "wall_s": round(m.wall_seconds, 6),
+                "stall_s": round(m.stall_seconds, 6),
+                "cpu_opt_s": round(m.cpu_optimizer_seconds, 6),
+                "window_end": m.applied_cpu_update,
+                "synchronous": m.synchronous,
+                "reselected": rs,
+                "skipped": m.skipped,
+            }
             for m, rs in zip(metrics, reselected, strict=True)
         ],
     )
@@ -338,19 +386,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--json-out", default="", help="also write the JSON object to this file")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads the engine plans with (0 = all)")
-    ap.add_argument("--train-threads", type=int, default=0, help="CPU only: torch threads for forward/backward")
+    ap.add_argument(
+        "--train-threads", type=int, default=0, help="CPU only: torch threads for forward/backward"
+    )
     ap.add_argument("--cores-ratio", type=float, default=0.5, help="cpu_optimizer_cores_ratio")
     ap.add_argument("--no-bind", action="store_true", help="no core placement (bind_worker_cores=False)")
     ap.add_argument("--batch", type=int, default=0)
     ap.add_argument("--seq", type=int, default=0)
-    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument(
+        "--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
+    )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", default="4")
     ap.add_argument("--select-interval", default="auto")
-    ap.add_argument("--epoch-steps", type=int, default=0,
-                    help="call engine.new_epoch() every N timed steps (0: at half of --steps)")
-    ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (less activation memory)")
+    ap.add_argument(
+        "--epoch-steps",
+        type=int,
+        default=0,
+        help="call engine.new_epoch() every N timed steps (0: at half of --steps)",
+    )
+    ap.add_argument(
+        "--grad-ckpt", action="store_true", help="gradient checkpointing (less activation memory)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -404,16 +462,25 @@ def main(argv: list[str] | None = None) -> int:
         rat = ratios(results)
         env["params"] = next(iter(results.values())).params if results else 0
         tgt = targets(results, rat) if device.type == "cuda" else {}
-        return {"env": env, "results": {k: asdict(r) for k, r in results.items()}, "ratios": rat, "targets": tgt,
-                "variants_pending": [v for v in variants if v not in results]}
+        return {
+            "env": env,
+            "results": {k: asdict(r) for k, r in results.items()},
+            "ratios": rat,
+            "targets": tgt,
+            "variants_pending": [v for v in variants if v not in results],
+        }
 
     for v in variants:
         results[v] = run_variant(v, args, preset, device, dtype, batches, held_out)
         if not args.json:
             r = results[v]
-            print(f"[{v}] {r.steps} steps, {r.steps_per_s:.3f} steps/s, stall {r.stall_fraction:.1%}, "
-                  f"{r.reselections} reselections, worker GIL {r.worker_gil_ms_per_step:.3f} ms/step "
-                  f"({r.worker_gil_fraction:.2%} of a step), {r.seconds_total:.0f}s total", file=sys.stderr, flush=True)
+            print(
+                f"[{v}] {r.steps} steps, {r.steps_per_s:.3f} steps/s, stall {r.stall_fraction:.1%}, "
+                f"{r.reselections} reselections, worker GIL {r.worker_gil_ms_per_step:.3f} ms/step "
+                f"({r.worker_gil_fraction:.2%} of a step), {r.seconds_total:.0f}s total",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.json_out:  # after every variant: a run cut short keeps what finished
             with open(args.json_out, "w", encoding="utf-8") as f:
                 json.dump(document(), f, indent=2)

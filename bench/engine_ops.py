@@ -69,10 +69,24 @@ from bench.engine import PRESETS, VARIANTS, build_model, engine_config, make_bat
 from offload.engine import ZenFlowEngine
 
 #: Ops that make the host wait for the device when they read device memory.
-SYNC_OPS = frozenset({
-    "_local_scalar_dense", "item", "equal", "nonzero", "nonzero_static", "is_nonzero", "_unique", "_unique2",
-    "unique_dim", "unique_consecutive", "unique_dim_consecutive", "masked_select", "allclose", "_assert_async",
-})
+SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "item",
+        "equal",
+        "nonzero",
+        "nonzero_static",
+        "is_nonzero",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "unique_dim_consecutive",
+        "masked_select",
+        "allclose",
+        "_assert_async",
+    }
+)
 COPY_OPS = frozenset({"copy_", "_to_copy", "_foreach_copy_", "_copy_from"})
 
 
@@ -168,15 +182,25 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", choices=sorted(PRESETS), default="deep")
     ap.add_argument("--modes", default="device,offload,zenflow,zenflow-dacc")
-    ap.add_argument("--steps", type=int, default=24, help="counted steps (after --warmup); also the timed ones")
+    ap.add_argument(
+        "--steps", type=int, default=24, help="counted steps (after --warmup); also the timed ones"
+    )
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--epoch-steps", type=int, default=0,
-                    help="call engine.new_epoch() every N counted steps (0: at half of --steps)")
+    ap.add_argument(
+        "--epoch-steps",
+        type=int,
+        default=0,
+        help="call engine.new_epoch() every N counted steps (0: at half of --steps)",
+    )
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--bad-steps", default="", help="counted steps (0-based) whose gradient gets a NaN")
-    ap.add_argument("--profile-steps", type=int, default=0,
-                    help="CUDA: profile this many counted steps (kernel launches, blocking runtime calls)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="CUDA: profile this many counted steps (kernel launches, blocking runtime calls)",
+    )
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", default="4")
     ap.add_argument("--select-interval", default="auto")
@@ -199,8 +223,11 @@ def summarize(steps: list[_Step]) -> dict[str, Any]:
     """Mean kernels and host syncs per step of each kind (None where the run had no such step)."""
 
     def pick(boundary: bool, after: bool) -> list[_Step]:
-        return [s for s in steps if s.boundary == boundary and s.after_reselection == after
-                and not s.reselected and not s.skipped]
+        return [
+            s
+            for s in steps
+            if s.boundary == boundary and s.after_reselection == after and not s.reselected and not s.skipped
+        ]
 
     out: dict[str, Any] = {}
     for suffix, after in (("", False), ("_after_reselection", True)):
@@ -222,8 +249,15 @@ def summarize(steps: list[_Step]) -> dict[str, Any]:
     return out
 
 
-_SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
-               "cudaMemcpy2D", "cudaMemcpyFromSymbol", "cudaMemcpyToSymbol")
+_SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpy",
+    "cudaMemcpy2D",
+    "cudaMemcpyFromSymbol",
+    "cudaMemcpyToSymbol",
+)
 
 
 def _kind(s: _Step) -> str:
@@ -244,20 +278,34 @@ def profile_counts(prof: Any, kinds: dict[str, str]) -> dict[str, Any]:
     acc: dict[str, dict[str, list[int]]] = {}
     for lab in labels:
         lo, hi = lab.time_range.start, lab.time_range.end
-        inside = sorted((e for e in events if e is not lab and lo <= e.time_range.start <= hi
-                         and e.name.startswith("cuda")), key=lambda e: e.time_range.start)
+        inside = sorted(
+            (
+                e
+                for e in events
+                if e is not lab and lo <= e.time_range.start <= hi and e.name.startswith("cuda")
+            ),
+            key=lambda e: e.time_range.start,
+        )
         launches = sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in inside)
         blocking = [e.name for e in inside if e.name in _SYNC_CALLS]
         d = acc.setdefault(kinds[lab.name], {"launches": [], "sync_compute": [], "blocking_calls": []})
         d["launches"].append(launches)
         d["sync_compute"].append(1 if blocking[:1] == ["cudaStreamSynchronize"] else 0)
         d["blocking_calls"].append(len(blocking) - d["sync_compute"][-1])
-    return {k: {m: statistics.fmean(v) for m, v in d.items()} | {"steps": len(d["launches"])}
-            for k, d in acc.items()}
+    return {
+        k: {m: statistics.fmean(v) for m, v in d.items()} | {"steps": len(d["launches"])}
+        for k, d in acc.items()
+    }
 
 
-def measure(variant: str, args: argparse.Namespace, preset: dict[str, int], batches: list[torch.Tensor],
-            *, count: bool) -> dict[str, Any]:
+def measure(
+    variant: str,
+    args: argparse.Namespace,
+    preset: dict[str, int],
+    batches: list[torch.Tensor],
+    *,
+    count: bool,
+) -> dict[str, Any]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype, torch.float32)
     device = torch.device(args.device)
     model = build_model(preset, device, dtype, args.seed)
@@ -311,11 +359,20 @@ def measure(variant: str, args: argparse.Namespace, preset: dict[str, int], batc
                     with OpCounter(engine.is_host_memory) as c:
                         m = engine.step()
                 after = engine.counters()
-                own = int(after["host_syncs"] - before["host_syncs"]) + int(after["host_waits"] - before["host_waits"])
-                steps.append(_Step(
-                    c.total, c.kernels, c.total_syncs + own, after["windows"] > before["windows"],
-                    after["reselections"] > before["reselections"], before["reselections"] > 0, m.skipped,
-                ))
+                own = int(after["host_syncs"] - before["host_syncs"]) + int(
+                    after["host_waits"] - before["host_waits"]
+                )
+                steps.append(
+                    _Step(
+                        c.total,
+                        c.kernels,
+                        c.total_syncs + own,
+                        after["windows"] > before["windows"],
+                        after["reselections"] > before["reselections"],
+                        before["reselections"] > 0,
+                        m.skipped,
+                    )
+                )
                 if label:
                     prof_kinds[label] = _kind(steps[-1])
                 ops.update(c.ops)
@@ -364,8 +421,11 @@ def measure(variant: str, args: argparse.Namespace, preset: dict[str, int], batc
         if prof is not None and prof_kinds:
             out["profile"] = profile_counts(prof, prof_kinds)
     else:
-        out.update(steps_per_s=args.steps / wall, engine_step_ms=1e3 * statistics.fmean(step_s),
-                   engine_only_ms=only_ms)
+        out.update(
+            steps_per_s=args.steps / wall,
+            engine_step_ms=1e3 * statistics.fmean(step_s),
+            engine_only_ms=only_ms,
+        )
     return out
 
 
@@ -375,7 +435,10 @@ def targets(row: dict[str, Any]) -> dict[str, bool]:
     if not str(row["variant"]).startswith("zenflow"):
         return out
     for suffix in ("", "_after_reselection"):
-        plain, bound = row.get(f"max_host_syncs_plain_step{suffix}"), row.get(f"max_host_syncs_boundary_step{suffix}")
+        plain, bound = (
+            row.get(f"max_host_syncs_plain_step{suffix}"),
+            row.get(f"max_host_syncs_boundary_step{suffix}"),
+        )
         if plain is not None:
             out[f"zero_host_syncs_plain_step{suffix}"] = plain == 0
         if bound is not None:
@@ -412,26 +475,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"args": vars(args), "results": rows}, indent=2))
         return 0
-    print(f"engine ops per step: {args.model_size} ({rows[0]['params'] if rows else 0} param tensors, {args.dtype}), "
-          f"topk {args.topk_ratio}, update_interval {args.update_interval}, select_interval {args.select_interval}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"engine ops per step: {args.model_size} ({rows[0]['params'] if rows else 0} param tensors, {args.dtype}), "
+        f"topk {args.topk_ratio}, update_interval {args.update_interval}, select_interval {args.select_interval}, "
+        f"{torch.get_num_threads()} threads"
+    )
 
     def f(x: float | None, spec: str = ">7.1f") -> str:
         return format(x, spec) if x is not None else "      -"
 
-    hdr = (f"{'variant':<13} {'kern plain':>10} {'kern bound':>10} {'plain+rs':>8} {'bound+rs':>8} {'reselect':>8} "
-           f"{'sync pl':>7} {'sync bd':>7} {'sync rs':>7} {'steps/s':>8} {'step() ms':>9} {'alone ms':>8}")
+    hdr = (
+        f"{'variant':<13} {'kern plain':>10} {'kern bound':>10} {'plain+rs':>8} {'bound+rs':>8} {'reselect':>8} "
+        f"{'sync pl':>7} {'sync bd':>7} {'sync rs':>7} {'steps/s':>8} {'step() ms':>9} {'alone ms':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         if "kernels_plain_step" not in r:
             continue
-        print(f"{r['variant']:<13} {f(r['kernels_plain_step'], '>10.1f')} {f(r['kernels_boundary_step'], '>10.1f')} "
-              f"{f(r['kernels_plain_step_after_reselection'], '>8.1f')} "
-              f"{f(r['kernels_boundary_step_after_reselection'], '>8.1f')} {f(r['kernels_reselection_step'], '>8.1f')} "
-              f"{f(r['host_syncs_plain_step'], '>7.2f')} {f(r['host_syncs_boundary_step'], '>7.2f')} "
-              f"{f(r['host_syncs_reselection_step'], '>7.2f')} {r['steps_per_s']:>8.3f} {r['engine_step_ms']:>9.2f} "
-              f"{r['engine_only_ms']:>8.2f}")
+        print(
+            f"{r['variant']:<13} {f(r['kernels_plain_step'], '>10.1f')} {f(r['kernels_boundary_step'], '>10.1f')} "
+            f"{f(r['kernels_plain_step_after_reselection'], '>8.1f')} "
+            f"{f(r['kernels_boundary_step_after_reselection'], '>8.1f')} {f(r['kernels_reselection_step'], '>8.1f')} "
+            f"{f(r['host_syncs_plain_step'], '>7.2f')} {f(r['host_syncs_boundary_step'], '>7.2f')} "
+            f"{f(r['host_syncs_reselection_step'], '>7.2f')} {r['steps_per_s']:>8.3f} {r['engine_step_ms']:>9.2f} "
+            f"{r['engine_only_ms']:>8.2f}"
+        )
         for name, n in r["top_ops"]:
             print(f"    {name}: {n / args.steps:.1f}/step")
         if r["sync_ops"]:

@@ -41,12 +41,36 @@ import torch
 SAMPLES = Path(__file__).resolve().parents[1] / "trainer" / "samples"
 #: Llama-3-family shapes (public configs) for the speed table.
 LLAMA_SHAPES: dict[str, dict[str, Any]] = {
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=64),
-    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, head_dim=128),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, head_dim=128),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        head_dim=64,
+    ),
+    "llama-3b": dict(
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        head_dim=128,
+    ),
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        head_dim=128,
+    ),
 }
 
 
@@ -83,26 +107,32 @@ def saved_activation_bytes(model: Any, input_ids: torch.Tensor, attention_mask: 
             seen.setdefault(ptr, storage.nbytes())
         return t
 
-    ckpt = bool(getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing", False))
+    ckpt = bool(
+        getattr(model, "is_activation_checkpointing", None)
+        or getattr(model, "is_gradient_checkpointing", False)
+    )
     layer_inputs: dict[int, int] = {}
     hooks = _layer_inputs(model, layer_inputs) if ckpt else contextlib.nullcontext()
     with hooks, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         logits = logits[:, :-1].float()
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum")
+            logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="sum"
+        )
     del loss, logits
     for ptr, n in layer_inputs.items():
         seen.setdefault(ptr, n)
     return sum(seen.values())
 
 
-def padded_batch(vocab: int, micro_batch: int, seq: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_batch(
+    vocab: int, micro_batch: int, seq: int, *, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids and a right-padding mask (the first row one quarter padding)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (micro_batch, seq), generator=g)
     mask = torch.ones(micro_batch, seq, dtype=torch.long)
-    mask[0, seq - seq // 4:] = 0
+    mask[0, seq - seq // 4 :] = 0
     return ids, mask
 
 
@@ -121,8 +151,12 @@ def engine_measured(model: Any, config: Any) -> dict[str, int]:
                 engine.new_epoch()
         mem = engine.memory()
         engine.zero_grad()
-    return {"host": mem.host_bytes, "reported_host": metrics.host_bytes, "device_state": mem.device_state_bytes,
-            "device_buffers": mem.device_buffer_bytes}
+    return {
+        "host": mem.host_bytes,
+        "reported_host": metrics.host_bytes,
+        "device_state": mem.device_state_bytes,
+        "device_buffers": mem.device_buffer_bytes,
+    }
 
 
 def memory_rows(name: str, micro_batch: int, seq: int) -> list[dict[str, Any]]:
@@ -136,18 +170,29 @@ def memory_rows(name: str, micro_batch: int, seq: int) -> list[dict[str, Any]]:
     model = load_model(name, dtype=torch.float32, seed=0)
     model.train()
     rows = [
-        {"component": "parameters", "planned": shape.params * 4, "measured": sum(
-            p.numel() * p.element_size() for p in model.parameters())},
-        {"component": "gradients", "planned": shape.trainable_params * 4, "measured": sum(
-            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)},
+        {
+            "component": "parameters",
+            "planned": shape.params * 4,
+            "measured": sum(p.numel() * p.element_size() for p in model.parameters()),
+        },
+        {
+            "component": "gradients",
+            "planned": shape.trainable_params * 4,
+            "measured": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad),
+        },
     ]
     ids, mask = padded_batch(shape.vocab, micro_batch, seq)
     for ckpt in (False, True):
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         planned = activation_bytes(shape, micro_batch, seq, 4, checkpointing=ckpt).saved_bytes
-        rows.append({"component": f"activations{' (checkpointing)' if ckpt else ''}", "planned": planned,
-                     "measured": saved_activation_bytes(model, ids, mask)})
+        rows.append(
+            {
+                "component": f"activations{' (checkpointing)' if ckpt else ''}",
+                "planned": planned,
+                "measured": saved_activation_bytes(model, ids, mask),
+            }
+        )
     model.gradient_checkpointing_disable()
     for mode, acc in (("device", "host"), ("offload", "host"), ("zenflow", "host"), ("zenflow", "device")):
         cfg = EngineConfig(mode=mode, accumulate_on=acc, bind_worker_cores=False)  # type: ignore[arg-type]
@@ -157,15 +202,22 @@ def memory_rows(name: str, micro_batch: int, seq: int) -> list[dict[str, Any]]:
         scratch = {"optimizer_state"}
         rows += [
             {"component": f"{label}: host", "planned": plan.host_total, "measured": got["reported_host"]},
-            {"component": f"{label}: device state", "planned": plan.device["optimizer_state"],
-             "measured": got["device_state"]},
-            {"component": f"{label}: device buffers",
-             "planned": sum(v for k, v in plan.device.items() if k not in scratch),
-             "measured": got["device_buffers"]},
+            {
+                "component": f"{label}: device state",
+                "planned": plan.device["optimizer_state"],
+                "measured": got["device_state"],
+            },
+            {
+                "component": f"{label}: device buffers",
+                "planned": sum(v for k, v in plan.device.items() if k not in scratch),
+                "measured": got["device_buffers"],
+            },
         ]
     for r in rows:
         r["model"] = name
-        r["ratio"] = r["planned"] / r["measured"] if r["measured"] else (1.0 if not r["planned"] else float("inf"))
+        r["ratio"] = (
+            r["planned"] / r["measured"] if r["measured"] else (1.0 if not r["planned"] else float("inf"))
+        )
     return rows
 
 
@@ -187,22 +239,36 @@ def speed_rows(gpus: list[str], host_gib: int = 128, cores: int = 32) -> list[di
             LlamaConfig(max_position_embeddings=8192, **cfg).save_pretrained(d)
             hp = {"batch_size": 8, "max_seq_length": 2048}
             spec = JobSpec(model=str(d), training_file=Path(tmp) / "train.jsonl", hyperparameters=hp)
-            dacc = JobSpec(model=str(d), training_file=Path(tmp) / "train.jsonl", hyperparameters=hp,
-                           engine={"accumulate_on": "device"})
+            dacc = JobSpec(
+                model=str(d),
+                training_file=Path(tmp) / "train.jsonl",
+                hyperparameters=hp,
+                engine={"accumulate_on": "device"},
+            )
             for gpu in gpus:
                 machine = Machine.for_gpu(gpu, host_memory_bytes=host_gib * GiB, cores=cores)
                 plan = plan_job(spec, machine)
                 z, o, dv = plan.modes["zenflow"], plan.modes["offload"], plan.modes["device"]
                 zd = plan_job(dacc, machine).modes["zenflow"]
-                rows.append({
-                    "model": name, "gpu": gpu, "params": plan.params, "auto_mode": plan.settings.mode,
-                    "fits": plan.fits, "zenflow_s": z.step_seconds, "offload_s": o.step_seconds,
-                    "device_s": dv.step_seconds if dv.fits else None, "zenflow_fits": z.fits,
-                    "zenflow_settings": z.settings.model_dump(), "zenflow_bound": z.bound,
-                    "zenflow_over_offload_speed": o.step_seconds / z.step_seconds,
-                    "zenflow_dacc_s": zd.step_seconds, "zenflow_dacc_fits": zd.fits,
-                    "zenflow_dacc_over_offload_speed": o.step_seconds / zd.step_seconds,
-                })
+                rows.append(
+                    {
+                        "model": name,
+                        "gpu": gpu,
+                        "params": plan.params,
+                        "auto_mode": plan.settings.mode,
+                        "fits": plan.fits,
+                        "zenflow_s": z.step_seconds,
+                        "offload_s": o.step_seconds,
+                        "device_s": dv.step_seconds if dv.fits else None,
+                        "zenflow_fits": z.fits,
+                        "zenflow_settings": z.settings.model_dump(),
+                        "zenflow_bound": z.bound,
+                        "zenflow_over_offload_speed": o.step_seconds / z.step_seconds,
+                        "zenflow_dacc_s": zd.step_seconds,
+                        "zenflow_dacc_fits": zd.fits,
+                        "zenflow_dacc_over_offload_speed": o.step_seconds / zd.step_seconds,
+                    }
+                )
     return rows
 
 
@@ -226,12 +292,23 @@ def long_examples(path: Path, n: int, chars: int, seed: int = 0) -> Path:
     with path.open("w") as f:
         for i in range(n):
             text = " ".join(rng.choice(words) for _ in range(chars // 5))
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say something {i}."},
-                                             {"role": "assistant", "content": text}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"Say something {i}."},
+                            {"role": "assistant", "content": text},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
-def run_rows(model: str, device: str, modes: list[str], steps: int, batch: int, seq: int) -> list[dict[str, Any]]:
+def run_rows(
+    model: str, device: str, modes: list[str], steps: int, batch: int, seq: int
+) -> list[dict[str, Any]]:
     """A short training run per engine mode on this machine: its plan (from the run's own events)
     against the measured step time (median of the steps after the first two), peak device memory
     (CUDA: ``torch.cuda.max_memory_allocated``, against the plan's device bytes less the CUDA
@@ -246,33 +323,56 @@ def run_rows(model: str, device: str, modes: list[str], steps: int, batch: int, 
         data = long_examples(Path(tmp) / "long.jsonl", max(batch * (steps + 1), 16), seq)
         for mode in modes:
             events: list[Any] = []
-            spec = JobSpec.model_validate({
-                "model": model, "training_file": str(data), "output_dir": str(Path(tmp) / mode), "device": device,
-                "engine": {"mode": mode},
-                "hyperparameters": {"batch_size": batch, "max_seq_length": seq, "max_steps": steps,
-                                    "eval_every": None, "checkpoint_every": steps}})
+            spec = JobSpec.model_validate(
+                {
+                    "model": model,
+                    "training_file": str(data),
+                    "output_dir": str(Path(tmp) / mode),
+                    "device": device,
+                    "engine": {"mode": mode},
+                    "hyperparameters": {
+                        "batch_size": batch,
+                        "max_seq_length": seq,
+                        "max_steps": steps,
+                        "eval_every": None,
+                        "checkpoint_every": steps,
+                    },
+                }
+            )
             cuda = torch.cuda.is_available() and device != "cpu"
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             run_training(spec, on_event=events.append, resume=False, progress=False)
             peak = torch.cuda.max_memory_allocated() if cuda else None
-            plan = next(Plan.model_validate(e.data["plan"]) for e in events
-                        if isinstance(e, LogEvent) and "plan" in e.data)
+            plan = next(
+                Plan.model_validate(e.data["plan"])
+                for e in events
+                if isinstance(e, LogEvent) and "plan" in e.data
+            )
             step_events = [e for e in events if isinstance(e, StepEvent)]
             timed = step_events[2:] or step_events
             measured_s = statistics.median(e.step_seconds for e in timed)
             runtime = plan.device.get("runtime", 0)
-            rows.append({
-                "mode": mode, "model": model, "machine": plan.machine.gpu_name, "fits": plan.fits,
-                "settings": plan.settings.model_dump(),
-                "planned_step_s": plan.step_seconds, "measured_step_s": measured_s,
-                "planned_tokens_per_s": plan.tokens_per_second,
-                "measured_tokens_per_s": statistics.median(e.tokens_per_second for e in timed),
-                "planned_device_bytes": plan.device_bytes - runtime, "measured_device_peak_bytes": peak,
-                "planned_engine_host_bytes": sum(v for k, v in plan.host.items() if k.startswith("engine")),
-                "measured_engine_host_bytes": step_events[-1].engine.host_bytes if step_events else None,
-            })
+            rows.append(
+                {
+                    "mode": mode,
+                    "model": model,
+                    "machine": plan.machine.gpu_name,
+                    "fits": plan.fits,
+                    "settings": plan.settings.model_dump(),
+                    "planned_step_s": plan.step_seconds,
+                    "measured_step_s": measured_s,
+                    "planned_tokens_per_s": plan.tokens_per_second,
+                    "measured_tokens_per_s": statistics.median(e.tokens_per_second for e in timed),
+                    "planned_device_bytes": plan.device_bytes - runtime,
+                    "measured_device_peak_bytes": peak,
+                    "planned_engine_host_bytes": sum(
+                        v for k, v in plan.host.items() if k.startswith("engine")
+                    ),
+                    "measured_engine_host_bytes": step_events[-1].engine.host_bytes if step_events else None,
+                }
+            )
     return rows
 
 
@@ -288,42 +388,63 @@ def print_report(doc: dict[str, Any]) -> None:
         print("planned vs measured (MiB), fp32 on the CPU")
         print(f"{'model':12s}{'component':52s}{'planned':>11s}{'measured':>11s}{'ratio':>8s}")
         for r in doc["memory"]:
-            print(f"{r['model']:12s}{r['component']:52s}{_mib(r['planned'])} {_mib(r['measured'])}{r['ratio']:8.3f}")
+            print(
+                f"{r['model']:12s}{r['component']:52s}{_mib(r['planned'])} {_mib(r['measured'])}{r['ratio']:8.3f}"
+            )
     if doc.get("speed"):
         print("\npredicted step seconds, batch 8 x 2048, 128 GiB host, 32 cores")
         print("(n/f: does not fit; zf-dacc: zenflow with accumulate_on device)")
-        print(f"{'model':10s}{'gpu':6s}{'auto':>9s}{'zenflow':>9s}{'zf-dacc':>9s}{'offload':>9s}{'device':>9s}"
-              f"{'zf/off':>9s}{'dacc/off':>10s}  zenflow bound")
+        print(
+            f"{'model':10s}{'gpu':6s}{'auto':>9s}{'zenflow':>9s}{'zf-dacc':>9s}{'offload':>9s}{'device':>9s}"
+            f"{'zf/off':>9s}{'dacc/off':>10s}  zenflow bound"
+        )
         for r in doc["speed"]:
+
             def cell(s: float | None, fits: bool = True) -> str:
                 return f"{s:9.2f}" if s is not None and fits else f"{'n/f':>9s}"
 
             def ratio(x: float, fits: bool) -> str:
                 return f"{x:.2f}x" if fits else "n/f"
 
-            print(f"{r['model']:10s}{r['gpu']:6s}{r['auto_mode']:>9s}{cell(r['zenflow_s'], r['zenflow_fits'])}"
-                  f"{cell(r['zenflow_dacc_s'], r['zenflow_dacc_fits'])}{r['offload_s']:9.2f}{cell(r['device_s'])}"
-                  f"{ratio(r['zenflow_over_offload_speed'], r['zenflow_fits']):>9s}"
-                  f"{ratio(r['zenflow_dacc_over_offload_speed'], r['zenflow_dacc_fits']):>10s}  {r['zenflow_bound']}")
+            print(
+                f"{r['model']:10s}{r['gpu']:6s}{r['auto_mode']:>9s}{cell(r['zenflow_s'], r['zenflow_fits'])}"
+                f"{cell(r['zenflow_dacc_s'], r['zenflow_dacc_fits'])}{r['offload_s']:9.2f}{cell(r['device_s'])}"
+                f"{ratio(r['zenflow_over_offload_speed'], r['zenflow_fits']):>9s}"
+                f"{ratio(r['zenflow_dacc_over_offload_speed'], r['zenflow_dacc_fits']):>10s}  {r['zenflow_bound']}"
+            )
     if doc.get("packing"):
         pk = doc["packing"]
-        print(f"\nsample data, tiny-llama: padded {pk['padded']['tokens_per_second']:,.0f} tokens/s, packed "
-              f"{pk['packed']['tokens_per_second']:,.0f} tokens/s ({pk['packed']['attention']}): {pk['ratio']:.2f}x")
+        print(
+            f"\nsample data, tiny-llama: padded {pk['padded']['tokens_per_second']:,.0f} tokens/s, packed "
+            f"{pk['packed']['tokens_per_second']:,.0f} tokens/s ({pk['packed']['attention']}): {pk['ratio']:.2f}x"
+        )
     if doc.get("run"):
         print("\nplanned vs measured, a short run on this machine")
-        print(f"{'mode':9s}{'step s plan':>12s}{'measured':>10s}{'device plan':>13s}{'peak':>11s}"
-              f"{'engine host plan':>18s}{'reported':>11s}")
+        print(
+            f"{'mode':9s}{'step s plan':>12s}{'measured':>10s}{'device plan':>13s}{'peak':>11s}"
+            f"{'engine host plan':>18s}{'reported':>11s}"
+        )
         for r in doc["run"]:
-            peak = _mib(r["measured_device_peak_bytes"]) if r["measured_device_peak_bytes"] is not None else "       n/a"
+            peak = (
+                _mib(r["measured_device_peak_bytes"])
+                if r["measured_device_peak_bytes"] is not None
+                else "       n/a"
+            )
             host = r["measured_engine_host_bytes"]
-            print(f"{r['mode']:9s}{r['planned_step_s']:12.3f}{r['measured_step_s']:10.3f}"
-                  f"{_mib(r['planned_device_bytes'])} MiB{peak}"
-                  f"{_mib(r['planned_engine_host_bytes'])} MiB{_mib(host) if host is not None else '       n/a'}")
+            print(
+                f"{r['mode']:9s}{r['planned_step_s']:12.3f}{r['measured_step_s']:10.3f}"
+                f"{_mib(r['planned_device_bytes'])} MiB{peak}"
+                f"{_mib(r['planned_engine_host_bytes'])} MiB{_mib(host) if host is not None else '       n/a'}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--models", default="tiny-llama,small-llama", help="built-in models to measure ('' skips)")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.memory", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    ap.add_argument(
+        "--models", default="tiny-llama,small-llama", help="built-in models to measure ('' skips)"
+    )
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--gpus", default="h100,h200", help="GPUs for the predicted speed table ('' skips)")
@@ -339,11 +460,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     doc: dict[str, Any] = {"args": vars(args)}
-    doc["memory"] = [r for m in filter(None, args.models.split(",")) for r in memory_rows(m, args.micro_batch, args.seq)]
+    doc["memory"] = [
+        r for m in filter(None, args.models.split(",")) for r in memory_rows(m, args.micro_batch, args.seq)
+    ]
     doc["speed"] = speed_rows(list(filter(None, args.gpus.split(","))))
     doc["packing"] = None if args.no_packing else packing_rows(args.packing_steps, args.device)
-    doc["run"] = run_rows(args.run_model, args.device, args.run_modes.split(","), args.run_steps, args.run_batch,
-                          args.run_seq) if args.run else []
+    doc["run"] = (
+        run_rows(
+            args.run_model,
+            args.device,
+            args.run_modes.split(","),
+            args.run_steps,
+            args.run_batch,
+            args.run_seq,
+        )
+        if args.run
+        else []
+    )
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

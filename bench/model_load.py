@@ -60,15 +60,24 @@ def write_model(folder: Path, *, hidden: int, layers: int, dtype: str, shard: st
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
-                      vocab_size=32000, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        vocab_size=32000,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
     model.save_pretrained(folder, max_shard_size=shard, safe_serialization=True)
     shards = sorted(folder.glob("*.safetensors"))
-    return {"params": sum(p.numel() for p in model.parameters()),
-            "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "largest_shard_bytes": max(s.stat().st_size for s in shards), "shards": len(shards)}
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "largest_shard_bytes": max(s.stat().st_size for s in shards),
+        "shards": len(shards),
+    }
 
 
 def child(folder: str, device: str, dtype: str) -> dict[str, Any]:
@@ -91,11 +100,14 @@ def child(folder: str, device: str, dtype: str) -> dict[str, Any]:
     sampler.stop.set()
     sampler.join()
     after = _rss()
-    return {"rss_before_bytes": before["VmRSS"], "peak_rss_bytes": sampler.peak.get("VmRSS", 0),
-            "after_rss_bytes": after["VmRSS"],
-            "anon_growth_bytes": sampler.peak.get("RssAnon", 0) - before.get("RssAnon", 0),
-            "file_growth_bytes": sampler.peak.get("RssFile", 0) - before.get("RssFile", 0),
-            "device": str(next(model.parameters()).device)}
+    return {
+        "rss_before_bytes": before["VmRSS"],
+        "peak_rss_bytes": sampler.peak.get("VmRSS", 0),
+        "after_rss_bytes": after["VmRSS"],
+        "anon_growth_bytes": sampler.peak.get("RssAnon", 0) - before.get("RssAnon", 0),
+        "file_growth_bytes": sampler.peak.get("RssFile", 0) - before.get("RssFile", 0),
+        "device": str(next(model.parameters()).device),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,21 +124,38 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, args.device, args.dtype)))
         return 0
     with tempfile.TemporaryDirectory(prefix="zenflow-model-load-") as tmp:
-        info = write_model(Path(tmp), hidden=args.hidden, layers=args.layers, dtype=args.dtype, shard=args.shard)
+        info = write_model(
+            Path(tmp), hidden=args.hidden, layers=args.layers, dtype=args.dtype, shard=args.shard
+        )
         out = subprocess.run(
-            [sys.executable, "-m", "bench.model_load", "--child", tmp, "--device", args.device, "--dtype", args.dtype],
-            check=True, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            [
+                sys.executable,
+                "-m",
+                "bench.model_load",
+                "--child",
+                tmp,
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
     res = {**info, **json.loads(out.stdout.strip().splitlines()[-1]), "device_arg": args.device}
     res["load_growth_bytes"] = res["peak_rss_bytes"] - res["rss_before_bytes"]
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        print(f"{res['params'] / 1e6:.0f}M params, {res['model_bytes'] / MiB:.0f} MiB in {res['shards']} shards "
-              f"(largest {res['largest_shard_bytes'] / MiB:.0f} MiB), loaded on {res['device']}: RSS "
-              f"{res['rss_before_bytes'] / MiB:.0f} MiB before, peak {res['peak_rss_bytes'] / MiB:.0f} MiB "
-              f"(+{res['load_growth_bytes'] / MiB:.0f} MiB: anonymous +{res['anon_growth_bytes'] / MiB:.0f}, "
-              f"mapped files +{res['file_growth_bytes'] / MiB:.0f})")
+        print(
+            f"{res['params'] / 1e6:.0f}M params, {res['model_bytes'] / MiB:.0f} MiB in {res['shards']} shards "
+            f"(largest {res['largest_shard_bytes'] / MiB:.0f} MiB), loaded on {res['device']}: RSS "
+            f"{res['rss_before_bytes'] / MiB:.0f} MiB before, peak {res['peak_rss_bytes'] / MiB:.0f} MiB "
+            f"(+{res['load_growth_bytes'] / MiB:.0f} MiB: anonymous +{res['anon_growth_bytes'] / MiB:.0f}, "
+            f"mapped files +{res['file_growth_bytes'] / MiB:.0f})"
+        )
     return 0
 
 

@@ -91,11 +91,21 @@ def measure(
         sync()
         t0 = time.perf_counter()
         tokens = positions = forwards = 0
-        for mb in micro_batches([examples[i] for i in idx], micro_batch_size, pad_id=pad_id, device=dev,
-                                packing=packing, max_seq_length=max_seq_length):
+        for mb in micro_batches(
+            [examples[i] for i in idx],
+            micro_batch_size,
+            pad_id=pad_id,
+            device=dev,
+            packing=packing,
+            max_seq_length=max_seq_length,
+        ):
             ls, _ = loss_sum(model, mb)
             ls.backward()
-            tokens, positions, forwards = tokens + mb.num_tokens, positions + mb.input_ids.numel(), forwards + 1
+            tokens, positions, forwards = (
+                tokens + mb.num_tokens,
+                positions + mb.input_ids.numel(),
+                forwards + 1,
+            )
         model.zero_grad(set_to_none=True)
         sync()
         if step >= warmup:
@@ -112,8 +122,14 @@ def compare(model_name: str, data: Path, **kw: Any) -> dict[str, Any]:
     padded = measure(model_name, data, packing=False, **kw)
     packed = measure(model_name, data, packing=True, **kw)
     ratio = packed.tokens_per_second / padded.tokens_per_second if padded.tokens_per_second else float("nan")
-    return {"model": model_name, "data": str(data), "args": kw, "padded": padded.as_dict(),
-            "packed": packed.as_dict(), "ratio": ratio}
+    return {
+        "model": model_name,
+        "data": str(data),
+        "args": kw,
+        "padded": padded.as_dict(),
+        "packed": packed.as_dict(),
+        "ratio": ratio,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,17 +149,29 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    doc = compare(args.model, args.data, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                  max_seq_length=args.max_seq_length, steps=args.steps, warmup=args.warmup, device=args.device)
+    doc = compare(
+        args.model,
+        args.data,
+        batch_size=args.batch_size,
+        micro_batch_size=args.micro_batch_size,
+        max_seq_length=args.max_seq_length,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device,
+    )
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"{doc['model']} on {doc['data']}: batch {args.batch_size}, micro-batch {args.micro_batch_size}, "
-          f"max_seq_length {args.max_seq_length}, {args.steps} timed steps, device {args.device}")
+    print(
+        f"{doc['model']} on {doc['data']}: batch {args.batch_size}, micro-batch {args.micro_batch_size}, "
+        f"max_seq_length {args.max_seq_length}, {args.steps} timed steps, device {args.device}"
+    )
     print(f"{'variant':8s} {'attention':18s} {'forwards':>8s} {'padding':>8s} {'tokens/s':>12s}")
     for name in ("padded", "packed"):
         r = doc[name]
-        print(f"{name:8s} {r['attention']:18s} {r['forwards']:8d} {r['padding']:8.1%} {r['tokens_per_second']:12,.0f}")
+        print(
+            f"{name:8s} {r['attention']:18s} {r['forwards']:8d} {r['padding']:8.1%} {r['tokens_per_second']:12,.0f}"
+        )
     print(f"packed / padded tokens/s: {doc['ratio']:.2f}x")
     return 0
 

@@ -80,8 +80,11 @@ def corpus(limit: int) -> str:
 
 def _key(recipe: Recipe, text: str) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"format": FORMAT, "recipe": asdict(recipe), "python": sys.version.split()[0]},
-                        sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {"format": FORMAT, "recipe": asdict(recipe), "python": sys.version.split()[0]}, sort_keys=True
+        ).encode()
+    )
     h.update(text.encode("utf-8", errors="replace"))
     return h.hexdigest()[:16]
 
@@ -92,7 +95,11 @@ def _byte_ids() -> Any:
 
     from trainer.data.tokenizer import build_byte_tokenizer
 
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     extra = [b for b in range(256) if b not in printable]
     char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(extra)}
     tok = build_byte_tokenizer()
@@ -119,8 +126,10 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
     from trainer.data.tokenizer import build_byte_tokenizer
     from trainer.model.catalog import builtin_config
 
-    log(f"pretraining the base model on {len(text) / 1e6:.1f} MB of the Python standard library "
-        f"({recipe.steps} steps of {recipe.batch}x{recipe.seq} tokens), cached in {out}")
+    log(
+        f"pretraining the base model on {len(text) / 1e6:.1f} MB of the Python standard library "
+        f"({recipe.steps} steps of {recipe.batch}x{recipe.seq} tokens), cached in {out}"
+    )
     ids = encode(text)
     n_valid = min(len(ids) // 20, 200_000)
     train, valid = ids[:-n_valid], ids[-n_valid:]
@@ -138,7 +147,9 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
             if step < recipe.warmup:
                 return recipe.lr * (step + 1) / recipe.warmup
             t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-            return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+            return recipe.lr * (
+                recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+            )
 
         def batch(src: Any, g: Any) -> Any:
             starts = torch.randint(0, len(src) - recipe.seq - 1, (recipe.batch,), generator=g)
@@ -167,9 +178,16 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
                 curve.append((step + 1, round(float(loss.detach()), 4)))
                 log(f"  pretrain step {step + 1}/{recipe.steps}: loss {curve[-1][1]:.3f}")
         last = valid_loss()
-    info = {"recipe": asdict(recipe), "python": sys.version.split()[0], "corpus_bytes": len(text),
-            "params": sum(p.numel() for p in model.parameters()), "valid_loss_before": first,
-            "valid_loss_after": last, "train_curve": curve, "seconds": time.perf_counter() - t0}
+    info = {
+        "recipe": asdict(recipe),
+        "python": sys.version.split()[0],
+        "corpus_bytes": len(text),
+        "params": sum(p.numel() for p in model.parameters()),
+        "valid_loss_before": first,
+        "valid_loss_after": last,
+        "train_curve": curve,
+        "seconds": time.perf_counter() - t0,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
@@ -208,7 +226,9 @@ def _example(rng: random.Random, words: list[str]) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ans}]}
 
 
-def write_chat_task(directory: Path, *, train: int = 600, valid: int = 120, seed: int = 1234) -> tuple[Path, Path]:
+def write_chat_task(
+    directory: Path, *, train: int = 600, valid: int = 120, seed: int = 1234
+) -> tuple[Path, Path]:
     """The fine-tuning task (chat about words and numbers), as train/valid JSONL files in ``directory``."""
     words = _words(corpus(Recipe().corpus_bytes))
     rng = random.Random(seed)
@@ -233,8 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     out = build(Recipe(steps=args.steps), log=lambda m: print(m, file=sys.stderr, flush=True))
     info = json.loads((out / "pretrain.json").read_text())
-    print(json.dumps({"directory": str(out), **{k: info[k] for k in ("params", "valid_loss_before",
-                                                                     "valid_loss_after", "seconds")}}))
+    print(
+        json.dumps(
+            {
+                "directory": str(out),
+                **{k: info[k] for k in ("params", "valid_loss_before", "valid_loss_after", "seconds")},
+            }
+        )
+    )
     return 0
 
 

@@ -40,8 +40,12 @@ def _configure(connection: Connection) -> None:
 
 
 def run_offline() -> None:
-    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
-                      render_as_batch=_url().startswith("sqlite"))
+    context.configure(
+        url=_url(),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=_url().startswith("sqlite"),
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -76,13 +76,17 @@ def _norm_by_parameter(r: Reduced, device: torch.device, ranks: Ranks) -> torch.
     sharded = [(i, t) for i, t, s in r.norm_parts if s]
     sq = torch.zeros(r.num_params, dtype=torch.float32, device=device)
     if sharded:
-        sq.index_add_(0, torch.tensor([i for i, _ in sharded], device=device),
-                      grad_norms([t for _, t in sharded]).square())
+        sq.index_add_(
+            0,
+            torch.tensor([i for i, _ in sharded], device=device),
+            grad_norms([t for _, t in sharded]).square(),
+        )
     dist.all_reduce(sq, group=ranks.group)
     norms = sq.sqrt()
     replicated = [(i, t) for i, t, s in r.norm_parts if not s]
     if replicated:
-        norms.index_copy_(0, torch.tensor([i for i, _ in replicated], device=device),
-                          grad_norms([t for _, t in replicated]))
+        norms.index_copy_(
+            0, torch.tensor([i for i, _ in replicated], device=device), grad_norms([t for _, t in replicated])
+        )
     total: torch.Tensor = torch.linalg.vector_norm(norms)
     return total

@@ -132,8 +132,9 @@ def average_gradients(grads: Sequence[torch.Tensor], ranks: Ranks, bucket: int =
             flat = torch.cat([g.reshape(-1) for g in part]) if len(part) > 1 else part[0].reshape(-1).clone()
             dist.all_reduce(flat, group=ranks.group)
             flat.div_(ranks.world)
-            torch._foreach_copy_(part, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in part]), part,
-                                                                       strict=True)])
+            torch._foreach_copy_(
+                part, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in part]), part, strict=True)]
+            )
             sent += wire_bytes("all_reduce", flat.numel() * flat.element_size(), ranks.world)
     return sent
 
@@ -151,8 +152,9 @@ def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: Ranks) -> 
 
 
 @torch.no_grad()
-def reduce_scatter_flat(grads: Sequence[torch.Tensor | None], offsets: Sequence[int], out: torch.Tensor,
-                        ranks: Ranks) -> int:
+def reduce_scatter_flat(
+    grads: Sequence[torch.Tensor | None], offsets: Sequence[int], out: torch.Tensor, ranks: Ranks
+) -> int:
     """``out`` := this rank's shard of the mean of gradients laid out flat (gradient ``i`` at
     ``offsets[i]``, zeros where None; padded to ``world * out.numel()``: a host store's layout); the
     bytes this rank sent."""

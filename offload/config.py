@@ -100,8 +100,14 @@ class EngineConfig(BaseModel):
     loss_scale_growth_interval: int = Field(2000, ge=1, le=MAX_INTERVAL_STEPS)
 
     @field_validator(
-        "update_interval", "select_interval", "full_warm_up_rounds", "max_update_interval",
-        "select_interval_fallback", "cpu_threads", "cpu_chunk_elements", "loss_scale_growth_interval",
+        "update_interval",
+        "select_interval",
+        "full_warm_up_rounds",
+        "max_update_interval",
+        "select_interval_fallback",
+        "cpu_threads",
+        "cpu_chunk_elements",
+        "loss_scale_growth_interval",
         mode="before",
     )
     @classmethod
@@ -123,7 +129,10 @@ class EngineConfig(BaseModel):
         b1, b2 = self.betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError("betas: each must be in [0, 1)")
-        if (isinstance(self.select_interval, int) and isinstance(self.update_interval, int)
-                and self.select_interval < self.update_interval):
+        if (
+            isinstance(self.select_interval, int)
+            and isinstance(self.update_interval, int)
+            and self.select_interval < self.update_interval
+        ):
             raise ValueError("select_interval: must be >= update_interval")
         return self

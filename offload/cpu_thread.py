@@ -223,4 +223,3 @@ class CPUThread:
         for f in {id(f): f for f in (*futs, *pending) if f is not None}.values():
             if not f.done():
                 f.set_exception(exc)
-

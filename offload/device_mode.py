@@ -26,7 +26,9 @@ from offload.timing import StepStats
 class DeviceMode(Mode):
     name = "device"
 
-    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None) -> None:
+    def __init__(
+        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None
+    ) -> None:
         super().__init__(named, cfg, ops, ranks)
         self.masters: dict[str, torch.Tensor] = {}
         opt_params: list[torch.Tensor] = []
@@ -64,7 +66,12 @@ class DeviceMode(Mode):
             m.grad = None
 
     def memory(self) -> EngineMemory:
-        state = {"exp_avg": 0, "exp_avg_sq": 0, "master": sum(nbytes(m) for m in self.masters.values()), "step": 0}
+        state = {
+            "exp_avg": 0,
+            "exp_avg_sq": 0,
+            "master": sum(nbytes(m) for m in self.masters.values()),
+            "step": 0,
+        }
         for st in self.opt.state.values():
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 t = st.get(key)

@@ -124,7 +124,9 @@ class ZenFlowEngine:
             raise ValueError("the model has no parameters with requires_grad=True")
         devices = {p.device for _, p in named}
         if len(devices) != 1:
-            raise ValueError(f"all trainable parameters must be on one device, got {sorted(map(str, devices))}")
+            raise ValueError(
+                f"all trainable parameters must be on one device, got {sorted(map(str, devices))}"
+            )
         self.device = next(iter(devices))
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"unsupported device type {self.device.type!r} (cpu or cuda)")
@@ -160,8 +162,11 @@ class ZenFlowEngine:
         self._scaler: LossScaler | None = None
         if cfg.loss_scaling == "dynamic" or (cfg.loss_scaling == "auto" and fp16):
             self._scaler = LossScaler(
-                self.device, init_scale=cfg.loss_scale_init, growth_factor=cfg.loss_scale_growth_factor,
-                backoff_factor=cfg.loss_scale_backoff_factor, growth_interval=cfg.loss_scale_growth_interval,
+                self.device,
+                init_scale=cfg.loss_scale_init,
+                growth_factor=cfg.loss_scale_growth_factor,
+                backoff_factor=cfg.loss_scale_backoff_factor,
+                growth_interval=cfg.loss_scale_growth_interval,
             )
         self._mode: Mode = self._build_mode(total, worker_cores)
         #: Host bytes the mode allocated (fixed for the engine's life; reported in every StepMetrics).
@@ -186,8 +191,13 @@ class ZenFlowEngine:
         p = plan(topo, set(allowed), cfg.cpu_optimizer_cores_ratio, gpu)
         if cfg.mode != "zenflow":  # no worker to keep apart; on a multi-GPU host the GPU's share still holds
             share = p.process if p.gpu_slot is not None else ()
-            return replace(p, training=(), optimizer=(), process=share,
-                           note=f"mode {cfg.mode} has no CPU optimizer worker to keep apart")
+            return replace(
+                p,
+                training=(),
+                optimizer=(),
+                process=share,
+                note=f"mode {cfg.mode} has no CPU optimizer worker to keep apart",
+            )
         return p
 
     def _pin(self) -> None:
@@ -402,8 +412,12 @@ class ZenFlowEngine:
         world, me = self._ranks.world, self._ranks.rank
         if isinstance(sd, list):
             saved = len(states)
-            if [x["rank"] for x in shards] != list(range(saved)) or {x["world_size"] for x in shards} != {saved}:
-                raise ValueError(f"expected the states of every rank of one group in rank order, got {shards}")
+            if [x["rank"] for x in shards] != list(range(saved)) or {x["world_size"] for x in shards} != {
+                saved
+            }:
+                raise ValueError(
+                    f"expected the states of every rank of one group in rank order, got {shards}"
+                )
             if saved == world:
                 self._mode.load_state_dict(states[me]["mode_state"])
             else:

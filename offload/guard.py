@@ -130,7 +130,11 @@ class LossScaler:
     @torch.no_grad()
     def update(self, gate: Gate) -> None:
         torch._amp_update_scale_(
-            self.scale, self.growth_tracker, gate.bad_f, self.growth_factor, self.backoff_factor,
+            self.scale,
+            self.growth_tracker,
+            gate.bad_f,
+            self.growth_factor,
+            self.backoff_factor,
             self.growth_interval,
         )
 

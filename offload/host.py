@@ -183,11 +183,16 @@ class HostStore:
 
     def parts(self) -> dict[str, int]:
         """Bytes by component (the names of :mod:`offload.memory`)."""
+
         def size(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
-        return {"master": size(self.master), "exp_avg": size(self.exp_avg), "exp_avg_sq": size(self.exp_avg_sq),
-                self.role: sum(size(b) for b in self.bufs)}
+        return {
+            "master": size(self.master),
+            "exp_avg": size(self.exp_avg),
+            "exp_avg_sq": size(self.exp_avg_sq),
+            self.role: sum(size(b) for b in self.bufs),
+        }
 
     def nbytes(self) -> int:
         return sum(self.parts().values())
@@ -230,15 +235,27 @@ class HostStore:
         # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
         out = self.low and grad.dtype == self.dtype
         b1, b2 = betas
-        hyper = {"lr": lr, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay, "adamw": True,
-                 "num_threads": num_threads}
+        hyper = {
+            "lr": lr,
+            "beta1": b1,
+            "beta2": b2,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adamw": True,
+            "num_threads": num_threads,
+        }
 
         def run(lo: int, hi: int, step: int) -> None:
             g = grad[lo:hi]
             with gil_released():
                 step_fn(
-                    self.master[lo:hi], g, self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], step=step,
-                    param_out=g if out else None, **hyper,
+                    self.master[lo:hi],
+                    g,
+                    self.exp_avg[lo:hi],
+                    self.exp_avg_sq[lo:hi],
+                    step=step,
+                    param_out=g if out else None,
+                    **hyper,
                 )
 
         if only is None and len(set(self.steps)) == 1:
@@ -261,13 +278,28 @@ class HostStore:
                 run(base + lo, base + hi, self.steps[i])
                 yield [i] if hi == n else []
 
-    def adam_now(self, grad: torch.Tensor, *, config: EngineConfig, lr: float, num_threads: int,
-                 only: Sequence[int] | None = None) -> float:
+    def adam_now(
+        self,
+        grad: torch.Tensor,
+        *,
+        config: EngineConfig,
+        lr: float,
+        num_threads: int,
+        only: Sequence[int] | None = None,
+    ) -> float:
         """Run :meth:`adam` to the end in one go with the engine config's betas, eps and weight
         decay; the seconds it took."""
         t0 = time.perf_counter()
-        for _ in self.adam(grad, lr=lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-                           num_threads=num_threads, chunk=1 << 62, only=only):
+        for _ in self.adam(
+            grad,
+            lr=lr,
+            betas=config.betas,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            num_threads=num_threads,
+            chunk=1 << 62,
+            only=only,
+        ):
             pass
         return time.perf_counter() - t0
 
@@ -307,9 +339,7 @@ class HostStore:
         if len({tuple(sd["steps"]) for sd in sds}) != 1 or len({sd["acc_index"] for sd in sds}) != 1:
             raise ValueError("the shards' host optimizer states are not from the same step")
         spans = [tuple(sd.get("shard", [0, self.total])) for sd in sds]
-        if spans[0][0] != 0 or spans[-1][1] != self.total or any(
-            a[1] != b[0] for a, b in pairwise(spans)
-        ):
+        if spans[0][0] != 0 or spans[-1][1] != self.total or any(a[1] != b[0] for a, b in pairwise(spans)):
             raise ValueError(f"the shards do not cover the parameters: {spans}")
 
         def mine(key: str) -> torch.Tensor:

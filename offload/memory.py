@@ -108,7 +108,12 @@ class EngineMemory:
 
 def _dense_state(numel: int, tensors: int, low: bool) -> dict[str, int]:
     """fp32 moments, an fp32 master for bf16/fp16, and a 4-byte step count per tensor (device AdamW)."""
-    return {"exp_avg": 4 * numel, "exp_avg_sq": 4 * numel, "master": 4 * numel if low else 0, "step": 4 * tensors}
+    return {
+        "exp_avg": 4 * numel,
+        "exp_avg_sq": 4 * numel,
+        "master": 4 * numel if low else 0,
+        "step": 4 * tensors,
+    }
 
 
 def _host_state(numel: int) -> dict[str, int]:
@@ -143,7 +148,10 @@ def engine_memory(
     host: dict[str, int] = {}
     if split:
         ring = 0 if on_device or not cuda else 2 * min(n_split, config.cpu_chunk_elements) * g
-        host = _host_state(n_split) | {"accumulators": (1 if on_device else 2) * g * n_split, "transfer": ring}
+        host = _host_state(n_split) | {
+            "accumulators": (1 if on_device else 2) * g * n_split,
+            "transfer": ring,
+        }
     state = _dense_state(full_numel, len(shapes) - len(split), low)
     state["exp_avg"] += 4 * selected
     state["exp_avg_sq"] += 4 * selected
@@ -167,6 +175,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 def merged(parts: Sequence[EngineMemory]) -> EngineMemory:
     """The sum of several :class:`EngineMemory` records of one mode (e.g. one per parameter dtype)."""
+
     def add(key: str) -> dict[str, int]:
         out: dict[str, int] = {}
         for p in parts:
@@ -175,7 +184,9 @@ def merged(parts: Sequence[EngineMemory]) -> EngineMemory:
         return out
 
     mode = parts[0].mode if parts else ""
-    return EngineMemory(mode, sum(p.params for p in parts), add("host"), add("device_state"), add("device_buffers"))
+    return EngineMemory(
+        mode, sum(p.params for p in parts), add("host"), add("device_state"), add("device_buffers")
+    )
 
 
 def model_memory(

@@ -47,7 +47,9 @@ class Mode:
 
     name: str = ""
 
-    def __init__(self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None) -> None:
+    def __init__(
+        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None
+    ) -> None:
         self.named = named
         self.cfg = cfg
         self.ops = ops
@@ -103,7 +105,9 @@ class Mode:
         names = {n for n, _ in self.named}
         if set(sd) != names:
             missing, extra = sorted(names - set(sd)), sorted(set(sd) - names)
-            raise ValueError(f"engine state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise ValueError(
+                f"engine state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         with torch.no_grad():
             for n, p in self.named:
                 p.data.copy_(sd[n])

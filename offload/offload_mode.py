@@ -38,7 +38,13 @@ class OffloadMode(Mode):
     name = "offload"
 
     def __init__(
-        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None, *, threads: int
+        self,
+        named: NamedParams,
+        cfg: EngineConfig,
+        ops: DeviceOps,
+        ranks: Ranks | None = None,
+        *,
+        threads: int,
     ) -> None:
         super().__init__(named, cfg, ops, ranks)
         self.threads = threads
@@ -62,8 +68,9 @@ class OffloadMode(Mode):
         all-reduce moves; the all-gather of the updated shard after the CPU step is the other half)."""
         out = []
         for (store, group), shard in zip(self.groups, self.grad_shards, strict=True):
-            stats.bytes_reduced += reduce_scatter_flat([p.grad for _, p in group], store.full_offsets, shard,
-                                                       self.ranks)
+            stats.bytes_reduced += reduce_scatter_flat(
+                [p.grad for _, p in group], store.full_offsets, shard, self.ranks
+            )
             out.append(shard.narrow(0, 0, store.numel))
         return Reduced([], out)
 
@@ -96,8 +103,14 @@ class OffloadMode(Mode):
                 stats.bytes_h2d += t.nbytes
             stats.applied_cpu_update = True
 
-    def _gather(self, gi: int, store: HostStore, group: list[tuple[str, torch.nn.Parameter]], have: list[int],
-                stats: StepStats) -> None:
+    def _gather(
+        self,
+        gi: int,
+        store: HostStore,
+        group: list[tuple[str, torch.nn.Parameter]],
+        have: list[int],
+        stats: StepStats,
+    ) -> None:
         """Upload this rank's updated shard, all-gather every rank's, copy the parameters out of it."""
         gather = self.gathers[gi]
         t = self.ops.h2d([(gather.mine.narrow(0, 0, store.numel), store.result(0))])
@@ -113,8 +126,12 @@ class OffloadMode(Mode):
 
     def memory(self) -> EngineMemory:
         buffers = {"gather": sum(g.nbytes() for g in self.gathers) + sum(nbytes(t) for t in self.grad_shards)}
-        return EngineMemory(self.name, self.params(), host=add_parts([store.parts() for store, _ in self.groups]),
-                            device_buffers=buffers if self.gathers else {})
+        return EngineMemory(
+            self.name,
+            self.params(),
+            host=add_parts([store.parts() for store, _ in self.groups]),
+            device_buffers=buffers if self.gathers else {},
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

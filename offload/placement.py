@@ -151,8 +151,10 @@ class Placement:
             node = f", NUMA node {self.numa_node}" if self.numa_node is not None else ""
             where = f" (GPU {self.gpu_slot + 1} of {self.gpus}{node})"
         if self.placed:
-            return (f"CPU placement{where}: training thread on CPUs {format_cpulist(self.training)}, "
-                    f"CPU optimizer on CPUs {format_cpulist(self.optimizer)}")
+            return (
+                f"CPU placement{where}: training thread on CPUs {format_cpulist(self.training)}, "
+                f"CPU optimizer on CPUs {format_cpulist(self.optimizer)}"
+            )
         if self.gpu_slot is not None and self.process:
             return f"CPU placement{where}: this process on CPUs {format_cpulist(self.process)} ({self.note})"
         return f"CPU placement off: {self.note}"
@@ -165,7 +167,9 @@ def _split_even(items: list[tuple[int, ...]], parts: int, index: int) -> list[tu
     return items[lo:hi]
 
 
-def plan(topo: Topology, allowed: set[int] | frozenset[int], ratio: float, gpu: str | None = None) -> Placement:
+def plan(
+    topo: Topology, allowed: set[int] | frozenset[int], ratio: float, gpu: str | None = None
+) -> Placement:
     """The placement for a process that may run on ``allowed`` CPUs and drives GPU ``gpu`` (its PCI
     address, None on a CPU-only run); ``ratio``: the share of physical cores for the CPU optimizer."""
     cores = [tuple(c for c in core if c in allowed) for core in topo.cores]
@@ -185,15 +189,24 @@ def plan(topo: Topology, allowed: set[int] | frozenset[int], ratio: float, gpu: 
             else:
                 share = _split_even(cores, n_gpus, slot)
             if not share:
-                return Placement(gpu_slot=slot, gpus=n_gpus, numa_node=node,
-                                 note=f"no physical core left for GPU {slot + 1} of {n_gpus}")
+                return Placement(
+                    gpu_slot=slot,
+                    gpus=n_gpus,
+                    numa_node=node,
+                    note=f"no physical core left for GPU {slot + 1} of {n_gpus}",
+                )
             cores = share
         else:
             note = "this process's CPUs were already restricted: they are its share"
     if len(cores) < 2:
         why = "one physical core" if cores else "no CPU"
-        return Placement(process=tuple(c for core in cores for c in core), gpu_slot=slot, gpus=n_gpus,
-                         numa_node=node, note=f"{why}: training and optimizer cannot be kept apart")
+        return Placement(
+            process=tuple(c for core in cores for c in core),
+            gpu_slot=slot,
+            gpus=n_gpus,
+            numa_node=node,
+            note=f"{why}: training and optimizer cannot be kept apart",
+        )
     n = len(cores)
     opt = min(n - 1, max(1, round(ratio * n)))
     training = tuple(c for core in cores[: n - opt] for c in core)

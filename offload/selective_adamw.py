@@ -198,7 +198,9 @@ class _Group:
         self.fresh = False
 
     def _new_work(self) -> None:
-        self.work = torch.empty((self.n, self.rows, self.k), dtype=torch.float32, device=self.params[0].device)
+        self.work = torch.empty(
+            (self.n, self.rows, self.k), dtype=torch.float32, device=self.params[0].device
+        )
         self.work_views = _views(self.work)
 
     @property
@@ -210,8 +212,12 @@ class _Group:
 
     def spec(self, j: int) -> _ColSpec:
         return _ColSpec(
-            self.names[j], self.params[j], self.cols[j].clone(), self.exp_avg[j].clone(),
-            self.exp_avg_sq[j].clone(), None if self.master is None else self.master[j].clone(),
+            self.names[j],
+            self.params[j],
+            self.cols[j].clone(),
+            self.exp_avg[j].clone(),
+            self.exp_avg_sq[j].clone(),
+            None if self.master is None else self.master[j].clone(),
             self.steps[j].clone(),
         )
 
@@ -416,11 +422,14 @@ class SelectiveAdamW:
         fulls = [e.param.grad for e in self._full.values() if e.param.grad is not None]
         full_sq = (
             torch.stack(torch._foreach_norm(fulls, 2, dtype=torch.float32)).square().sum()
-            if fulls else torch.zeros((), device=dev)
+            if fulls
+            else torch.zeros((), device=dev)
         )
         grads = [grp.grad for grp in self._groups]
         cols_sq = (
-            torch.stack(torch._foreach_norm(grads, 2)).square().sum() if grads else torch.zeros((), device=dev)
+            torch.stack(torch._foreach_norm(grads, 2)).square().sum()
+            if grads
+            else torch.zeros((), device=dev)
         )
         return full_sq, cols_sq
 
@@ -464,9 +473,21 @@ class SelectiveAdamW:
         ok_f = gate.as_(torch.float32)
         torch._foreach_add_(steps, [ok_f] * len(steps))  # (the Tensor overload reads it on the host on CPU)
         torch._fused_adamw_(
-            params, grads, ms, vs, [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
-            weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False,
-            grad_scale=None, found_inf=gate.bad_f,
+            params,
+            grads,
+            ms,
+            vs,
+            [],
+            steps,
+            lr=h.lr,
+            beta1=h.beta1,
+            beta2=h.beta2,
+            weight_decay=h.weight_decay,
+            eps=h.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=None,
+            found_inf=gate.bad_f,
         )
         if low_p:
             torch._foreach_copy_(low_p, low_m)
@@ -516,8 +537,11 @@ class SelectiveAdamW:
                 torch.full((), h.beta2, dtype=torch.float32, device=dev),
             )
         w1, b2 = self._consts
-        decay = (torch.full((), 1 - h.lr * h.weight_decay, dtype=torch.float32, device=dev)
-                 if h.weight_decay != 0 else w1)  # (unused without weight decay)
+        decay = (
+            torch.full((), 1 - h.lr * h.weight_decay, dtype=torch.float32, device=dev)
+            if h.weight_decay != 0
+            else w1
+        )  # (unused without weight decay)
         if shared:
             if h.weight_decay != 0:
                 torch._foreach_mul_(ps, torch.where(gate.ok, decay, 1.0))
@@ -605,7 +629,10 @@ class SelectiveAdamW:
                     old_vals = grp.work
                 else:
                     old_vals = torch.stack(
-                        [p.detach().index_select(1, c).float() for p, c in zip(grp.params, grp.col_views, strict=True)]
+                        [
+                            p.detach().index_select(1, c).float()
+                            for p, c in zip(grp.params, grp.col_views, strict=True)
+                        ]
                     )
                 dropped.append(Dropped(list(grp.names), grp.cols, torch.logical_not(kept), old_vals))
             idx = pos.unsqueeze(1).expand(n, rows, k)
@@ -617,7 +644,10 @@ class SelectiveAdamW:
                     base = next(values)
                 else:
                     base = torch.stack(
-                        [p.detach().index_select(1, c).float() for p, c in zip(grp.params, new.unbind(0), strict=True)]
+                        [
+                            p.detach().index_select(1, c).float()
+                            for p, c in zip(grp.params, new.unbind(0), strict=True)
+                        ]
                     )
                 grp.master = torch.where(here, grp.master.gather(2, idx), base)
             else:
@@ -682,4 +712,3 @@ class SelectiveAdamW:
             spec.cols, spec.exp_avg, spec.exp_avg_sq, spec.master = cols_t, exp_avg, exp_avg_sq, master_t
             spec.steps = steps_t.to(dev)
         self._calls = max(self._calls, top)
-

@@ -53,8 +53,14 @@ def make_engine(url: str) -> Engine:
         return engine
     # pool_pre_ping replaces a connection found dead at checkout; the libpq timeouts bound how long a
     # connect to an unreachable server, or a connection whose peer vanished, can hang a caller.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_recycle=1800,
-                         connect_args=dict(PG_CONNECT_ARGS))
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=20,
+        pool_recycle=1800,
+        connect_args=dict(PG_CONNECT_ARGS),
+    )
 
 
 @lru_cache(maxsize=8)

@@ -49,7 +49,9 @@ def fair_order(queue: ColumnElement[Any] | str | None = None, *, name: str = "fa
             w.team_id,
             w.queue,
             w.created_at,
-            func.row_number().over(partition_by=(w.queue, w.team_id), order_by=(w.created_at, w.id)).label("k"),
+            func.row_number()
+            .over(partition_by=(w.queue, w.team_id), order_by=(w.created_at, w.id))
+            .label("k"),
             func.min(w.created_at).over(partition_by=(w.queue, w.team_id)).label("team_first"),
         )
         .where(*cond)

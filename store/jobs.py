@@ -84,7 +84,13 @@ def set_status(
     if error is not None:
         job.error = error
     level = "error" if status is JobStatus.failed else "info"
-    add_event(session, job.id, message or f"Job {status.value}", level=level, data={**(data or {}), "status": status.value})
+    add_event(
+        session,
+        job.id,
+        message or f"Job {status.value}",
+        level=level,
+        data={**(data or {}), "status": status.value},
+    )
 
 
 def lock_job(session: Session, job_id: str) -> FineTuningJob | None:
@@ -106,7 +112,9 @@ def mark_dispatched(session: Session, job_id: str) -> bool:
     return bool(res.rowcount)
 
 
-def heartbeat_is_fresh(heartbeat_at: datetime | None, timeout_seconds: float, now: datetime | None = None) -> bool:
+def heartbeat_is_fresh(
+    heartbeat_at: datetime | None, timeout_seconds: float, now: datetime | None = None
+) -> bool:
     """Whether a run that last beat at ``heartbeat_at`` is still alive by the heartbeat timeout."""
     hb = as_utc(heartbeat_at)
     return hb is not None and (now or utcnow()) - hb < timedelta(seconds=timeout_seconds)
@@ -151,8 +159,11 @@ def claim(
     status = JobStatus(job.status)
     if status.terminal:
         return Claim.terminal
-    if (status is JobStatus.running and job.worker_hostname != hostname
-            and heartbeat_is_fresh(job.heartbeat_at, heartbeat_timeout_seconds)):
+    if (
+        status is JobStatus.running
+        and job.worker_hostname != hostname
+        and heartbeat_is_fresh(job.heartbeat_at, heartbeat_timeout_seconds)
+    ):
         return Claim.running_elsewhere
     if job.cancel_requested:
         cancel(session, job, "Job cancelled before it started")
@@ -166,8 +177,12 @@ def claim(
     if status is JobStatus.running:
         add_event(session, job.id, "Previous run of this job was lost; taking it over", level="warning")
     resume = f", resuming from step {job.global_step}" if job.global_step else ""
-    set_status(session, job, JobStatus.running,
-               message=f"Attempt {job.attempts}/{max_attempts} started on {hostname}{resume}")
+    set_status(
+        session,
+        job,
+        JobStatus.running,
+        message=f"Attempt {job.attempts}/{max_attempts} started on {hostname}{resume}",
+    )
     open_run(session, job, hostname, gpus=gpus)
     return Claim.claimed
 
@@ -205,22 +220,32 @@ def claim_next(
     turns out cancelled or out of attempts is settled and the next one tried. The queue is the
     message's job's, else ``queue``.
     """
+
     def run_here(job: FineTuningJob | None) -> Claim:
-        return claim(session, job, hostname, max_attempts=settings.max_job_attempts,
-                     heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds, gpus=gpus)
+        return claim(
+            session,
+            job,
+            hostname,
+            max_attempts=settings.max_job_attempts,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
+            gpus=gpus,
+        )
 
     def locked(job_id: str, *, skip_locked: bool) -> FineTuningJob | None:
         # populate_existing: the row as it is under the lock, not as an earlier read left it.
         return session.execute(
-            select(FineTuningJob).where(FineTuningJob.id == job_id)
-            .with_for_update(skip_locked=skip_locked).execution_options(populate_existing=True)
+            select(FineTuningJob)
+            .where(FineTuningJob.id == job_id)
+            .with_for_update(skip_locked=skip_locked)
+            .execution_options(populate_existing=True)
         ).scalar_one_or_none()
 
     own = session.get(FineTuningJob, message_job_id) if message_job_id else None
     if own is not None:
         queue = own.queue
         dead = own.worker_hostname == hostname or not heartbeat_is_fresh(
-            own.heartbeat_at, settings.heartbeat_timeout_seconds)
+            own.heartbeat_at, settings.heartbeat_timeout_seconds
+        )
         if own.status == JobStatus.running.value and dead:
             outcome = run_here(locked(own.id, skip_locked=False))
             if outcome is not Claim.running_elsewhere:  # else another worker took it over first
@@ -264,17 +289,33 @@ def requeue(session: Session, job: FineTuningJob, why: str) -> str:
     """
     job.worker_hostname = None
     job.heartbeat_at = None
-    set_status(session, job, JobStatus.queued, message=f"{why}; re-queued to resume from step {job.global_step}")
+    set_status(
+        session, job, JobStatus.queued, message=f"{why}; re-queued to resume from step {job.global_step}"
+    )
     return job.queue
 
 
-def fail(session: Session, job: FineTuningJob, code: str, message: str, *, param: str | None = None,
-         event: str | None = None, data: dict[str, Any] | None = None) -> None:
+def fail(
+    session: Session,
+    job: FineTuningJob,
+    code: str,
+    message: str,
+    *,
+    param: str | None = None,
+    event: str | None = None,
+    data: dict[str, Any] | None = None,
+) -> None:
     """Fail a job with the error object ``{code, message, param}``; ``event`` (default "Job failed:
     <message>") is what its event says, ``data`` (e.g. the error's type, a data file's line errors) what
     that event carries: a failure has this one error event."""
-    set_status(session, job, JobStatus.failed, message=event or f"Job failed: {message}",
-               error=job_error(code, message, param), data=data)
+    set_status(
+        session,
+        job,
+        JobStatus.failed,
+        message=event or f"Job failed: {message}",
+        error=job_error(code, message, param),
+        data=data,
+    )
 
 
 def succeed(session: Session, job: FineTuningJob, message: str) -> None:
@@ -296,5 +337,9 @@ def request_cancel(session: Session, job: FineTuningJob) -> None:
     if job.status in PENDING:
         cancel(session, job, "Job cancelled before it started")
     else:
-        add_event(session, job.id, "Cancellation requested; the job stops after the current step",
-                  data={"status": job.status, "cancel_requested": True})
+        add_event(
+            session,
+            job.id,
+            "Cancellation requested; the job stops after the current step",
+            data={"status": job.status, "cancel_requested": True},
+        )

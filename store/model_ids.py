@@ -96,10 +96,13 @@ def find_model(session: Session, team_id: str, model_id: str) -> RegisteredModel
 
 def team_models(session: Session, team_id: str) -> list[RegisteredModel]:
     """The team's models and checkpoints (not deleted), oldest first."""
-    return list(session.scalars(
-        select(RegisteredModel)
-        .where(RegisteredModel.team_id == team_id, RegisteredModel.deleted_at.is_(None))
-        .order_by(RegisteredModel.created_at, RegisteredModel.id)))
+    return list(
+        session.scalars(
+            select(RegisteredModel)
+            .where(RegisteredModel.team_id == team_id, RegisteredModel.deleted_at.is_(None))
+            .order_by(RegisteredModel.created_at, RegisteredModel.id)
+        )
+    )
 
 
 def _base_of(session: Session, job: FineTuningJob) -> str:
@@ -127,12 +130,18 @@ def _adapter_path(path: str) -> str | None:
     return str(adapter) if adapter.is_dir() else None
 
 
-def _upsert(session: Session, job: FineTuningJob, model_id: str, kind: ModelKind, path: str,
-            step: int | None) -> RegisteredModel:
+def _upsert(
+    session: Session, job: FineTuningJob, model_id: str, kind: ModelKind, path: str, step: int | None
+) -> RegisteredModel:
     row = session.get(RegisteredModel, model_id)
     if row is None:
-        row = RegisteredModel(id=model_id, team_id=job.team_id, job_id=job.id, kind=kind.value,
-                              base_model=_base_of(session, job))
+        row = RegisteredModel(
+            id=model_id,
+            team_id=job.team_id,
+            job_id=job.id,
+            kind=kind.value,
+            base_model=_base_of(session, job),
+        )
         session.add(row)
     else:  # recorded again (a resumed run may have rewritten the files; the tar's mtimes change too):
         row.content_sha256 = row.adapter_sha256 = None  # the cached checksums no longer hold
@@ -153,27 +162,34 @@ def register_checkpoint(session: Session, job_id: str, step: int, path: str) -> 
     job = session.get(FineTuningJob, job_id)
     if job is None:
         raise ModelLookupError(f"no job {job_id}")
-    return _upsert(session, job, checkpoint_id(job_model_id(session, job), step), ModelKind.checkpoint,
-                   path, step).id
+    return _upsert(
+        session, job, checkpoint_id(job_model_id(session, job), step), ModelKind.checkpoint, path, step
+    ).id
 
 
 def forget_checkpoint(session: Session, job_id: str, step: int) -> None:
     """The checkpoint's files were pruned: its id is gone (deleted now)."""
-    for row in session.scalars(select(RegisteredModel).where(
-            RegisteredModel.job_id == job_id, RegisteredModel.step_number == step,
-            RegisteredModel.deleted_at.is_(None))):
+    for row in session.scalars(
+        select(RegisteredModel).where(
+            RegisteredModel.job_id == job_id,
+            RegisteredModel.step_number == step,
+            RegisteredModel.deleted_at.is_(None),
+        )
+    ):
         row.deleted_at = utcnow()
 
 
 def forget_job_models(session: Session, job_id: str) -> None:
     """All of a job's outputs were removed (a purge): its models and checkpoints are gone."""
-    for row in session.scalars(select(RegisteredModel).where(
-            RegisteredModel.job_id == job_id, RegisteredModel.deleted_at.is_(None))):
+    for row in session.scalars(
+        select(RegisteredModel).where(RegisteredModel.job_id == job_id, RegisteredModel.deleted_at.is_(None))
+    ):
         row.deleted_at = utcnow()
 
 
-def spec_model(session: Session, team_id: str, model: str, roots: Sequence[Path],
-               builtin: Container[str] = ()) -> str:
+def spec_model(
+    session: Session, team_id: str, model: str, roots: Sequence[Path], builtin: Container[str] = ()
+) -> str:
     """What a job's recorded ``model`` names for the trainer: an ``ft:`` id's folder, a model root's
     folder, else the name itself (a ``builtin`` config name, which a root's folder never shadows, or a
     path recorded before model ids existed). Raises :class:`ModelLookupError` when an ``ft:`` id is

@@ -61,8 +61,9 @@ class Usage:
 class QuotaExceeded(Exception):
     """A create the team's quota refuses: 429 for limits that free up by themselves, 400 for hard ones."""
 
-    def __init__(self, quota: str, message: str, *, status_code: int = 429,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self, quota: str, message: str, *, status_code: int = 429, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.quota, self.message, self.status_code = quota, message, status_code
         self.retry_after = retry_after
@@ -87,10 +88,14 @@ def limits_for(session: Session, team_id: str, settings: Settings) -> Limits:
 
 
 def _count(session: Session, team_id: str, statuses: tuple[str, ...]) -> int:
-    return int(session.scalar(
-        select(func.count()).select_from(FineTuningJob)
-        .where(FineTuningJob.team_id == team_id, FineTuningJob.status.in_(statuses))
-    ) or 0)
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(FineTuningJob)
+            .where(FineTuningJob.team_id == team_id, FineTuningJob.status.in_(statuses))
+        )
+        or 0
+    )
 
 
 def running_jobs(session: Session, team_id: str) -> int:
@@ -139,31 +144,50 @@ def admit_job(session: Session, team_id: str, settings: Settings, *, now: dateti
     now = now or utcnow()
     limits = limits_for(session, team_id, settings)
     if limits.max_running_jobs == 0:
-        raise QuotaExceeded("max_running_jobs", "Quota max_running_jobs is 0 for this team: no job of it can run",
-                            status_code=400)
+        raise QuotaExceeded(
+            "max_running_jobs",
+            "Quota max_running_jobs is 0 for this team: no job of it can run",
+            status_code=400,
+        )
     if limits.max_queued_jobs is not None:
         queued = _count(session, team_id, WAITING)
         if queued >= limits.max_queued_jobs:
-            raise QuotaExceeded("max_queued_jobs", (
-                f"Quota max_queued_jobs exceeded: {queued} of {limits.max_queued_jobs} jobs already wait; "
-                "retry once some have started or cancel one"))
+            raise QuotaExceeded(
+                "max_queued_jobs",
+                (
+                    f"Quota max_queued_jobs exceeded: {queued} of {limits.max_queued_jobs} jobs already wait; "
+                    "retry once some have started or cancel one"
+                ),
+            )
     if limits.gpu_hours is not None:
         days = f"{settings.quota_period_days:g} days"
         if limits.gpu_hours == 0:
-            raise QuotaExceeded("gpu_hours", f"Quota gpu_hours is 0 per {days} for this team", status_code=400)
+            raise QuotaExceeded(
+                "gpu_hours", f"Quota gpu_hours is 0 per {days} for this team", status_code=400
+            )
         limit_s = limits.gpu_hours * 3600.0
         used = gpu_seconds(session, team_id, now - period(settings), now=now)
         if used >= limit_s:
             retry = seconds_until_below(session, team_id, limit_s, period(settings), now=now)
-            raise QuotaExceeded("gpu_hours", (
-                f"Quota gpu_hours exceeded: {used / 3600:.2f} of {limits.gpu_hours:g} GPU-hours used in the last "
-                f"{days}"), retry_after=retry)
+            raise QuotaExceeded(
+                "gpu_hours",
+                (
+                    f"Quota gpu_hours exceeded: {used / 3600:.2f} of {limits.gpu_hours:g} GPU-hours used in the last "
+                    f"{days}"
+                ),
+                retry_after=retry,
+            )
     if limits.storage_bytes is not None:
         stored = storage_bytes(session, team_id)
         if stored >= limits.storage_bytes:
-            raise QuotaExceeded("storage_bytes", (
-                f"Quota storage_bytes exceeded: {stored:,} of {limits.storage_bytes:,} bytes stored; delete files "
-                "or fine-tuned models to make room"), status_code=400)
+            raise QuotaExceeded(
+                "storage_bytes",
+                (
+                    f"Quota storage_bytes exceeded: {stored:,} of {limits.storage_bytes:,} bytes stored; delete files "
+                    "or fine-tuned models to make room"
+                ),
+                status_code=400,
+            )
 
 
 def set_limits(session: Session, team_id: str, values: dict[str, int | float | None]) -> TeamQuota:

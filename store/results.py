@@ -26,8 +26,18 @@ from store.orm import File, FineTuningJob, JobStepMetric
 RESULTS_PURPOSE = "fine-tune-results"
 RESULTS_FILENAME = "step_metrics.csv"
 COLUMNS = (
-    "step", "train_loss", "valid_loss", "lr", "tokens_per_second", "step_seconds", "stall_seconds",
-    "stall_fraction", "gpu_utilization", "cpu_optimizer_seconds", "bytes_device_to_host", "bytes_host_to_device",
+    "step",
+    "train_loss",
+    "valid_loss",
+    "lr",
+    "tokens_per_second",
+    "step_seconds",
+    "stall_seconds",
+    "stall_fraction",
+    "gpu_utilization",
+    "cpu_optimizer_seconds",
+    "bytes_device_to_host",
+    "bytes_host_to_device",
 )
 
 
@@ -37,7 +47,9 @@ def _cell(v: object) -> object:
 
 def metrics_csv(session: Session, job_id: str) -> tuple[bytes, int]:
     """The job's step metrics as CSV bytes (oldest step first) and the number of rows."""
-    rows = session.scalars(select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step))
+    rows = session.scalars(
+        select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+    )
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)

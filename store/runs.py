@@ -16,11 +16,18 @@ from sqlalchemy.orm import Session
 from store.orm import FineTuningJob, JobRun, as_utc, utcnow
 
 
-def open_run(session: Session, job: FineTuningJob, hostname: str, *, gpus: int = 1,
-             now: datetime | None = None) -> JobRun:
+def open_run(
+    session: Session, job: FineTuningJob, hostname: str, *, gpus: int = 1, now: datetime | None = None
+) -> JobRun:
     """Start a run of ``job`` on ``hostname`` (the caller has just claimed it)."""
-    run = JobRun(job_id=job.id, team_id=job.team_id, queue=job.queue, worker_hostname=hostname, gpus=gpus,
-                 started_at=now or utcnow())
+    run = JobRun(
+        job_id=job.id,
+        team_id=job.team_id,
+        queue=job.queue,
+        worker_hostname=hostname,
+        gpus=gpus,
+        started_at=now or utcnow(),
+    )
     session.add(run)
     return run
 
@@ -58,15 +65,20 @@ def gpu_seconds(session: Session, team_id: str, since: datetime, *, now: datetim
     return float(inside or 0.0) + sum(_seconds_inside(r, since, now) for r in partial)
 
 
-def seconds_until_below(session: Session, team_id: str, limit_seconds: float, period: timedelta, *,
-                        now: datetime | None = None) -> float | None:
+def seconds_until_below(
+    session: Session, team_id: str, limit_seconds: float, period: timedelta, *, now: datetime | None = None
+) -> float | None:
     """How long until the team's GPU-seconds in the rolling ``period`` fall below ``limit_seconds``
     as its ended runs age out (runs still open only add to it: None when they alone reach the limit)."""
     now = now or utcnow()
     since = now - period
-    runs = list(session.scalars(
-        select(JobRun).where(JobRun.team_id == team_id, or_(JobRun.ended_at.is_(None), JobRun.ended_at > since))
-    ))
+    runs = list(
+        session.scalars(
+            select(JobRun).where(
+                JobRun.team_id == team_id, or_(JobRun.ended_at.is_(None), JobRun.ended_at > since)
+            )
+        )
+    )
     used = sum(_seconds_inside(r, since, now) for r in runs)
     if sum(_seconds_inside(r, since, now) for r in runs if r.ended_at is None) >= limit_seconds:
         return None

@@ -116,7 +116,9 @@ class DirectorySizeCache:
 OUTPUT_SIZES = DirectorySizeCache()
 
 
-def team_storage_usage(session: Session, team_id: str, *, cache: DirectorySizeCache | None = None) -> StorageUsage:
+def team_storage_usage(
+    session: Session, team_id: str, *, cache: DirectorySizeCache | None = None
+) -> StorageUsage:
     """The team's stored bytes by kind: two indexed queries and one ``stat`` per job with outputs."""
     cache = cache or OUTPUT_SIZES
     by_purpose = session.execute(
@@ -127,7 +129,9 @@ def team_storage_usage(session: Session, team_id: str, *, cache: DirectorySizeCa
     results = sum(int(n) for purpose, n in by_purpose if purpose == RESULTS_PURPOSE)
     uploads = sum(int(n) for purpose, n in by_purpose if purpose != RESULTS_PURPOSE)
     dirs = session.scalars(
-        select(FineTuningJob.output_dir).where(FineTuningJob.team_id == team_id, FineTuningJob.output_dir.is_not(None))
+        select(FineTuningJob.output_dir).where(
+            FineTuningJob.team_id == team_id, FineTuningJob.output_dir.is_not(None)
+        )
     ).all()
     jobs = sum(cache.size(d) for d in dirs if d)
     return StorageUsage(team_id=team_id, uploads_bytes=uploads, results_bytes=results, jobs_bytes=jobs)

@@ -20,8 +20,15 @@ from sqlalchemy.orm import Session
 from store.orm import Worker, utcnow
 
 
-def register(session: Session, name: str, queues: Sequence[str], capacity: dict[str, Any], *,
-             gpus_per_job: int = 1, now: datetime | None = None) -> Worker:
+def register(
+    session: Session,
+    name: str,
+    queues: Sequence[str],
+    capacity: dict[str, Any],
+    *,
+    gpus_per_job: int = 1,
+    now: datetime | None = None,
+) -> Worker:
     """Record worker ``name`` (a restarted worker replaces its old row) with a fresh heartbeat;
     ``gpus_per_job``: the ranks of each job it runs."""
     if gpus_per_job < 1:
@@ -55,8 +62,9 @@ def get(session: Session, name: str) -> Worker | None:
     return session.get(Worker, name)
 
 
-def live_workers(session: Session, queue: str, *, live_seconds: float,
-                 now: datetime | None = None) -> list[Worker]:
+def live_workers(
+    session: Session, queue: str, *, live_seconds: float, now: datetime | None = None
+) -> list[Worker]:
     """The workers consuming ``queue`` whose heartbeat is at most ``live_seconds`` old, by name."""
     cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
     rows = session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.name))

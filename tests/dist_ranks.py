@@ -32,8 +32,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     from offload.cpu_adam import load_extension
 
     load_extension()  # built once here: ranks killed at the deadline mid-build would leave its lock behind
-    ctx = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -42,7 +42,7 @@ CHATML_TOOLS_TEMPLATE = (
     "{%- elif m['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
     "{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['content'] %}{{ m['content'] }}{% endif %}"
     "{%- for tc in m['tool_calls'] or [] %}{{ '\\n<tool_call>\\n' }}"
-    '{"name": "{{ tc[\'function\'][\'name\'] }}", "arguments": {{ tc[\'function\'][\'arguments\'] | tojson }}}'
+    "{\"name\": \"{{ tc['function']['name'] }}\", \"arguments\": {{ tc['function']['arguments'] | tojson }}}"
     "{{- '\\n</tool_call>' }}{%- endfor %}{{ '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -100,29 +100,97 @@ class Family:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1)
+_DECODER = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+)
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", _DECODER, ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>",
-                                        "<|start_header_id|>", "<|end_header_id|>"),
-                    "<|begin_of_text|>", "<|eot_id|>", None, LLAMA3_TEMPLATE),
-    "qwen2": Family("qwen2", _DECODER, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-                    None, "<|im_end|>", "<|endoftext|>", CHATML_TOOLS_TEMPLATE),
-    "mistral": Family("mistral", {**_DECODER, "sliding_window": None}, ("<unk>", "<s>", "</s>"),
-                      "<s>", "</s>", None, MISTRAL_TEMPLATE),
-    "gpt2": Family("gpt2", dict(n_embd=32, n_layer=1, n_head=2), ("<|endoftext|>",),
-                   "<|endoftext|>", "<|endoftext|>", None, None),
-    "phi3": Family("phi3", _DECODER, ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
-                   None, "<|endoftext|>", "<|endoftext|>", PHI3_TEMPLATE),
-    "gemma2": Family("gemma2", {**_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16},
-                     ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
-                     "<bos>", "<eos>", "<pad>", GEMMA2_TEMPLATE),
+    "llama": Family(
+        "llama",
+        _DECODER,
+        ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"),
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        None,
+        LLAMA3_TEMPLATE,
+    ),
+    "qwen2": Family(
+        "qwen2",
+        _DECODER,
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        None,
+        "<|im_end|>",
+        "<|endoftext|>",
+        CHATML_TOOLS_TEMPLATE,
+    ),
+    "mistral": Family(
+        "mistral",
+        {**_DECODER, "sliding_window": None},
+        ("<unk>", "<s>", "</s>"),
+        "<s>",
+        "</s>",
+        None,
+        MISTRAL_TEMPLATE,
+    ),
+    "gpt2": Family(
+        "gpt2",
+        dict(n_embd=32, n_layer=1, n_head=2),
+        ("<|endoftext|>",),
+        "<|endoftext|>",
+        "<|endoftext|>",
+        None,
+        None,
+    ),
+    "phi3": Family(
+        "phi3",
+        _DECODER,
+        ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        None,
+        "<|endoftext|>",
+        "<|endoftext|>",
+        PHI3_TEMPLATE,
+    ),
+    "gemma2": Family(
+        "gemma2",
+        {**_DECODER, "head_dim": 16, "query_pre_attn_scalar": 16},
+        ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        GEMMA2_TEMPLATE,
+    ),
 }
 
 #: Words of the WordLevel vocabulary (anything else is <unk>).
-WORDS = ("hi", "hello", "yes", "no", "what", "is", "the", "weather", "in", "paris", "sunny", "ok", "be",
-         "brief", "capital", "of", "france", "lima", "peru", "and", "a", "b", "c", "?", ".", ",", ":")
+WORDS = (
+    "hi",
+    "hello",
+    "yes",
+    "no",
+    "what",
+    "is",
+    "the",
+    "weather",
+    "in",
+    "paris",
+    "sunny",
+    "ok",
+    "be",
+    "brief",
+    "capital",
+    "of",
+    "france",
+    "lima",
+    "peru",
+    "and",
+    "a",
+    "b",
+    "c",
+    "?",
+    ".",
+    ",",
+    ":",
+)
 
 DEFAULT = "default"
 
@@ -161,8 +229,9 @@ def build_tokenizer(
         raise ValueError(f"unknown tokenizer kind {kind!r}")
     tok.add_special_tokens(names)
     kw = {k: v for k, v in dict(bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk).items() if v}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template,
-                                   model_max_length=model_max_length, **kw)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, chat_template=chat_template, model_max_length=model_max_length, **kw
+    )
 
 
 def write_model_folder(
@@ -202,16 +271,25 @@ def write_model_folder(
     eos_tok = fam.eos if eos else None
     unk_tok = "<unk>" if unk or tokenizer_kind == "wordlevel" else None
     specials = list(fam.specials) + list(extra_specials)  # eos=False: the token stays, only unnamed
-    tok = build_tokenizer(specials, kind=tokenizer_kind, bos=fam.bos if bos else None, eos=eos_tok,
-                          pad=pad_tok, unk=unk_tok, chat_template=template,
-                          model_max_length=max_position_embeddings)
+    tok = build_tokenizer(
+        specials,
+        kind=tokenizer_kind,
+        bos=fam.bos if bos else None,
+        eos=eos_tok,
+        pad=pad_tok,
+        unk=unk_tok,
+        chat_template=template,
+        model_max_length=max_position_embeddings,
+    )
     if tokenizer:
         tok.save_pretrained(out)
 
     def tid(t: str | None) -> int | None:
         return None if t is None else int(tok.convert_tokens_to_ids(t))
 
-    ids = dict(bos_token_id=tid(fam.bos if bos else None), eos_token_id=tid(eos_tok), pad_token_id=tid(pad_tok))
+    ids = dict(
+        bos_token_id=tid(fam.bos if bos else None), eos_token_id=tid(eos_tok), pad_token_id=tid(pad_tok)
+    )
     sizes = dict(fam.config)
     if fam.model_type == "gpt2":
         sizes["n_positions"] = max_position_embeddings
@@ -236,7 +314,9 @@ def write_model_folder(
 def jsonl(path: str | Path, records: list[Any]) -> Path:
     """Write ``records`` (dicts, or raw strings written as they are) one per line."""
     p = Path(path)
-    p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
+    p.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8"
+    )
     return p
 
 
@@ -253,9 +333,23 @@ WEATHER_TOOL = {
 TOOL_CALL_RECORD: dict[str, Any] = {
     "messages": [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "What is the weather "}, {"type": "text", "text": "in Paris?"}]},
-        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the weather "},
+                {"type": "text", "text": "in Paris?"},
+            ],
+        },
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "assistant", "content": "Sunny."},
     ],

@@ -21,7 +21,9 @@ def unavailable(reason: str) -> NoReturn:
 
 
 #: The local services (override with ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL).
-PG_ADMIN_URL = os.environ.get("ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+PG_ADMIN_URL = os.environ.get(
+    "ZENFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
 REDIS_URL = os.environ.get("ZENFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 

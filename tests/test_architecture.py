@@ -43,7 +43,9 @@ def graph() -> grimp.ImportGraph:
 def strongly_connected_components(graph: grimp.ImportGraph) -> list[list[str]]:
     """Groups of modules that import each other (more than one module each), each sorted."""
     digraph = networkx.DiGraph(
-        (importer, imported) for importer in graph.modules for imported in graph.find_modules_directly_imported_by(importer)
+        (importer, imported)
+        for importer in graph.modules
+        for imported in graph.find_modules_directly_imported_by(importer)
     )
     return sorted(sorted(c) for c in networkx.strongly_connected_components(digraph) if len(c) > 1)
 

@@ -63,12 +63,20 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("spec", type=Path, help="job spec (YAML)")
     p.add_argument("--output-dir", type=Path, default=None, help="override the spec's output_dir")
     p.add_argument("--no-resume", action="store_true", help="start afresh, deleting earlier checkpoints")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bar (default: when stderr is a terminal)")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: when stderr is a terminal)",
+    )
     p.add_argument("--json", action="store_true", help="print every event as a JSON line on stdout")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="data-parallel ranks on this machine (default: the spec's resources.gpus): one per GPU, "
-                        "or gloo CPU ranks without GPUs")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="data-parallel ranks on this machine (default: the spec's resources.gpus): one per GPU, "
+        "or gloo CPU ranks without GPUs",
+    )
     p.set_defaults(func=cmd_train)
     return p
 
@@ -92,11 +100,15 @@ def _printer(as_json: bool, progress: bool) -> EventCallback:
             case LogEvent():
                 write(ev.message)
             case RunStarted():
-                write(f"Training {ev.total_steps} steps from step {ev.start_step} on {ev.device} ({ev.dtype}, "
-                      f"mode {ev.mode}, {ev.trainable_parameters:,}/{ev.num_parameters:,} trainable parameters)")
+                write(
+                    f"Training {ev.total_steps} steps from step {ev.start_step} on {ev.device} ({ev.dtype}, "
+                    f"mode {ev.mode}, {ev.trainable_parameters:,}/{ev.num_parameters:,} trainable parameters)"
+                )
             case StepEvent() if not progress and (ev.step % 10 == 0 or ev.step == ev.total_steps):
-                write(f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
-                      f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}")
+                write(
+                    f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+                    f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}"
+                )
             case EvalEvent():
                 write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}")
             case CheckpointSaved():
@@ -198,13 +210,22 @@ def _train(args: argparse.Namespace, spec: JobSpec, dist: DistContext | None, re
         if main_rank:
             print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
 
-    previous = signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        signal.signal(signal.SIGINT, on_sigint)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     from trainer.run.loop import run_training
 
     try:
-        result = run_training(spec, on_event=_printer(args.json, progress) if main_rank else None,
-                              should_cancel=cancel.is_set, resume=not args.no_resume, progress=progress,
-                              dist=dist)
+        result = run_training(
+            spec,
+            on_event=_printer(args.json, progress) if main_rank else None,
+            should_cancel=cancel.is_set,
+            resume=not args.no_resume,
+            progress=progress,
+            dist=dist,
+        )
     except KeyboardInterrupt:
         if main_rank:
             print("aborted", file=sys.stderr)
@@ -227,8 +248,11 @@ def _train(args: argparse.Namespace, spec: JobSpec, dist: DistContext | None, re
     if not main_rank:
         return 0
     if result.cancelled:
-        print(f"stopped at step {result.steps}/{result.total_steps}; run the same command to resume "
-              f"({result.last_checkpoint})", file=sys.stderr)
+        print(
+            f"stopped at step {result.steps}/{result.total_steps}; run the same command to resume "
+            f"({result.last_checkpoint})",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     vl = f", validation loss {result.valid_loss:.4f}" if result.valid_loss is not None else ""
     tl = f"{result.train_loss:.4f}" if result.train_loss is not None else "n/a"
@@ -257,13 +281,23 @@ def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Any) ->
 
     gpus = _visible_gpus(spec.device)
     if len(gpus) < nproc and (gpus or spec.device == "cuda"):
-        return refuse(f"--nproc {nproc} needs {nproc} GPUs, {len(gpus)} visible "
-                      "(device: cpu runs the ranks on the CPU)")
+        return refuse(
+            f"--nproc {nproc} needs {nproc} GPUs, {len(gpus)} visible (device: cpu runs the ranks on the CPU)"
+        )
     devices = gpus[:nproc] if gpus else None
     argvs = []
     for rank in range(nproc):
-        argv = [sys.executable, "-m", "trainer", "train", str(Path(args.spec).resolve()),
-                "--output-dir", str(spec.output_dir), "--nproc", str(nproc)]
+        argv = [
+            sys.executable,
+            "-m",
+            "trainer",
+            "train",
+            str(Path(args.spec).resolve()),
+            "--output-dir",
+            str(spec.output_dir),
+            "--nproc",
+            str(nproc),
+        ]
         if args.no_resume:
             argv.append("--no-resume")
         if rank > 0:
@@ -278,7 +312,9 @@ def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Any) ->
         group.terminate(sig)
 
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    previous = (
+        {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    )
     try:
         with group:
             group.start()

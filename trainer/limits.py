@@ -51,13 +51,22 @@ def model_limit_errors(spec: JobSpec) -> list[LimitError]:
 
     model_max = model_max_length(spec.model)
     given = spec.hyperparameters.max_seq_length
-    length = given if isinstance(given, int) else spec.hyperparameters.resolve(
-        1, base_learning_rate=1.0, model_max_length=model_max).max_seq_length
+    length = (
+        given
+        if isinstance(given, int)
+        else spec.hyperparameters.resolve(
+            1, base_learning_rate=1.0, model_max_length=model_max
+        ).max_seq_length
+    )
     if length <= model_max:
         return []
     what = "must be" if isinstance(given, int) else f"resolves to {length}; it must be"
-    return [LimitError(("hyperparameters", "max_seq_length"),
-                       f"{what} at most {model_max}, the model's maximum sequence length (its position limit)")]
+    return [
+        LimitError(
+            ("hyperparameters", "max_seq_length"),
+            f"{what} at most {model_max}, the model's maximum sequence length (its position limit)",
+        )
+    ]
 
 
 def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None = None) -> list[LimitError]:
@@ -86,17 +95,30 @@ def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None =
     check("learning_rate", hp.learning_rate, limits.max_learning_rate)
     length = hp.max_seq_length
     if isinstance(length, int) and length < limits.min_seq_length:
-        errors.append(LimitError(("hyperparameters", "max_seq_length"), (
-            f"must be at least {limits.min_seq_length}: a shorter sequence cannot hold one example's "
-            "prompt and answer with the chat template")))
-    elif isinstance(length, int) and limits.max_seq_length < length and limits.max_seq_length <= model_max_length(spec.model):
+        errors.append(
+            LimitError(
+                ("hyperparameters", "max_seq_length"),
+                (
+                    f"must be at least {limits.min_seq_length}: a shorter sequence cannot hold one example's "
+                    "prompt and answer with the chat template"
+                ),
+            )
+        )
+    elif (
+        isinstance(length, int)
+        and limits.max_seq_length < length
+        and limits.max_seq_length <= model_max_length(spec.model)
+    ):
         check("max_seq_length", length, limits.max_seq_length)  # the server's limit is the lower one
     else:
         errors += model_limit_errors(spec)
     if spec.lora is not None:
         if spec.lora.r > limits.max_lora_rank:
-            errors.append(LimitError(("hyperparameters", "lora", "r"),
-                                     f"must be at most {limits.max_lora_rank} on this server"))
+            errors.append(
+                LimitError(
+                    ("hyperparameters", "lora", "r"), f"must be at most {limits.max_lora_rank} on this server"
+                )
+            )
         if isinstance(spec.lora.target_modules, list):
             from trainer.model.lora import lora_target_problems
 
@@ -114,22 +136,48 @@ def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None =
         return [LimitError(_steps_loc(hp), str(exc))]
     if r.learning_rate > limits.max_learning_rate:
         field = "learning_rate_multiplier" if hp.learning_rate_multiplier != "auto" else "learning_rate"
-        errors.append(LimitError(("hyperparameters", field), (
-            f"the learning rate ({r.base_learning_rate:g} x multiplier {r.learning_rate_multiplier:g} = "
-            f"{r.learning_rate:g}) must be at most {limits.max_learning_rate:g}")))
+        errors.append(
+            LimitError(
+                ("hyperparameters", field),
+                (
+                    f"the learning rate ({r.base_learning_rate:g} x multiplier {r.learning_rate_multiplier:g} = "
+                    f"{r.learning_rate:g}) must be at most {limits.max_learning_rate:g}"
+                ),
+            )
+        )
     if r.max_seq_length > limits.max_seq_length:
-        errors.append(LimitError(("hyperparameters", "max_seq_length"), (
-            f"resolves to {r.max_seq_length}, over this server's {limits.max_seq_length}: give a smaller value")))
+        errors.append(
+            LimitError(
+                ("hyperparameters", "max_seq_length"),
+                (
+                    f"resolves to {r.max_seq_length}, over this server's {limits.max_seq_length}: give a smaller value"
+                ),
+            )
+        )
     if r.total_steps > limits.max_total_steps:
-        errors.append(LimitError(_steps_loc(hp), (
-            f"{r.total_steps:,} training steps ({r.n_epochs} epochs x {r.steps_per_epoch} steps of batch size "
-            f"{r.batch_size} over {num_examples} examples) is over this server's limit of "
-            f"{limits.max_total_steps:,}: lower n_epochs or set max_steps")))
+        errors.append(
+            LimitError(
+                _steps_loc(hp),
+                (
+                    f"{r.total_steps:,} training steps ({r.n_epochs} epochs x {r.steps_per_epoch} steps of batch size "
+                    f"{r.batch_size} over {num_examples} examples) is over this server's limit of "
+                    f"{limits.max_total_steps:,}: lower n_epochs or set max_steps"
+                ),
+            )
+        )
     tokens = r.total_steps * r.batch_size * r.max_seq_length
     if not errors and tokens > limits.max_total_tokens:
-        given = [f for f in ("max_seq_length", "batch_size", "max_steps") if getattr(hp, f) not in ("auto", None)]
+        given = [
+            f for f in ("max_seq_length", "batch_size", "max_steps") if getattr(hp, f) not in ("auto", None)
+        ]
         field = given[0] if given else "n_epochs"
-        errors.append(LimitError(("hyperparameters", field), (
-            f"up to {tokens:,} token positions ({r.total_steps} steps x batch size {r.batch_size} x "
-            f"max_seq_length {r.max_seq_length}) is over this server's limit of {limits.max_total_tokens:,}")))
+        errors.append(
+            LimitError(
+                ("hyperparameters", field),
+                (
+                    f"up to {tokens:,} token positions ({r.total_steps} steps x batch size {r.batch_size} x "
+                    f"max_seq_length {r.max_seq_length}) is over this server's limit of {limits.max_total_tokens:,}"
+                ),
+            )
+        )
     return errors

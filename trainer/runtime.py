@@ -70,15 +70,24 @@ class RuntimeRequest(BaseModel):
         # Compares with the subclass's batch_size (base fields validate first, so a field validator
         # cannot see it); the error is located at micro_batch_size all the same.
         batch = getattr(self, "batch_size", "auto")
-        if isinstance(self.micro_batch_size, int) and isinstance(batch, int) and self.micro_batch_size > batch:
+        if (
+            isinstance(self.micro_batch_size, int)
+            and isinstance(batch, int)
+            and self.micro_batch_size > batch
+        ):
             message = (
                 f"must be at most batch_size ({batch}): batch_size is the examples of one optimizer step, "
                 "micro_batch_size what one forward/backward holds"
             )
             raise ValidationError.from_exception_data(
                 type(self).__name__,
-                [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=("micro_batch_size",),
-                                  input=self.micro_batch_size)],
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError("value_error", message),
+                        loc=("micro_batch_size",),
+                        input=self.micro_batch_size,
+                    )
+                ],
             )
         return self
 

@@ -62,7 +62,11 @@ class EngineSettings(EngineConfig):
         raise ValueError("set hyperparameters.learning_rate instead of engine.lr")
 
     def engine_config(
-        self, lr: float, *, mode: EngineMode | None = None, accumulate_on: Literal["host", "device"] | None = None
+        self,
+        lr: float,
+        *,
+        mode: EngineMode | None = None,
+        accumulate_on: Literal["host", "device"] | None = None,
     ) -> EngineConfig:
         """The offload.config.EngineConfig to build the engine with; ``mode`` / ``accumulate_on``
         resolve an ``auto`` (the plan's choice; without one ``auto`` is zenflow / host)."""
@@ -195,7 +199,13 @@ class Hyperparameters(RuntimeRequest):
     lora: LoraSpec | None = None
 
     @field_validator(
-        "n_epochs", "batch_size", "max_seq_length", "max_steps", "eval_every", "checkpoint_every", "seed",
+        "n_epochs",
+        "batch_size",
+        "max_seq_length",
+        "max_steps",
+        "eval_every",
+        "checkpoint_every",
+        "seed",
         mode="before",
     )
     @classmethod
@@ -400,8 +410,12 @@ def load_spec(path: str | Path, *, output_dir: str | Path | None = None) -> JobS
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     if "lora" in raw:
-        warnings.warn(f"{path}: top-level 'lora' is deprecated; put it under 'hyperparameters:' as 'lora:' "
-                      "(the same place as in the API)", FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{path}: top-level 'lora' is deprecated; put it under 'hyperparameters:' as 'lora:' "
+            "(the same place as in the API)",
+            FutureWarning,
+            stacklevel=2,
+        )
     base = path.parent
     for key in ("training_file", "validation_file"):
         if raw.get(key) is not None and not Path(raw[key]).expanduser().is_absolute():

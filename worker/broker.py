@@ -31,7 +31,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings for GPU workers, from the service settings."""
     url = settings.resolved_broker_url
     # kombu's SQLAlchemy transport hands its transport options to create_engine(): none for it.
-    options = {} if url.startswith("sqla+") else {"visibility_timeout": settings.broker_visibility_timeout_seconds}
+    options = (
+        {} if url.startswith("sqla+") else {"visibility_timeout": settings.broker_visibility_timeout_seconds}
+    )
     return {
         "broker_url": url,
         "broker_transport_options": options,

@@ -75,7 +75,9 @@ def broker_message_counts(queues: Iterable[str]) -> dict[str, int | None]:
                 try:
                     ok = celery_app.amqp.queues[q].bind(channel).queue_declare()
                 except Exception:
-                    log.warning("cannot count the messages of queue %s (%s)", q, conn.transport_cls, exc_info=True)
+                    log.warning(
+                        "cannot count the messages of queue %s (%s)", q, conn.transport_cls, exc_info=True
+                    )
                     continue
                 n = getattr(ok, "message_count", None)
                 counts[q] = n if isinstance(n, int) and not isinstance(n, bool) else None
@@ -108,14 +110,22 @@ def dispatch_undispatched_jobs(
     url, enqueue = settings.resolved_database_url, enqueue or _default_enqueue
     cutoff = (now or utcnow()) - timedelta(seconds=settings.dispatch_grace_seconds)
     with session_scope(url) as s:
-        ids = list(s.scalars(
-            select(FineTuningJob.id)
-            .where(FineTuningJob.status == JobStatus.queued.value, FineTuningJob.dispatched_at.is_(None),
-                   FineTuningJob.created_at < cutoff)
-            .order_by(FineTuningJob.created_at)
-        ))
-    sent = [j for j in ids if _dispatch_locked(url, j, lambda job: job.dispatched_at is None, enqueue,
-                                               NEVER_SENT_EVENT)]
+        ids = list(
+            s.scalars(
+                select(FineTuningJob.id)
+                .where(
+                    FineTuningJob.status == JobStatus.queued.value,
+                    FineTuningJob.dispatched_at.is_(None),
+                    FineTuningJob.created_at < cutoff,
+                )
+                .order_by(FineTuningJob.created_at)
+            )
+        )
+    sent = [
+        j
+        for j in ids
+        if _dispatch_locked(url, j, lambda job: job.dispatched_at is None, enqueue, NEVER_SENT_EVENT)
+    ]
     for j in sent:
         log.warning("dispatched job %s: it was queued without a broker message", j)
     return sent
@@ -135,9 +145,11 @@ def redispatch_lost_messages(
     cutoff = (now or utcnow()) - timedelta(seconds=settings.dispatch_grace_seconds)
     waiting = (FineTuningJob.status == JobStatus.queued.value) & FineTuningJob.dispatched_at.is_not(None)
     with session_scope(url) as s:
-        queues = list(s.scalars(
-            select(FineTuningJob.queue).where(waiting, FineTuningJob.dispatched_at < cutoff).distinct()
-        ))
+        queues = list(
+            s.scalars(
+                select(FineTuningJob.queue).where(waiting, FineTuningJob.dispatched_at < cutoff).distinct()
+            )
+        )
     if not queues:
         return []
     held = (count_messages or broker_message_counts)(queues)  # before reading the jobs: see the module doc
@@ -152,13 +164,21 @@ def redispatch_lost_messages(
         if n is None:
             continue
         with session_scope(url) as s:
-            rows = s.execute(select(FineTuningJob.id, FineTuningJob.dispatched_at)
-                             .where(waiting, FineTuningJob.queue == q).order_by(FineTuningJob.created_at)).all()
+            rows = s.execute(
+                select(FineTuningJob.id, FineTuningJob.dispatched_at)
+                .where(waiting, FineTuningJob.queue == q)
+                .order_by(FineTuningJob.created_at)
+            ).all()
         if n >= len(rows):
             continue
         suspects = [r.id for r in rows if (as_utc(r.dispatched_at) or cutoff) < cutoff]
-        log.warning("queue %s: the broker holds %d messages for %d dispatched queued jobs; re-dispatching %d",
-                    q, n, len(rows), len(suspects))
+        log.warning(
+            "queue %s: the broker holds %d messages for %d dispatched queued jobs; re-dispatching %d",
+            q,
+            n,
+            len(rows),
+            len(suspects),
+        )
         resent += [j for j in suspects if _dispatch_locked(url, j, due, enqueue, LOST_EVENT)]
     return resent
 
@@ -172,5 +192,6 @@ def redispatch_lost_jobs(
 ) -> list[str]:
     """One reconcile round (steps 1 and 2); the ids of the jobs (re-)dispatched."""
     sent = dispatch_undispatched_jobs(settings=settings, now=now, enqueue=enqueue)
-    return sent + redispatch_lost_messages(settings=settings, now=now, enqueue=enqueue,
-                                           count_messages=count_messages)
+    return sent + redispatch_lost_messages(
+        settings=settings, now=now, enqueue=enqueue, count_messages=count_messages
+    )

@@ -17,8 +17,13 @@ from worker.reaper import ReaperThread, start_reaper_thread
 class EmbeddedWorker:
     """A Celery worker (solo pool) running in a thread of this process; see start_embedded_worker."""
 
-    def __init__(self, controller: Any, thread: threading.Thread, reaper: ReaperThread | None,
-                 presence: WorkerPresence | None = None) -> None:
+    def __init__(
+        self,
+        controller: Any,
+        thread: threading.Thread,
+        reaper: ReaperThread | None,
+        presence: WorkerPresence | None = None,
+    ) -> None:
         self.controller, self.thread, self.reaper, self.presence = controller, thread, reaper, presence
 
     @property

@@ -42,8 +42,15 @@ def is_db_unavailable(exc: BaseException) -> bool:
     for e in _chain(exc):
         if isinstance(e, sa_exc.DBAPIError) and e.connection_invalidated:
             return True
-        if isinstance(e, sa_exc.OperationalError | sa_exc.InterfaceError | sa_exc.DisconnectionError
-                      | sa_exc.TimeoutError | psycopg.OperationalError | psycopg.InterfaceError):
+        if isinstance(
+            e,
+            sa_exc.OperationalError
+            | sa_exc.InterfaceError
+            | sa_exc.DisconnectionError
+            | sa_exc.TimeoutError
+            | psycopg.OperationalError
+            | psycopg.InterfaceError,
+        ):
             return True
     return False
 

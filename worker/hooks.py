@@ -47,7 +47,9 @@ def _on_worker_init(**_: Any) -> None:
 @signals.worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _reaper, _presence
-    hostname = getattr(sender, "hostname", None) or getattr(getattr(sender, "controller", None), "hostname", None)
+    hostname = getattr(sender, "hostname", None) or getattr(
+        getattr(sender, "controller", None), "hostname", None
+    )
     if _reaper is None:
         _reaper = start_reaper_thread(own_hostname=hostname)
     name = task.node_hostname() or hostname  # what the worker's jobs record as their worker_hostname

@@ -27,8 +27,21 @@ from worker.metrics.nvml import detect_gpus
 
 def worker_argv(queues: list[str], nodename: str, loglevel: str) -> list[str]:
     """Arguments of ``celery worker`` for one GPU worker: solo pool, one job at a time."""
-    return ["worker", "--pool", "solo", "--concurrency", "1", "-Q", ",".join(queues), "-n", nodename,
-            "--loglevel", loglevel, "--without-gossip", "--without-mingle"]
+    return [
+        "worker",
+        "--pool",
+        "solo",
+        "--concurrency",
+        "1",
+        "-Q",
+        ",".join(queues),
+        "-n",
+        nodename,
+        "--loglevel",
+        loglevel,
+        "--without-gossip",
+        "--without-mingle",
+    ]
 
 
 Gpu = tuple[int | None, str | None]
@@ -47,9 +60,11 @@ def gpu_groups(gpus: list[Gpu], per_job: int, *, cpu_ranks: bool) -> list[list[G
         if cpu_ranks:
             return [[(None, None)]]
         have = "no GPU" if cpu else f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
-        raise ValueError(f"--gpus-per-job {per_job}: this worker has {have}; give it {per_job} GPUs "
-                         f"(--gpus) or set ZENFLOW_CPU_RANKS=true to run the ranks on the CPU (gloo)")
-    return [gpus[i:i + per_job] for i in range(0, len(gpus) - len(gpus) % per_job, per_job)]
+        raise ValueError(
+            f"--gpus-per-job {per_job}: this worker has {have}; give it {per_job} GPUs "
+            f"(--gpus) or set ZENFLOW_CPU_RANKS=true to run the ranks on the CPU (gloo)"
+        )
+    return [gpus[i : i + per_job] for i in range(0, len(gpus) - len(gpus) % per_job, per_job)]
 
 
 def _node(group: list[Gpu]) -> str:
@@ -64,12 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m worker``: one Celery worker per GPU (or one CPU worker)."""
     p = argparse.ArgumentParser(prog="python -m worker", description=main.__doc__)
     p.add_argument("--gpus", default="auto", help="'auto', 'none' (one CPU worker) or indices like 0,1")
-    p.add_argument("--queues", default=None,
-                   help="comma-separated queues (default: gpu-<kind> of each GPU plus the default queue); "
-                        "with --gpus-per-job N > 1 each names the base of the queue consumed, <queue>-xN")
-    p.add_argument("--gpus-per-job", type=int, default=None,
-                   help="ranks (GPUs) of each job a worker runs (default: ZENFLOW_GPUS_PER_JOB, 1): the "
-                        "GPUs are cut into groups of this size, one worker each")
+    p.add_argument(
+        "--queues",
+        default=None,
+        help="comma-separated queues (default: gpu-<kind> of each GPU plus the default queue); "
+        "with --gpus-per-job N > 1 each names the base of the queue consumed, <queue>-xN",
+    )
+    p.add_argument(
+        "--gpus-per-job",
+        type=int,
+        default=None,
+        help="ranks (GPUs) of each job a worker runs (default: ZENFLOW_GPUS_PER_JOB, 1): the "
+        "GPUs are cut into groups of this size, one worker each",
+    )
     p.add_argument("--loglevel", default="INFO")
     args = p.parse_args(argv)
     settings = get_settings()
@@ -86,11 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     if per_job > 1 and sum(len(g) for g in groups) < len(gpus) and groups[0][0][0] is not None:
-        print(f"python -m worker: {len(gpus) % per_job} GPU(s) left unused by groups of {per_job}",
-              file=sys.stderr)
+        print(
+            f"python -m worker: {len(gpus) % per_job} GPU(s) left unused by groups of {per_job}",
+            file=sys.stderr,
+        )
 
     def queues_for(kind: str | None) -> list[str]:
-        bases = list(args.queues.split(",")) if args.queues else [queue_for_gpu_kind(kind), settings.default_queue]
+        bases = (
+            list(args.queues.split(","))
+            if args.queues
+            else [queue_for_gpu_kind(kind), settings.default_queue]
+        )
         if per_job > 1:
             bases = [queue_for_gpus(per_job, q) for q in bases]
         return list(dict.fromkeys(bases))
@@ -119,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
         if settings.worker_metrics_port:
             # One /metrics port per worker process: base port + position in the launch order.
             env["ZENFLOW_WORKER_METRICS_PORT"] = str(settings.worker_metrics_port + n)
-        cmd = [sys.executable, "-m", "celery", "-A", "worker",
-               *worker_argv(queues_for(group[0][1]), _node(group), args.loglevel)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "worker",
+            *worker_argv(queues_for(group[0][1]), _node(group), args.loglevel),
+        ]
         procs.append(subprocess.Popen(cmd, env=env))
 
     def forward(sig: int, _frame: Any) -> None:

@@ -52,7 +52,9 @@ def reap_stale_jobs(
     if own_hostname:
         cond = or_(cond, (FineTuningJob.worker_hostname == own_hostname) & (beat < own_before))
     with session_scope(url) as s:
-        ids = list(s.scalars(select(FineTuningJob.id).where(FineTuningJob.status == JobStatus.running.value, cond)))
+        ids = list(
+            s.scalars(select(FineTuningJob.id).where(FineTuningJob.status == JobStatus.running.value, cond))
+        )
     requeued: list[str] = []
     for job_id in ids:
         queue: str | None = None
@@ -61,7 +63,12 @@ def reap_stale_jobs(
             if job is None or job.status != JobStatus.running.value:
                 continue
             last = as_utc(job.heartbeat_at or job.started_at or job.created_at)
-            mine = bool(own_hostname) and job.worker_hostname == own_hostname and last is not None and last < own_before
+            mine = (
+                bool(own_hostname)
+                and job.worker_hostname == own_hostname
+                and last is not None
+                and last < own_before
+            )
             if not mine and last is not None and last >= cutoff:
                 continue
             age = f"{(now - last).total_seconds():.0f}s" if last is not None else "ever"
@@ -69,7 +76,9 @@ def reap_stale_jobs(
             if job.cancel_requested:
                 jobs.cancel(s, job, f"{why}; job cancelled")
             elif job.attempts >= settings.max_job_attempts:
-                jobs.fail(s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}")
+                jobs.fail(
+                    s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}"
+                )
             else:
                 queue = jobs.requeue(s, job, why)
         if queue is not None:

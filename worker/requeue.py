@@ -61,13 +61,16 @@ def describe_exit(rc: int) -> str:
             name = f"signal {-rc}"
         hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
         return f"killed by {name}{hint}"
-    hints = {EXIT_PEER_LOST: " (another rank of the job failed)",
-             EXIT_WRONG_RANKS: " (the job asks for another number of ranks)"}
+    hints = {
+        EXIT_PEER_LOST: " (another rank of the job failed)",
+        EXIT_WRONG_RANKS: " (the job asks for another number of ranks)",
+    }
     return f"exit code {rc}{hints.get(rc, '')}"
 
 
-def settle_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool,
-                      enqueue: Enqueue) -> str:
+def settle_after_exit(
+    job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool, enqueue: Enqueue
+) -> str:
     """After the runner exited with ``rc`` (see the module docstring); what happened, for the logs:
     done, not-ours, cancelled, requeued, failed or db-unavailable. ``enqueue`` sends a re-queued job."""
     url = settings.resolved_database_url
@@ -83,12 +86,16 @@ def settle_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *
                 job.attempts = max(0, job.attempts - 1)  # preemption is not the job's fault
                 why = "Training preempted (worker shutting down)"
             elif rc == EXIT_DB_UNAVAILABLE:  # the attempt counts, but the job is never failed for this
-                why = (f"Training interrupted: the database was unreachable for more than "
-                       f"{settings.job_db_outage_seconds:g} s")
+                why = (
+                    f"Training interrupted: the database was unreachable for more than "
+                    f"{settings.job_db_outage_seconds:g} s"
+                )
             else:
                 why = f"Training process ended abnormally ({describe_exit(rc)})"
                 if job.attempts >= settings.max_job_attempts:
-                    jobs.fail(s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}")
+                    jobs.fail(
+                        s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}"
+                    )
                     return "failed", None
             _catch_up_with_disk(job)
             return "requeued", jobs.requeue(s, job, why)
@@ -140,8 +147,12 @@ def _ours(s: Session, job_id: str, hostname: str) -> FineTuningJob | str:
 def _disk_full_streak(s: Session, job: FineTuningJob) -> tuple[int, str]:
     """(How many disk-full re-queues in a row this one makes, the runner's message): the streak goes on
     while the job's newest checkpoint is the one of the previous disk-full re-queue."""
-    rows = s.scalars(select(JobEvent.data).where(JobEvent.job_id == job.id, JobEvent.level == "warning")
-                     .order_by(JobEvent.seq.desc()).limit(200))
+    rows = s.scalars(
+        select(JobEvent.data)
+        .where(JobEvent.job_id == job.id, JobEvent.level == "warning")
+        .order_by(JobEvent.seq.desc())
+        .limit(200)
+    )
     message: str | None = None
     previous = 0
     for data in rows:
@@ -168,15 +179,28 @@ def _after_disk_full(job_id: str, hostname: str, settings: Settings, enqueue: En
                 return job, None
             n, message = _disk_full_streak(s, job)
             if n > limit:
-                jobs.fail(s, job, "disk_full", f"{message}; gave up after {limit} re-queues in a row without a new "
-                          "checkpoint: free space for the jobs directory, then create the job again")
+                jobs.fail(
+                    s,
+                    job,
+                    "disk_full",
+                    f"{message}; gave up after {limit} re-queues in a row without a new "
+                    "checkpoint: free space for the jobs directory, then create the job again",
+                )
                 return "failed", None
             delay = min(settings.disk_full_backoff_seconds * 2 ** (n - 1), MAX_DISK_FULL_BACKOFF_SECONDS)
             job.heartbeat_at = utcnow()
-            jobs.add_event(s, job.id, f"{message[:1].upper()}{message[1:]}; the previous checkpoint is kept. "
-                           f"Retrying in {delay:g} s (disk-full re-queue {n}/{limit}; attempts are not counted)",
-                           level="warning", data={"disk_full_requeues": n, "last_checkpoint": job.last_checkpoint_path,
-                                                  "backoff_seconds": delay})
+            jobs.add_event(
+                s,
+                job.id,
+                f"{message[:1].upper()}{message[1:]}; the previous checkpoint is kept. "
+                f"Retrying in {delay:g} s (disk-full re-queue {n}/{limit}; attempts are not counted)",
+                level="warning",
+                data={
+                    "disk_full_requeues": n,
+                    "last_checkpoint": job.last_checkpoint_path,
+                    "backoff_seconds": delay,
+                },
+            )
             return "wait", (delay, f"{message[:1].upper()}{message[1:]} (disk-full re-queue {n}/{limit})")
 
     outcome, detail = _retrying(begin, job_id, settings)
@@ -218,8 +242,11 @@ def _hold(job_id: str, hostname: str, settings: Settings, seconds: float) -> boo
                 with session_scope(settings.resolved_database_url) as s:
                     res = s.execute(
                         update(FineTuningJob)
-                        .where(FineTuningJob.id == job_id, FineTuningJob.worker_hostname == hostname,
-                               FineTuningJob.status == JobStatus.running.value)
+                        .where(
+                            FineTuningJob.id == job_id,
+                            FineTuningJob.worker_hostname == hostname,
+                            FineTuningJob.status == JobStatus.running.value,
+                        )
                         .values(heartbeat_at=utcnow())
                         .returning(FineTuningJob.cancel_requested)
                     )

@@ -83,24 +83,32 @@ def node_hostname() -> str | None:
 def claim_job(job_id: str, hostname: str, settings: Settings) -> str:
     """Decide under the row lock whether this worker runs the job: "claimed" or why not."""
     with session_scope(settings.resolved_database_url) as s:
-        return jobs.claim(s, jobs.lock_job(s, job_id), hostname, max_attempts=settings.max_job_attempts,
-                          heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)
+        return jobs.claim(
+            s,
+            jobs.lock_job(s, job_id),
+            hostname,
+            max_attempts=settings.max_job_attempts,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
+        )
 
 
 #: While only jobs held back by their team's max_running_jobs quota wait, how often a worker re-checks.
 HOLD_POLL_SECONDS = 1.0
 
 
-def claim_next_job(message_job_id: str, hostname: str, settings: Settings, *,
-                   queue: str | None = None) -> jobs.NextClaim:
+def claim_next_job(
+    message_job_id: str, hostname: str, settings: Settings, *, queue: str | None = None
+) -> jobs.NextClaim:
     """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next)."""
     with session_scope(settings.resolved_database_url) as s:
-        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue,
-                               gpus=_queue_ranks(queue))
+        return jobs.claim_next(
+            s, hostname, settings, message_job_id=message_job_id, queue=queue, gpus=_queue_ranks(queue)
+        )
 
 
-def claim_for_message(message_job_id: str, hostname: str, settings: Settings, *,
-                      queue: str | None = None) -> jobs.NextClaim:
+def claim_for_message(
+    message_job_id: str, hostname: str, settings: Settings, *, queue: str | None = None
+) -> jobs.NextClaim:
     """:func:`claim_next_job`, re-checked every second for up to ``quota_hold_seconds`` while only jobs
     held back by their team's running quota wait; then the message goes back to the queue (for one of
     them), so the broker keeps one message per queued job."""
@@ -115,15 +123,18 @@ def claim_for_message(message_job_id: str, hostname: str, settings: Settings, *,
     return result
 
 
-def finish_after_exit(job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool = False) -> str:
+def finish_after_exit(
+    job_id: str, rc: int, hostname: str, settings: Settings, *, preempted: bool = False
+) -> str:
     """After the runner exits: leave a terminal job alone, else re-queue it (or fail: no attempts left);
     see :mod:`worker.requeue` (interrupted and disk-full exits too). What happened, for the logs.
 
     ``preempted``: we sent the runner SIGTERM (worker shutdown), so its death is not the job's fault.
     """
     # enqueue_job is looked up at call time (tests patch it).
-    return settle_after_exit(job_id, rc, hostname, settings, preempted=preempted,
-                             enqueue=lambda j, q: enqueue_job(j, queue=q))
+    return settle_after_exit(
+        job_id, rc, hostname, settings, preempted=preempted, enqueue=lambda j, q: enqueue_job(j, queue=q)
+    )
 
 
 def child_env(settings: Settings, hostname: str) -> dict[str, str]:
@@ -171,8 +182,11 @@ def claimed_ranks(job_id: str, settings: Settings) -> int:
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(FineTuningJob, job_id)
         ranks = job_ranks(job.resources if job is not None else None)
-        s.execute(update(JobRun).where(JobRun.job_id == job_id, JobRun.ended_at.is_(None), JobRun.gpus != ranks)
-                  .values(gpus=ranks))
+        s.execute(
+            update(JobRun)
+            .where(JobRun.job_id == job_id, JobRun.ended_at.is_(None), JobRun.gpus != ranks)
+            .values(gpus=ranks)
+        )
     return ranks
 
 
@@ -195,8 +209,13 @@ def send_back_oversized(job_id: str, ranks: int, have: int, hostname: str, setti
                 return "not-ours", None
             why = f"this job needs {ranks} GPUs (resources.gpus) and worker {hostname} runs jobs of {have}"
             if job.attempts >= settings.max_job_attempts:
-                jobs.fail(s, job, "insufficient_gpus", f"{why}; gave up after {job.attempts} attempts: start "
-                          f"a worker with --gpus-per-job {ranks} for the queue {queue_for_gpus(ranks, job.queue)}")
+                jobs.fail(
+                    s,
+                    job,
+                    "insufficient_gpus",
+                    f"{why}; gave up after {job.attempts} attempts: start "
+                    f"a worker with --gpus-per-job {ranks} for the queue {queue_for_gpus(ranks, job.queue)}",
+                )
                 return "failed", None
             if _queue_ranks(job.queue) != ranks:
                 base = job.queue.rpartition("-x")[0] if _queue_ranks(job.queue) > 1 else job.queue
@@ -209,8 +228,9 @@ def send_back_oversized(job_id: str, ranks: int, have: int, hostname: str, setti
     return outcome
 
 
-def rank_group(job_id: str, ranks: int, hostname: str, settings: Settings,
-               devices: list[str] | None = None) -> RankGroup:
+def rank_group(
+    job_id: str, ranks: int, hostname: str, settings: Settings, devices: list[str] | None = None
+) -> RankGroup:
     """The job's ranks, not started: one runner with the worker's environment for a one-rank job (on
     the worker's first GPU); else ``ranks`` runners with the ``env://`` variables, rank r on the r-th
     GPU, or CPU ranks (an even share of the cores each) on a worker without GPUs."""
@@ -245,11 +265,19 @@ def preempt_current(sig: int = signal.SIGTERM) -> bool:
 
 def _cancel_requested(job_id: str, settings: Settings) -> bool:
     with session_scope(settings.resolved_database_url) as s:
-        return bool(s.execute(select(FineTuningJob.cancel_requested).where(FineTuningJob.id == job_id)).scalar())
+        return bool(
+            s.execute(select(FineTuningJob.cancel_requested).where(FineTuningJob.id == job_id)).scalar()
+        )
 
 
-def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: float = CANCEL_GRACE_SECONDS,
-              ranks: int = 1) -> int:
+def run_child(
+    job_id: str,
+    hostname: str,
+    settings: Settings,
+    *,
+    cancel_grace: float = CANCEL_GRACE_SECONDS,
+    ranks: int = 1,
+) -> int:
     """Run the job's runner (or its ``ranks`` runners, one group) to the end; the return code (negative:
     killed by a signal; for a group, the code of the rank that failed first, else rank 0's)."""
     global _current
@@ -284,7 +312,9 @@ def run_child(job_id: str, hostname: str, settings: Settings, *, cancel_grace: f
                 except Exception as e:  # the database is away: try again next round
                     log.warning("job %s: cancel check failed: %s", job_id, public_message(e))
             if cancel_seen is not None and now - cancel_seen > cancel_grace:
-                log.warning("job %s: runner ignored the cancel for %.0fs; terminating it", job_id, cancel_grace)
+                log.warning(
+                    "job %s: runner ignored the cancel for %.0fs; terminating it", job_id, cancel_grace
+                )
                 group.terminate()
                 terminated = now
     finally:
@@ -324,5 +354,3 @@ def run_job(self: Any, job_id: str) -> str:
     outcome = finish_after_exit(job_id, rc, hostname, settings, preempted=_preempted.is_set())
     log.info("job %s: runner exited (%s): %s", job_id, describe_exit(rc), outcome)
     return outcome
-
-

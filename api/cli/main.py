@@ -39,8 +39,9 @@ def _ensure_schema() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import serve
 
-    return serve(host=args.host, port=args.port, worker=args.worker, reaper=args.reaper,
-                 log_level=args.log_level)
+    return serve(
+        host=args.host, port=args.port, worker=args.worker, reaper=args.reaper, log_level=args.log_level
+    )
 
 
 def cmd_db(args: argparse.Namespace) -> int:
@@ -133,10 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the API (and, on embedded defaults, a worker) in one process")
     p.add_argument("--host", default=api.host)
     p.add_argument("--port", type=int, default=api.port)
-    p.add_argument("--worker", action=argparse.BooleanOptionalAction, default=None,
-                   help="start an in-process Celery worker (default: only with no broker configured)")
-    p.add_argument("--reaper", action=argparse.BooleanOptionalAction, default=None,
-                   help="re-queue jobs whose worker stopped sending heartbeats (default: with --worker)")
+    p.add_argument(
+        "--worker",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start an in-process Celery worker (default: only with no broker configured)",
+    )
+    p.add_argument(
+        "--reaper",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="re-queue jobs whose worker stopped sending heartbeats (default: with --worker)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
 

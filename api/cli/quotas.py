@@ -87,12 +87,16 @@ def cmd_quotas(args: argparse.Namespace) -> int:
             session.commit()
         limits = quotas.limits_for(session, team.id, settings)
         usage = quotas.as_dict(quotas.usage_for(session, team.id, settings))
-    print(f"team {team.name} ({team.id}); GPU-hours counted over the last {settings.quota_period_days:g} days")
+    print(
+        f"team {team.name} ({team.id}); GPU-hours counted over the last {settings.quota_period_days:g} days"
+    )
     used = {"max_running_jobs": "running_jobs", "max_queued_jobs": "queued_jobs"}
     for name in quotas.QUOTAS:
         source = "team" if name in limits.own else "default"
         u = usage[used.get(name, name)]
-        print(f"  {name:<17} limit {_shown(name, getattr(limits, name)):<32} ({source})  used {_shown(name, u)}")
+        print(
+            f"  {name:<17} limit {_shown(name, getattr(limits, name)):<32} ({source})  used {_shown(name, u)}"
+        )
     return 0
 
 
@@ -103,8 +107,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     q.add_argument("--team", required=True, help="team name or id")
     q.add_argument("--max-running-jobs", type=_value(int), help="jobs running at once (more wait their turn)")
     q.add_argument("--max-queued-jobs", type=_value(int), help="jobs waiting at once (a create beyond: 429)")
-    q.add_argument("--gpu-hours", type=_value(float),
-                   help="GPU-hours per rolling quota period (ZENFLOW_QUOTA_PERIOD_DAYS)")
+    q.add_argument(
+        "--gpu-hours",
+        type=_value(float),
+        help="GPU-hours per rolling quota period (ZENFLOW_QUOTA_PERIOD_DAYS)",
+    )
     q.add_argument("--storage-gib", type=_value(float), help="GiB stored: files, results, job outputs")
     q = qs.add_parser("show", help="a team's quotas and usage")
     q.add_argument("--team", required=True, help="team name or id")

@@ -45,7 +45,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
     where = ", ".join(done.removed) or "nothing on disk"
-    print(f"job {done.job_id}: removed {where}; {done.rows_deleted} checkpoint row(s); {_gib(done.freed_bytes)} freed")
+    print(
+        f"job {done.job_id}: removed {where}; {done.rows_deleted} checkpoint row(s); {_gib(done.freed_bytes)} freed"
+    )
     return 0
 
 
@@ -77,8 +79,10 @@ def cmd_storage(args: argparse.Namespace) -> int:
     keep = get_api_settings().retain_checkpoints if args.keep is None else args.keep
     done = sweep(sessions, keep=keep, jobs_dir=get_settings().resolved_jobs_dir)
     freed = sum(p.freed_bytes for p in done)
-    print(f"retention (newest {keep} checkpoint(s) plus the final model per finished job): "
-          f"{len(done)} job(s) changed, {sum(len(p.removed) for p in done)} path(s) removed, {_gib(freed)} freed")
+    print(
+        f"retention (newest {keep} checkpoint(s) plus the final model per finished job): "
+        f"{len(done)} job(s) changed, {sum(len(p.removed) for p in done)} path(s) removed, {_gib(freed)} freed"
+    )
     return 0
 
 
@@ -94,6 +98,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     q = ss.add_parser("usage", help="a team's stored bytes: uploads, result files, job outputs")
     q.add_argument("--team", required=True, help="team name or id")
     q = ss.add_parser("sweep", help="hold every finished job to the retention policy once")
-    q.add_argument("--keep", type=_count, default=None,
-                   help="checkpoints kept per finished job (default ZENFLOW_API_RETAIN_CHECKPOINTS)")
+    q.add_argument(
+        "--keep",
+        type=_count,
+        default=None,
+        help="checkpoints kept per finished job (default ZENFLOW_API_RETAIN_CHECKPOINTS)",
+    )
     p.set_defaults(func=cmd_storage)

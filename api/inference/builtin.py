@@ -47,16 +47,24 @@ def encode(loaded: LoadedModel, prompt: Prompt) -> list[int]:
         try:
             text = tok.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"The model's chat template refused the messages: {e}", param=prompt.param,
-                           code="invalid_value") from e
+            raise APIError(
+                400,
+                f"The model's chat template refused the messages: {e}",
+                param=prompt.param,
+                code="invalid_value",
+            ) from e
         # The template writes the special tokens (bos) itself.
         return list(tok(text, add_special_tokens=False)["input_ids"])
     ids = list(tok(prompt.text or "")["input_ids"])
     if not ids:  # an empty prompt (OpenAI accepts ""): generation starts from bos, else eos
         start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         if start is None:
-            raise APIError(400, "The prompt is empty and the model has no bos or eos token to start from",
-                           param=prompt.param, code="invalid_value")
+            raise APIError(
+                400,
+                "The prompt is empty and the model has no bos or eos token to start from",
+                param=prompt.param,
+                code="invalid_value",
+            )
         ids = [int(start)]
     return ids
 
@@ -65,14 +73,24 @@ def new_token_limit(loaded: LoadedModel, prompt: Prompt, prompt_len: int, req: B
     """How many tokens this prompt's choices may generate; 400 when the context cannot hold them."""
     room = loaded.max_length - prompt_len
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {loaded.max_length} tokens; the prompt "
-                            f"alone has {prompt_len}", param=prompt.param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {loaded.max_length} tokens; the prompt "
+            f"alone has {prompt_len}",
+            param=prompt.param,
+            code="context_length_exceeded",
+        )
     if req.max_tokens is None:
         return min(room, req.server_max_tokens)
     if req.max_tokens > room:
-        raise APIError(400, f"This model's maximum context length is {loaded.max_length} tokens; you asked for "
-                            f"{prompt_len + req.max_tokens} ({prompt_len} in the prompt, {req.max_tokens} in the "
-                            "completion)", param=req.max_tokens_param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {loaded.max_length} tokens; you asked for "
+            f"{prompt_len + req.max_tokens} ({prompt_len} in the prompt, {req.max_tokens} in the "
+            "completion)",
+            param=req.max_tokens_param,
+            code="context_length_exceeded",
+        )
     return req.max_tokens
 
 
@@ -80,12 +98,14 @@ def load_or_fail(cache: ModelCache, source: str) -> LoadedModel:
     try:
         return cache.get(source)
     except ModelTooLarge as e:
-        raise APIError(503, f"The model cannot be served by this server: {e}", param="model",
-                       code="model_too_large") from e
+        raise APIError(
+            503, f"The model cannot be served by this server: {e}", param="model", code="model_too_large"
+        ) from e
     except Exception as e:  # unreadable files: not the caller's input, and no traceback for them
         log.exception("inference: loading %s failed", source)
-        raise APIError(503, "The model could not be loaded for inference", param="model",
-                       code="model_unavailable") from e
+        raise APIError(
+            503, "The model could not be loaded for inference", param="model", code="model_unavailable"
+        ) from e
 
 
 def run(cache: ModelCache, req: BuiltinRequest, ticket: Ticket) -> None:
@@ -108,8 +128,9 @@ def run(cache: ModelCache, req: BuiltinRequest, ticket: Ticket) -> None:
             if prefix:
                 ticket.delta(i * n + j, prefix)
         try:
-            results = generate_choices(loaded, ids, req.params, limit, ticket, first_index=i * n,
-                                       should_stop=ticket.should_stop)
+            results = generate_choices(
+                loaded, ids, req.params, limit, ticket, first_index=i * n, should_stop=ticket.should_stop
+            )
         except Halted as h:
             metrics.tokens(req.endpoint, prompt_tokens, completion_tokens + h.completion_tokens)
             if ticket.timed_out:

@@ -55,7 +55,7 @@ class _Penalties(LogitsProcessor):
         self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        made = input_ids[:, self.prompt_len:]
+        made = input_ids[:, self.prompt_len :]
         if made.shape[1] == 0:
             return scores
         counts = torch.zeros_like(scores).scatter_add_(1, made, torch.ones_like(made, dtype=scores.dtype))
@@ -117,7 +117,9 @@ class _Halt(StoppingCriteria):
         self.choices, self.should_stop = choices, should_stop
         self.halted = False
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
         done = [c.finish_reason is not None for c in self.choices]
         if not all(done) and self.should_stop():
             self.halted = True
@@ -129,8 +131,16 @@ class _ChoiceStreamer(BaseStreamer):
     """Receives every step's new token of each row (``generate``'s streamer protocol); the first call
     is the prompt."""
 
-    def __init__(self, loaded: LoadedModel, choices: list[_Choice], max_tokens: int, sink: Sink, halt: _Halt) -> None:
-        self.loaded, self.choices, self.max_tokens, self.sink, self.halt = loaded, choices, max_tokens, sink, halt
+    def __init__(
+        self, loaded: LoadedModel, choices: list[_Choice], max_tokens: int, sink: Sink, halt: _Halt
+    ) -> None:
+        self.loaded, self.choices, self.max_tokens, self.sink, self.halt = (
+            loaded,
+            choices,
+            max_tokens,
+            sink,
+            halt,
+        )
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -203,6 +213,4 @@ def generate_choices(
         )
     if halt.halted:
         raise Halted(sum(len(c.tokens) for c in choices))
-    return [
-        ChoiceResult(c.index, c.stop.text, c.finish_reason or "length", len(c.tokens)) for c in choices
-    ]
+    return [ChoiceResult(c.index, c.stop.text, c.finish_reason or "length", len(c.tokens)) for c in choices]

@@ -47,25 +47,48 @@ def get() -> _Metrics:
     with _LOCK:
         if _METRICS is None:
             _METRICS = _Metrics(
-                Counter("zenflow_inference_requests_total", "Inference requests by endpoint, backend and outcome.",
-                        ("endpoint", "backend", "outcome")),
-                Counter("zenflow_inference_tokens_total", "Prompt and completion tokens computed by the built-in inference backend.",
-                        ("endpoint", "kind")),
-                Histogram("zenflow_inference_request_duration_seconds",
-                          "Inference request time from admission to its last token.", ("endpoint", "backend"),
-                          buckets=DURATION_BUCKETS),
-                Histogram("zenflow_inference_time_to_first_token_seconds",
-                          "Time from admission to the first generated token (built-in backend).", ("endpoint",),
-                          buckets=FIRST_TOKEN_BUCKETS),
-                Histogram("zenflow_inference_queue_wait_seconds",
-                          "Time an admitted request waited for a generation thread (built-in backend).",
-                          buckets=FIRST_TOKEN_BUCKETS),
-                Gauge("zenflow_inference_slots_in_use", "Admitted inference requests: running plus waiting.",
-                      multiprocess_mode="livesum"),
-                Gauge("zenflow_inference_models_loaded", "Models the built-in inference backend holds loaded.",
-                      multiprocess_mode="livesum"),
-                Gauge("zenflow_inference_model_bytes", "Bytes of the models the built-in backend holds loaded.",
-                      multiprocess_mode="livesum"),
+                Counter(
+                    "zenflow_inference_requests_total",
+                    "Inference requests by endpoint, backend and outcome.",
+                    ("endpoint", "backend", "outcome"),
+                ),
+                Counter(
+                    "zenflow_inference_tokens_total",
+                    "Prompt and completion tokens computed by the built-in inference backend.",
+                    ("endpoint", "kind"),
+                ),
+                Histogram(
+                    "zenflow_inference_request_duration_seconds",
+                    "Inference request time from admission to its last token.",
+                    ("endpoint", "backend"),
+                    buckets=DURATION_BUCKETS,
+                ),
+                Histogram(
+                    "zenflow_inference_time_to_first_token_seconds",
+                    "Time from admission to the first generated token (built-in backend).",
+                    ("endpoint",),
+                    buckets=FIRST_TOKEN_BUCKETS,
+                ),
+                Histogram(
+                    "zenflow_inference_queue_wait_seconds",
+                    "Time an admitted request waited for a generation thread (built-in backend).",
+                    buckets=FIRST_TOKEN_BUCKETS,
+                ),
+                Gauge(
+                    "zenflow_inference_slots_in_use",
+                    "Admitted inference requests: running plus waiting.",
+                    multiprocess_mode="livesum",
+                ),
+                Gauge(
+                    "zenflow_inference_models_loaded",
+                    "Models the built-in inference backend holds loaded.",
+                    multiprocess_mode="livesum",
+                ),
+                Gauge(
+                    "zenflow_inference_model_bytes",
+                    "Bytes of the models the built-in backend holds loaded.",
+                    multiprocess_mode="livesum",
+                ),
             )
         return _METRICS
 

@@ -100,8 +100,16 @@ def load(source: str, device: str, dtype: torch.dtype) -> LoadedModel:
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids, default=0)
-    return LoadedModel(source, model, tokenizer, nbytes, model_max_length(source), frozenset(eos_ids), int(pad),
-                       weights_stamp(source))
+    return LoadedModel(
+        source,
+        model,
+        tokenizer,
+        nbytes,
+        model_max_length(source),
+        frozenset(eos_ids),
+        int(pad),
+        weights_stamp(source),
+    )
 
 
 class ModelCache:
@@ -146,11 +154,15 @@ class ModelCache:
                 return hit
         estimate = weights_bytes(source)
         if estimate > self.memory_bytes:
-            raise ModelTooLarge(f"its weights ({estimate} bytes) exceed inference_memory_bytes ({self.memory_bytes})")
+            raise ModelTooLarge(
+                f"its weights ({estimate} bytes) exceed inference_memory_bytes ({self.memory_bytes})"
+            )
         device = pick_device(self._device_setting)
         loaded = self._loader(source, device, pick_dtype(self._dtype_setting, device))
         if loaded.nbytes > self.memory_bytes:
-            raise ModelTooLarge(f"it takes {loaded.nbytes} bytes, over inference_memory_bytes ({self.memory_bytes})")
+            raise ModelTooLarge(
+                f"it takes {loaded.nbytes} bytes, over inference_memory_bytes ({self.memory_bytes})"
+            )
         with self._lock:
             self._make_room(loaded.nbytes)
             self._models[source] = loaded

@@ -23,7 +23,9 @@ class EventStream(StreamingResponse):
     client gone before the first chunk (Starlette then never starts the iterator, so a ``finally`` in
     it would not run) or during the stream."""
 
-    def __init__(self, content: AsyncIterable[str | bytes], *, on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self, content: AsyncIterable[str | bytes], *, on_close: Callable[[], Awaitable[None]]
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=STREAM_HEADERS)
         self._on_close = on_close
 
@@ -39,8 +41,11 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class Shape:
@@ -55,15 +60,23 @@ class Shape:
         self.model = model
 
     def _obj(self, object_: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, **extra}
+        return {
+            "id": self.id,
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
 
     def opening(self, n: int) -> list[dict[str, Any]]:
         """Chunks before the first token."""
         return []
 
-    def final(self, texts: dict[int, str], reasons: dict[int, str], prompt_tokens: int,
-              completion_tokens: int) -> dict[str, Any]:
+    def final(
+        self, texts: dict[int, str], reasons: dict[int, str], prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
     def delta(self, index: int, text: str) -> dict[str, Any]:
@@ -80,18 +93,39 @@ class ChatShape(Shape):
     endpoint = "chat"
     id_prefix = "chatcmpl"
 
-    def final(self, texts: dict[int, str], reasons: dict[int, str], prompt_tokens: int,
-              completion_tokens: int) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                    "finish_reason": reasons[i], "logprobs": None} for i in sorted(texts)]
+    def final(
+        self, texts: dict[int, str], reasons: dict[int, str], prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i], "refusal": None},
+                "finish_reason": reasons[i],
+                "logprobs": None,
+            }
+            for i in sorted(texts)
+        ]
         return self._obj("chat.completion", choices, usage=usage(prompt_tokens, completion_tokens))
 
     def opening(self, n: int) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                              "logprobs": None}]) for i in range(n)]
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                        "logprobs": None,
+                    }
+                ]
+            )
+            for i in range(n)
+        ]
 
     def delta(self, index: int, text: str) -> dict[str, Any]:
-        return self._chunk([{"index": index, "delta": {"content": text}, "finish_reason": None, "logprobs": None}])
+        return self._chunk(
+            [{"index": index, "delta": {"content": text}, "finish_reason": None, "logprobs": None}]
+        )
 
     def finish(self, index: int, reason: str) -> dict[str, Any]:
         return self._chunk([{"index": index, "delta": {}, "finish_reason": reason, "logprobs": None}])
@@ -107,19 +141,24 @@ class TextShape(Shape):
     endpoint = "completions"
     id_prefix = "cmpl"
 
-    def final(self, texts: dict[int, str], reasons: dict[int, str], prompt_tokens: int,
-              completion_tokens: int) -> dict[str, Any]:
-        choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None}
-                   for i in sorted(texts)]
+    def final(
+        self, texts: dict[int, str], reasons: dict[int, str], prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        choices = [
+            {"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None}
+            for i in sorted(texts)
+        ]
         return self._obj("text_completion", choices, usage=usage(prompt_tokens, completion_tokens))
 
     def delta(self, index: int, text: str) -> dict[str, Any]:
-        return self._obj("text_completion", [{"index": index, "text": text, "finish_reason": None,
-                                              "logprobs": None}])
+        return self._obj(
+            "text_completion", [{"index": index, "text": text, "finish_reason": None, "logprobs": None}]
+        )
 
     def finish(self, index: int, reason: str) -> dict[str, Any]:
-        return self._obj("text_completion", [{"index": index, "text": "", "finish_reason": reason,
-                                              "logprobs": None}])
+        return self._obj(
+            "text_completion", [{"index": index, "text": "", "finish_reason": reason, "logprobs": None}]
+        )
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return self._obj("text_completion", [], usage=usage(prompt_tokens, completion_tokens))

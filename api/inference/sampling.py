@@ -53,7 +53,7 @@ class StopText:
             safe = decoded[: len(decoded) - self._held_back(decoded)]
         if not safe.startswith(self.text):  # a token changed earlier text (rare decoders): keep what was sent
             return ""
-        delta = safe[len(self.text):]
+        delta = safe[len(self.text) :]
         self.text = safe
         return delta
 

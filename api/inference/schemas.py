@@ -73,7 +73,9 @@ class _GenerationRequest(_Strict):
     temperature: float | None = Field(
         None, ge=0, le=2, allow_inf_nan=False, description="0 = greedy (deterministic); default 1"
     )
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="Nucleus sampling; default 1")
+    top_p: float | None = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description="Nucleus sampling; default 1"
+    )
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_CEILING)
     stop: Text | list[Text] | None = Field(
         None, description=f"Up to {MAX_STOP} sequences; the text ends before the first one generated"
@@ -103,7 +105,9 @@ class _GenerationRequest(_Strict):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    def _stream_options_need_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         if v is not None and not info.data.get("stream"):
             raise ValueError("only allowed when stream is true")
         return v

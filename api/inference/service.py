@@ -55,8 +55,12 @@ BUILTIN = "builtin"
 
 def queue_full(retry_after: float) -> APIError:
     seconds = max(1, math.ceil(retry_after))
-    return APIError(429, f"Too many inference requests in progress; retry after {seconds} s",
-                    code="rate_limit_exceeded", headers={"Retry-After": str(seconds)})
+    return APIError(
+        429,
+        f"Too many inference requests in progress; retry after {seconds} s",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(seconds)},
+    )
 
 
 def timed_out(timeout: float) -> APIError:
@@ -79,14 +83,26 @@ class InferenceService:
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
-        self.cache = ModelCache(max_models=settings.inference_max_models,
-                                memory_bytes=settings.inference_memory_bytes,
-                                device=settings.inference_device, dtype=settings.inference_dtype)
-        self.worker = InferenceWorker(threads=settings.inference_threads, queue_size=settings.inference_queue_size,
-                                      timeout_seconds=settings.inference_timeout_seconds)
-        self.vllm = (VLLMForwarder(settings.inference_vllm_url, timeout_seconds=settings.inference_timeout_seconds,
-                                   max_requests=settings.inference_vllm_max_requests)
-                     if settings.inference_backend == "vllm" else None)
+        self.cache = ModelCache(
+            max_models=settings.inference_max_models,
+            memory_bytes=settings.inference_memory_bytes,
+            device=settings.inference_device,
+            dtype=settings.inference_dtype,
+        )
+        self.worker = InferenceWorker(
+            threads=settings.inference_threads,
+            queue_size=settings.inference_queue_size,
+            timeout_seconds=settings.inference_timeout_seconds,
+        )
+        self.vllm = (
+            VLLMForwarder(
+                settings.inference_vllm_url,
+                timeout_seconds=settings.inference_timeout_seconds,
+                max_requests=settings.inference_vllm_max_requests,
+            )
+            if settings.inference_backend == "vllm"
+            else None
+        )
 
     async def aclose(self) -> None:
         self.worker.shutdown()
@@ -97,29 +113,58 @@ class InferenceService:
     async def chat(self, request: Request, ref: ModelRef, body: ChatCompletionRequest) -> Any:
         prompt = builtin.Prompt("messages", messages=tuple(m.template_dict() for m in body.messages))
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return await self._run(request, ref, body, ChatShape(body.model), (prompt,), limit_param,
-                               "/v1/chat/completions")
+        return await self._run(
+            request, ref, body, ChatShape(body.model), (prompt,), limit_param, "/v1/chat/completions"
+        )
 
     async def completion(self, request: Request, ref: ModelRef, body: CompletionRequest) -> Any:
         many = isinstance(body.prompt, list)
-        prompts = tuple(builtin.Prompt(f"prompt[{i}]" if many else "prompt", text=p, echo=body.echo)
-                        for i, p in enumerate(body.prompts))
-        return await self._run(request, ref, body, TextShape(body.model), prompts, "max_tokens", "/v1/completions")
+        prompts = tuple(
+            builtin.Prompt(f"prompt[{i}]" if many else "prompt", text=p, echo=body.echo)
+            for i, p in enumerate(body.prompts)
+        )
+        return await self._run(
+            request, ref, body, TextShape(body.model), prompts, "max_tokens", "/v1/completions"
+        )
 
-    async def _run(self, request: Request, ref: ModelRef, body: ChatCompletionRequest | CompletionRequest,
-                   shape: Shape, prompts: tuple[builtin.Prompt, ...], limit_param: str, path: str) -> Any:
+    async def _run(
+        self,
+        request: Request,
+        ref: ModelRef,
+        body: ChatCompletionRequest | CompletionRequest,
+        shape: Shape,
+        prompts: tuple[builtin.Prompt, ...],
+        limit_param: str,
+        path: str,
+    ) -> Any:
         limit = body.token_limit
         server_max = self.settings.inference_max_tokens
         if limit is not None and limit > server_max:
-            raise APIError(400, f"{limit_param}: at most {server_max} on this server", param=limit_param,
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"{limit_param}: at most {server_max} on this server",
+                param=limit_param,
+                code="invalid_value",
+            )
         if self.vllm is not None:
             upstream = await self.vllm.route(ref)
             if upstream is not None:
-                return await self.vllm.forward(path, body.model_dump(exclude_unset=True), upstream,
-                                               stream=body.stream, endpoint=shape.endpoint)
-        req = builtin.BuiltinRequest(spec_model_name(ref), prompts, body.sampling(limit), limit, limit_param, server_max,
-                                     shape.endpoint)
+                return await self.vllm.forward(
+                    path,
+                    body.model_dump(exclude_unset=True),
+                    upstream,
+                    stream=body.stream,
+                    endpoint=shape.endpoint,
+                )
+        req = builtin.BuiltinRequest(
+            spec_model_name(ref),
+            prompts,
+            body.sampling(limit),
+            limit,
+            limit_param,
+            server_max,
+            shape.endpoint,
+        )
         try:
             ticket = self.worker.submit(partial(builtin.run, self.cache, req))
         except QueueFull:
@@ -160,18 +205,29 @@ class _Run:
         event = await self.ticket.next_event()
         if isinstance(event, Delta) and not self.first_token_seen:
             self.first_token_seen = True
-            metrics.get().first_token.labels(self.shape.endpoint).observe(time.monotonic() - self.ticket.admitted_at)
+            metrics.get().first_token.labels(self.shape.endpoint).observe(
+                time.monotonic() - self.ticket.admitted_at
+            )
         return event
 
     def _done(self, outcome: str) -> None:
         if not self.recorded:
             self.recorded = True
-            metrics.request_done(self.shape.endpoint, BUILTIN, outcome, time.monotonic() - self.ticket.admitted_at)
+            metrics.request_done(
+                self.shape.endpoint, BUILTIN, outcome, time.monotonic() - self.ticket.admitted_at
+            )
 
     def _fail(self, exc: BaseException) -> APIError:
         err = as_api_error(exc, self.timeout)
-        outcome = ("timeout" if isinstance(exc, TimedOut) else "cancelled" if isinstance(exc, Cancelled)
-                   else "invalid" if err.status_code < 500 else "error")
+        outcome = (
+            "timeout"
+            if isinstance(exc, TimedOut)
+            else "cancelled"
+            if isinstance(exc, Cancelled)
+            else "invalid"
+            if err.status_code < 500
+            else "error"
+        )
         self._done(outcome)
         return err
 

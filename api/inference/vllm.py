@@ -36,8 +36,12 @@ SERVED_TTL_SECONDS = 10.0
 
 
 def unavailable(detail: str) -> APIError:
-    return APIError(503, f"The inference server is unavailable: {detail}", code="inference_backend_unavailable",
-                    headers={"Retry-After": "5"})
+    return APIError(
+        503,
+        f"The inference server is unavailable: {detail}",
+        code="inference_backend_unavailable",
+        headers={"Retry-After": "5"},
+    )
 
 
 def upstream_error(status: int, content: bytes) -> APIError:
@@ -58,14 +62,23 @@ def upstream_error(status: int, content: bytes) -> APIError:
 
 
 class VLLMForwarder:
-    def __init__(self, base_url: str, *, timeout_seconds: float, max_requests: int,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_seconds: float,
+        max_requests: int,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         if not base_url:
             raise ValueError("inference_vllm_url is required with inference_backend=vllm")
         self.max_requests = max_requests
         self.in_flight = 0
-        self._client_args: dict[str, Any] = {"base_url": base_url.rstrip("/"), "transport": transport,
-                                             "timeout": httpx.Timeout(timeout_seconds, connect=5.0)}
+        self._client_args: dict[str, Any] = {
+            "base_url": base_url.rstrip("/"),
+            "transport": transport,
+            "timeout": httpx.Timeout(timeout_seconds, connect=5.0),
+        }
         self._http: httpx.AsyncClient | None = None
         self._served: set[str] = set()
         self._served_at = -SERVED_TTL_SECONDS
@@ -89,13 +102,18 @@ class VLLMForwarder:
             return ref.id
         return ref.id if ref.id in await self._served_models() else None
 
-    async def forward(self, path: str, body: dict[str, Any], upstream_model: str, *, stream: bool,
-                      endpoint: str) -> Any:
+    async def forward(
+        self, path: str, body: dict[str, Any], upstream_model: str, *, stream: bool, endpoint: str
+    ) -> Any:
         """``body`` sent to vLLM's ``path`` with ``model`` replaced; its answer, streamed or whole."""
         if self.in_flight >= self.max_requests:
             metrics.request_done(endpoint, BACKEND, "rejected")
-            raise APIError(429, "Too many inference requests in progress; retry after 1 s",
-                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                "Too many inference requests in progress; retry after 1 s",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
         started = time.monotonic()
         self.in_flight += 1
         try:
@@ -140,7 +158,9 @@ class VLLMForwarder:
         try:
             r = await self._client.get("/v1/models")
             r.raise_for_status()
-            self._served = {str(m["id"]) for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m}
+            self._served = {
+                str(m["id"]) for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m
+            }
         except (httpx.HTTPError, ValueError, KeyError) as e:
             raise unavailable(f"listing its models failed ({type(e).__name__})") from e
         self._served_at = time.monotonic()

@@ -30,11 +30,18 @@ def _service(request: Request) -> InferenceService:
 @router.post(
     "/chat/completions",
     response_model=ChatCompletionObject,
-    responses={200: {"content": _STREAM, "description": "The completion, or with stream=true "
-                     "chat.completion.chunk events ending with data: [DONE]"}, **error_responses(502)},
+    responses={
+        200: {
+            "content": _STREAM,
+            "description": "The completion, or with stream=true "
+            "chat.completion.chunk events ending with data: [DONE]",
+        },
+        **error_responses(502),
+    },
 )
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, team: TeamDep,
-                                 settings: SettingsDep) -> Any:
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, team: TeamDep, settings: SettingsDep
+) -> Any:
     """A reply to ``messages`` from a base model or one of the team's fine-tuned models, through the
     model's chat template."""
     ref = await run_db(request, resolve_model, team.team_id, body.model, settings)
@@ -44,11 +51,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 @router.post(
     "/completions",
     response_model=TextCompletionObject,
-    responses={200: {"content": _STREAM, "description": "The completion, or with stream=true "
-                     "text_completion events ending with data: [DONE]"}, **error_responses(502)},
+    responses={
+        200: {
+            "content": _STREAM,
+            "description": "The completion, or with stream=true "
+            "text_completion events ending with data: [DONE]",
+        },
+        **error_responses(502),
+    },
 )
-async def create_completion(body: CompletionRequest, request: Request, team: TeamDep,
-                            settings: SettingsDep) -> Any:
+async def create_completion(
+    body: CompletionRequest, request: Request, team: TeamDep, settings: SettingsDep
+) -> Any:
     """A continuation of ``prompt`` as it is (no chat template), for prompt-style models."""
     ref = await run_db(request, resolve_model, team.team_id, body.model, settings)
     return await _service(request).completion(request, ref, body)

@@ -94,8 +94,12 @@ async def _sse(request: Request, job_id: str, after_seq: int) -> AsyncIterator[s
         with maker() as s:
             status = s.scalar(select(FineTuningJob.status).where(FineTuningJob.id == job_id))
             rows = list(
-                s.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > last)
-                          .order_by(JobEvent.seq).limit(500))
+                s.scalars(
+                    select(JobEvent)
+                    .where(JobEvent.job_id == job_id, JobEvent.seq > last)
+                    .order_by(JobEvent.seq)
+                    .limit(500)
+                )
             )
             return status, [event_object(r) for r in rows], [r.seq for r in rows]
 
@@ -109,9 +113,19 @@ async def _sse(request: Request, job_id: str, after_seq: int) -> AsyncIterator[s
             status, events, seqs = await run_in_threadpool(fetch, last)
         except Exception:  # the database went away: tell the client, it can resume with Last-Event-ID
             log.warning("event stream for %s: database error", job_id, exc_info=True)
-            yield "event: error\ndata: " + json.dumps({"error": {"message": "database unavailable",
-                                                                 "type": "server_error",
-                                                                 "code": "database_unavailable"}}) + "\n\n"
+            yield (
+                "event: error\ndata: "
+                + json.dumps(
+                    {
+                        "error": {
+                            "message": "database unavailable",
+                            "type": "server_error",
+                            "code": "database_unavailable",
+                        }
+                    }
+                )
+                + "\n\n"
+            )
             return
         for ev, seq in zip(events, seqs, strict=True):
             yield f"id: {ev.id}\ndata: {ev.model_dump_json()}\n\n"

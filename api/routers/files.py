@@ -41,14 +41,24 @@ _UPLOAD_DOC = {
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(SUPPORTED_PURPOSES)},
-                        "model": {"type": "string", "description": (
-                            "Optional: check every example with this model's tokenizer and chat template "
-                            "now (as a job would); the response's `validation` has the counts")},
+                        "model": {
+                            "type": "string",
+                            "description": (
+                                "Optional: check every example with this model's tokenizer and chat template "
+                                "now (as a job would); the response's `validation` has the counts"
+                            ),
+                        },
                         "max_seq_length": {"type": "integer", "description": "With `model`: as the job's"},
-                        "truncation": {"type": "string", "enum": ["truncate", "drop", "error"],
-                                       "description": "With `model`: as the job's"},
-                        "system_message": {"type": "string", "enum": ["keep", "fold"],
-                                           "description": "With `model`: as the job's"},
+                        "truncation": {
+                            "type": "string",
+                            "enum": ["truncate", "drop", "error"],
+                            "description": "With `model`: as the job's",
+                        },
+                        "system_message": {
+                            "type": "string",
+                            "enum": ["keep", "fold"],
+                            "description": "With `model`: as the job's",
+                        },
                     },
                 }
             }
@@ -84,8 +94,12 @@ def get_team_file(
     return row
 
 
-@router.post("/files", response_model=FileObject, openapi_extra=_UPLOAD_DOC,
-             responses=error_responses(400, 404, 413, 415, 507))
+@router.post(
+    "/files",
+    response_model=FileObject,
+    openapi_extra=_UPLOAD_DOC,
+    responses=error_responses(400, 404, 413, 415, 507),
+)
 async def create_file(request: Request, team: TeamDep, settings: SettingsDep) -> FileObject:
     """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``). With a ``model`` field
     every example is also rendered and tokenized for that model now (``max_seq_length``, ``truncation``,
@@ -97,22 +111,38 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
     try:
         purpose = upload.fields.get("purpose")
         if not purpose:
-            raise APIError(400, "Missing required parameter: 'purpose'", param="purpose",
-                           code="missing_required_parameter")
+            raise APIError(
+                400,
+                "Missing required parameter: 'purpose'",
+                param="purpose",
+                code="missing_required_parameter",
+            )
         if purpose not in SUPPORTED_PURPOSES:
-            raise APIError(400, f"Unsupported purpose {purpose!r}: this server accepts 'fine-tune' files",
-                           param="purpose", code="invalid_value")
+            raise APIError(
+                400,
+                f"Unsupported purpose {purpose!r}: this server accepts 'fine-tune' files",
+                param="purpose",
+                code="invalid_value",
+            )
         if upload.filename is None:
-            raise APIError(400, "Missing required parameter: 'file'", param="file",
-                           code="missing_required_parameter")
+            raise APIError(
+                400, "Missing required parameter: 'file'", param="file", code="missing_required_parameter"
+            )
         if upload.bytes == 0:
             raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
         data_options = _data_options(upload.fields)
         num_examples = await run_in_threadpool(job_checks.validate_dataset, upload.tmp_path)
         validation = None
         if upload.fields.get("model"):
-            validation = await run_in_threadpool(_check_with_model, request, team.team_id, settings,
-                                                 upload.fields["model"], data_options, upload.tmp_path)
+            validation = await run_in_threadpool(
+                _check_with_model,
+                request,
+                team.team_id,
+                settings,
+                upload.fields["model"],
+                data_options,
+                upload.tmp_path,
+            )
 
         file_id = new_id("file")
         final = store.place(upload.tmp_path, team.team_id, file_id)
@@ -152,21 +182,28 @@ def _data_options(fields: dict[str, str]) -> Hyperparameters:
     given = {k: fields[k] for k in DATA_OPTION_FIELDS if fields.get(k)}
     if given and not fields.get("model"):
         name = next(iter(given))
-        raise APIError(400, f"'{name}' is only used with 'model' (the data is checked with that model's tokenizer)",
-                       param=name, code="invalid_value")
+        raise APIError(
+            400,
+            f"'{name}' is only used with 'model' (the data is checked with that model's tokenizer)",
+            param=name,
+            code="invalid_value",
+        )
     try:
         return Hyperparameters.model_validate(given)
     except ValidationError as exc:
         raise validation_error(exc.errors(), fields=DATA_OPTION_FIELDS) from exc
 
 
-def _check_with_model(request: Request, team_id: str, settings: Settings, name: str, options: Hyperparameters,
-                      path: Path) -> dict[str, Any]:
+def _check_with_model(
+    request: Request, team_id: str, settings: Settings, name: str, options: Hyperparameters, path: Path
+) -> dict[str, Any]:
     """The upload checked with a model the team may name (api.dataset_check); 400/404 naming the cause."""
     with request.app.state.sessionmaker() as session:
         ref = resolve_model(session, team_id, name, settings)
     job_checks.check_model_folder(ref.path, name)
-    report = dataset_check.check_file(path, spec_model_name(ref), options, param="file", code="invalid_file_format")
+    report = dataset_check.check_file(
+        path, spec_model_name(ref), options, param="file", code="invalid_file_format"
+    )
     return dataset_check.upload_summary(report, ref.id)
 
 
@@ -192,8 +229,9 @@ def _list_files(
     if after:
         cur = get_team_file(session, team_id, after, param="after")
         cursor = (cur.created_at, cur.id)
-    rows, has_more = page(session, stmt, (File.created_at, File.id), after=cursor, limit=limit,
-                          descending=order == "desc")
+    rows, has_more = page(
+        session, stmt, (File.created_at, File.id), after=cursor, limit=limit, descending=order == "desc"
+    )
     return list_object([file_object(r) for r in rows], has_more)
 
 
@@ -218,8 +256,13 @@ def _delete_file(session: Session, team_id: str, file_id: str) -> FileDeleted:
     ).all()
     active = [u for u in users if not JobStatus(u.status).terminal]
     if active:
-        raise APIError(409, f"File {file_id} is used by fine-tuning job {active[0].id}, which is {active[0].status}; "
-                       "cancel the job or wait until it finishes", param="file_id", code="file_in_use")
+        raise APIError(
+            409,
+            f"File {file_id} is used by fine-tuning job {active[0].id}, which is {active[0].status}; "
+            "cancel the job or wait until it finishes",
+            param="file_id",
+            code="file_in_use",
+        )
     path = row.storage_path
     if users:
         # Finished jobs keep naming it (training_file, validation_file): the row stays, as a tombstone
@@ -239,8 +282,10 @@ def _drop_from_result_files(session: Session, team_id: str, file_id: str) -> Non
     search narrows the JSON lists portably, the exact test is done here)."""
     jobs = session.scalars(
         select(FineTuningJob)
-        .where(FineTuningJob.team_id == team_id,
-               cast(FineTuningJob.result_files, Text).contains(file_id, autoescape=True))
+        .where(
+            FineTuningJob.team_id == team_id,
+            cast(FineTuningJob.result_files, Text).contains(file_id, autoescape=True),
+        )
         .with_for_update()
     ).all()
     for job in jobs:
@@ -256,7 +301,15 @@ async def file_content(file_id: str, request: Request, team: TeamDep) -> FileRes
 def _file_content(session: Session, team_id: str, file_id: str) -> FileResponse:
     row = get_team_file(session, team_id, file_id)
     if not Path(row.storage_path).is_file():
-        raise APIError(404, f"The content of {file_id} is missing from storage", param="file_id",
-                       code="file_content_missing")
-    return FileResponse(row.storage_path, media_type="application/octet-stream", filename=row.filename,
-                        headers={"X-Content-SHA256": row.sha256})
+        raise APIError(
+            404,
+            f"The content of {file_id} is missing from storage",
+            param="file_id",
+            code="file_content_missing",
+        )
+    return FileResponse(
+        row.storage_path,
+        media_type="application/octet-stream",
+        filename=row.filename,
+        headers={"X-Content-SHA256": row.sha256},
+    )

@@ -31,8 +31,9 @@ def _check_broker(request: Request) -> str:
 
     settings = request.app.state.settings
     timeout = request.app.state.api_settings.readiness_timeout_seconds
-    with Connection(settings.resolved_broker_url, connect_timeout=timeout,
-                    transport_options={"socket_timeout": timeout}) as conn:
+    with Connection(
+        settings.resolved_broker_url, connect_timeout=timeout, transport_options={"socket_timeout": timeout}
+    ) as conn:
         conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0, timeout=timeout)
     return "ok"
 
@@ -53,5 +54,6 @@ async def readyz(request: Request) -> JSONResponse:
         except Exception as exc:
             ok = False
             checks[name] = {"status": "unavailable", "error": f"{exc.__class__.__name__}: {str(exc)[:200]}"}
-    return JSONResponse({"status": "ok" if ok else "unavailable", "checks": checks},
-                        status_code=200 if ok else 503)
+    return JSONResponse(
+        {"status": "ok" if ok else "unavailable", "checks": checks}, status_code=200 if ok else 503
+    )

@@ -72,7 +72,8 @@ def _hyperparameters(body: JobCreate) -> tuple[dict[str, Any], str]:
         raise APIError(
             400,
             "Give hyperparameters either at the top level or in method.supervised.hyperparameters, not both",
-            param="hyperparameters", code="invalid_value",
+            param="hyperparameters",
+            code="invalid_value",
         )
     where = "hyperparameters" if top is not None or nested is None else "method.supervised.hyperparameters"
     return (top or nested or HyperparametersIn()).model_dump(mode="json"), where
@@ -94,11 +95,19 @@ def _check_file(session: Session, team_id: str, file_id: str, param: str) -> Fil
     if row is None or row.team_id != team_id:
         raise APIError(400, f"Invalid {param}: no such file {file_id!r}", param=param, code="file_not_found")
     if row.purpose != "fine-tune":
-        raise APIError(400, f"Invalid {param}: file {file_id} has purpose {row.purpose!r}, not 'fine-tune'",
-                       param=param, code="invalid_file_purpose")
+        raise APIError(
+            400,
+            f"Invalid {param}: file {file_id} has purpose {row.purpose!r}, not 'fine-tune'",
+            param=param,
+            code="invalid_file_purpose",
+        )
     if row.status != "processed":
-        raise APIError(400, f"Invalid {param}: file {file_id} is not ready ({row.status})", param=param,
-                       code="file_not_ready")
+        raise APIError(
+            400,
+            f"Invalid {param}: file {file_id} is not ready ({row.status})",
+            param=param,
+            code="file_not_ready",
+        )
     return row
 
 
@@ -110,7 +119,8 @@ def _replay(session: Session, team_id: str, key: str, digest: str) -> FineTuning
         raise APIError(
             409,
             "This Idempotency-Key was already used with a different request body",
-            param="Idempotency-Key", code="idempotency_key_reused",
+            param="Idempotency-Key",
+            code="idempotency_key_reused",
         )
     return prior
 
@@ -135,7 +145,9 @@ def _insert_or_replay(
         try:
             session.flush()
             add_event(session, job.id, f"Created fine-tuning job: {job.id}", data={"status": job.status})
-            add_event(session, job.id, f"Job queued on {job.queue}", data={"status": job.status, "queue": job.queue})
+            add_event(
+                session, job.id, f"Job queued on {job.queue}", data={"status": job.status, "queue": job.queue}
+            )
             session.commit()
             return None
         except IntegrityError:
@@ -158,8 +170,9 @@ def _admit(session: Session, team_id: str, settings: Settings) -> None:
         quotas.admit_job(session, team_id, settings)
     except quotas.QuotaExceeded as exc:
         headers = {"Retry-After": str(math.ceil(exc.retry_after))} if exc.retry_after is not None else None
-        raise APIError(exc.status_code, exc.message, param=exc.quota, code="quota_exceeded",
-                       headers=headers) from exc
+        raise APIError(
+            exc.status_code, exc.message, param=exc.quota, code="quota_exceeded", headers=headers
+        ) from exc
 
 
 @router.post("", response_model=FineTuningJobObject, responses=error_responses(400, 404, 409, 413, 429))
@@ -191,8 +204,9 @@ def _create_job(
     if idempotency_key:
         prior = _replay(session, team.team_id, idempotency_key, digest)
         if prior is not None:
-            return JSONResponse(job_out(session, prior).model_dump(mode="json"),
-                                headers={"Idempotent-Replayed": "true"})
+            return JSONResponse(
+                job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"}
+            )
 
     hyperparameters, hp_param = _hyperparameters(body)
     model = resolve_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
@@ -200,7 +214,8 @@ def _create_job(
     training = _check_file(session, team.team_id, body.training_file, "training_file")
     validation = (
         _check_file(session, team.team_id, body.validation_file, "validation_file")
-        if body.validation_file else None
+        if body.validation_file
+        else None
     )
     engine = _engine(body)
     resources = job_checks.check_resources(body.resources)  # 400 naming resources.gpus
@@ -222,13 +237,21 @@ def _create_job(
     admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
     queue = job_checks.job_queue(spec.resources.gpus, settings)
     dataset_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
-    admission.check_capacity(session, spec, settings, queue=queue,  # 400: fits no worker of its queue
-                             num_examples=training.num_examples or None, hyperparameters_param=hp_param)
+    admission.check_capacity(
+        session,
+        spec,
+        settings,
+        queue=queue,  # 400: fits no worker of its queue
+        num_examples=training.num_examples or None,
+        hyperparameters_param=hp_param,
+    )
     # Quotas, counted under the team's row lock (held to the commit): racing creates go one by one.
     quotas.lock_team(session, team.team_id)
     if idempotency_key and (prior := _replay(session, team.team_id, idempotency_key, digest)) is not None:
         # a request with this key committed while we waited for the lock: replay it, whatever the quota
-        return JSONResponse(job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"})
+        return JSONResponse(
+            job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"}
+        )
     _admit(session, team.team_id, settings)
 
     job = FineTuningJob(
@@ -251,7 +274,9 @@ def _create_job(
     )
     prior = _insert_or_replay(session, job, idempotency_key, digest)
     if prior is not None:  # a concurrent request with the same key won the race
-        return JSONResponse(job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"})
+        return JSONResponse(
+            job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"}
+        )
 
     try:
         request.app.state.enqueue(job.id, job.queue)
@@ -259,8 +284,12 @@ def _create_job(
         log.exception("could not enqueue %s", job.id)
         session.delete(job)
         session.commit()
-        raise APIError(503, "The job queue is unavailable; retry shortly", code="broker_unavailable",
-                       headers={"Retry-After": "2"}) from exc
+        raise APIError(
+            503,
+            "The job queue is unavailable; retry shortly",
+            code="broker_unavailable",
+            headers={"Retry-After": "2"},
+        ) from exc
     # The outbox's second step: without this stamp (we die first, the commit fails), the reaper
     # dispatches the job again after dispatch_grace_seconds, a harmless duplicate.
     try:
@@ -316,8 +345,9 @@ def _retrieve_job(session: Session, team_id: str, job_id: str) -> dict[str, Any]
     return job_dict(row, row.queue_position)
 
 
-@router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJobObject,
-             responses=error_responses(404, 409))
+@router.post(
+    "/{fine_tuning_job_id}/cancel", response_model=FineTuningJobObject, responses=error_responses(404, 409)
+)
 async def cancel_job(fine_tuning_job_id: str, request: Request, team: TeamDep) -> FineTuningJobObject:
     """A job not yet started is cancelled at once; a running one stops at its next step (the worker
     checkpoints, exits and sets ``cancelled``); a finished one cannot be cancelled (409)."""
@@ -328,8 +358,12 @@ def _cancel_job(session: Session, team_id: str, job_id: str) -> FineTuningJobObj
     job = get_team_job(session, team_id, job_id, lock=True)
     status = JobStatus(job.status)
     if status.terminal:
-        raise APIError(409, f"Job {job.id} has already {status.value}; it cannot be cancelled",
-                       param="fine_tuning_job_id", code="job_not_cancellable")
+        raise APIError(
+            409,
+            f"Job {job.id} has already {status.value}; it cannot be cancelled",
+            param="fine_tuning_job_id",
+            code="job_not_cancellable",
+        )
     request_cancel(session, job)
     session.commit()
     return job_out(session, job)
@@ -338,8 +372,11 @@ def _cancel_job(session: Session, team_id: str, job_id: str) -> FineTuningJobObj
 # --- checkpoints, metrics ----------------------------------------------------------------------------
 
 
-@router.get("/{fine_tuning_job_id}/checkpoints", response_model=ListObject[JobCheckpointObject],
-            responses=error_responses(400, 404))
+@router.get(
+    "/{fine_tuning_job_id}/checkpoints",
+    response_model=ListObject[JobCheckpointObject],
+    responses=error_responses(400, 404),
+)
 async def list_checkpoints(
     fine_tuning_job_id: str,
     request: Request,
@@ -360,20 +397,28 @@ def _list_checkpoints(
     if after:
         cur = session.get(JobCheckpoint, after)
         if cur is None or cur.job_id != job.id:
-            raise APIError(400, f"No such checkpoint for this job: {after}", param="after", code="invalid_cursor")
+            raise APIError(
+                400, f"No such checkpoint for this job: {after}", param="after", code="invalid_cursor"
+            )
         cursor = (cur.step_number,)
-    rows, has_more = page(session, stmt, (JobCheckpoint.step_number,), after=cursor, limit=limit,
-                          descending=True)
+    rows, has_more = page(
+        session, stmt, (JobCheckpoint.step_number,), after=cursor, limit=limit, descending=True
+    )
     return list_object([checkpoint_object(r) for r in rows], has_more)
 
 
-@router.get("/{fine_tuning_job_id}/metrics", response_model=ListObject[StepMetric],
-            responses=error_responses(400, 404))
+@router.get(
+    "/{fine_tuning_job_id}/metrics",
+    response_model=ListObject[StepMetric],
+    responses=error_responses(400, 404),
+)
 async def list_metrics(
     fine_tuning_job_id: str,
     request: Request,
     team: TeamDep,
-    after: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="the last step of the previous page")] = None,
+    after: Annotated[
+        int | None, Query(ge=0, le=2**31 - 1, description="the last step of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 1000,
 ) -> dict[str, Any]:
     """Per-step figures of a job, oldest first: loss, step and stall seconds, stall fraction,
@@ -386,7 +431,12 @@ def _list_metrics(
 ) -> dict[str, Any]:
     job = get_team_job(session, team_id, job_id)
     stmt = select(JobStepMetric).where(JobStepMetric.job_id == job.id)
-    rows, has_more = page(session, stmt, (JobStepMetric.step,), after=(after,) if after is not None else None,
-                          limit=limit, descending=False)
+    rows, has_more = page(
+        session,
+        stmt,
+        (JobStepMetric.step,),
+        after=(after,) if after is not None else None,
+        limit=limit,
+        descending=False,
+    )
     return list_object([step_metric_object(r) for r in rows], has_more, id_of=lambda m: str(m.step))
-

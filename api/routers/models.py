@@ -43,7 +43,13 @@ CHECKSUM_HEADER = "X-Checksum-SHA256"
 
 
 def model_object(ref: ModelRef) -> dict[str, Any]:
-    return {"id": ref.id, "object": "model", "created": ref.created, "owned_by": ref.owned_by, "kind": ref.kind}
+    return {
+        "id": ref.id,
+        "object": "model",
+        "created": ref.created,
+        "owned_by": ref.owned_by,
+        "kind": ref.kind,
+    }
 
 
 @router.get("", response_model=ListObject[ModelObject])
@@ -51,21 +57,37 @@ async def list_models(request: Request, team: TeamDep, settings: SettingsDep) ->
     """The built-in and base models, then the team's fine-tuned models and checkpoints."""
     refs = await run_db(request, available_models, team.team_id, settings)
     data = [model_object(r) for r in refs]
-    return {"object": "list", "data": data, "has_more": False,
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
 
 
-@router.get("/{model:path}/content", response_class=StreamingResponse,
-            responses={**error_responses(400, 404),
-                       200: {"content": {"application/x-tar": {}},
-                             "description": f"An uncompressed tar; `{CHECKSUM_HEADER}` is its SHA-256"}})
+@router.get(
+    "/{model:path}/content",
+    response_class=StreamingResponse,
+    responses={
+        **error_responses(400, 404),
+        200: {
+            "content": {"application/x-tar": {}},
+            "description": f"An uncompressed tar; `{CHECKSUM_HEADER}` is its SHA-256",
+        },
+    },
+)
 async def model_content(
     model: str,
     request: Request,
     team: TeamDep,
     settings: SettingsDep,
-    fmt: Annotated[dl.DownloadFormat, Query(alias="format", description="model: merged weights, config, "
-                                                                     "tokenizer; adapter: the LoRA adapter")] = "model",
+    fmt: Annotated[
+        dl.DownloadFormat,
+        Query(
+            alias="format", description="model: merged weights, config, tokenizer; adapter: the LoRA adapter"
+        ),
+    ] = "model",
 ) -> StreamingResponse:
     """Download a fine-tuned model or checkpoint as a tar (its files at the archive's root)."""
     ref, digest = await run_db(request, _download_of, team.team_id, model, settings, fmt)
@@ -84,16 +106,26 @@ async def model_content(
 
 def _download_folder(ref: ModelRef, fmt: dl.DownloadFormat) -> Path:
     if ref.kind not in ("fine-tuned", "checkpoint") or ref.path is None:
-        raise APIError(400, f"The model '{ref.id}' is a base model of the service; only fine-tuned models and "
-                            "checkpoints can be downloaded", param="model", code="model_not_downloadable")
+        raise APIError(
+            400,
+            f"The model '{ref.id}' is a base model of the service; only fine-tuned models and "
+            "checkpoints can be downloaded",
+            param="model",
+            code="model_not_downloadable",
+        )
     if fmt == "adapter" and ref.adapter_path is None:
-        raise APIError(400, f"The model '{ref.id}' has no LoRA adapter (it was not trained with LoRA); "
-                            "download format=model", param="format", code="no_adapter")
+        raise APIError(
+            400,
+            f"The model '{ref.id}' has no LoRA adapter (it was not trained with LoRA); download format=model",
+            param="format",
+            code="no_adapter",
+        )
     return ref.path
 
 
-def _download_of(session: Session, team_id: str, model: str, settings: Settings,
-                 fmt: dl.DownloadFormat) -> tuple[ModelRef, str | None]:
+def _download_of(
+    session: Session, team_id: str, model: str, settings: Settings, fmt: dl.DownloadFormat
+) -> tuple[ModelRef, str | None]:
     """The model to download and the tar's cached checksum (None before its first download)."""
     ref = resolve_model(session, team_id, model, settings)
     row = find_model(session, team_id, ref.id) if ref.kind in ("fine-tuned", "checkpoint") else None
@@ -114,7 +146,9 @@ def _cache_digest(session: Session, team_id: str, model_id: str, fmt: dl.Downloa
 
 
 @router.get("/{model:path}", response_model=ModelObject, responses=error_responses(400, 404))
-async def retrieve_model(model: str, request: Request, team: TeamDep, settings: SettingsDep) -> dict[str, Any]:
+async def retrieve_model(
+    model: str, request: Request, team: TeamDep, settings: SettingsDep
+) -> dict[str, Any]:
     ref = await run_db(request, resolve_model, team.team_id, model, settings)
     return model_object(ref)
 
@@ -128,18 +162,30 @@ async def delete_model(model: str, request: Request, team: TeamDep, settings: Se
 def _delete_model(session: Session, team_id: str, model: str, settings: Settings) -> ModelDeleted:
     ref = resolve_model(session, team_id, model, settings)
     if ref.kind in ("builtin", "base"):
-        raise APIError(403, f"The model '{ref.id}' is a base model of the service and cannot be deleted",
-                       param="model", code="model_not_deletable")
+        raise APIError(
+            403,
+            f"The model '{ref.id}' is a base model of the service and cannot be deleted",
+            param="model",
+            code="model_not_deletable",
+        )
     row = session.get(RegisteredModel, ref.id, with_for_update=True)
     assert row is not None  # resolve_model found it
     job = session.get(FineTuningJob, row.job_id)
     if job is not None and not JobStatus(job.status).terminal:
-        raise APIError(409, f"The model '{ref.id}' is a checkpoint of job {job.id}, which is {job.status}; "
-                            "cancel the job or wait until it finishes", param="model", code="job_not_finished")
+        raise APIError(
+            409,
+            f"The model '{ref.id}' is a checkpoint of job {job.id}, which is {job.status}; "
+            "cancel the job or wait until it finishes",
+            param="model",
+            code="job_not_finished",
+        )
     row.deleted_at = utcnow()
     if row.step_number is not None:
-        session.execute(delete(JobCheckpoint).where(JobCheckpoint.job_id == row.job_id,
-                                                    JobCheckpoint.step_number == row.step_number))
+        session.execute(
+            delete(JobCheckpoint).where(
+                JobCheckpoint.job_id == row.job_id, JobCheckpoint.step_number == row.step_number
+            )
+        )
     _remove_files(Path(row.path), settings.resolved_jobs_dir)  # an error here leaves the row as it was
     session.commit()
     return ModelDeleted(id=ref.id)

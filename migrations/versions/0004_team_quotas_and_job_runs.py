@@ -36,8 +36,9 @@ def upgrade() -> None:
         sa.Column("gpu_hours", sa.Float(), nullable=True),
         sa.Column("storage_bytes", sa.BigInteger(), nullable=True),
         sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
-        sa.ForeignKeyConstraint(["team_id"], ["teams.id"], name=op.f("fk_team_quotas_team_id_teams"),
-                                ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["team_id"], ["teams.id"], name=op.f("fk_team_quotas_team_id_teams"), ondelete="CASCADE"
+        ),
         sa.PrimaryKeyConstraint("team_id", name=op.f("pk_team_quotas")),
     )
     op.create_table(
@@ -51,17 +52,27 @@ def upgrade() -> None:
         sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("ended_at", sa.DateTime(timezone=True), nullable=True),
         sa.Column("gpu_seconds", sa.Float(), nullable=True),
-        sa.ForeignKeyConstraint(["job_id"], ["fine_tuning_jobs.id"],
-                                name=op.f("fk_fine_tuning_job_runs_job_id_fine_tuning_jobs"), ondelete="SET NULL"),
-        sa.ForeignKeyConstraint(["team_id"], ["teams.id"], name=op.f("fk_fine_tuning_job_runs_team_id_teams"),
-                                ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(
+            ["job_id"],
+            ["fine_tuning_jobs.id"],
+            name=op.f("fk_fine_tuning_job_runs_job_id_fine_tuning_jobs"),
+            ondelete="SET NULL",
+        ),
+        sa.ForeignKeyConstraint(
+            ["team_id"], ["teams.id"], name=op.f("fk_fine_tuning_job_runs_team_id_teams"), ondelete="CASCADE"
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_fine_tuning_job_runs")),
     )
     op.create_index(op.f("ix_fine_tuning_job_runs_job_id"), "fine_tuning_job_runs", ["job_id"], unique=False)
-    op.create_index("ix_fine_tuning_job_runs_team_ended", "fine_tuning_job_runs", ["team_id", "ended_at"],
-                    unique=False)
-    op.create_index("ix_fine_tuning_job_runs_team_queue_started", "fine_tuning_job_runs",
-                    ["team_id", "queue", "started_at"], unique=False)
+    op.create_index(
+        "ix_fine_tuning_job_runs_team_ended", "fine_tuning_job_runs", ["team_id", "ended_at"], unique=False
+    )
+    op.create_index(
+        "ix_fine_tuning_job_runs_team_queue_started",
+        "fine_tuning_job_runs",
+        ["team_id", "queue", "started_at"],
+        unique=False,
+    )
     op.create_index(JOBS_INDEX, "fine_tuning_jobs", ["team_id", "status"], unique=False)
     # Runs in progress at the upgrade: an open run each, so the job's time counts (and ends) as usual.
     op.execute(

@@ -25,7 +25,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column("fine_tuning_jobs", sa.Column("resources", sa.JSON(), nullable=True))
-    op.add_column("workers", sa.Column("gpus_per_job", sa.Integer(), server_default=sa.text("1"), nullable=False))
+    op.add_column(
+        "workers", sa.Column("gpus_per_job", sa.Integer(), server_default=sa.text("1"), nullable=False)
+    )
 
 
 def downgrade() -> None:

@@ -172,15 +172,22 @@ class ZenFlowMode(Mode):
         for group in group_by_dtype(split_named):
             # host accumulation fills window v+1's accumulator while the worker reads window v's
             accs = 1 if self.on_device else 2
-            store = HostStore([p for _, p in group], ops.host, buffers=accs, role="accumulators",
-                              shard=(r.rank, r.world) if r.distributed else None)
+            store = HostStore(
+                [p for _, p in group],
+                ops.host,
+                buffers=accs,
+                role="accumulators",
+                shard=(r.rank, r.world) if r.distributed else None,
+            )
             self.stores.append(store)
             ring = None
             if not self.on_device and ops.is_cuda:
                 size = max(1, min(store.numel, cfg.cpu_chunk_elements))
                 ring = [ops.host.empty(size, store.dtype) for _ in range(2)]
             self.rings.append(ring)
-            gather = ShardGather(store.shard_size, r.world, store.dtype, ops.device) if r.distributed else None
+            gather = (
+                ShardGather(store.shard_size, r.world, store.dtype, ops.device) if r.distributed else None
+            )
             if gather is not None:
                 self.gathers.append(gather)
             for i, (n, p) in enumerate(group):
@@ -189,7 +196,11 @@ class ZenFlowMode(Mode):
                     landing: torch.Tensor | None = gather.view(store.full_offsets[i], like.shape)
                 else:
                     landing = torch.empty_like(like) if ops.is_cuda else None
-                dacc = torch.zeros(like.shape, dtype=torch.float32, device=like.device) if self.on_device else None
+                dacc = (
+                    torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+                    if self.on_device
+                    else None
+                )
                 k = num_selected(p.shape[1], cfg.topk_ratio)
                 self.splits.append(_Split(n, p, store, i, k, landing, dacc))
         self.by_name = {s.name: s for s in self.splits}
@@ -383,7 +394,9 @@ class ZenFlowMode(Mode):
         grads: list[tuple[int, list[torch.Tensor | None]]] = []
         if self.step_shards is not None:  # this rank's shard of the mean: the part the host needs
             for si, (store, shard) in enumerate(zip(self.stores, self.step_shards, strict=True)):
-                grads.append((si, [shard.narrow(0, o, n) for o, n in zip(store.offsets, store.numels, strict=True)]))
+                grads.append(
+                    (si, [shard.narrow(0, o, n) for o, n in zip(store.offsets, store.numels, strict=True)])
+                )
                 stats.bytes_d2h += shard.numel() * shard.element_size()
             self.slot ^= 1
             return _Staged(slot, grads, self.ops.record(), pieces=True)
@@ -421,7 +434,12 @@ class ZenFlowMode(Mode):
         self.slot_futs[staged.slot] = self.worker.submit(accumulate, urgent=True)
 
     def _accumulate_in_place(
-        self, store: HostStore, grads: list[torch.Tensor | None], acc_i: int, alpha: float, first: bool,
+        self,
+        store: HostStore,
+        grads: list[torch.Tensor | None],
+        acc_i: int,
+        alpha: float,
+        first: bool,
         pieces: bool = False,
     ) -> None:
         """The device is the CPU: add each gradient into the accumulator where it lies (``pieces``: the
@@ -519,7 +537,9 @@ class ZenFlowMode(Mode):
             return
         zero_if_bad_(grads, gate)  # a skipped step adds exact zeros
         if first:
-            torch._foreach_copy_(accs, grads)  # then scale in fp32 (a multiply would round in the grad's dtype)
+            torch._foreach_copy_(
+                accs, grads
+            )  # then scale in fp32 (a multiply would round in the grad's dtype)
             if alpha != 1.0:
                 torch._foreach_mul_(accs, alpha)
         else:
@@ -608,9 +628,11 @@ class ZenFlowMode(Mode):
 
     def _stash_to_host(self, st: _Stash) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h = self.ops.host
-        out = (h.scratch(st.cols.numel(), torch.int64).view(st.cols.shape),
-               h.scratch(st.mask.numel(), torch.bool).view(st.mask.shape),
-               h.scratch(st.values.numel(), torch.float32).view(st.values.shape))
+        out = (
+            h.scratch(st.cols.numel(), torch.int64).view(st.cols.shape),
+            h.scratch(st.mask.numel(), torch.bool).view(st.mask.shape),
+            h.scratch(st.values.numel(), torch.float32).view(st.values.shape),
+        )
         self.ops.d2h(list(zip(out, (st.cols, st.mask, st.values), strict=True)), ready=st.ready).wait()
         return out
 
@@ -664,8 +686,11 @@ class ZenFlowMode(Mode):
         if self.on_device:  # the window's gradient leaves the device once, now
             for store in self.stores:
                 # rounded to the parameters' dtype on the way (on the device, in transient memory)
-                pairs = [(store.flat(store.bufs[acc_i], s.index), store.piece(s.dacc, s.index))
-                         for s in self.splits if s.store is store and s.dacc is not None]
+                pairs = [
+                    (store.flat(store.bufs[acc_i], s.index), store.piece(s.dacc, s.index))
+                    for s in self.splits
+                    if s.store is store and s.dacc is not None
+                ]
                 t_acc = ops.d2h(pairs)
                 stats.bytes_d2h += t_acc.nbytes
                 acc_copies.append(t_acc)
@@ -692,7 +717,9 @@ class ZenFlowMode(Mode):
                     num_threads=self.threads,
                     chunk=cfg.cpu_chunk_elements,
                 ):
-                    if done and ops.is_cuda and not self.gathers:  # prefetch finished params' results, batched
+                    if (
+                        done and ops.is_cuda and not self.gathers
+                    ):  # prefetch finished params' results, batched
                         pairs = []
                         for i in done:
                             landing = by_store[id(store)][i].landing
@@ -753,8 +780,13 @@ class ZenFlowMode(Mode):
                 if self.step_shards is not None:  # this rank's shard of the mean
                     pairs = [(staging, self.step_shards[si])]
                 else:  # members have a gradient
-                    pairs = [(store.flat(staging, s.index), store.piece(cast("torch.Tensor", s.param.grad), s.index))
-                             for s in members]
+                    pairs = [
+                        (
+                            store.flat(staging, s.index),
+                            store.piece(cast("torch.Tensor", s.param.grad), s.index),
+                        )
+                        for s in members
+                    ]
                 t = self.ops.d2h(pairs)
                 stats.bytes_d2h += t.nbytes
                 only = [s.index for s in members]
@@ -762,8 +794,9 @@ class ZenFlowMode(Mode):
                 def run(store: HostStore = store, t: Any = t, only: list[int] = only) -> float:
                     with gil_released():
                         t.wait()
-                    return store.adam_now(store.bufs[0], config=cfg, lr=lr, num_threads=self.threads,
-                                          only=only)
+                    return store.adam_now(
+                        store.bufs[0], config=cfg, lr=lr, num_threads=self.threads, only=only
+                    )
 
                 stats.cpu_optimizer_seconds += float(self.worker.wait(self.worker.submit(run)))
                 if self.gathers:  # every rank's updated shard into the replica (no window is in flight)
@@ -840,7 +873,8 @@ class ZenFlowMode(Mode):
             host["transfer"] = sum(nbytes(t) for ring in self.rings if ring is not None for t in ring)
         state, scratch = self.dev.memory_parts()
         buffers = {
-            "landing": sum(g.nbytes() for g in self.gathers) if self.gathers
+            "landing": sum(g.nbytes() for g in self.gathers)
+            if self.gathers
             else sum(nbytes(s.landing) for s in self.splits),
             "accumulator": sum(nbytes(s.dacc) for s in self.splits),
             "stash": sum(nbytes(st.values) for st in self.stash_groups),
@@ -870,7 +904,9 @@ class ZenFlowMode(Mode):
             "pending": pending,
             "stash": self._stash_by_name(),
             "device_acc": {
-                s.name: s.dacc.to("cpu", copy=True) for s in self.splits if s.dacc is not None and self.win_len > 0
+                s.name: s.dacc.to("cpu", copy=True)
+                for s in self.splits
+                if s.dacc is not None and self.win_len > 0
             },
             "schedule": {
                 "warm_left": self.warm_left,
@@ -947,7 +983,9 @@ class ZenFlowMode(Mode):
         """Another group size: the replicated state from the first rank's, the host stores re-cut."""
         if len(sds[0]["host"]) != len(self.stores):
             raise ValueError("engine state does not match the model's parameter groups")
-        self.load_state_dict(sds[0], host_shards=[[sd["host"][i] for sd in sds] for i in range(len(self.stores))])
+        self.load_state_dict(
+            sds[0], host_shards=[[sd["host"][i] for sd in sds] for i in range(len(self.stores))]
+        )
 
     def close(self) -> None:
         if self.worker is not None:

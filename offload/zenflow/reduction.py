@@ -63,7 +63,9 @@ def reduce_zenflow(mode: ZenFlowMode, stats: StepStats) -> tuple[Reduced, list[t
             picked = torch.cat([g.index_select(1, c).reshape(-1) for g, c in zip(grads, cols, strict=True)])
             dist.all_reduce(picked, group=ranks.group)
             picked.div_(ranks.world)
-            stats.bytes_reduced += wire_bytes("all_reduce", picked.numel() * picked.element_size(), ranks.world)
+            stats.bytes_reduced += wire_bytes(
+                "all_reduce", picked.numel() * picked.element_size(), ranks.world
+            )
             off = 0
             for g, c in zip(grads, cols, strict=True):
                 n = g.shape[0] * c.numel()
@@ -72,14 +74,21 @@ def reduce_zenflow(mode: ZenFlowMode, stats: StepStats) -> tuple[Reduced, list[t
                 also.append(g)
     # the norm per parameter, as one process computes it (offload.clipping)
     order = {id(p): i for i, p in enumerate(p for _, p in mode.named if p.grad is not None)}
-    parts: list[tuple[int, torch.Tensor, bool]] = [(order[id(g_owner)], g_owner.grad, False)
-                                                   for _, g_owner in mode.named
-                                                   if g_owner.grad is not None and id(g_owner) not in split_ids]
+    parts: list[tuple[int, torch.Tensor, bool]] = [
+        (order[id(g_owner)], g_owner.grad, False)
+        for _, g_owner in mode.named
+        if g_owner.grad is not None and id(g_owner) not in split_ids
+    ]
     for s in mode.splits:
         if s.param.grad is not None:
             si = mode.stores.index(s.store)
-            parts.append((order[id(s.param)], shards[si].narrow(0, s.store.offsets[s.index], s.store.numels[s.index]),
-                          True))
+            parts.append(
+                (
+                    order[id(s.param)],
+                    shards[si].narrow(0, s.store.offsets[s.index], s.store.numels[s.index]),
+                    True,
+                )
+            )
     return Reduced(full, shards, also, parts, len(order)), shards
 
 

@@ -35,12 +35,24 @@ def register_fine_tuned(app: FastAPI, team: TeamKey, folder: Path, suffix: str =
     from store.orm import File, FineTuningJob, JobStatus
 
     with app.state.sessionmaker() as s:
-        f = File(team_id=team.id, filename="train.jsonl", purpose="fine-tune", bytes=1, sha256="0" * 64,
-                 storage_path=str(folder / "unused.jsonl"))
+        f = File(
+            team_id=team.id,
+            filename="train.jsonl",
+            purpose="fine-tune",
+            bytes=1,
+            sha256="0" * 64,
+            storage_path=str(folder / "unused.jsonl"),
+        )
         s.add(f)
         s.flush()
-        job = FineTuningJob(team_id=team.id, model="tiny-llama", training_file_id=f.id, suffix=suffix,
-                            status=JobStatus.succeeded.value, seed=secrets.randbelow(1000))
+        job = FineTuningJob(
+            team_id=team.id,
+            model="tiny-llama",
+            training_file_id=f.id,
+            suffix=suffix,
+            status=JobStatus.succeeded.value,
+            seed=secrets.randbelow(1000),
+        )
         s.add(job)
         s.flush()
         model_id = register_final(s, job, str(folder)).id

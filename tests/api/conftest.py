@@ -228,7 +228,13 @@ def team_rows(app: FastAPI, team: TeamKey) -> tuple[int, int]:
     from store.orm import FineTuningJob, JobEvent
 
     with app.state.sessionmaker() as s:
-        jobs = s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
-        events = s.scalar(select(func.count()).select_from(JobEvent).join(FineTuningJob)
-                          .where(FineTuningJob.team_id == team.id))
+        jobs = s.scalar(
+            select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id)
+        )
+        events = s.scalar(
+            select(func.count())
+            .select_from(JobEvent)
+            .join(FineTuningJob)
+            .where(FineTuningJob.team_id == team.id)
+        )
         return int(jobs or 0), int(events or 0)

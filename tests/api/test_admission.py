@@ -22,8 +22,16 @@ from trainer.plan.gpus import GiB
 from worker.capacity.measure import WorkerCapacity
 
 #: An H100 box with too little host memory for any job (the job process alone is planned at 2 GiB).
-SMALL = WorkerCapacity(device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * GiB,
-                       gpus_on_host=1, host_memory_bytes=GiB, cores=8, cpu_adam_gbps=20.0, pcie_gbps=50.0)
+SMALL = WorkerCapacity(
+    device_type="cuda",
+    gpu_name="NVIDIA H100 80GB HBM3",
+    gpu_memory_bytes=80 * GiB,
+    gpus_on_host=1,
+    host_memory_bytes=GiB,
+    cores=8,
+    cpu_adam_gbps=20.0,
+    pcie_gbps=50.0,
+)
 BIG = SMALL.model_copy(update={"host_memory_bytes": 256 * GiB})
 #: Engine settings whose host-memory problem the plan attributes to engine.accumulate_on.
 ENGINE = {"mode": "zenflow", "accumulate_on": "host"}
@@ -38,7 +46,9 @@ def register(pg_url: str, settings: Settings) -> Iterator[Register]:
 
     def add(name: str, capacity: WorkerCapacity, queue: str | None = None) -> None:
         with session_scope(pg_url) as s:
-            worker_registry.register(s, name, [queue or settings.default_queue], capacity.model_dump(mode="json"))
+            worker_registry.register(
+                s, name, [queue or settings.default_queue], capacity.model_dump(mode="json")
+            )
         names.append(name)
 
     def remove(name: str) -> None:
@@ -52,15 +62,23 @@ def register(pg_url: str, settings: Settings) -> Iterator[Register]:
 
 
 def _create(client: TestClient, team: TeamKey, file_id: str) -> Any:
-    return client.post("/v1/fine_tuning/jobs", headers=team.headers, json={
-        "model": "tiny-llama", "training_file": file_id, "engine": ENGINE,
-        "hyperparameters": {"n_epochs": 1, "batch_size": 4}})
+    return client.post(
+        "/v1/fine_tuning/jobs",
+        headers=team.headers,
+        json={
+            "model": "tiny-llama",
+            "training_file": file_id,
+            "engine": ENGINE,
+            "hyperparameters": {"n_epochs": 1, "batch_size": 4},
+        },
+    )
 
 
 def _counts(pg_url: str) -> tuple[int, int]:
     with session_scope(pg_url) as s:
-        return s.scalar(select(func.count()).select_from(FineTuningJob)) or 0, \
-            s.scalar(select(func.count()).select_from(JobEvent)) or 0
+        return s.scalar(select(func.count()).select_from(FineTuningJob)) or 0, s.scalar(
+            select(func.count()).select_from(JobEvent)
+        ) or 0
 
 
 def test_job_too_big_for_every_worker_is_refused_and_leaves_no_row(
@@ -97,7 +115,7 @@ def test_no_worker_registered_uses_the_default_capacity(
 ) -> None:
     register("adm-elsewhere@test", SMALL, queue="some-other-queue")  # another queue's worker does not count
     with app.state.sessionmaker() as s:
-        (name, capacity), = candidates(s, settings.default_queue, settings)
+        ((name, capacity),) = candidates(s, settings.default_queue, settings)
     assert name.startswith("the default worker") and capacity.gpu_name == settings.default_worker_gpu
     file_id = uploaded_id(client, team)
     assert _create(client, team, file_id).status_code == 200  # the default box takes a tiny model
@@ -115,7 +133,11 @@ def test_no_worker_registered_uses_the_default_capacity(
 
 
 def test_worker_recheck_fails_a_job_that_no_longer_fits_with_the_same_message(
-    client: TestClient, team: TeamKey, register: Register, settings: Settings, pg_url: str,
+    client: TestClient,
+    team: TeamKey,
+    register: Register,
+    settings: Settings,
+    pg_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Accepted while a big worker was live; run by a small one, whose re-check fails it with the
@@ -135,5 +157,8 @@ def test_worker_recheck_fails_a_job_that_no_longer_fits_with_the_same_message(
     assert run_job_process(created.json()["id"], settings=settings) == EXIT_DONE
     job = client.get(f"/v1/fine_tuning/jobs/{created.json()['id']}", headers=team.headers).json()
     assert job["status"] == "failed"
-    assert job["error"] == {"code": "insufficient_capacity", "message": error_of(refused)["message"],
-                            "param": "engine.accumulate_on"}
+    assert job["error"] == {
+        "code": "insufficient_capacity",
+        "message": error_of(refused)["message"],
+        "param": "engine.accumulate_on",
+    }

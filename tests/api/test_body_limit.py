@@ -33,17 +33,26 @@ def small_team(small_client: TestClient) -> TeamKey:
 
 def _job_count(client: TestClient, team: TeamKey) -> int:
     with client.app.state.sessionmaker() as s:  # type: ignore[attr-defined]
-        return s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
+        return s.scalar(
+            select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id)
+        )
 
 
 def _big_create_body(fid: str, size: int) -> bytes:
-    return json.dumps({"model": "tiny-llama", "training_file": fid, "suffix": "x", "metadata": {"pad": "p" * size}}).encode()
+    return json.dumps(
+        {"model": "tiny-llama", "training_file": fid, "suffix": "x", "metadata": {"pad": "p" * size}}
+    ).encode()
 
 
-def test_declared_length_over_the_cap_is_413_and_writes_nothing(small_client: TestClient, small_team: TeamKey) -> None:
+def test_declared_length_over_the_cap_is_413_and_writes_nothing(
+    small_client: TestClient, small_team: TeamKey
+) -> None:
     fid = upload(small_client, small_team).json()["id"]
-    r = small_client.post("/v1/fine_tuning/jobs", content=_big_create_body(fid, 2 * LIMIT),
-                          headers={**small_team.headers, "Content-Type": "application/json"})
+    r = small_client.post(
+        "/v1/fine_tuning/jobs",
+        content=_big_create_body(fid, 2 * LIMIT),
+        headers={**small_team.headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == 413, r.text
     err = error_of(r)
     assert err["code"] == "request_too_large"
@@ -55,8 +64,11 @@ def test_chunked_body_over_the_cap_is_413(small_client: TestClient, small_team: 
     fid = upload(small_client, small_team).json()["id"]
     body = _big_create_body(fid, 2 * LIMIT)
     chunks = iter([body[i : i + 1000] for i in range(0, len(body), 1000)])  # no Content-Length: chunked
-    r = small_client.post("/v1/fine_tuning/jobs", content=chunks,
-                          headers={**small_team.headers, "Content-Type": "application/json"})
+    r = small_client.post(
+        "/v1/fine_tuning/jobs",
+        content=chunks,
+        headers={**small_team.headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == 413, r.text
     assert error_of(r)["code"] == "request_too_large"
     assert _job_count(small_client, small_team) == 0
@@ -65,18 +77,36 @@ def test_chunked_body_over_the_cap_is_413(small_client: TestClient, small_team: 
 def test_body_under_the_cap_reaches_validation(small_client: TestClient, small_team: TeamKey) -> None:
     """Just under the cap the request is parsed as usual (here: a 400 naming the bad field, not a 413)."""
     fid = upload(small_client, small_team).json()["id"]
-    body = json.dumps({"model": "tiny-llama", "training_file": fid, "hyperparameters": {"n_epochs": "many"},
-                       "suffix": "s" * 10}).encode()
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "training_file": fid,
+            "hyperparameters": {"n_epochs": "many"},
+            "suffix": "s" * 10,
+        }
+    ).encode()
     assert len(body) < LIMIT
-    r = small_client.post("/v1/fine_tuning/jobs", content=body,
-                          headers={**small_team.headers, "Content-Type": "application/json"})
+    r = small_client.post(
+        "/v1/fine_tuning/jobs",
+        content=body,
+        headers={**small_team.headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == 400, r.text
     assert error_of(r)["param"] == "hyperparameters.n_epochs"
 
 
 def test_uploads_are_limited_by_max_upload_bytes_only(small_client: TestClient, small_team: TeamKey) -> None:
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"q{i} " + "w" * 200},
-                                      {"role": "assistant", "content": "a"}]}) for i in range(40)]
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": f"q{i} " + "w" * 200},
+                    {"role": "assistant", "content": "a"},
+                ]
+            }
+        )
+        for i in range(40)
+    ]
     content = ("\n".join(lines) + "\n").encode()
     assert LIMIT < len(content) < 256 * 1024  # over the body cap, under the upload cap
     r = upload(small_client, small_team, content)

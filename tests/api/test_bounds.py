@@ -29,8 +29,15 @@ from tests.api.conftest import (
 JOBS = "/v1/fine_tuning/jobs"
 
 #: Tighter than the defaults, to show the limits are the server's settings (ZENFLOW_MAX_...).
-LIMITS = dict(max_n_epochs=50, max_batch_size=64, max_seq_length=1024, max_total_steps=200,
-              max_total_tokens=200_000, max_learning_rate=0.5, max_lora_rank=16)
+LIMITS = dict(
+    max_n_epochs=50,
+    max_batch_size=64,
+    max_seq_length=1024,
+    max_total_steps=200,
+    max_total_tokens=200_000,
+    max_learning_rate=0.5,
+    max_lora_rank=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +85,14 @@ REFUSED = [
     ({"hyperparameters": {"learning_rate": 1e300}}, "hyperparameters.learning_rate"),
     ({"hyperparameters": {"learning_rate_multiplier": 1e300}}, "hyperparameters.learning_rate_multiplier"),
     ({"hyperparameters": {"max_seq_length": 1}}, "hyperparameters.max_seq_length"),
-    ({"hyperparameters": {"lora": {"target_modules": ["q_proj", "attention"]}}}, "hyperparameters.lora.target_modules"),
-    ({"hyperparameters": {"max_seq_length": 2000}}, "hyperparameters.max_seq_length"),  # over the model's 1024
+    (
+        {"hyperparameters": {"lora": {"target_modules": ["q_proj", "attention"]}}},
+        "hyperparameters.lora.target_modules",
+    ),
+    (
+        {"hyperparameters": {"max_seq_length": 2000}},
+        "hyperparameters.max_seq_length",
+    ),  # over the model's 1024
     # every other limit of the server
     ({"hyperparameters": {"n_epochs": 51}}, "hyperparameters.n_epochs"),
     ({"hyperparameters": {"batch_size": 65}}, "hyperparameters.batch_size"),
@@ -89,9 +102,14 @@ REFUSED = [
     ({"hyperparameters": {"checkpoint_every": 2**40}}, "hyperparameters.checkpoint_every"),
     ({"hyperparameters": {"lora": {"r": 17}}}, "hyperparameters.lora.r"),
     ({"hyperparameters": {"lora": {"alpha": 1e9}}}, "hyperparameters.lora.alpha"),
-    ({"hyperparameters": {"n_epochs": 40, "batch_size": 1}}, "hyperparameters.n_epochs"),  # 320 steps over 8 examples
-    ({"hyperparameters": {"n_epochs": 50, "batch_size": 8, "max_seq_length": 512}},
-     "hyperparameters.max_seq_length"),  # 204,800 token positions
+    (
+        {"hyperparameters": {"n_epochs": 40, "batch_size": 1}},
+        "hyperparameters.n_epochs",
+    ),  # 320 steps over 8 examples
+    (
+        {"hyperparameters": {"n_epochs": 50, "batch_size": 8, "max_seq_length": 512}},
+        "hyperparameters.max_seq_length",
+    ),  # 204,800 token positions
     (_supervised({"n_epochs": 10_000_000}), "method.supervised.hyperparameters.n_epochs"),
     (_supervised({"lora": {"r": 10**6}}), "method.supervised.hyperparameters.lora.r"),
     # the engine's fields
@@ -137,20 +155,43 @@ def test_non_finite_learning_rate_in_raw_json_is_refused(
 def test_default_limits_refuse_the_reported_values(client: TestClient, team: TeamKey, app: FastAPI) -> None:
     """On the default settings too (no integer column of PostgreSQL can be reached with these)."""
     fid = uploaded_id(client, team)
-    for hp, param in [({"n_epochs": 10_000_000}, "n_epochs"), ({"n_epochs": 1_000_000_000}, "n_epochs"),
-                      ({"max_steps": 2**63}, "max_steps"), ({"batch_size": 2**64}, "batch_size"),
-                      ({"max_seq_length": 10**9}, "max_seq_length"), ({"lora": {"r": 10**6}}, "lora.r"),
-                      ({"learning_rate": 1e300}, "learning_rate")]:
-        r = client.post(JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": fid,
-                                                          "hyperparameters": hp})
+    for hp, param in [
+        ({"n_epochs": 10_000_000}, "n_epochs"),
+        ({"n_epochs": 1_000_000_000}, "n_epochs"),
+        ({"max_steps": 2**63}, "max_steps"),
+        ({"batch_size": 2**64}, "batch_size"),
+        ({"max_seq_length": 10**9}, "max_seq_length"),
+        ({"lora": {"r": 10**6}}, "lora.r"),
+        ({"learning_rate": 1e300}, "learning_rate"),
+    ]:
+        r = client.post(
+            JOBS,
+            headers=team.headers,
+            json={"model": "tiny-llama", "training_file": fid, "hyperparameters": hp},
+        )
         assert r.status_code == 400 and error_of(r)["param"] == f"hyperparameters.{param}", r.text
-    big = uploaded_id(client, team, b"".join(
-        json.dumps({"prompt": f"{i}?", "completion": f"{i}."}).encode() + b"\n" for i in range(2000)))
-    r = client.post(JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": big,
-                                                      "hyperparameters": {"n_epochs": 1000, "batch_size": 1}})
+    big = uploaded_id(
+        client,
+        team,
+        b"".join(
+            json.dumps({"prompt": f"{i}?", "completion": f"{i}."}).encode() + b"\n" for i in range(2000)
+        ),
+    )
+    r = client.post(
+        JOBS,
+        headers=team.headers,
+        json={
+            "model": "tiny-llama",
+            "training_file": big,
+            "hyperparameters": {"n_epochs": 1000, "batch_size": 1},
+        },
+    )
     assert r.status_code == 400 and "2,000,000 training steps" in error_of(r)["message"], r.text
     with app.state.sessionmaker() as s:
-        assert s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id)) == 0
+        assert (
+            s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
+            == 0
+        )
 
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -162,8 +203,18 @@ LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
         {"hyperparameters": {"n_epochs": 3, "batch_size": 4, "max_seq_length": 128}},
         {"hyperparameters": {"lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}},
         _supervised({"n_epochs": 2, "lora": {"r": 16, "target_modules": LLAMA_TARGETS}}),
-        {"hyperparameters": {"learning_rate": 0.5, "warmup": 0.1, "max_steps": 200}, "engine": {"mode": "device"}},
-        {"engine": {"mode": "zenflow", "update_interval": 4, "select_interval": 10_000_000, "topk_ratio": 0.1}},
+        {
+            "hyperparameters": {"learning_rate": 0.5, "warmup": 0.1, "max_steps": 200},
+            "engine": {"mode": "device"},
+        },
+        {
+            "engine": {
+                "mode": "zenflow",
+                "update_interval": 4,
+                "select_interval": 10_000_000,
+                "topk_ratio": 0.1,
+            }
+        },
     ],
 )
 def test_llama_style_creates_still_pass(
@@ -180,13 +231,24 @@ def test_local_llama_checkpoint_with_lora(
 ) -> None:
     fid = uploaded_id(bclient, bteam)
     body = {"model": llama_dir.name, "training_file": fid}  # a base model under the model roots
-    ok = bclient.post(JOBS, headers=bteam.headers, json={
-        **body, "hyperparameters": {"max_seq_length": 256, "lora": {"r": 8, "target_modules": LLAMA_TARGETS}}})
+    ok = bclient.post(
+        JOBS,
+        headers=bteam.headers,
+        json={
+            **body,
+            "hyperparameters": {"max_seq_length": 256, "lora": {"r": 8, "target_modules": LLAMA_TARGETS}},
+        },
+    )
     assert ok.status_code == 200, ok.text
-    bad = bclient.post(JOBS, headers=bteam.headers, json={**body, "hyperparameters": {
-        "lora": {"target_modules": ["q_proj", "c_attn"]}}})
+    bad = bclient.post(
+        JOBS,
+        headers=bteam.headers,
+        json={**body, "hyperparameters": {"lora": {"target_modules": ["q_proj", "c_attn"]}}},
+    )
     assert bad.status_code == 400 and error_of(bad)["param"] == "hyperparameters.lora.target_modules"
     assert "'c_attn' matches no module" in error_of(bad)["message"]
-    long = bclient.post(JOBS, headers=bteam.headers, json={**body, "hyperparameters": {"max_seq_length": 600}})
+    long = bclient.post(
+        JOBS, headers=bteam.headers, json={**body, "hyperparameters": {"max_seq_length": 600}}
+    )
     assert long.status_code == 400 and "the model's maximum sequence length" in error_of(long)["message"]
     assert team_rows(bounded[0], bteam)[0] == 1

@@ -39,8 +39,14 @@ def _wait_for(cond: Any, timeout: float = 30.0) -> None:
 def chat_app(settings: Settings) -> FastAPI:
     from api.app import create_app
 
-    api = TEST_API_SETTINGS.model_copy(update={"inference_threads": 1, "inference_queue_size": 1,
-                                               "inference_max_tokens": 1000, "inference_retry_after_seconds": 3})
+    api = TEST_API_SETTINGS.model_copy(
+        update={
+            "inference_threads": 1,
+            "inference_queue_size": 1,
+            "inference_max_tokens": 1000,
+            "inference_retry_after_seconds": 3,
+        }
+    )
     return create_app(settings, api, enqueue=Enqueued())
 
 
@@ -79,13 +85,16 @@ def _reference_greedy(folder: Path, max_new_tokens: int) -> tuple[str, int, int]
     text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    new = out[0, ids.shape[1]:]
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+        )
+    new = out[0, ids.shape[1] :]
     return tok.decode(new, skip_special_tokens=True), ids.shape[1], len(new)
 
 
-def test_fine_tuned_model_answers_like_transformers_greedy(server: ServerThread, owner: TeamKey, ft_model: str,
-                                                           ft_folder: Path) -> None:
+def test_fine_tuned_model_answers_like_transformers_greedy(
+    server: ServerThread, owner: TeamKey, ft_model: str, ft_folder: Path
+) -> None:
     client = _sdk(server, owner)
     r = client.chat.completions.create(model=ft_model, messages=MESSAGES, max_tokens=12, temperature=0)  # type: ignore[arg-type]
     expected, prompt_tokens, completion_tokens = _reference_greedy(ft_folder, 12)
@@ -95,16 +104,28 @@ def test_fine_tuned_model_answers_like_transformers_greedy(server: ServerThread,
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, completion_tokens)
     assert r.usage.total_tokens == prompt_tokens + completion_tokens
     assert r.choices[0].finish_reason == ("length" if completion_tokens == 12 else "stop")
-    again = client.chat.completions.create(model=ft_model, messages=MESSAGES, max_completion_tokens=12,  # type: ignore[arg-type]
-                                           temperature=0)
+    again = client.chat.completions.create(
+        model=ft_model,
+        messages=MESSAGES,
+        max_completion_tokens=12,  # type: ignore[arg-type]
+        temperature=0,
+    )
     assert again.choices[0].message.content == expected  # greedy is deterministic
 
 
 def test_stream_yields_chunks_and_ends(server: ServerThread, owner: TeamKey, ft_model: str) -> None:
     client = _sdk(server, owner)
     whole = client.chat.completions.create(model=ft_model, messages=MESSAGES, max_tokens=10, temperature=0)  # type: ignore[arg-type]
-    chunks = list(client.chat.completions.create(model=ft_model, messages=MESSAGES, max_tokens=10,  # type: ignore[call-overload]
-                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=ft_model,
+            messages=MESSAGES,
+            max_tokens=10,  # type: ignore[call-overload]
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len(chunks) >= 3 and all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -131,25 +152,46 @@ def test_seed_n_and_stop_sequences(server: ServerThread, owner: TeamKey, ft_mode
     full = client.chat.completions.create(model=ft_model, messages=MESSAGES, max_tokens=16, temperature=0)  # type: ignore[arg-type]
     text = full.choices[0].message.content or ""
     stop = next(ch for ch in text[1:] if ch.isascii() and ch.isprintable())
-    cut = client.chat.completions.create(model=ft_model, messages=MESSAGES, max_tokens=16, temperature=0,  # type: ignore[arg-type]
-                                         stop=[stop, "never-generated"])
+    cut = client.chat.completions.create(
+        model=ft_model,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+        stop=[stop, "never-generated"],
+    )
     assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=ft_model, messages=MESSAGES, max_tokens=16, temperature=0,  # type: ignore[call-overload]
-                                              stop=stop, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
+    streamed = client.chat.completions.create(
+        model=ft_model,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,  # type: ignore[call-overload]
+        stop=stop,
+        stream=True,
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
+    )
 
 
 def test_text_completions(server: ServerThread, owner: TeamKey) -> None:
     client = _sdk(server, owner)
-    r = client.completions.create(model="tiny-llama", prompt=["Paris is", "Rome is"], max_tokens=5, temperature=0,
-                                  echo=True)
+    r = client.completions.create(
+        model="tiny-llama", prompt=["Paris is", "Rome is"], max_tokens=5, temperature=0, echo=True
+    )
     assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text.startswith("Paris is") and r.choices[1].text.startswith("Rome is")
-    assert r.usage is not None and r.usage.completion_tokens <= 10 and r.usage.prompt_tokens == len(b"Paris is") + len(b"Rome is")  # byte tokens
-    chunks = list(client.completions.create(model="tiny-llama", prompt="Paris is", max_tokens=5, temperature=0,
-                                            stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text[len("Paris is"):]
+    assert (
+        r.usage is not None
+        and r.usage.completion_tokens <= 10
+        and r.usage.prompt_tokens == len(b"Paris is") + len(b"Rome is")
+    )  # byte tokens
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama", prompt="Paris is", max_tokens=5, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text[len("Paris is") :]
     # an empty prompt (OpenAI accepts "") starts from the model's bos token: an answer, not a 500
     empty = client.completions.create(model="tiny-llama", prompt=["", "x"], max_tokens=2, temperature=0)
     assert [c.index for c in empty.choices] == [0, 1] and empty.usage is not None
@@ -170,15 +212,28 @@ def test_text_completions(server: ServerThread, owner: TeamKey) -> None:
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": "../etc"}, "model"),
-        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),  # no tokenizer takes it
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": "\ud800"}]},
+            "messages[0].content",
+        ),  # no tokenizer takes it
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+        ),
     ],
 )
-def test_bad_requests_name_the_field(server: ServerThread, owner: TeamKey, change: dict[str, Any], param: str) -> None:
-    body = json.dumps({"model": "tiny-llama", "messages": MESSAGES, **change})  # ASCII: a lone surrogate escaped
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=body, timeout=60,
-                   headers={**owner.headers, "Content-Type": "application/json"})
+def test_bad_requests_name_the_field(
+    server: ServerThread, owner: TeamKey, change: dict[str, Any], param: str
+) -> None:
+    body = json.dumps(
+        {"model": "tiny-llama", "messages": MESSAGES, **change}
+    )  # ASCII: a lone surrogate escaped
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=body,
+        timeout=60,
+        headers={**owner.headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == 400, r.text
     assert error_of(r)["param"] == param
 
@@ -187,8 +242,12 @@ def test_another_teams_model_is_404(server: ServerThread, chat_app: FastAPI, ft_
     stranger = make_team(chat_app)
     for endpoint, body in (("chat/completions", {"messages": MESSAGES}), ("completions", {"prompt": "hi"})):
         for stream in (False, True):
-            r = httpx.post(f"{server.base_url}/v1/{endpoint}", headers=stranger.headers, timeout=60,
-                           json={"model": ft_model, "stream": stream, **body})
+            r = httpx.post(
+                f"{server.base_url}/v1/{endpoint}",
+                headers=stranger.headers,
+                timeout=60,
+                json={"model": ft_model, "stream": stream, **body},
+            )
             assert r.status_code == 404, r.text
             assert error_of(r)["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
@@ -196,12 +255,17 @@ def test_another_teams_model_is_404(server: ServerThread, chat_app: FastAPI, ft_
 
 
 def _chat(server: ServerThread, team: TeamKey, max_tokens: int) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/chat/completions", headers=team.headers, timeout=120,
-                      json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0})
+    return httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        headers=team.headers,
+        timeout=120,
+        json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0},
+    )
 
 
-def test_flood_gets_429_with_retry_after_and_slots_come_back(server: ServerThread, chat_app: FastAPI,
-                                                              owner: TeamKey) -> None:
+def test_flood_gets_429_with_retry_after_and_slots_come_back(
+    server: ServerThread, chat_app: FastAPI, owner: TeamKey
+) -> None:
     assert _chat(server, owner, 1).status_code == 200  # the model is loaded before the flood
     worker = chat_app.state.inference.worker
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -222,18 +286,21 @@ def _completion_tokens(server: ServerThread) -> float:
 
 def _cancelled(server: ServerThread) -> float:
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    return metric_value(text, "zenflow_inference_requests_total", endpoint="chat", backend="builtin",
-                        outcome="cancelled")
+    return metric_value(
+        text, "zenflow_inference_requests_total", endpoint="chat", backend="builtin", outcome="cancelled"
+    )
 
 
-def test_client_that_disconnects_mid_stream_frees_its_slot(server: ServerThread, chat_app: FastAPI,
-                                                          owner: TeamKey) -> None:
+def test_client_that_disconnects_mid_stream_frees_its_slot(
+    server: ServerThread, chat_app: FastAPI, owner: TeamKey
+) -> None:
     worker = chat_app.state.inference.worker
     assert _chat(server, owner, 1).status_code == 200
     tokens_before, cancelled_before = _completion_tokens(server), _cancelled(server)
     body = {"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, headers=owner.headers,
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, headers=owner.headers, timeout=60
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
@@ -245,14 +312,19 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(server: ServerThread,
     assert _chat(server, owner, 2).status_code == 200  # the next request is served
 
 
-def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(server: ServerThread, chat_app: FastAPI,
-                                                                owner: TeamKey) -> None:
+def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(
+    server: ServerThread, chat_app: FastAPI, owner: TeamKey
+) -> None:
     worker = chat_app.state.inference.worker
     assert _chat(server, owner, 1).status_code == 200
     tokens_before, cancelled_before = _completion_tokens(server), _cancelled(server)
     with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
-        httpx.post(f"{server.base_url}/v1/chat/completions", headers=owner.headers, timeout=httpx.Timeout(60, read=1),
-                   json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000})
+        httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            headers=owner.headers,
+            timeout=httpx.Timeout(60, read=1),
+            json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000},
+        )
     _wait_for(lambda: worker.slots_in_use == 0)
     _wait_for(lambda: _cancelled(server) == cancelled_before + 1)
     assert _completion_tokens(server) - tokens_before < 1000  # stopped, not run to max_tokens
@@ -262,12 +334,16 @@ def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(server: ServerThr
 def test_request_over_the_time_limit_gets_504(settings: Settings) -> None:
     from api.app import create_app
 
-    app = create_app(settings, TEST_API_SETTINGS.model_copy(update={"inference_timeout_seconds": 0.3}),
-                     enqueue=Enqueued())
+    app = create_app(
+        settings, TEST_API_SETTINGS.model_copy(update={"inference_timeout_seconds": 0.3}), enqueue=Enqueued()
+    )
     team = make_team(app)
     with TestClient(app) as c:
-        r = c.post("/v1/chat/completions", headers=team.headers,
-                   json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000})
+        r = c.post(
+            "/v1/chat/completions",
+            headers=team.headers,
+            json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000},
+        )
         assert r.status_code == 504, r.text
         assert error_of(r)["code"] == "timeout"
         _wait_for(lambda: app.state.inference.worker.slots_in_use == 0)

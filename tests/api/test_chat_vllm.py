@@ -56,14 +56,31 @@ def fake_vllm_app(seen: FakeVLLM) -> FastAPI:
         body = await request.json()
         seen.bodies.append(body)
         if body.get("max_tokens") == 999:
-            return JSONResponse({"error": {"message": "max_tokens is too large for vLLM", "type": "BadRequestError",
-                                           "param": "max_tokens", "code": 400}}, 400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "max_tokens is too large for vLLM",
+                        "type": "BadRequestError",
+                        "param": "max_tokens",
+                        "code": 400,
+                    }
+                },
+                400,
+            )
         base = {"id": "chatcmpl-vllm", "created": int(time.time()), "model": body["model"]}
         if not body.get("stream"):
-            return {**base, "object": "chat.completion",
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": f"vllm:{body['model']}"}}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+            return {
+                **base,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": f"vllm:{body['model']}"},
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            }
 
         pieces = ["vllm", ":", "stream"] if body.get("max_tokens") != 500 else ["x"] * 500
 
@@ -71,8 +88,11 @@ def fake_vllm_app(seen: FakeVLLM) -> FastAPI:
             finished = False
             try:
                 for piece in pieces:
-                    chunk = {**base, "object": "chat.completion.chunk",
-                             "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+                    chunk = {
+                        **base,
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}],
+                    }
                     yield f"data: {json.dumps(chunk)}\n\n"
                     if len(pieces) > 3:
                         await asyncio.sleep(0.05)  # a long generation
@@ -102,7 +122,9 @@ def vllm(seen: FakeVLLM) -> Iterator[ServerThread]:
 def app(settings: Settings, vllm: ServerThread) -> FastAPI:
     from api.app import create_app
 
-    api = TEST_API_SETTINGS.model_copy(update={"inference_backend": "vllm", "inference_vllm_url": vllm.base_url})
+    api = TEST_API_SETTINGS.model_copy(
+        update={"inference_backend": "vllm", "inference_vllm_url": vllm.base_url}
+    )
     return create_app(settings, api, enqueue=Enqueued())
 
 
@@ -123,8 +145,9 @@ def lora_model(app: FastAPI, owner: TeamKey, tmp_path_factory: pytest.TempPathFa
     return register_fine_tuned(app, owner, folder, suffix="lora"), folder / "adapter"
 
 
-def test_lora_model_is_served_by_vllm_as_an_adapter(server: ServerThread, owner: TeamKey, seen: FakeVLLM,
-                                                    lora_model: tuple[str, Path]) -> None:
+def test_lora_model_is_served_by_vllm_as_an_adapter(
+    server: ServerThread, owner: TeamKey, seen: FakeVLLM, lora_model: tuple[str, Path]
+) -> None:
     model_id, adapter = lora_model
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=owner.key, max_retries=0)
     r = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4, temperature=0)  # type: ignore[arg-type]
@@ -138,11 +161,13 @@ def test_lora_model_is_served_by_vllm_as_an_adapter(server: ServerThread, owner:
     assert seen.adapters == {model_id: str(adapter)}  # loaded once
 
 
-def test_a_client_leaving_a_stream_closes_the_upstream_request(server: ServerThread, app: FastAPI, owner: TeamKey,
-                                                               seen: FakeVLLM, lora_model: tuple[str, Path]) -> None:
+def test_a_client_leaving_a_stream_closes_the_upstream_request(
+    server: ServerThread, app: FastAPI, owner: TeamKey, seen: FakeVLLM, lora_model: tuple[str, Path]
+) -> None:
     body = {"model": lora_model[0], "messages": MESSAGES, "max_tokens": 500, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, headers=owner.headers,
-                      timeout=30) as r:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, headers=owner.headers, timeout=30
+    ) as r:
         assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
     deadline = time.monotonic() + 20
     while seen.aborted == 0 or app.state.inference.vllm.in_flight:
@@ -150,29 +175,45 @@ def test_a_client_leaving_a_stream_closes_the_upstream_request(server: ServerThr
         time.sleep(0.05)
 
 
-def test_models_vllm_does_not_serve_stay_built_in(server: ServerThread, owner: TeamKey, seen: FakeVLLM) -> None:
+def test_models_vllm_does_not_serve_stay_built_in(
+    server: ServerThread, owner: TeamKey, seen: FakeVLLM
+) -> None:
     before = len(seen.bodies)
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=owner.headers, timeout=60,
-                   json={"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 3})
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        headers=owner.headers,
+        timeout=60,
+        json={"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 3},
+    )
     assert r.status_code == 200, r.text
     assert not r.json()["choices"][0]["message"]["content"].startswith("vllm:")
     assert len(seen.bodies) == before
 
 
-def test_vllm_errors_come_back_in_our_envelope(server: ServerThread, owner: TeamKey,
-                                               lora_model: tuple[str, Path]) -> None:
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=owner.headers, timeout=60,
-                   json={"model": lora_model[0], "messages": MESSAGES, "max_tokens": 999})
+def test_vllm_errors_come_back_in_our_envelope(
+    server: ServerThread, owner: TeamKey, lora_model: tuple[str, Path]
+) -> None:
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        headers=owner.headers,
+        timeout=60,
+        json={"model": lora_model[0], "messages": MESSAGES, "max_tokens": 999},
+    )
     assert r.status_code == 400
     err = error_of(r)
     assert err["message"] == "max_tokens is too large for vLLM" and err["param"] == "max_tokens"
 
 
-def test_foreign_model_never_reaches_vllm(server: ServerThread, app: FastAPI, seen: FakeVLLM,
-                                          lora_model: tuple[str, Path]) -> None:
+def test_foreign_model_never_reaches_vllm(
+    server: ServerThread, app: FastAPI, seen: FakeVLLM, lora_model: tuple[str, Path]
+) -> None:
     before = len(seen.bodies)
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=make_team(app).headers, timeout=60,
-                   json={"model": lora_model[0], "messages": MESSAGES})
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        headers=make_team(app).headers,
+        timeout=60,
+        json={"model": lora_model[0], "messages": MESSAGES},
+    )
     assert r.status_code == 404 and len(seen.bodies) == before
 
 
@@ -186,14 +227,20 @@ def test_an_answer_that_fails_mid_read_frees_its_slot() -> None:
             raise httpx.ReadTimeout("slow upstream")
             yield b""  # an async generator
 
-    forwarder = VLLMForwarder("http://vllm", timeout_seconds=5, max_requests=1,
-                              transport=httpx.MockTransport(lambda _: httpx.Response(200, stream=TimesOut())))
+    forwarder = VLLMForwarder(
+        "http://vllm",
+        timeout_seconds=5,
+        max_requests=1,
+        transport=httpx.MockTransport(lambda _: httpx.Response(200, stream=TimesOut())),
+    )
 
     async def twice() -> list[int]:
         codes = []
         for _ in range(2):
             with pytest.raises(APIError) as err:
-                await forwarder.forward("/v1/chat/completions", {"model": "m"}, "m", stream=False, endpoint="chat")
+                await forwarder.forward(
+                    "/v1/chat/completions", {"model": "m"}, "m", stream=False, endpoint="chat"
+                )
             codes.append(err.value.status_code)
         return codes
 

@@ -47,7 +47,9 @@ def test_worker_reserves_an_nvidia_gpu_and_uses_cuda_torch() -> None:
 def test_vllm_is_an_optional_profile_the_api_can_forward_to() -> None:
     c = _compose()
     vllm, api = c["services"]["vllm"], c["services"]["api"]
-    assert vllm["profiles"] == ["vllm"] and "vllm" not in api.get("depends_on", {})  # the default stack has none
+    assert vllm["profiles"] == ["vllm"] and "vllm" not in api.get(
+        "depends_on", {}
+    )  # the default stack has none
     cmd = " ".join(vllm["command"])
     assert "--enable-lora" in cmd and "--served-model-name" in cmd
     assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
@@ -137,7 +139,11 @@ def test_proxy_limits_match_the_api() -> None:
     assert upload == Settings.model_fields["max_upload_bytes"].default
     assert _nginx_size(_default(proxy_env["PROXY_UPLOAD_BODY_LIMIT"])) >= upload + FRAMING_SLACK
     body = int(_default(proxy_env["ZENFLOW_API_MAX_BODY_BYTES"]))
-    assert body == int(_default(api_env["ZENFLOW_API_MAX_BODY_BYTES"])) == ApiSettings.model_fields["max_body_bytes"].default
+    assert (
+        body
+        == int(_default(api_env["ZENFLOW_API_MAX_BODY_BYTES"]))
+        == ApiSettings.model_fields["max_body_bytes"].default
+    )
     m = re.search(r"large_client_header_buffers (\d+) (\w+);", template)
     assert m, "the proxy bounds request heads"
     proxy_heads = int(m.group(1)) * _nginx_size(m.group(2))

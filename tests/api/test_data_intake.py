@@ -21,8 +21,13 @@ from tests.model_folders import TOOL_CALL_RECORD, write_model_folder
 
 JOBS = "/v1/fine_tuning/jobs"
 
-SYSTEM_CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                            {"role": "assistant", "content": "hello"}]}
+SYSTEM_CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+}
 PLAIN_CHAT = {"messages": SYSTEM_CHAT["messages"][1:]}
 
 
@@ -34,8 +39,9 @@ def intake(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> tupl
     write_model_folder(roots / "gemma2-tiny", "gemma2")
     write_model_folder(roots / "qwen2-tiny", "qwen2", max_position_embeddings=1024)
     enqueued = Enqueued()
-    return create_app(settings.model_copy(update={"model_roots": [roots]}), TEST_API_SETTINGS,
-                      enqueue=enqueued), enqueued
+    return create_app(
+        settings.model_copy(update={"model_roots": [roots]}), TEST_API_SETTINGS, enqueue=enqueued
+    ), enqueued
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +57,12 @@ def iteam(intake: tuple[FastAPI, Enqueued]) -> TeamKey:
 
 def _upload(client: TestClient, team: TeamKey, records: list[Any], **fields: str) -> Any:
     body = "".join(json.dumps(r) + "\n" for r in records).encode()
-    return client.post("/v1/files", headers=team.headers, data={"purpose": "fine-tune", **fields},
-                       files={"file": ("train.jsonl", body, "application/jsonl")})
+    return client.post(
+        "/v1/files",
+        headers=team.headers,
+        data={"purpose": "fine-tune", **fields},
+        files={"file": ("train.jsonl", body, "application/jsonl")},
+    )
 
 
 def _count(app: FastAPI, team: TeamKey, table: Any) -> int:
@@ -76,19 +86,30 @@ def test_template_refusal_is_a_400_at_create_naming_the_line(
     assert err["errors"][0]["line"] == 2
     assert _count(app, iteam, FineTuningJob) == 0 and len(enqueued.calls) == calls
 
-    r = iclient.post(JOBS, headers=iteam.headers, json={"model": "gemma2-tiny", "training_file": fid,
-                                                        "hyperparameters": {"system_message": "fold"}})
+    r = iclient.post(
+        JOBS,
+        headers=iteam.headers,
+        json={"model": "gemma2-tiny", "training_file": fid, "hyperparameters": {"system_message": "fold"}},
+    )
     assert r.status_code == 200, r.text
     hp = r.json()["hyperparameters"]  # the data options are part of what the job resolves to
     assert (hp["system_message"], hp["truncation"]) == ("fold", "truncate")
-    r = iclient.post(JOBS, headers=iteam.headers, json={"model": "gemma2-tiny", "training_file": fid,
-                                                        "validation_file": fid,
-                                                        "hyperparameters": {"system_message": "merge"}})
+    r = iclient.post(
+        JOBS,
+        headers=iteam.headers,
+        json={
+            "model": "gemma2-tiny",
+            "training_file": fid,
+            "validation_file": fid,
+            "hyperparameters": {"system_message": "merge"},
+        },
+    )
     assert r.status_code == 400 and error_of(r)["param"] == "hyperparameters.system_message"
 
 
-def test_upload_with_a_model_checks_every_line(iclient: TestClient, intake: tuple[FastAPI, Enqueued],
-                                               iteam: TeamKey) -> None:
+def test_upload_with_a_model_checks_every_line(
+    iclient: TestClient, intake: tuple[FastAPI, Enqueued], iteam: TeamKey
+) -> None:
     app = intake[0]
     r = _upload(iclient, iteam, [PLAIN_CHAT, SYSTEM_CHAT, SYSTEM_CHAT], model="gemma2-tiny")
     assert r.status_code == 400, r.text
@@ -100,14 +121,23 @@ def test_upload_with_a_model_checks_every_line(iclient: TestClient, intake: tupl
     r = _upload(iclient, iteam, [PLAIN_CHAT, SYSTEM_CHAT], model="gemma2-tiny", system_message="fold")
     assert r.status_code == 200 and r.json()["validation"]["num_examples"] == 2
 
-    long_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 600}]}
-    long_prompt = {"messages": [{"role": "user", "content": "q" * 600}, {"role": "assistant", "content": "a"}]}
+    long_answer = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 600}]
+    }
+    long_prompt = {
+        "messages": [{"role": "user", "content": "q" * 600}, {"role": "assistant", "content": "a"}]
+    }
     records = [TOOL_CALL_RECORD, long_answer, PLAIN_CHAT, long_prompt]
     r = _upload(iclient, iteam, records, model="qwen2-tiny", max_seq_length="480")
     assert r.status_code == 200, r.text
     v = r.json()["validation"]
     assert v["model"] == "qwen2-tiny" and (v["max_seq_length"], v["truncation"]) == (480, "truncate")
-    assert (v["num_truncated"], v["truncated_lines"], v["num_dropped"], v["dropped_lines"]) == (1, [2], 1, [4])
+    assert (v["num_truncated"], v["truncated_lines"], v["num_dropped"], v["dropped_lines"]) == (
+        1,
+        [2],
+        1,
+        [4],
+    )
     assert r.json()["num_examples"] == 4 and "1 dropped" in v["summary"]
     assert iclient.get(f"/v1/files/{r.json()['id']}", headers=iteam.headers).json().get("validation") is None
 

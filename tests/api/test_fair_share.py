@@ -45,8 +45,16 @@ def fs_app(fs_settings: Settings) -> Iterator[tuple[FastAPI, TestClient, Enqueue
 def _submit(client: TestClient, team: TeamKey, n: int, fid: str) -> list[str]:
     ids = []
     for _ in range(n):
-        r = client.post(JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": fid,
-                                                         "hyperparameters": HP, "engine": {"mode": "device"}})
+        r = client.post(
+            JOBS,
+            headers=team.headers,
+            json={
+                "model": "tiny-llama",
+                "training_file": fid,
+                "hyperparameters": HP,
+                "engine": {"mode": "device"},
+            },
+        )
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"])
     return ids
@@ -142,10 +150,15 @@ def test_running_quota_holds_a_team_back_race_safe(
     a1 = _claim(fs_settings, submitted[0], "w1@test")
     assert names[a1.job_id or ""] == "A1"
     # A is at its limit: B's jobs run, then only A's wait and a worker is held.
-    assert [names[_claim(fs_settings, m, f"w{i}@test").job_id or ""] for i, m in enumerate(submitted[1:3], 2)] == \
-        ["B1", "B2"]
+    assert [
+        names[_claim(fs_settings, m, f"w{i}@test").job_id or ""] for i, m in enumerate(submitted[1:3], 2)
+    ] == ["B1", "B2"]
     held = _claim(fs_settings, submitted[3], "w4@test")
-    assert held.outcome is jobs.Claim.held and names[held.job_id or ""] == "A2" and held.queue == fs_settings.default_queue
+    assert (
+        held.outcome is jobs.Claim.held
+        and names[held.job_id or ""] == "A2"
+        and held.queue == fs_settings.default_queue
+    )
     # Two claims racing for A's one slot once A1 ends: the second sees A's row locked and is held.
     _finish(fs_settings, a1.job_id or "")
     url = fs_settings.resolved_database_url
@@ -153,8 +166,10 @@ def test_running_quota_holds_a_team_back_race_safe(
         got = jobs.claim_next(first, "w5@test", fs_settings, message_job_id=submitted[4])
         assert got.outcome is jobs.Claim.claimed and names[got.job_id or ""] == "A2"
         with session_scope(url) as second:
-            assert jobs.claim_next(second, "w6@test", fs_settings,
-                                   message_job_id=submitted[5]).outcome is jobs.Claim.held
+            assert (
+                jobs.claim_next(second, "w6@test", fs_settings, message_job_id=submitted[5]).outcome
+                is jobs.Claim.held
+            )
     assert _claim(fs_settings, submitted[5], "w6@test").outcome is jobs.Claim.held
     with app.state.sessionmaker() as s:
         assert quotas.running_jobs(s, teams["A"].id) == 1
@@ -176,8 +191,12 @@ def test_messages_still_match_queued_jobs(
     def reconcile() -> list[str]:
         # Our queue's broker is the list; other tests' queues in this database are not counted (None).
         mine = fs_settings.default_queue
-        return redispatch_lost_messages(settings=fs_settings, now=later, enqueue=lambda j, q: broker.append(j),
-                                        count_messages=lambda qs: {q: len(broker) if q == mine else None for q in qs})
+        return redispatch_lost_messages(
+            settings=fs_settings,
+            now=later,
+            enqueue=lambda j, q: broker.append(j),
+            count_messages=lambda qs: {q: len(broker) if q == mine else None for q in qs},
+        )
 
     client.post(f"{JOBS}/{submitted[1]}/cancel", headers=teams["A"].headers)  # A2 cancelled while waiting
     for _ in range(2):
@@ -185,8 +204,11 @@ def test_messages_still_match_queued_jobs(
         got = _claim(fs_settings, message)
         assert got.outcome is jobs.Claim.claimed
         with app.state.sessionmaker() as s:
-            queued = s.scalars(select(FineTuningJob.id).where(FineTuningJob.queue == fs_settings.default_queue,
-                                                              FineTuningJob.status == "queued")).all()
+            queued = s.scalars(
+                select(FineTuningJob.id).where(
+                    FineTuningJob.queue == fs_settings.default_queue, FineTuningJob.status == "queued"
+                )
+            ).all()
         assert len(broker) >= len(queued) and reconcile() == []
     # A message for a job already finished or unknown still runs a waiting one.
     _finish(fs_settings, got.job_id or "")
@@ -194,8 +216,11 @@ def test_messages_still_match_queued_jobs(
     assert _claim(fs_settings, "ftjob-gone").outcome is jobs.Claim.claimed
     # This node's own dead run (a restarted worker, a redelivered message) is taken over first.
     with app.state.sessionmaker() as s:
-        running = s.scalars(select(FineTuningJob).where(FineTuningJob.queue == fs_settings.default_queue,
-                                                        FineTuningJob.status == "running")).all()
+        running = s.scalars(
+            select(FineTuningJob).where(
+                FineTuningJob.queue == fs_settings.default_queue, FineTuningJob.status == "running"
+            )
+        ).all()
         mine = next(j for j in running if j.worker_hostname == "w1@test")
     again = _claim(fs_settings, mine.id)
     assert again.outcome is jobs.Claim.claimed and again.job_id == mine.id
@@ -233,6 +258,9 @@ def test_one_worker_runs_two_teams_interleaved(
     finally:
         workers.stop()
     with app.state.sessionmaker() as s:
-        started = s.execute(select(FineTuningJob.id, FineTuningJob.started_at).where(FineTuningJob.id.in_(submitted))
-                            .order_by(FineTuningJob.started_at)).all()
+        started = s.execute(
+            select(FineTuningJob.id, FineTuningJob.started_at)
+            .where(FineTuningJob.id.in_(submitted))
+            .order_by(FineTuningJob.started_at)
+        ).all()
     assert [names[j] for j, _ in started] == expected

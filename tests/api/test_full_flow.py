@@ -182,7 +182,10 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
             # the model by its ft: id, downloaded as a tar (api.model_download)
             assert job["fine_tuned_model"] == f"ft:tiny-llama:{team.name}::{job_id}"
             tar = http.get(f"/v1/models/{job['fine_tuned_model']}/content")
-            assert tar.status_code == 200 and tar.headers["x-checksum-sha256"] == hashlib.sha256(tar.content).hexdigest()
+            assert (
+                tar.status_code == 200
+                and tar.headers["x-checksum-sha256"] == hashlib.sha256(tar.content).hexdigest()
+            )
             with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
                 archive.extractall(tmp_path / "model", filter="data")
 

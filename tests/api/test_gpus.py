@@ -34,8 +34,16 @@ from trainer.plan.gpus import GiB
 from worker.capacity.measure import WorkerCapacity
 
 #: A box every tiny job fits (capacity admission is not what these tests are about).
-BIG = WorkerCapacity(device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * GiB,
-                     gpus_on_host=8, host_memory_bytes=1024 * GiB, cores=64, cpu_adam_gbps=40.0, pcie_gbps=50.0)
+BIG = WorkerCapacity(
+    device_type="cuda",
+    gpu_name="NVIDIA H100 80GB HBM3",
+    gpu_memory_bytes=80 * GiB,
+    gpus_on_host=8,
+    host_memory_bytes=1024 * GiB,
+    cores=64,
+    cpu_adam_gbps=40.0,
+    pcie_gbps=50.0,
+)
 
 Register = Callable[..., None]
 
@@ -57,8 +65,11 @@ def register(pg_url: str) -> Iterator[Register]:
 
 
 def _create(client: TestClient, team: TeamKey, file_id: str, resources: Any = None, **hp: Any) -> Any:
-    body: dict[str, Any] = {"model": "tiny-llama", "training_file": file_id,
-                            "hyperparameters": {"n_epochs": 1, "batch_size": 4, **hp}}
+    body: dict[str, Any] = {
+        "model": "tiny-llama",
+        "training_file": file_id,
+        "hyperparameters": {"n_epochs": 1, "batch_size": 4, **hp},
+    }
     if resources is not None:
         body["resources"] = resources
     return client.post("/v1/fine_tuning/jobs", headers=team.headers, json=body)
@@ -158,10 +169,20 @@ def test_no_live_worker_admits_more_gpus_only_where_this_server_runs_cpu_ranks(
     assert too_big.status_code == 400 and error_of(too_big)["param"] == "resources.gpus"
 
 
-@pytest.mark.parametrize("resources", [
-    {"gpus": "2"}, {"gpus": 2.0}, {"gpus": True}, {"gpus": 0}, {"gpus": 65}, {"gpus": None}, {"cpus": 2},
-    "two", [2],
-])
+@pytest.mark.parametrize(
+    "resources",
+    [
+        {"gpus": "2"},
+        {"gpus": 2.0},
+        {"gpus": True},
+        {"gpus": 0},
+        {"gpus": 65},
+        {"gpus": None},
+        {"cpus": 2},
+        "two",
+        [2],
+    ],
+)
 def test_bad_resources_are_a_400_naming_the_field(
     client: TestClient, team: TeamKey, resources: Any, enqueued: Enqueued
 ) -> None:
@@ -169,8 +190,13 @@ def test_bad_resources_are_a_400_naming_the_field(
     r = _create(client, team, uploaded_id(client, team), resources)
     assert r.status_code == 400, r.text
     err = error_of(r)
-    expected = ("resources.cpus" if isinstance(resources, dict) and "cpus" in resources
-                else "resources.gpus" if isinstance(resources, dict) else "resources")
+    expected = (
+        "resources.cpus"
+        if isinstance(resources, dict) and "cpus" in resources
+        else "resources.gpus"
+        if isinstance(resources, dict)
+        else "resources"
+    )
     assert err["param"] == expected, err
     assert team_rows(client.app, team) == (0, 0)  # type: ignore[arg-type]
     assert len(enqueued.calls) == calls
@@ -186,9 +212,16 @@ def test_each_rank_needs_an_example_of_every_step(
     err = error_of(r)
     assert err["param"] == "hyperparameters.batch_size" and "resources.gpus (2)" in err["message"]
     # where the request gives them: method.supervised.hyperparameters
-    r = client.post("/v1/fine_tuning/jobs", headers=team.headers, json={
-        "model": "tiny-llama", "training_file": file_id, "resources": {"gpus": 4},
-        "method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 3}}}})
+    r = client.post(
+        "/v1/fine_tuning/jobs",
+        headers=team.headers,
+        json={
+            "model": "tiny-llama",
+            "training_file": file_id,
+            "resources": {"gpus": 4},
+            "method": {"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 3}}},
+        },
+    )
     assert r.status_code == 400 and error_of(r)["param"] == "method.supervised.hyperparameters.batch_size"
     # 'auto' over a 3-example file is 3, fewer than 4 ranks
     small = uploaded_id(client, team, chat_jsonl(3))
@@ -209,8 +242,12 @@ def test_idempotent_replay_sees_the_resources(
     register("gpus-two-d@test", 2, f"{settings.default_queue}-x2")
     file_id = uploaded_id(client, team)
     headers = {**team.headers, "Idempotency-Key": "gpus-key"}
-    body = {"model": "tiny-llama", "training_file": file_id, "hyperparameters": {"batch_size": 4},
-            "resources": {"gpus": 2}}
+    body = {
+        "model": "tiny-llama",
+        "training_file": file_id,
+        "hyperparameters": {"batch_size": 4},
+        "resources": {"gpus": 2},
+    }
     first = client.post("/v1/fine_tuning/jobs", headers=headers, json=body)
     assert first.status_code == 200, first.text
     again = client.post("/v1/fine_tuning/jobs", headers=headers, json=body)
@@ -235,7 +272,9 @@ def test_max_gpus_per_job_counts_live_workers_only(pg_url: str) -> None:
         assert worker_registry.get(s, "reg-one@test").gpus_per_job == 1  # type: ignore[union-attr]
         assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 2
         assert worker_registry.max_gpus_per_job(s, live_seconds=7200) == 8
-        worker_registry.register(s, "reg-two@test", ["q-x4"], {}, gpus_per_job=4)  # restarted with another size
+        worker_registry.register(
+            s, "reg-two@test", ["q-x4"], {}, gpus_per_job=4
+        )  # restarted with another size
         assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 4
         with pytest.raises(ValueError, match="gpus_per_job"):
             worker_registry.register(s, "reg-zero@test", ["q"], {}, gpus_per_job=0)
@@ -253,15 +292,29 @@ def _migration_round_trip(url: str) -> None:
             team = Team(name="t")
             s.add(team)
             s.flush()
-            s.execute(text("INSERT INTO files (id, team_id, filename, purpose, bytes, sha256, storage_path, "
-                           "num_examples, status, created_at) VALUES ('file-1', :t, 'f', 'fine-tune', 1, '0', "
-                           "'/x', 1, 'processed', '2026-01-01 00:00:00+00')"), {"t": team.id})
-            s.execute(text("INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, "
-                           "hyperparameters, engine, seed, created_at, queue, cancel_requested, attempts, "
-                           "global_step) VALUES ('ftjob-old', :t, 'tiny-llama', 'file-1', 'queued', '{}', '{}', "
-                           "0, '2026-01-01 00:00:00+00', 'q', false, 0, 0)"), {"t": team.id})
-            s.execute(text("INSERT INTO workers (name, queues, capacity, started_at, heartbeat_at) VALUES "
-                           "('old@host', '[\"q\"]', '{}', '2026-01-01 00:00:00+00', '2026-01-01 00:00:00+00')"))
+            s.execute(
+                text(
+                    "INSERT INTO files (id, team_id, filename, purpose, bytes, sha256, storage_path, "
+                    "num_examples, status, created_at) VALUES ('file-1', :t, 'f', 'fine-tune', 1, '0', "
+                    "'/x', 1, 'processed', '2026-01-01 00:00:00+00')"
+                ),
+                {"t": team.id},
+            )
+            s.execute(
+                text(
+                    "INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, "
+                    "hyperparameters, engine, seed, created_at, queue, cancel_requested, attempts, "
+                    "global_step) VALUES ('ftjob-old', :t, 'tiny-llama', 'file-1', 'queued', '{}', '{}', "
+                    "0, '2026-01-01 00:00:00+00', 'q', false, 0, 0)"
+                ),
+                {"t": team.id},
+            )
+            s.execute(
+                text(
+                    "INSERT INTO workers (name, queues, capacity, started_at, heartbeat_at) VALUES "
+                    "('old@host', '[\"q\"]', '{}', '2026-01-01 00:00:00+00', '2026-01-01 00:00:00+00')"
+                )
+            )
             s.commit()
         migrate.upgrade(url, "0007")
         if migrate.head() == "0007":  # no drift against store/orm.py (later revisions: test_migrations)
@@ -312,13 +365,23 @@ E2E_SECONDS = 600
 def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
     """``zenflow serve`` on embedded defaults (SQLite, in-process worker) with two CPU ranks per job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
-    env.update(ZENFLOW_DATA_DIR=str(tmp_path / "var"), ZENFLOW_CPU_RANKS="true", ZENFLOW_GPUS_PER_JOB="2",
-               ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="2")
+    env.update(
+        ZENFLOW_DATA_DIR=str(tmp_path / "var"),
+        ZENFLOW_CPU_RANKS="true",
+        ZENFLOW_GPUS_PER_JOB="2",
+        ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="2",
+    )
     port = free_port()
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "api.cli.main", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli.main", "serve", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return proc, port, log_path
 
 
@@ -345,13 +408,28 @@ def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_pa
         with session_scope(f"sqlite:///{tmp_path / 'var' / 'zenflow.db'}") as s:  # migrated by serve
             _, key = create_key(s, create_team(s, "e2e-gpus"), "test")
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
-            r = http.post("/v1/files", data={"purpose": "fine-tune"},
-                          files={"file": (TRAIN_FILE.name, TRAIN_FILE.read_bytes())})
+            r = http.post(
+                "/v1/files",
+                data={"purpose": "fine-tune"},
+                files={"file": (TRAIN_FILE.name, TRAIN_FILE.read_bytes())},
+            )
             assert r.status_code == 200, r.text
-            r = http.post("/v1/fine_tuning/jobs", json={
-                "model": "tiny-llama", "training_file": r.json()["id"], "seed": 1, "resources": {"gpus": 2},
-                "hyperparameters": {"n_epochs": 1, "batch_size": 8, "max_steps": 4, "checkpoint_every": 2},
-                "engine": {"mode": "zenflow", "topk_ratio": 0.1, "update_interval": 2}})
+            r = http.post(
+                "/v1/fine_tuning/jobs",
+                json={
+                    "model": "tiny-llama",
+                    "training_file": r.json()["id"],
+                    "seed": 1,
+                    "resources": {"gpus": 2},
+                    "hyperparameters": {
+                        "n_epochs": 1,
+                        "batch_size": 8,
+                        "max_steps": 4,
+                        "checkpoint_every": 2,
+                    },
+                    "engine": {"mode": "zenflow", "topk_ratio": 0.1, "update_interval": 2},
+                },
+            )
             assert r.status_code == 200, r.text
             job = r.json()
             assert job["resources"] == {"gpus": 2}
@@ -364,12 +442,19 @@ def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_pa
             assert job["progress"]["step"] == 4 and job["resources"] == {"gpus": 2}
             # it ran as two ranks: the run ledger counts 2 GPUs, the checkpoints hold one engine shard per rank
             with session_scope(f"sqlite:///{tmp_path / 'var' / 'zenflow.db'}") as s:
-                gpus = s.execute(text("SELECT gpus FROM fine_tuning_job_runs WHERE job_id = :j"),
-                                 {"j": job["id"]}).scalars().all()
+                gpus = (
+                    s.execute(
+                        text("SELECT gpus FROM fine_tuning_job_runs WHERE job_id = :j"), {"j": job["id"]}
+                    )
+                    .scalars()
+                    .all()
+                )
             assert gpus == [2], gpus
             ckpts = http.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
             assert ckpts and sorted(p.name for p in Path(ckpts[0]["path"]).glob("engine-rank*.pt")) == [
-                "engine-rank00000-of-00002.pt", "engine-rank00001-of-00002.pt"]
+                "engine-rank00000-of-00002.pt",
+                "engine-rank00001-of-00002.pt",
+            ]
             tar = http.get(f"/v1/models/{job['fine_tuned_model']}/content", timeout=120)
             assert tar.status_code == 200, tar.text[:500]
             with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:

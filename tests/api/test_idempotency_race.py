@@ -22,13 +22,16 @@ CALLERS = 20
 
 
 @pytest.fixture(scope="module", params=["postgresql", "sqlite"])
-def race_app(request: pytest.FixtureRequest, settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> FastAPI:
+def race_app(
+    request: pytest.FixtureRequest, settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> FastAPI:
     from api.app import create_app
 
     if request.param == "sqlite":  # the embedded default: same answers, writers serialized by SQLite
         settings = Settings(_env_file=None, data_dir=tmp_path_factory.mktemp("race-sqlite"))  # type: ignore[call-arg]
-        return create_app(settings, TEST_API_SETTINGS.model_copy(update={"migrate_on_start": True}),
-                          enqueue=Enqueued())
+        return create_app(
+            settings, TEST_API_SETTINGS.model_copy(update={"migrate_on_start": True}), enqueue=Enqueued()
+        )
     return create_app(settings, TEST_API_SETTINGS, enqueue=Enqueued())
 
 
@@ -46,8 +49,13 @@ def race_client(race_app: FastAPI, server: ServerThread) -> Iterator[TestClient]
 
 def _jobs_with_key(app: FastAPI, team_id: str, key: str) -> list[str]:
     with app.state.sessionmaker() as s:
-        return list(s.scalars(select(FineTuningJob.id).where(FineTuningJob.team_id == team_id,
-                                                             FineTuningJob.idempotency_key == key)))
+        return list(
+            s.scalars(
+                select(FineTuningJob.id).where(
+                    FineTuningJob.team_id == team_id, FineTuningJob.idempotency_key == key
+                )
+            )
+        )
 
 
 def _race(server: ServerThread, team: TeamKey, body: dict[str, object], key: str) -> list[httpx.Response]:
@@ -58,8 +66,9 @@ def _race(server: ServerThread, team: TeamKey, body: dict[str, object], key: str
         with httpx.Client(base_url=server.base_url, timeout=60) as c:
             try:
                 barrier.wait()
-                results[i] = c.post("/v1/fine_tuning/jobs", json=body,
-                                    headers={**team.headers, "Idempotency-Key": key})
+                results[i] = c.post(
+                    "/v1/fine_tuning/jobs", json=body, headers={**team.headers, "Idempotency-Key": key}
+                )
             except BaseException as exc:  # reported by the assertion below
                 results[i] = exc
 
@@ -83,7 +92,9 @@ def test_twenty_concurrent_creates_with_one_key_get_one_job(
     key = f"race-{round_}"
     responses = _race(server, team, body, key)
 
-    assert [r.status_code for r in responses] == [200] * CALLERS, [r.text for r in responses if r.status_code != 200]
+    assert [r.status_code for r in responses] == [200] * CALLERS, [
+        r.text for r in responses if r.status_code != 200
+    ]
     ids = {r.json()["id"] for r in responses}
     assert len(ids) == 1, ids
     replayed = [r.headers.get("idempotent-replayed") == "true" for r in responses]
@@ -94,7 +105,9 @@ def test_twenty_concurrent_creates_with_one_key_get_one_job(
     assert [j for j, _ in enqueued.calls if j in ids] == list(ids), "enqueued exactly once"
 
 
-def test_insert_loser_replays_the_winner_or_refuses_another_body(race_app: FastAPI, race_client: TestClient) -> None:
+def test_insert_loser_replays_the_winner_or_refuses_another_body(
+    race_app: FastAPI, race_client: TestClient
+) -> None:
     """The race's loser path, deterministically: the winner's row is already committed when the
     loser's insert flushes (the loser's first look found nothing)."""
     from api.routers.jobs import _insert_or_replay
@@ -103,8 +116,15 @@ def test_insert_loser_replays_the_winner_or_refuses_another_body(race_app: FastA
     fid = uploaded_id(race_client, team)
 
     def job(digest: str) -> FineTuningJob:
-        return FineTuningJob(team_id=team.id, model="tiny-llama", training_file_id=fid, status="queued",
-                             idempotency_key="k", request_hash=digest, queue="q")
+        return FineTuningJob(
+            team_id=team.id,
+            model="tiny-llama",
+            training_file_id=fid,
+            status="queued",
+            idempotency_key="k",
+            request_hash=digest,
+            queue="q",
+        )
 
     with race_app.state.sessionmaker() as s:
         winner = job("a" * 64)

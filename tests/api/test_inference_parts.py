@@ -24,7 +24,9 @@ def test_stop_text_holds_back_a_possible_stop_and_cuts_before_it() -> None:
     # "E" and "EN" wait until the space rules END out; the text ends before END.
     assert _feed(s, "abc EN dEND tail") == ["a", "b", "c", " ", "EN ", "d"] and s.stopped
     s = StopText(("END",))
-    assert s.update("xx EN") == "xx " and s.update("xx EN", final=True) == "EN"  # no stop: all of it at the end
+    assert (
+        s.update("xx EN") == "xx " and s.update("xx EN", final=True) == "EN"
+    )  # no stop: all of it at the end
     s = StopText(())
     assert s.update("caf\ufffd") == "caf" and s.update("café") == "é"  # a UTF-8 sequence cut between tokens
 

@@ -59,7 +59,12 @@ def test_create_job_shape_and_enqueue(
     assert job["training_file"] == fid and job["validation_file"] is None and job["result_files"] == []
     hp = job["hyperparameters"]  # OpenAI's three first, resolved at create (tiny-llama's lr 3e-3, seed 7)
     assert list(hp.items())[:3] == [("n_epochs", 2), ("batch_size", 4), ("learning_rate_multiplier", 1.0)]
-    assert hp["learning_rate"] == 3e-3 and hp["max_seq_length"] == 1024 and hp["lora"] is None and hp["seed"] == 7
+    assert (
+        hp["learning_rate"] == 3e-3
+        and hp["max_seq_length"] == 1024
+        and hp["lora"] is None
+        and hp["seed"] == 7
+    )
     assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]}}
     assert job["seed"] == 7 and job["suffix"] == "demo" and job["user_provided_suffix"] == "demo"
     assert job["metadata"] == {"owner": "ml"} and job["integrations"] == [] and job["finished_at"] is None
@@ -70,7 +75,10 @@ def test_create_job_shape_and_enqueue(
 
 
 def test_create_commits_then_enqueues_then_stamps_dispatched_at(
-    client: TestClient, app, team: TeamKey, fid: str  # type: ignore[no-untyped-def]
+    client: TestClient,
+    app,
+    team: TeamKey,
+    fid: str,  # type: ignore[no-untyped-def]
 ) -> None:
     """The outbox order: the row is committed (queued, not dispatched) before the enqueue, and
     dispatched_at is recorded after it; a crash in between leaves it to worker.dispatch."""
@@ -117,7 +125,11 @@ def test_create_commits_then_enqueues_then_stamps_dispatched_at(
             "hyperparameters",
             None,
         ),
-        ({"model": "/etc"}, "model", "invalid_model"),  # never a server path (unknown names: 404, test_models)
+        (
+            {"model": "/etc"},
+            "model",
+            "invalid_model",
+        ),  # never a server path (unknown names: 404, test_models)
         ({"model": ""}, "model", None),
         ({"training_file": "file-doesnotexist"}, "training_file", "file_not_found"),
         ({"validation_file": "file-doesnotexist"}, "validation_file", "file_not_found"),

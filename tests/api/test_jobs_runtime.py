@@ -22,12 +22,20 @@ from tests.api.test_jobs import JOBS, _job_rows
     ],
 )
 def test_bad_runtime_hyperparameters_are_400(
-    client: TestClient, app: Any, team: TeamKey, enqueued: Enqueued, hyperparameters: dict[str, Any], param: str
+    client: TestClient,
+    app: Any,
+    team: TeamKey,
+    enqueued: Enqueued,
+    hyperparameters: dict[str, Any],
+    param: str,
 ) -> None:
     fid = uploaded_id(client, team)
     sent = len(enqueued.calls)  # the recorder is shared by the session's tests
-    r = client.post(JOBS, headers=team.headers,
-                    json={"model": "tiny-llama", "training_file": fid, "hyperparameters": hyperparameters})
+    r = client.post(
+        JOBS,
+        headers=team.headers,
+        json={"model": "tiny-llama", "training_file": fid, "hyperparameters": hyperparameters},
+    )
     assert r.status_code == 400, r.text
     err = error_of(r)
     assert err["param"] == param, err
@@ -36,10 +44,14 @@ def test_bad_runtime_hyperparameters_are_400(
     assert _job_rows(app, team) == 0 and len(enqueued.calls) == sent
 
 
-def test_runtime_hyperparameters_are_kept_and_resolved(client: TestClient, team: TeamKey, enqueued: Enqueued) -> None:
+def test_runtime_hyperparameters_are_kept_and_resolved(
+    client: TestClient, team: TeamKey, enqueued: Enqueued
+) -> None:
     fid = uploaded_id(client, team)
     hp = {"batch_size": 8, "micro_batch_size": 2, "gradient_checkpointing": True, "packing": "auto"}
-    r = client.post(JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": fid, "hyperparameters": hp})
+    r = client.post(
+        JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": fid, "hyperparameters": hp}
+    )
     assert r.status_code == 200, r.text
     got = r.json()["hyperparameters"]
     assert (got["batch_size"], got["micro_batch_size"], got["gradient_checkpointing"]) == (8, 2, True)

@@ -64,4 +64,5 @@ def test_a_file_that_shrinks_mid_stream_stops_it(tmp_path: Path) -> None:
 
 def test_archive_name_is_portable() -> None:
     assert dl.archive_name("ft:tiny-llama:ml-team::ftjob-1:ckpt-step-4", "adapter") == (
-        "ft_tiny-llama_ml-team__ftjob-1_ckpt-step-4-adapter.tar")
+        "ft_tiny-llama_ml-team__ftjob-1_ckpt-step-4-adapter.tar"
+    )

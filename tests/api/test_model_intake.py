@@ -55,7 +55,9 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mclient(settings: Settings, roots: Path) -> Iterator[tuple[FastAPI, TestClient]]:
     from api.app import create_app
 
-    app = create_app(settings.model_copy(update={"model_roots": [roots]}), TEST_API_SETTINGS, enqueue=Enqueued())
+    app = create_app(
+        settings.model_copy(update={"model_roots": [roots]}), TEST_API_SETTINGS, enqueue=Enqueued()
+    )
     with TestClient(app) as c:
         yield app, c
 
@@ -76,8 +78,11 @@ def test_max_seq_length_over_gpt2_positions_is_refused(mclient: tuple[FastAPI, T
     app, client = mclient
     team = make_team(app)
     fid = uploaded_id(client, team)
-    r = client.post(JOBS, headers=team.headers,
-                    json={"model": "gpt2", "training_file": fid, "hyperparameters": {"max_seq_length": 300}})
+    r = client.post(
+        JOBS,
+        headers=team.headers,
+        json={"model": "gpt2", "training_file": fid, "hyperparameters": {"max_seq_length": 300}},
+    )
     err = error_of(r)
     assert r.status_code == 400 and err["param"] == "hyperparameters.max_seq_length", r.text
     assert "at most 256, the model's maximum sequence length" in err["message"]
@@ -89,13 +94,17 @@ def test_job_object_shows_what_will_run(mclient: tuple[FastAPI, TestClient]) -> 
     team = make_team(app)
     fid = uploaded_id(client, team)
     sent: dict[str, Any] = {"n_epochs": 2, "warmup": 0.1, "lora": {"r": 4}}
-    r = client.post(JOBS, headers=team.headers, json={"model": "gpt2", "training_file": fid, "hyperparameters": sent})
+    r = client.post(
+        JOBS, headers=team.headers, json={"model": "gpt2", "training_file": fid, "hyperparameters": sent}
+    )
     assert r.status_code == 200, r.text
     hp = client.get(f"{JOBS}/{r.json()['id']}", headers=team.headers).json()["hyperparameters"]
     assert list(hp)[:3] == ["n_epochs", "batch_size", "learning_rate_multiplier"]
     # Sent values stay (warmup), "auto" ones show what they resolve to (8 examples: batch 4, 2 steps an epoch).
     assert hp["n_epochs"] == 2 and hp["batch_size"] == 4 and hp["learning_rate_multiplier"] == 1.0
     assert hp["warmup"] == 0.1 and hp["warmup_steps"] == 0 and hp["total_steps"] == 4
-    assert hp["learning_rate"] == 2e-4 and hp["max_seq_length"] == 256  # LoRA's default rate; GPT-2's n_positions
+    assert (
+        hp["learning_rate"] == 2e-4 and hp["max_seq_length"] == 256
+    )  # LoRA's default rate; GPT-2's n_positions
     assert hp["lora"] == {"r": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear"}
     assert r.json()["hyperparameters"] == hp

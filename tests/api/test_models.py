@@ -86,15 +86,22 @@ def trained(mapp: FastAPI, mclient: TestClient, msettings: Settings) -> Trained:
     team, other = make_team(mapp, "Models Team"), make_team(mapp)
     fid = uploaded_id(mclient, team, chat_jsonl(16))
     hp = {**HYPER, "lora": LORA}
-    job = _run(mclient, msettings, team, {"model": "tiny-llama", "training_file": fid, "suffix": "ids",
-                                          "seed": 1, "hyperparameters": hp})
+    job = _run(
+        mclient,
+        msettings,
+        team,
+        {"model": "tiny-llama", "training_file": fid, "suffix": "ids", "seed": 1, "hyperparameters": hp},
+    )
     ckpts = mclient.get(f"{JOBS}/{job['id']}/checkpoints", headers=team.headers).json()["data"]
     # A folder under the model roots, named by its relative path: the job's own result as a "base model".
     with mapp.state.sessionmaker() as s:
         row = s.get(RegisteredModel, job["fine_tuned_model"])
         assert row is not None
-        shutil.copytree(row.path, msettings.model_roots[0] / "org" / "base-model",
-                        ignore=shutil.ignore_patterns("adapter"))
+        shutil.copytree(
+            row.path,
+            msettings.model_roots[0] / "org" / "base-model",
+            ignore=shutil.ignore_patterns("adapter"),
+        )
     checkpoints = [c["fine_tuned_model_checkpoint"] for c in ckpts]
     return Trained(team, other, job["id"], job["fine_tuned_model"], checkpoints)
 
@@ -109,7 +116,9 @@ def test_sdk_lists_and_retrieves_only_the_teams_models(trained: Trained, mapp: F
         mine = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=trained.team.key, max_retries=0)
         theirs = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=trained.other.key, max_retries=0)
         listed = {m.id: m for m in mine.models.list()}
-        assert {"tiny-llama", "small-llama", "org/base-model", trained.model, *trained.checkpoints} <= set(listed)
+        assert {"tiny-llama", "small-llama", "org/base-model", trained.model, *trained.checkpoints} <= set(
+            listed
+        )
         assert listed[trained.model].owned_by == "Models Team" and listed[trained.model].object == "model"
         assert listed["org/base-model"].owned_by == "system"
         got = mine.models.retrieve(trained.model)
@@ -117,7 +126,10 @@ def test_sdk_lists_and_retrieves_only_the_teams_models(trained: Trained, mapp: F
         assert mine.models.retrieve("org/base-model").id == "org/base-model"
 
         their_ids = {m.id for m in theirs.models.list()}
-        assert {"tiny-llama", "org/base-model"} <= their_ids and not their_ids & {trained.model, *trained.checkpoints}
+        assert {"tiny-llama", "org/base-model"} <= their_ids and not their_ids & {
+            trained.model,
+            *trained.checkpoints,
+        }
         with pytest.raises(openai.NotFoundError) as foreign:
             theirs.models.retrieve(trained.model)
         with pytest.raises(openai.NotFoundError) as unknown:
@@ -126,7 +138,8 @@ def test_sdk_lists_and_retrieves_only_the_teams_models(trained: Trained, mapp: F
     foreign_body, unknown_body = foreign.value.body, unknown.value.body
     assert isinstance(foreign_body, dict) and isinstance(unknown_body, dict)
     assert foreign_body["message"].replace(trained.model, "X") == unknown_body["message"].replace(
-        trained.model + "0", "X")
+        trained.model + "0", "X"
+    )
 
 
 def _download(mclient: TestClient, team: TeamKey, model: str, **params: str) -> Any:
@@ -182,8 +195,18 @@ def test_download_errors(trained: Trained, mclient: TestClient) -> None:
     assert base.status_code == 400 and error_of(base)["code"] == "model_not_downloadable"
 
 
-@pytest.mark.parametrize("model", ["/etc", "/tmp/../etc", "../roots/org/base-model", "org/../../var",
-                                   "~/models", "org\\base-model", "./org/base-model"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        "/etc",
+        "/tmp/../etc",
+        "../roots/org/base-model",
+        "org/../../var",
+        "~/models",
+        "org\\base-model",
+        "./org/base-model",
+    ],
+)
 def test_a_job_never_names_a_server_path(trained: Trained, mclient: TestClient, model: str) -> None:
     fid = uploaded_id(mclient, trained.team)
     r = mclient.post(JOBS, headers=trained.team.headers, json={"model": model, "training_file": fid})
@@ -193,9 +216,12 @@ def test_a_job_never_names_a_server_path(trained: Trained, mclient: TestClient, 
 
 def test_a_job_names_builtin_base_and_own_models_only(trained: Trained, mclient: TestClient) -> None:
     for team, model, status in [
-        (trained.team, "org/base-model", 200), (trained.team, trained.checkpoints[0], 200),
-        (trained.team, "gpt-17", 404), (trained.team, "org/missing", 404),
-        (trained.other, trained.model, 404), (trained.other, trained.checkpoints[0], 404),
+        (trained.team, "org/base-model", 200),
+        (trained.team, trained.checkpoints[0], 200),
+        (trained.team, "gpt-17", 404),
+        (trained.team, "org/missing", 404),
+        (trained.other, trained.model, 404),
+        (trained.other, trained.checkpoints[0], 404),
     ]:
         fid = uploaded_id(mclient, team)
         body = {"model": model, "training_file": fid, "hyperparameters": HYPER}
@@ -207,10 +233,14 @@ def test_a_job_names_builtin_base_and_own_models_only(trained: Trained, mclient:
             assert r.json()["model"] == model  # the job shows the id, never the folder
 
 
-def test_a_job_continues_from_an_ft_checkpoint(trained: Trained, mclient: TestClient, msettings: Settings) -> None:
+def test_a_job_continues_from_an_ft_checkpoint(
+    trained: Trained, mclient: TestClient, msettings: Settings
+) -> None:
     fid = uploaded_id(mclient, trained.team)
     ckpt = trained.checkpoints[-1]
-    job = _run(mclient, msettings, trained.team, {"model": ckpt, "training_file": fid, "hyperparameters": HYPER})
+    job = _run(
+        mclient, msettings, trained.team, {"model": ckpt, "training_file": fid, "hyperparameters": HYPER}
+    )
     assert job["model"] == ckpt
     # the base of the new ids is the original base model's, as OpenAI names models trained from ft: models
     assert job["fine_tuned_model"] == f"ft:tiny-llama:Models-Team::{job['id']}"
@@ -218,7 +248,9 @@ def test_a_job_continues_from_an_ft_checkpoint(trained: Trained, mclient: TestCl
     assert no_adapter.status_code == 400 and error_of(no_adapter)["param"] == "format"
 
 
-def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(trained: Trained, mclient: TestClient, mapp: FastAPI) -> None:
+def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(
+    trained: Trained, mclient: TestClient, mapp: FastAPI
+) -> None:
     """The writer may record a checkpoint again at the same path (a replayed report, a resumed run that
     rewrote it): the tar's mtimes follow the row, so the cached checksum must not outlive it."""
     import time
@@ -264,7 +296,9 @@ def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings:
     assert r.status_code == 409 and error_of(r)["code"] == "job_not_finished" and folder.is_dir()
 
     ckpt = trained.checkpoints[0]
-    waiting = mclient.post(JOBS, headers=h, json={"model": ckpt, "training_file": fid, "hyperparameters": HYPER})
+    waiting = mclient.post(
+        JOBS, headers=h, json={"model": ckpt, "training_file": fid, "hyperparameters": HYPER}
+    )
     assert waiting.status_code == 200, waiting.text
     with mapp.state.sessionmaker() as s:
         path = Path(s.get(RegisteredModel, ckpt).path)

@@ -65,8 +65,12 @@ def _nginx() -> str:
 def _write_config(tmp: Path, upstream: str, port: int) -> Path:
     rendered = render({**proxy_environment(), "PROXY_UPSTREAM": upstream})
     assert rendered.count("listen 8080 default_server;") == 1
-    (tmp / "default.conf").write_text(rendered.replace("listen 8080 default_server;", f"listen 127.0.0.1:{port};"))
-    temps = "\n".join(f"    {k}_temp_path {tmp / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    (tmp / "default.conf").write_text(
+        rendered.replace("listen 8080 default_server;", f"listen 127.0.0.1:{port};")
+    )
+    temps = "\n".join(
+        f"    {k}_temp_path {tmp / k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     conf = tmp / "nginx.conf"
     conf.write_text(f"""user root;
 worker_processes 1;
@@ -96,8 +100,16 @@ def proxied(app: FastAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tmp = tmp_path_factory.mktemp("nginx")
     api_port, proxy_port = free_port(), free_port()
     api_settings = TEST_API_SETTINGS.model_copy(update={"max_header_bytes": 24 * 1024})
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=api_port, log_level="error", lifespan="off",
-                                           **uvicorn_options(api_settings)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=api_port,
+            log_level="error",
+            lifespan="off",
+            **uvicorn_options(api_settings),
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     conf = _write_config(tmp, f"127.0.0.1:{api_port}", proxy_port)
@@ -134,8 +146,11 @@ def _error(r: httpx.Response) -> dict[str, object]:
 def test_requests_pass_and_limits_hold_at_the_proxy(proxied: str, app: FastAPI, client: TestClient) -> None:
     team: TeamKey = make_team(app)
     with httpx.Client(base_url=proxied, headers={"Authorization": f"Bearer {team.key}"}, timeout=30) as c:
-        up = c.post("/v1/files", data={"purpose": "fine-tune"},
-                    files={"file": ("t.jsonl", chat_jsonl(4), "application/jsonl")})
+        up = c.post(
+            "/v1/files",
+            data={"purpose": "fine-tune"},
+            files={"file": ("t.jsonl", chat_jsonl(4), "application/jsonl")},
+        )
         assert up.status_code == 200, up.text
         fid = up.json()["id"]
         assert c.get(f"/v1/files/{fid}").json()["id"] == fid
@@ -147,8 +162,11 @@ def test_requests_pass_and_limits_hold_at_the_proxy(proxied: str, app: FastAPI, 
         r = c.get("/v1/files?after=" + "a" * 9000)
         assert r.status_code == 414 and _error(r)["code"] == "uri_too_long"
 
-        r = c.post("/v1/fine_tuning/jobs", content=b"{" + b" " * (1024 * 1024 + 10) + b"}",
-                   headers={"Content-Type": "application/json"})
+        r = c.post(
+            "/v1/fine_tuning/jobs",
+            content=b"{" + b" " * (1024 * 1024 + 10) + b"}",
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
         r = c.get("/metrics")
         assert r.status_code == 404 and _error(r)["code"] == "not_found"
@@ -157,8 +175,12 @@ def test_requests_pass_and_limits_hold_at_the_proxy(proxied: str, app: FastAPI, 
         assert job.status_code == 200, job.text
         # The event stream is passed on as it comes: the job's first events arrive while the stream stays open.
         t0 = time.monotonic()
-        with c.stream("GET", f"/v1/fine_tuning/jobs/{job.json()['id']}/events", params={"stream": "true"},
-                      timeout=httpx.Timeout(10, read=5)) as s:
+        with c.stream(
+            "GET",
+            f"/v1/fine_tuning/jobs/{job.json()['id']}/events",
+            params={"stream": "true"},
+            timeout=httpx.Timeout(10, read=5),
+        ) as s:
             assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
             lines = s.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))

@@ -40,13 +40,23 @@ def _set(app: FastAPI, team: TeamKey, **values: Any) -> None:
 
 def _jobs(app: FastAPI, team: TeamKey) -> int:
     with app.state.sessionmaker() as s:
-        return int(s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id)) or 0)
+        return int(
+            s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
+            or 0
+        )
 
 
 def _events(app: FastAPI, team: TeamKey) -> int:
     with app.state.sessionmaker() as s:
-        return int(s.scalar(select(func.count()).select_from(JobEvent).join(FineTuningJob)
-                            .where(FineTuningJob.team_id == team.id)) or 0)
+        return int(
+            s.scalar(
+                select(func.count())
+                .select_from(JobEvent)
+                .join(FineTuningJob)
+                .where(FineTuningJob.team_id == team.id)
+            )
+            or 0
+        )
 
 
 def _create(client: TestClient, team: TeamKey, fid: str) -> Any:
@@ -95,8 +105,16 @@ def test_gpu_hours_is_429_with_retry_after(client: TestClient, app: FastAPI, tea
     now = utcnow()
     with app.state.sessionmaker() as s:
         # 2 GPUs for an hour that ended an hour ago: 2 GPU-hours in the last 30 days.
-        s.add(JobRun(team_id=team.id, queue="q", gpus=2, started_at=now - timedelta(hours=2),
-                     ended_at=now - timedelta(hours=1), gpu_seconds=7200.0))
+        s.add(
+            JobRun(
+                team_id=team.id,
+                queue="q",
+                gpus=2,
+                started_at=now - timedelta(hours=2),
+                ended_at=now - timedelta(hours=1),
+                gpu_seconds=7200.0,
+            )
+        )
         s.commit()
     _set(app, team, gpu_hours=3)
     assert _create(client, team, fid).status_code == 200
@@ -129,8 +147,12 @@ def test_quota_endpoint_shows_limits_and_usage(
 ) -> None:
     body = client.get("/v1/quotas", headers=team.headers).json()
     assert body["object"] == "organization.quota" and body["organization_id"] == team.id
-    assert body["limits"] == {"max_running_jobs": None, "max_queued_jobs": None, "gpu_hours": None,
-                              "storage_bytes": None}
+    assert body["limits"] == {
+        "max_running_jobs": None,
+        "max_queued_jobs": None,
+        "gpu_hours": None,
+        "storage_bytes": None,
+    }
     assert body["usage"] == {"running_jobs": 0, "queued_jobs": 0, "gpu_hours": 0.0, "storage_bytes": 0}
     assert body["custom"] == [] and body["period_days"] == 30
     fid = uploaded_id(client, team)
@@ -165,7 +187,9 @@ def _race(base_url: str, team: TeamKey, fid: str) -> list[int]:
     def call(i: int) -> None:
         with httpx.Client(base_url=base_url, timeout=60) as c:
             barrier.wait()
-            codes[i] = c.post(JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": fid}).status_code
+            codes[i] = c.post(
+                JOBS, headers=team.headers, json={"model": "tiny-llama", "training_file": fid}
+            ).status_code
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(RACERS)]
     for t in threads:
@@ -189,8 +213,12 @@ def test_racing_creates_at_limit_one_give_one_job(server: tuple[FastAPI, ServerT
     app, srv = server
     team = make_team(app)
     with httpx.Client(base_url=srv.base_url) as c:
-        fid = c.post("/v1/files", headers=team.headers, data={"purpose": "fine-tune"},
-                     files={"file": ("t.jsonl", _jsonl())}).json()["id"]
+        fid = c.post(
+            "/v1/files",
+            headers=team.headers,
+            data={"purpose": "fine-tune"},
+            files={"file": ("t.jsonl", _jsonl())},
+        ).json()["id"]
     _set(app, team, max_queued_jobs=1)
     codes = _race(srv.base_url, team, fid)
     assert sorted(codes) == [200] + [429] * (RACERS - 1), codes
@@ -201,12 +229,18 @@ def test_racing_creates_on_sqlite(tmp_path: Path) -> None:
     from api.app import create_app
 
     settings = Settings(_env_file=None, data_dir=tmp_path / "var")  # type: ignore[call-arg]
-    app = create_app(settings, TEST_API_SETTINGS.model_copy(update={"migrate_on_start": True}), enqueue=Enqueued())
+    app = create_app(
+        settings, TEST_API_SETTINGS.model_copy(update={"migrate_on_start": True}), enqueue=Enqueued()
+    )
     with TestClient(app), ServerThread(app) as srv:
         team = make_team(app)
         with httpx.Client(base_url=srv.base_url) as c:
-            fid = c.post("/v1/files", headers=team.headers, data={"purpose": "fine-tune"},
-                         files={"file": ("t.jsonl", _jsonl())}).json()["id"]
+            fid = c.post(
+                "/v1/files",
+                headers=team.headers,
+                data={"purpose": "fine-tune"},
+                files={"file": ("t.jsonl", _jsonl())},
+            ).json()["id"]
         _set(app, team, max_queued_jobs=1)
         codes = _race(srv.base_url, team, fid)
         assert sorted(codes) == [200] + [429] * (RACERS - 1), codes
@@ -238,12 +272,34 @@ def test_cli_sets_and_shows_quotas(
 ) -> None:
     from api.cli.main import main
 
-    assert main(["quotas", "set", "--team", team.name, "--max-running-jobs", "2", "--max-queued-jobs", "10",
-                 "--gpu-hours", "100", "--storage-gib", "50"]) == 0
+    assert (
+        main(
+            [
+                "quotas",
+                "set",
+                "--team",
+                team.name,
+                "--max-running-jobs",
+                "2",
+                "--max-queued-jobs",
+                "10",
+                "--gpu-hours",
+                "100",
+                "--storage-gib",
+                "50",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "max_queued_jobs   limit 10" in out and "(team)" in out and "53,687,091,200 bytes" in out
     limits = client.get("/v1/quotas", headers=team.headers).json()["limits"]
-    assert limits == {"max_running_jobs": 2, "max_queued_jobs": 10, "gpu_hours": 100.0, "storage_bytes": 50 * 2**30}
+    assert limits == {
+        "max_running_jobs": 2,
+        "max_queued_jobs": 10,
+        "gpu_hours": 100.0,
+        "storage_bytes": 50 * 2**30,
+    }
     # Only the quotas given change; "default" puts one back to the server's default.
     assert main(["quotas", "set", "--team", team.id, "--max-queued-jobs", "default"]) == 0
     capsys.readouterr()
@@ -267,18 +323,46 @@ def test_gpu_seconds_count_only_the_window(app: FastAPI, team: TeamKey, other_te
 
     now = utcnow()
     with app.state.sessionmaker() as s:
-        s.add_all([
-            # two days, one of them inside the 30-day window
-            JobRun(team_id=team.id, queue="q", gpus=1, started_at=now - timedelta(days=31),
-                   ended_at=now - timedelta(days=29), gpu_seconds=2 * 86400.0),
-            JobRun(team_id=team.id, queue="q", gpus=2, started_at=now - timedelta(hours=2),
-                   ended_at=now - timedelta(hours=1), gpu_seconds=7200.0),
-            JobRun(team_id=team.id, queue="q", gpus=1, started_at=now - timedelta(minutes=10)),  # still running
-            JobRun(team_id=team.id, queue="q", gpus=8, started_at=now - timedelta(days=40),
-                   ended_at=now - timedelta(days=35), gpu_seconds=8 * 5 * 86400.0),  # before the window
-            JobRun(team_id=other_team.id, queue="q", gpus=1, started_at=now - timedelta(hours=1),
-                   ended_at=now, gpu_seconds=3600.0),
-        ])
+        s.add_all(
+            [
+                # two days, one of them inside the 30-day window
+                JobRun(
+                    team_id=team.id,
+                    queue="q",
+                    gpus=1,
+                    started_at=now - timedelta(days=31),
+                    ended_at=now - timedelta(days=29),
+                    gpu_seconds=2 * 86400.0,
+                ),
+                JobRun(
+                    team_id=team.id,
+                    queue="q",
+                    gpus=2,
+                    started_at=now - timedelta(hours=2),
+                    ended_at=now - timedelta(hours=1),
+                    gpu_seconds=7200.0,
+                ),
+                JobRun(
+                    team_id=team.id, queue="q", gpus=1, started_at=now - timedelta(minutes=10)
+                ),  # still running
+                JobRun(
+                    team_id=team.id,
+                    queue="q",
+                    gpus=8,
+                    started_at=now - timedelta(days=40),
+                    ended_at=now - timedelta(days=35),
+                    gpu_seconds=8 * 5 * 86400.0,
+                ),  # before the window
+                JobRun(
+                    team_id=other_team.id,
+                    queue="q",
+                    gpus=1,
+                    started_at=now - timedelta(hours=1),
+                    ended_at=now,
+                    gpu_seconds=3600.0,
+                ),
+            ]
+        )
         s.commit()
         used = gpu_seconds(s, team.id, now - timedelta(days=30), now=now)
     assert used == pytest.approx(86400 + 7200 + 600, abs=1)

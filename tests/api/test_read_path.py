@@ -36,7 +36,9 @@ def statements(app: FastAPI) -> Iterator[list[str]]:
         event.remove(engine, "before_cursor_execute", record)
 
 
-def test_queue_positions_in_one_query(client: TestClient, app: FastAPI, team: TeamKey, other_team: TeamKey) -> None:
+def test_queue_positions_in_one_query(
+    client: TestClient, app: FastAPI, team: TeamKey, other_team: TeamKey
+) -> None:
     fid = uploaded_id(client, team)
     q1, q2 = f"q1-{secrets.token_hex(4)}", f"q2-{secrets.token_hex(4)}"
     t0 = datetime(2021, 1, 1, tzinfo=UTC)
@@ -55,8 +57,15 @@ def test_queue_positions_in_one_query(client: TestClient, app: FastAPI, team: Te
     ]
     with app.state.sessionmaker() as s:
         rows = [
-            FineTuningJob(team_id=t.id, model="tiny-llama", training_file_id=fid, status=st, queue=q,
-                          created_at=ts, hyperparameters={})
+            FineTuningJob(
+                team_id=t.id,
+                model="tiny-llama",
+                training_file_id=fid,
+                status=st,
+                queue=q,
+                created_at=ts,
+                hyperparameters={},
+            )
             for t, q, st, ts, _ in specs
         ]
         s.add_all(rows)

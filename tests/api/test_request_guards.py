@@ -24,10 +24,13 @@ from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, m
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
-def test_json_body_without_json_content_type_says_so(client: TestClient, team: TeamKey,
-                                                     content_type: str | None) -> None:
+def test_json_body_without_json_content_type_says_so(
+    client: TestClient, team: TeamKey, content_type: str | None
+) -> None:
     headers = {**team.headers, **({"Content-Type": content_type} if content_type else {})}
-    r = client.post("/v1/fine_tuning/jobs", headers=headers, content=b'{"model": "tiny-llama", "training_file": "f"}')
+    r = client.post(
+        "/v1/fine_tuning/jobs", headers=headers, content=b'{"model": "tiny-llama", "training_file": "f"}'
+    )
     assert r.status_code == 400
     err = error_of(r)
     assert err["code"] == "invalid_content_type" and err["param"] == "Content-Type"
@@ -38,8 +41,11 @@ def test_json_body_without_json_content_type_says_so(client: TestClient, team: T
 def test_json_body_that_is_not_an_object(client: TestClient, team: TeamKey) -> None:
     r = client.post("/v1/fine_tuning/jobs", headers=team.headers, json=[1, 2])
     assert r.status_code == 400 and error_of(r)["message"] == "The request body must be a JSON object"
-    r = client.post("/v1/fine_tuning/jobs", headers={**team.headers, "Content-Type": "application/json; charset=utf-8"},
-                    content=b'{"model": "tiny-llama"}')  # a parameter on the type is fine: the field is named
+    r = client.post(
+        "/v1/fine_tuning/jobs",
+        headers={**team.headers, "Content-Type": "application/json; charset=utf-8"},
+        content=b'{"model": "tiny-llama"}',
+    )  # a parameter on the type is fine: the field is named
     assert r.status_code == 400 and error_of(r)["param"] == "training_file"
 
 
@@ -56,7 +62,11 @@ ID_PATHS = [
     ("GET", "/v1/fine_tuning/jobs/ftjob-%00/checkpoints", "fine_tuning_job_id"),
     ("GET", "/v1/fine_tuning/jobs/ftjob-%00/metrics", "fine_tuning_job_id"),
 ]
-QUERY_PATHS = ["/v1/files?after=file-%00", "/v1/fine_tuning/jobs?after=%00x", "/v1/fine_tuning/jobs/x/events?after=%00"]
+QUERY_PATHS = [
+    "/v1/files?after=file-%00",
+    "/v1/fine_tuning/jobs?after=%00x",
+    "/v1/fine_tuning/jobs/x/events?after=%00",
+]
 
 
 def _nul_answers(client: TestClient, team: TeamKey) -> list[tuple[int, dict[str, object]]]:
@@ -70,13 +80,15 @@ def _nul_answers(client: TestClient, team: TeamKey) -> list[tuple[int, dict[str,
     return out
 
 
-def test_nul_in_ids_is_404_on_postgresql_and_sqlite(client: TestClient, team: TeamKey, tmp_path: Path) -> None:
+def test_nul_in_ids_is_404_on_postgresql_and_sqlite(
+    client: TestClient, team: TeamKey, tmp_path: Path
+) -> None:
     pg = _nul_answers(client, team)
     for (status, err), (_, path, param) in zip(pg, ID_PATHS, strict=False):
         assert status == 404, (path, err)
         assert err["code"] == "not_found" and err["param"] == param, (path, err)
         assert "\\x00" in str(err["message"]) and "\x00" not in str(err["message"])
-    for status, err in pg[len(ID_PATHS):]:
+    for status, err in pg[len(ID_PATHS) :]:
         assert status == 400 and err["param"] == "after" and "NUL" in str(err["message"]), err
     # Without a key: 401 first, as for any id.
     assert client.get("/v1/files/file-%00").status_code == 401
@@ -94,10 +106,17 @@ def test_nul_in_ids_is_404_on_postgresql_and_sqlite(client: TestClient, team: Te
 
 @pytest.mark.parametrize(
     "path, allow",
-    [("/v1/files/file-abc", "DELETE, GET"), ("/v1/files", "GET, POST"), ("/v1/fine_tuning/jobs", "GET, POST"),
-     ("/v1/fine_tuning/jobs/ftjob-1/cancel", "POST"), ("/healthz", "GET")],
+    [
+        ("/v1/files/file-abc", "DELETE, GET"),
+        ("/v1/files", "GET, POST"),
+        ("/v1/fine_tuning/jobs", "GET, POST"),
+        ("/v1/fine_tuning/jobs/ftjob-1/cancel", "POST"),
+        ("/healthz", "GET"),
+    ],
 )
-def test_405_allow_lists_every_method_of_the_path(client: TestClient, team: TeamKey, path: str, allow: str) -> None:
+def test_405_allow_lists_every_method_of_the_path(
+    client: TestClient, team: TeamKey, path: str, allow: str
+) -> None:
     for method in ("OPTIONS", "PUT", "PATCH"):
         r = client.request(method, path, headers=team.headers)
         assert r.status_code == 405, (method, path)
@@ -132,8 +151,14 @@ class _H11Server:
 
     def __init__(self, app: FastAPI, api_settings: ApiSettings) -> None:
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off",
-                                **uvicorn_options(api_settings))
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="error",
+            lifespan="off",
+            **uvicorn_options(api_settings),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -201,7 +226,9 @@ def test_uvicorn_command_carries_the_limits() -> None:
 # --- deeply nested JSONL ---------------------------------------------------------------------------
 
 
-def test_deeply_nested_jsonl_line_is_400_naming_the_line(client: TestClient, team: TeamKey, settings: Settings) -> None:
+def test_deeply_nested_jsonl_line_is_400_naming_the_line(
+    client: TestClient, team: TeamKey, settings: Settings
+) -> None:
     good = b'{"prompt": "1+1=", "completion": "2"}\n'
     content = good + b"[" * 100_000 + b"]" * 100_000 + b"\n" + good
     r = upload(client, team, content)

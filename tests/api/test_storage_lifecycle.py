@@ -50,11 +50,22 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, torch_single_thread: N
     root = tmp_path_factory.mktemp("run")
     data = _sums(root / "sums.jsonl")
     out = root / "out"
-    spec = JobSpec.model_validate({
-        "model": "tiny-llama", "training_file": str(data), "output_dir": str(out), "device": "cpu",
-        "keep_checkpoints": 2,
-        "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_seq_length": 32, "checkpoint_every": 2, "seed": 1},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "model": "tiny-llama",
+            "training_file": str(data),
+            "output_dir": str(out),
+            "device": "cpu",
+            "keep_checkpoints": 2,
+            "hyperparameters": {
+                "n_epochs": 1,
+                "batch_size": 4,
+                "max_seq_length": 32,
+                "checkpoint_every": 2,
+                "seed": 1,
+            },
+        }
+    )
     steps: list[int] = []
 
     def on_event(ev: Event) -> None:
@@ -65,17 +76,31 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory, torch_single_thread: N
     assert cut.cancelled and [c.step for c in list_checkpoints(out)] == [2, 3]
     done = run_training(spec, on_event=on_event)
     assert not done.cancelled and done.steps == 6
-    assert [c.step for c in list_checkpoints(out)] == [4, 6], "keep_checkpoints held after the resume and the end"
+    assert [c.step for c in list_checkpoints(out)] == [4, 6], (
+        "keep_checkpoints held after the resume and the end"
+    )
     assert (out / FINAL_DIR).is_dir()
     return out
 
 
-def _job_with_outputs(app: FastAPI, settings: Settings, team: TeamKey, file_id: str, run: Path,
-                      status: JobStatus = JobStatus.succeeded) -> tuple[str, Path]:
+def _job_with_outputs(
+    app: FastAPI,
+    settings: Settings,
+    team: TeamKey,
+    file_id: str,
+    run: Path,
+    status: JobStatus = JobStatus.succeeded,
+) -> tuple[str, Path]:
     """A job row of ``team`` whose output directory (under jobs_dir) is a copy of ``run``, with the
     checkpoint rows the reporter would have written, plus a stale one for a step long gone."""
-    job = FineTuningJob(id=new_id("ftjob"), team_id=team.id, model="tiny-llama", training_file_id=file_id,
-                        status=status.value, queue="q")
+    job = FineTuningJob(
+        id=new_id("ftjob"),
+        team_id=team.id,
+        model="tiny-llama",
+        training_file_id=file_id,
+        status=status.value,
+        queue="q",
+    )
     out = settings.resolved_jobs_dir / job.id
     shutil.copytree(run, out)
     # keep final/'s weights hard-linked to the last checkpoint's, as the trainer leaves them
@@ -90,8 +115,14 @@ def _job_with_outputs(app: FastAPI, settings: Settings, team: TeamKey, file_id: 
         s.add(job)
         s.flush()
         for step in (2, 4):  # 2: pruned by the trainer, its row delete lost; 6: its row never written
-            s.add(JobCheckpoint(job_id=job.id, step_number=step, path=str(out / f"checkpoint-{step:06d}"),
-                                fine_tuned_model_checkpoint=str(out / f"checkpoint-{step:06d}")))
+            s.add(
+                JobCheckpoint(
+                    job_id=job.id,
+                    step_number=step,
+                    path=str(out / f"checkpoint-{step:06d}"),
+                    fine_tuned_model_checkpoint=str(out / f"checkpoint-{step:06d}"),
+                )
+            )
         s.commit()
     return job.id, out
 
@@ -103,7 +134,9 @@ def _checkpoint_steps(app: FastAPI, job_id: str) -> list[int]:
 
 def _events(app: FastAPI, job_id: str) -> list[str]:
     with app.state.sessionmaker() as s:
-        return list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)))
+        return list(
+            s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))
+        )
 
 
 # --- retention and purge ------------------------------------------------------------------------
@@ -142,8 +175,9 @@ def test_retention_keeps_newest_checkpoints_and_final_model(
 def test_retention_refuses_unfinished_jobs_and_leaves_foreign_paths(
     app: FastAPI, client: TestClient, settings: Settings, team: TeamKey, trained_run: Path, tmp_path: Path
 ) -> None:
-    job_id, out = _job_with_outputs(app, settings, team, uploaded_id(client, team), trained_run,
-                                    status=JobStatus.running)
+    job_id, out = _job_with_outputs(
+        app, settings, team, uploaded_id(client, team), trained_run, status=JobStatus.running
+    )
     with app.state.sessionmaker() as s:
         job = s.get(FineTuningJob, job_id)
         assert job is not None
@@ -171,8 +205,13 @@ def test_retention_refuses_unfinished_jobs_and_leaves_foreign_paths(
 
 
 def test_sweep_runs_in_the_api_and_purge_from_the_cli(
-    settings: Settings, client: TestClient, app: FastAPI, trained_run: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    settings: Settings,
+    client: TestClient,
+    app: FastAPI,
+    trained_run: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     from api.app import create_app
     from api.cli.main import main
@@ -182,7 +221,9 @@ def test_sweep_runs_in_the_api_and_purge_from_the_cli(
     settings = settings.model_copy(update={"jobs_dir": tmp_path / "jobs"})
     team = make_team(app)
     job_id, out = _job_with_outputs(app, settings, team, uploaded_id(client, team), trained_run)
-    api_settings = TEST_API_SETTINGS.model_copy(update={"retention_interval_seconds": 0.2, "retain_checkpoints": 1})
+    api_settings = TEST_API_SETTINGS.model_copy(
+        update={"retention_interval_seconds": 0.2, "retain_checkpoints": 1}
+    )
     with TestClient(create_app(settings, api_settings, enqueue=Enqueued())):
         deadline = time.monotonic() + 30
         while len(list_checkpoints(out)) != 1:
@@ -262,27 +303,34 @@ def test_deleting_a_result_file_removes_it_from_result_files(
 
     fid = uploaded_id(client, team)
     with app.state.sessionmaker() as s:
-        job = FineTuningJob(team_id=team.id, model="tiny-llama", training_file_id=fid, status="succeeded", queue="q")
+        job = FineTuningJob(
+            team_id=team.id, model="tiny-llama", training_file_id=fid, status="succeeded", queue="q"
+        )
         s.add(job)
         s.flush()
         first = add_results_file(s, job, settings.resolved_files_dir)
         second = add_results_file(s, job, settings.resolved_files_dir)
         s.commit()
         job_id, first_id, second_id, path = job.id, first.id, second.id, Path(first.storage_path)
-    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=team.headers).json()["result_files"] == [first_id,
-                                                                                                          second_id]
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=team.headers).json()["result_files"] == [
+        first_id,
+        second_id,
+    ]
     assert client.delete(f"/v1/files/{first_id}", headers=other_team.headers).status_code == 404
     r = client.delete(f"/v1/files/{first_id}", headers=team.headers)
     assert r.status_code == 200 and r.json() == {"id": first_id, "object": "file", "deleted": True}
-    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=team.headers).json()["result_files"] == [second_id]
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=team.headers).json()["result_files"] == [
+        second_id
+    ]
     assert not path.exists() and client.get(f"/v1/files/{first_id}", headers=team.headers).status_code == 404
     assert client.delete(f"/v1/files/{second_id}", headers=team.headers).status_code == 200
     assert client.get(f"/v1/fine_tuning/jobs/{job_id}", headers=team.headers).json()["result_files"] == []
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
-def any_db(request: pytest.FixtureRequest, client: TestClient, app: FastAPI, tmp_path: Path,
-           settings: Settings) -> Iterator[tuple[TestClient, FastAPI, Settings]]:
+def any_db(
+    request: pytest.FixtureRequest, client: TestClient, app: FastAPI, tmp_path: Path, settings: Settings
+) -> Iterator[tuple[TestClient, FastAPI, Settings]]:
     if request.param == "postgresql":
         yield client, app, settings
         return
@@ -294,14 +342,19 @@ def any_db(request: pytest.FixtureRequest, client: TestClient, app: FastAPI, tmp
         yield c, lite, s
 
 
-def test_training_file_deletable_only_once_its_jobs_are_finished(any_db: tuple[TestClient, FastAPI, Settings]) -> None:
+def test_training_file_deletable_only_once_its_jobs_are_finished(
+    any_db: tuple[TestClient, FastAPI, Settings],
+) -> None:
     client, app, settings = any_db
     team = make_team(app)
     fid = uploaded_id(client, team)
     path = settings.resolved_files_dir / team.id / f"{fid}.jsonl"
     assert path.is_file()
-    job = client.post("/v1/fine_tuning/jobs", headers=team.headers,
-                      json={"model": "tiny-llama", "training_file": fid, "validation_file": fid}).json()
+    job = client.post(
+        "/v1/fine_tuning/jobs",
+        headers=team.headers,
+        json={"model": "tiny-llama", "training_file": fid, "validation_file": fid},
+    ).json()
     for status in ("queued", "running"):
         with app.state.sessionmaker() as s:
             row = s.get(FineTuningJob, job["id"])
@@ -311,7 +364,11 @@ def test_training_file_deletable_only_once_its_jobs_are_finished(any_db: tuple[T
         r = client.delete(f"/v1/files/{fid}", headers=team.headers)
         assert r.status_code == 409, r.text
         err = error_of(r)
-        assert err["code"] == "file_in_use" and job["id"] in str(err["message"]) and status in str(err["message"])
+        assert (
+            err["code"] == "file_in_use"
+            and job["id"] in str(err["message"])
+            and status in str(err["message"])
+        )
         assert path.is_file()
     with app.state.sessionmaker() as s:
         row = s.get(FineTuningJob, job["id"])
@@ -331,7 +388,9 @@ def test_training_file_deletable_only_once_its_jobs_are_finished(any_db: tuple[T
     assert got["training_file"] == fid, "the finished job still names its file"
     with app.state.sessionmaker() as s:
         assert team_storage_usage(s, team.id).uploads_bytes == 0
-    r = client.post("/v1/fine_tuning/jobs", headers=team.headers, json={"model": "tiny-llama", "training_file": fid})
+    r = client.post(
+        "/v1/fine_tuning/jobs", headers=team.headers, json={"model": "tiny-llama", "training_file": fid}
+    )
     assert r.status_code == 400 and error_of(r)["param"] == "training_file"
     # A file no job ever used goes entirely, row and bytes.
     unused = uploaded_id(client, team)

@@ -32,7 +32,9 @@ def _rows(client: TestClient, team: TeamKey) -> int:
 
 
 def _stored(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith("filler"))
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not p.name.startswith("filler")
+    )
 
 
 @pytest.fixture

@@ -18,19 +18,47 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIELDS = ("steps", "steps_per_s", "single_steps_per_s", "speedup_vs_single", "stall_fraction",
-          "host_bytes_per_rank", "host_bytes_by_rank", "single_host_bytes", "host_bytes_per_rank_ratio",
-          "bytes_reduced_per_step", "bytes_gathered_per_step", "max_rel_diff_vs_single", "replicas_identical",
-          "metrics_world_size")
+FIELDS = (
+    "steps",
+    "steps_per_s",
+    "single_steps_per_s",
+    "speedup_vs_single",
+    "stall_fraction",
+    "host_bytes_per_rank",
+    "host_bytes_by_rank",
+    "single_host_bytes",
+    "host_bytes_per_rank_ratio",
+    "bytes_reduced_per_step",
+    "bytes_gathered_per_step",
+    "max_rel_diff_vs_single",
+    "replicas_identical",
+    "metrics_world_size",
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_quick_two_rank_run_matches_one_process_with_half_the_host_state() -> None:
-    proc = subprocess.run([sys.executable, "-m", "bench.distributed", "--nproc", "2", "--quick", "--json",
-                           "--device", "cpu", "--timeout", "150"],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.distributed",
+            "--nproc",
+            "2",
+            "--quick",
+            "--json",
+            "--device",
+            "cpu",
+            "--timeout",
+            "150",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     env = doc["env"]

@@ -18,18 +18,37 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ["zenflow-dacc", "zenflow", "device", "offload"]
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) -> None:
-    env = {**os.environ, "DEVICE": "cpu", "MODEL_SIZE": "tiny", "STEPS": "3", "OFFLOAD_STEPS": "2", "WARMUP": "1",
-           "BATCH": "2", "SEQ": "32", "OPS_MODEL_SIZE": "tiny", "OPS_STEPS": "8", "GIL_MODEL_SIZE": "tiny",
-           "GIL_STEPS": "3", "OUT": str(tmp_path), "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=280)
+    env = {
+        **os.environ,
+        "DEVICE": "cpu",
+        "MODEL_SIZE": "tiny",
+        "STEPS": "3",
+        "OFFLOAD_STEPS": "2",
+        "WARMUP": "1",
+        "BATCH": "2",
+        "SEQ": "32",
+        "OPS_MODEL_SIZE": "tiny",
+        "OPS_STEPS": "8",
+        "GIL_MODEL_SIZE": "tiny",
+        "GIL_STEPS": "3",
+        "OUT": str(tmp_path),
+        "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== environment" in proc.stdout and "cpu_adam ready" in proc.stdout
     assert "bench/distributed.py (multi-GPU): skipped (DEVICE=cpu" in proc.stdout  # runs only with >= 2 GPUs
@@ -40,8 +59,13 @@ def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) ->
         assert r["steps"] == want == len(r["per_step"]), name
         assert math.isfinite(r["final_loss"]) and r["steps_per_s"] > 0, name
         assert r["stall_s_on_window_ends"] + r["stall_s_on_other_steps"] == pytest.approx(
-            sum(s["stall_s"] for s in r["per_step"]), abs=1e-4)
-    for key in ("zenflow_speedup_vs_offload", "zenflow-dacc_speedup_vs_offload", "zenflow_loss_rel_diff_vs_device"):
+            sum(s["stall_s"] for s in r["per_step"]), abs=1e-4
+        )
+    for key in (
+        "zenflow_speedup_vs_offload",
+        "zenflow-dacc_speedup_vs_offload",
+        "zenflow_loss_rel_diff_vs_device",
+    ):
         assert key in doc["ratios"], key
     assert doc["env"]["device"] == "cpu" and doc["env"]["params"] > 0
     assert (tmp_path / "gpu_check.log").read_text().count("steps/s") >= len(VARIANTS)
@@ -64,13 +88,21 @@ def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) ->
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host")
 def test_gpu_check_script_says_why_it_cannot_run_without_a_gpu(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "MODEL_SIZE")}
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env={**env, "OUT": str(tmp_path)},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")],
+        cwd=ROOT,
+        env={**env, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "needs a CUDA machine" in proc.stderr
 
 
-def test_pretrained_base_is_built_once_cached_and_loadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pretrained_base_is_built_once_cached_and_loadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bench.pretrained: a (tiny) recipe pretrains once into the cache as a local Hugging Face directory
     the trainer loads; the same recipe is found again without training; the chat task validates."""
     from bench import pretrained
@@ -78,8 +110,18 @@ def test_pretrained_base_is_built_once_cached_and_loadable(tmp_path: Path, monke
     from trainer.model.catalog import load_model, load_tokenizer
 
     monkeypatch.setenv("ZENFLOW_BENCH_CACHE", str(tmp_path / "cache"))
-    recipe = pretrained.Recipe(hidden=32, intermediate=64, layers=1, heads=2, kv_heads=1, seq=32, batch=2,
-                               steps=3, warmup=1, corpus_bytes=200_000)
+    recipe = pretrained.Recipe(
+        hidden=32,
+        intermediate=64,
+        layers=1,
+        heads=2,
+        kv_heads=1,
+        seq=32,
+        batch=2,
+        steps=3,
+        warmup=1,
+        corpus_bytes=200_000,
+    )
     logs: list[str] = []
     out = pretrained.build(recipe, log=logs.append)
     assert (out / "config.json").is_file() and (out / "pretrain.json").is_file() and logs

@@ -49,8 +49,10 @@ def test_console_is_served_with_a_strict_policy(tmp_path: Path) -> None:
     from api.config import ApiSettings
     from store.settings import Settings
 
-    app = create_app(Settings(_env_file=None, data_dir=tmp_path),  # type: ignore[call-arg]
-                     ApiSettings(_env_file=None, migrate_on_start=False))  # type: ignore[call-arg]
+    app = create_app(
+        Settings(_env_file=None, data_dir=tmp_path),  # type: ignore[call-arg]
+        ApiSettings(_env_file=None, migrate_on_start=False),
+    )  # type: ignore[call-arg]
     client = TestClient(app)
     r = client.get("/console", follow_redirects=False)
     assert r.status_code == 307 and r.headers["location"].endswith("/console/")
@@ -105,16 +107,38 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     queue = f"zf-test-console-{secrets.token_hex(4)}"
     data_dir = tmp_path_factory.mktemp("zf-console")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
-    env.update(ZENFLOW_DATABASE_URL=database_url, ZENFLOW_BROKER_URL=redis_url, ZENFLOW_DEFAULT_QUEUE=queue,
-               ZENFLOW_DATA_DIR=str(data_dir / "var"), ZENFLOW_API_STREAM_POLL_SECONDS="0.1",
-               PYTHONUNBUFFERED="1")
+    env.update(
+        ZENFLOW_DATABASE_URL=database_url,
+        ZENFLOW_BROKER_URL=redis_url,
+        ZENFLOW_DEFAULT_QUEUE=queue,
+        ZENFLOW_DATA_DIR=str(data_dir / "var"),
+        ZENFLOW_API_STREAM_POLL_SECONDS="0.1",
+        PYTHONUNBUFFERED="1",
+    )
     port = free_port()
     log = data_dir / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port), "--worker",
-             "--no-reaper", "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "api.cli.main",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--worker",
+                "--no-reaper",
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -140,7 +164,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 def browser() -> Iterator[Browser]:
     """Headless Debian Chromium (never Playwright's own download)."""
     if not CHROMIUM.exists():
-        unavailable(f"Chromium is not installed at {CHROMIUM} (scripts/bootstrap.sh installs the Debian package)")
+        unavailable(
+            f"Chromium is not installed at {CHROMIUM} (scripts/bootstrap.sh installs the Debian package)"
+        )
     from playwright.sync_api import sync_playwright
 
     args = ["--no-sandbox"] if os.geteuid() == 0 else []  # Chromium's sandbox refuses to run as root
@@ -157,13 +183,20 @@ def _page_problems(page: Page) -> list[str]:
     Chromium also logs each 4xx answer as "Failed to load resource": those are expected here."""
     problems: list[str] = []
     page.on("pageerror", lambda exc: problems.append(f"uncaught: {exc}"))
-    page.on("console", lambda msg: problems.append(msg.text)
-            if msg.type == "error" and not msg.text.startswith("Failed to load resource") else None)
+    page.on(
+        "console",
+        lambda msg: (
+            problems.append(msg.text)
+            if msg.type == "error" and not msg.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
     return problems
 
 
-def test_console_upload_create_follow_download_chat(browser: Browser, live_server: LiveServer,
-                                                    tmp_path: Path) -> None:
+def test_console_upload_create_follow_download_chat(
+    browser: Browser, live_server: LiveServer, tmp_path: Path
+) -> None:
     from playwright.sync_api import expect
 
     from trainer.samples import TRAIN_FILE, VALID_FILE
@@ -193,17 +226,20 @@ def test_console_upload_create_follow_download_chat(browser: Browser, live_serve
     marked = "<img src=x onerror=alert(1)>capitals.jsonl"
     for name, path in ((marked, TRAIN_FILE), ("capitals_valid.jsonl", VALID_FILE)):
         page.get_by_label("JSONL file").set_input_files(
-            files=[{"name": name, "mimeType": "application/jsonl", "buffer": path.read_bytes()}])
+            files=[{"name": name, "mimeType": "application/jsonl", "buffer": path.read_bytes()}]
+        )
         page.get_by_role("button", name="Upload").click()
         expect(page.locator("#files-table tbody")).to_contain_text(name)
     assert page.locator("img").count() == 0
 
     # A job through the form: tiny-llama, 1 epoch of 128 examples at batch 16 = 8 steps.
     page.locator("#job-model").select_option("tiny-llama")
-    page.locator("#job-training-file").select_option(label=page.locator(
-        "#job-training-file option", has_text=marked).inner_text())
-    page.locator("#job-validation-file").select_option(label=page.locator(
-        "#job-validation-file option", has_text="capitals_valid.jsonl").inner_text())
+    page.locator("#job-training-file").select_option(
+        label=page.locator("#job-training-file option", has_text=marked).inner_text()
+    )
+    page.locator("#job-validation-file").select_option(
+        label=page.locator("#job-validation-file option", has_text="capitals_valid.jsonl").inner_text()
+    )
     page.get_by_label("Epochs").fill("100000")  # over the server's max_n_epochs: refused, the field marked
     page.get_by_role("button", name="Create job").click()
     expect(page.locator("#job-form-result")).to_contain_text("field hyperparameters.n_epochs")
@@ -270,9 +306,17 @@ def test_console_upload_create_follow_download_chat(browser: Browser, live_serve
 
 def _chat(base_url: str, key: str, model: str, question: str, *, max_tokens: int) -> dict[str, Any]:
     """The non-streamed answer to what the page sent (temperature 0: greedy)."""
-    r = httpx.post(f"{base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                   json={"model": model, "messages": [{"role": "user", "content": question}],
-                         "temperature": 0, "max_tokens": max_tokens})
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+        },
+    )
     assert r.status_code == 200, r.text
     body: dict[str, Any] = json.loads(r.text)
     return body

@@ -143,7 +143,9 @@ def _fuzzer(op: Any, mode: Any, headers: dict[str, str], checks: list[Any], real
         # The key goes into the case itself (not only onto the wire), so the checks judge what was
         # sent: a negative case whose only fault was a missing or mangled Authorization (bearerAuth is
         # declared) is a valid request once the real key is in, and the other keys are tested below.
-        sent = {k: v for k, v in (case.headers or {}).items() if k.lower() not in {h.lower() for h in headers}}
+        sent = {
+            k: v for k, v in (case.headers or {}).items() if k.lower() not in {h.lower() for h in headers}
+        }
         case.headers = {**sent, **headers}
         case.call_and_validate(checks=checks)
 

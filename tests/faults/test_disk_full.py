@@ -80,8 +80,13 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
 
     with (
         small_filesystem(tmp_path / "jobs", SIZE_MB) as jobs_dir,
-        stack(tmp_path, prefix="zf_disk", ZENFLOW_JOBS_DIR=str(jobs_dir), ZENFLOW_DISK_FULL_BACKOFF_SECONDS="3",
-              ZENFLOW_DISK_FULL_MAX_REQUEUES="3") as st,
+        stack(
+            tmp_path,
+            prefix="zf_disk",
+            ZENFLOW_JOBS_DIR=str(jobs_dir),
+            ZENFLOW_DISK_FULL_BACKOFF_SECONDS="3",
+            ZENFLOW_DISK_FULL_MAX_REQUEUES="3",
+        ) as st,
     ):
         api = st.start_api()
         st.start_worker("disk")
@@ -102,13 +107,20 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
             return [e.message for e in st.events(job_id) if "Retrying in" in e.message]
 
         held = wait_until(retrying, 300, "the disk-full backoff", interval=0.2)
-        assert held[0].startswith("No space left while writing checkpoint ") and "disk-full re-queue 1/3" in held[0]
+        assert (
+            held[0].startswith("No space left while writing checkpoint ")
+            and "disk-full re-queue 1/3" in held[0]
+        )
         step = int(held[0].split()[6].rstrip(";"))
         assert step > first.step
         job = st.job(job_id)  # held for the backoff (or just re-queued, its attempt given back)
         assert job.status in ("running", "queued") and job.error is None and job.attempts <= 1
-        warning = [e for e in st.events(job_id) if e.message == f"no space left while writing checkpoint {step}"]
-        assert len(warning) == 1 and warning[0].level == "warning", [e.message for e in st.events(job_id)][-8:]
+        warning = [
+            e for e in st.events(job_id) if e.message == f"no space left while writing checkpoint {step}"
+        ]
+        assert len(warning) == 1 and warning[0].level == "warning", [e.message for e in st.events(job_id)][
+            -8:
+        ]
 
         # the previous checkpoint is intact and still resumable; no half-written one is left
         assert first.path.is_dir() and is_complete(first.path)
@@ -124,7 +136,9 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
         msgs = [e.message for e in st.events(job_id)]
         assert job.status == "succeeded", (job.status, job.error, msgs[-8:])
         assert job.attempts == 1 and job.error is None
-        assert any(m.startswith(f"No space left while writing checkpoint {step} (disk-full re-queue 1/3); re-queued")
-                   for m in msgs), msgs
+        assert any(
+            m.startswith(f"No space left while writing checkpoint {step} (disk-full re-queue 1/3); re-queued")
+            for m in msgs
+        ), msgs
         assert f"Training resumed at step {first.step}" in " | ".join(msgs)
         assert not [m for m in msgs if "inline_container" in m or "enforce fail" in m]

@@ -27,7 +27,9 @@ def test_queued_job_survives_a_redis_restart_without_persistence(tmp_path: Path)
 
     redis = RedisServer(tmp_path / "redis", persistent=False).start()
     try:
-        with stack(tmp_path, prefix="zf_nopersist", redis=redis, ZENFLOW_DISPATCH_GRACE_SECONDS=str(GRACE)) as st:
+        with stack(
+            tmp_path, prefix="zf_nopersist", redis=redis, ZENFLOW_DISPATCH_GRACE_SECONDS=str(GRACE)
+        ) as st:
             c = Client(st.start_api(), st.create_team_key()[1])
             job_id = c.create_job(c.upload(), **job_params(4, checkpoint_every=4))
             assert st.job(job_id).status == "queued" and st.job(job_id).dispatched_at is not None

@@ -383,9 +383,16 @@ def test_on_event_from_trainer_events(tel) -> None:
             step_seconds=0.25,
             stall_seconds=0.0,
             stall_fraction=0.0,
-            engine=_step(2, wall_seconds=0.25, compute_seconds=0.25, stall_seconds=0.0,
-                         cpu_optimizer_seconds=0.0, bytes_device_to_host=0, bytes_host_to_device=0,
-                         device_optimizer_state_bytes=0),
+            engine=_step(
+                2,
+                wall_seconds=0.25,
+                compute_seconds=0.25,
+                stall_seconds=0.0,
+                cpu_optimizer_seconds=0.0,
+                bytes_device_to_host=0,
+                bytes_host_to_device=0,
+                device_optimizer_state_bytes=0,
+            ),
             rank_tokens=24,  # a rank of a multi-GPU job counts its own share of the step's 64 tokens
         )
     )

@@ -174,8 +174,15 @@ def test_zenflow_full_ratio_interval_one_equals_device_adamw():
     # max_grad_norm small enough that clipping is active on every step
     dev, dm = _run(EngineConfig(mode="device", max_grad_norm=0.05, **HYPER), 15)
     zen, zm = _run(  # no core placement: it would give forward/backward fewer threads than device mode's
-        EngineConfig(mode="zenflow", topk_ratio=1.0, update_interval=1, select_interval=1, max_grad_norm=0.05,
-                     bind_worker_cores=False, **HYPER),
+        EngineConfig(
+            mode="zenflow",
+            topk_ratio=1.0,
+            update_interval=1,
+            select_interval=1,
+            max_grad_norm=0.05,
+            bind_worker_cores=False,
+            **HYPER,
+        ),
         15,
     )
     assert all(m.grad_norm > 0.05 for m in dm)
@@ -199,7 +206,9 @@ def test_offload_matches_device_adamw():
 
 def test_zenflow_holds_less_device_state_than_device_mode():
     _, dm = _run(EngineConfig(mode="device", **HYPER), 3)
-    _, zm = _run(EngineConfig(mode="zenflow", topk_ratio=0.25, update_interval=2, select_interval=2, **HYPER), 3)
+    _, zm = _run(
+        EngineConfig(mode="zenflow", topk_ratio=0.25, update_interval=2, select_interval=2, **HYPER), 3
+    )
     assert 0 < zm[-1].device_optimizer_state_bytes < 0.5 * dm[-1].device_optimizer_state_bytes
     for m in zm:
         assert 0 <= m.stall_seconds <= m.wall_seconds
@@ -216,15 +225,24 @@ def _adamw_ref(p, g, m, v, step, lr, wd, b1=0.9, b2=0.999, eps=1e-8):
     p.addcdiv_(m, denom, value=-lr / (1 - b1**step))
 
 
-@pytest.mark.parametrize(("accumulate_on", "scale_cpu_lr"), [("host", True), ("device", True), ("host", False)])
+@pytest.mark.parametrize(
+    ("accumulate_on", "scale_cpu_lr"), [("host", True), ("device", True), ("host", False)]
+)
 def test_unselected_columns_are_exactly_one_window_stale(accumulate_on, scale_cpu_lr):
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 6, bias=False)
     w0 = lin.weight.detach().clone()
     interval, lr, wd = 3, 0.05, 0.01
     cfg = EngineConfig(
-        mode="zenflow", topk_ratio=0.25, update_interval=interval, select_interval=10**5,
-        max_grad_norm=None, lr=lr, weight_decay=wd, accumulate_on=accumulate_on, scale_cpu_lr=scale_cpu_lr,
+        mode="zenflow",
+        topk_ratio=0.25,
+        update_interval=interval,
+        select_interval=10**5,
+        max_grad_norm=None,
+        lr=lr,
+        weight_decay=wd,
+        accumulate_on=accumulate_on,
+        scale_cpu_lr=scale_cpu_lr,
     )
     grads, values = [], []
     with ZenFlowEngine(lin, cfg) as eng:
@@ -259,8 +277,17 @@ def test_without_overlap_the_window_update_lands_at_its_own_boundary():
     lin = torch.nn.Linear(8, 6, bias=False)
     w0 = lin.weight.detach().clone()
     interval, lr = 3, 0.05
-    cfg = EngineConfig(mode="zenflow", topk_ratio=0.25, update_interval=interval, select_interval=10**5,
-                       max_grad_norm=None, lr=lr, weight_decay=0.0, overlap_step=False, scale_cpu_lr=False)
+    cfg = EngineConfig(
+        mode="zenflow",
+        topk_ratio=0.25,
+        update_interval=interval,
+        select_interval=10**5,
+        max_grad_norm=None,
+        lr=lr,
+        weight_decay=0.0,
+        overlap_step=False,
+        scale_cpu_lr=False,
+    )
     grads, values = [], []
     with ZenFlowEngine(lin, cfg) as eng:
         for i in range(4 * interval):
@@ -275,8 +302,12 @@ def test_without_overlap_the_window_update_lands_at_its_own_boundary():
     unsel = torch.tensor([c for c in range(8) if c not in set(sel.tolist())])
     master, mo, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
     for win in range(4):
-        _adamw_ref(master, torch.stack(grads[win * interval : (win + 1) * interval]).mean(0), mo, v, win + 1, lr, 0.0)
-        torch.testing.assert_close(values[(win + 1) * interval - 1][:, unsel], master[:, unsel], atol=1e-6, rtol=1e-6)
+        _adamw_ref(
+            master, torch.stack(grads[win * interval : (win + 1) * interval]).mean(0), mo, v, win + 1, lr, 0.0
+        )
+        torch.testing.assert_close(
+            values[(win + 1) * interval - 1][:, unsel], master[:, unsel], atol=1e-6, rtol=1e-6
+        )
 
 
 def test_cpu_step_uses_the_windows_summed_lr_under_a_schedule():
@@ -288,8 +319,14 @@ def test_cpu_step_uses_the_windows_summed_lr_under_a_schedule():
     interval, windows = 3, 4
     lrs = [0.01 * (t + 1) for t in range(interval * windows)]  # a warm-up ramp
     cfg = EngineConfig(
-        mode="zenflow", topk_ratio=0.25, update_interval=interval, select_interval=10**5,
-        max_grad_norm=None, lr=lrs[0], weight_decay=0.0, scale_cpu_lr=True,
+        mode="zenflow",
+        topk_ratio=0.25,
+        update_interval=interval,
+        select_interval=10**5,
+        max_grad_norm=None,
+        lr=lrs[0],
+        weight_decay=0.0,
+        scale_cpu_lr=True,
     )
     grads = []
     with ZenFlowEngine(lin, cfg) as eng:
@@ -432,7 +469,9 @@ def test_dropped_columns_keep_their_device_value_until_the_cpu_takes_over():
     that merge, and only the window after (CPU master := the device value) moves it again."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 4, bias=False)
-    cfg = _zen_cfg(topk_ratio=0.25, update_interval=2, select_interval=2, max_grad_norm=None, weight_decay=0.0)
+    cfg = _zen_cfg(
+        topk_ratio=0.25, update_interval=2, select_interval=2, max_grad_norm=None, weight_decay=0.0
+    )
     values, sels = [], []
     with ZenFlowEngine(lin, cfg) as eng:
         for i in range(10):
@@ -468,7 +507,12 @@ def _scaled_linear_run(big: float, steps: int, **cfg_kw) -> ZenFlowEngine:
 
 
 def test_auto_update_interval_follows_gradient_mass():
-    kw = {"update_interval": "auto", "max_update_interval": 5, "select_interval": "auto", "max_grad_norm": None}
+    kw = {
+        "update_interval": "auto",
+        "max_update_interval": 5,
+        "select_interval": "auto",
+        "max_grad_norm": None,
+    }
     with _scaled_linear_run(30.0, 20, **kw) as skewed:
         assert skewed.selection()["weight"].tolist() == [0, 1]
         assert skewed._mode.window == 4  # unselected mass tiny: every window runs to the bound

@@ -19,26 +19,45 @@ BATCH = 8  # global batch; each of 2 ranks takes half
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 40), torch.nn.Tanh(),
-                            torch.nn.Linear(40, 6))
+    m = torch.nn.Sequential(
+        torch.nn.Linear(24, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 6),
+    )
     return m.to(dtype)
 
 
 def _data(steps: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 24, generator=g).to(dtype), torch.randn(BATCH, 6, generator=g).to(dtype))
-            for _ in range(steps)]
+    return [
+        (torch.randn(BATCH, 24, generator=g).to(dtype), torch.randn(BATCH, 6, generator=g).to(dtype))
+        for _ in range(steps)
+    ]
 
 
 def _config(mode: str, **kw: Any) -> EngineConfig:
-    base: dict[str, Any] = {"mode": mode, "lr": 3e-3, "weight_decay": 0.01, "bind_worker_cores": False,
-                            "cpu_threads": 1, "topk_ratio": 0.25, "update_interval": 2, "select_interval": 4,
-                            "full_warm_up_rounds": 1}
+    base: dict[str, Any] = {
+        "mode": mode,
+        "lr": 3e-3,
+        "weight_decay": 0.01,
+        "bind_worker_cores": False,
+        "cpu_threads": 1,
+        "topk_ratio": 0.25,
+        "update_interval": 2,
+        "select_interval": 4,
+        "full_warm_up_rounds": 1,
+    }
     return EngineConfig(**{**base, **kw})
 
 
-def _train(engine: ZenFlowEngine, model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-           part: slice) -> list[Any]:
+def _train(
+    engine: ZenFlowEngine,
+    model: torch.nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    part: slice,
+) -> list[Any]:
     metrics = []
     for x, y in batches:
         loss = torch.nn.functional.mse_loss(model(x[part]).float(), y[part].float())
@@ -53,8 +72,9 @@ def _weights(engine: ZenFlowEngine) -> dict[str, torch.Tensor]:
     return engine.consolidated_state_dict()
 
 
-def _rank_run(rank: int, world: int, out: str, mode: str, dtype: torch.dtype, same_data: bool,
-              cfg_kw: dict[str, Any]) -> None:
+def _rank_run(
+    rank: int, world: int, out: str, mode: str, dtype: torch.dtype, same_data: bool, cfg_kw: dict[str, Any]
+) -> None:
     import torch.distributed as dist
 
     model = _model(dtype)
@@ -62,8 +82,14 @@ def _rank_run(rank: int, world: int, out: str, mode: str, dtype: torch.dtype, sa
     part = slice(None) if same_data else slice(rank * half, (rank + 1) * half)
     with ZenFlowEngine(model, _config(mode, **cfg_kw), process_group=dist.group.WORLD) as engine:
         metrics = _train(engine, model, _data(STEPS, dtype), part)
-        torch.save({"weights": _weights(engine), "host_bytes": engine.memory().host_bytes,
-                    "metrics": [m.as_dict() for m in metrics]}, Path(out) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "weights": _weights(engine),
+                "host_bytes": engine.memory().host_bytes,
+                "metrics": [m.as_dict() for m in metrics],
+            },
+            Path(out) / f"rank{rank}.pt",
+        )
 
 
 def _single(mode: str, dtype: torch.dtype, cfg_kw: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
@@ -101,13 +127,19 @@ def test_two_ranks_with_half_the_batch_equal_one_process(tmp_path: Path, mode: s
         assert all(b < 0.8 * grad_bytes for b in late), (late, grad_bytes)
 
 
-@pytest.mark.parametrize(("mode", "cfg_kw"), [
-    ("zenflow", {}), ("zenflow", {"accumulate_on": "device"}), ("zenflow", {"update_interval": "auto"}),
-    ("offload", {}),
-])
+@pytest.mark.parametrize(
+    ("mode", "cfg_kw"),
+    [
+        ("zenflow", {}),
+        ("zenflow", {"accumulate_on": "device"}),
+        ("zenflow", {"update_interval": "auto"}),
+        ("offload", {}),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sharded_state_is_exactly_the_single_process_one(tmp_path: Path, mode: str, cfg_kw: dict[str, Any],
-                                                         dtype: torch.dtype) -> None:
+def test_sharded_state_is_exactly_the_single_process_one(
+    tmp_path: Path, mode: str, cfg_kw: dict[str, Any], dtype: torch.dtype
+) -> None:
     """Both ranks see the whole batch, so the averaged gradient is exactly the local one: sharding the
     CPU state (reselection reads and writes of the master included) must change no bit."""
     kw = {**cfg_kw, "max_grad_norm": None}
@@ -156,5 +188,8 @@ def test_resume_two_to_two_is_exact_and_two_to_one_recuts(tmp_path: Path, mode: 
         _train(engine, model, _data(STEPS, torch.float32)[stop:], slice(None))
         assert _max_rel(_weights(engine), ref) < 1e-5
     # one rank's shard alone cannot be loaded by one process
-    with pytest.raises(ValueError, match="re-cut"), ZenFlowEngine(_model(torch.float32), _config(mode)) as engine:
+    with (
+        pytest.raises(ValueError, match="re-cut"),
+        ZenFlowEngine(_model(torch.float32), _config(mode)) as engine,
+    ):
         engine.load_state_dict(torch.load(first / "state-rank1.pt"))

@@ -17,7 +17,10 @@ SETTINGS = [("zenflow", "host"), ("zenflow", "device"), ("offload", "host"), ("d
 def _model(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Embedding(20, 16), torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.LayerNorm(40),
+        torch.nn.Embedding(20, 16),
+        torch.nn.Linear(16, 40),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(40),
         torch.nn.Linear(40, 20),
     ).to(dtype)
 
@@ -72,8 +75,17 @@ def test_bf16_host_state_is_at_most_16_bytes_per_param(mode: str, acc: str) -> N
 def test_an_8b_model_on_cuda_needs_16_bytes_per_param_plus_a_fixed_ring() -> None:
     """Llama-3-8B's shapes: zenflow's host state is 16 B/param plus the 2 x 8M-element bf16 transfer
     ring (host accumulation) or 14 (device accumulation); offload mode 14."""
-    layer = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
-             (4096, 14336), (4096,), (4096,)]
+    layer = [
+        (4096, 4096),
+        (1024, 4096),
+        (1024, 4096),
+        (4096, 4096),
+        (14336, 4096),
+        (14336, 4096),
+        (4096, 14336),
+        (4096,),
+        (4096,),
+    ]
     shapes = layer * 32 + [(128256, 4096), (128256, 4096), (4096,)]
     host = engine_memory(shapes, torch.bfloat16, EngineConfig(), device_type="cuda")
     assert host.host["transfer"] == 2 * (1 << 23) * 2
@@ -134,8 +146,9 @@ def test_a_job_reports_the_engine_memory_at_start_and_in_every_step(tmp_path) ->
     from trainer.run.loop import run_training
 
     rec = Recorder()
-    spec = make_spec(tmp_path, valid=None, dtype="bfloat16", engine={"mode": "zenflow"},
-                     hyperparameters={"max_steps": 2})
+    spec = make_spec(
+        tmp_path, valid=None, dtype="bfloat16", engine={"mode": "zenflow"}, hyperparameters={"max_steps": 2}
+    )
     run_training(spec, on_event=rec)
     (start,) = [e for e in rec.of("log") if e.message.startswith("Engine memory")]
     steps = rec.of("step")

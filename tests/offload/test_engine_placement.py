@@ -14,8 +14,13 @@ from offload.engine import ZenFlowEngine
 from offload.placement import Placement, format_cpulist, parse_cpulist, plan, read_topology
 
 
-def _sysfs(root: Path, cores: list[tuple[int, ...]], nodes: dict[int, list[int]] | None = None,
-           gpus: list[tuple[str, int]] = (), others: list[str] = ()) -> Path:
+def _sysfs(
+    root: Path,
+    cores: list[tuple[int, ...]],
+    nodes: dict[int, list[int]] | None = None,
+    gpus: list[tuple[str, int]] = (),
+    others: list[str] = (),
+) -> Path:
     """A sysfs tree: ``cores`` as sibling groups, NUMA ``nodes``, NVIDIA ``gpus`` (address, node)."""
     cpu = root / "devices/system/cpu"
     online = sorted(c for core in cores for c in core)
@@ -103,8 +108,9 @@ def test_each_gpu_process_gets_a_disjoint_numa_local_share(tmp_path: Path) -> No
 
 def test_gpus_without_numa_information_split_all_cores_by_slot(tmp_path: Path) -> None:
     cores = [(i,) for i in range(12)]
-    topo = read_topology(_sysfs(tmp_path, cores, gpus=[("0000:01:00.0", -1), ("0000:02:00.0", -1),
-                                                       ("0000:03:00.0", -1)]))
+    topo = read_topology(
+        _sysfs(tmp_path, cores, gpus=[("0000:01:00.0", -1), ("0000:02:00.0", -1), ("0000:03:00.0", -1)])
+    )
     got = [plan(topo, topo.online, 0.5, gpu=f"0000:0{i + 1}:00.0") for i in range(3)]
     assert [g.process for g in got] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
     assert all(g.numa_node is None and g.placed for g in got)
@@ -122,15 +128,18 @@ def test_where_no_split_is_possible_it_says_why(tmp_path: Path) -> None:
     one_core = read_topology(_sysfs(tmp_path / "a", [(0, 1)]))
     p = plan(one_core, one_core.online, 0.5)
     assert not p.placed and "one physical core" in p.note and p.process == (0, 1)
-    crowded = read_topology(_sysfs(tmp_path / "b", [(0,), (1,)], {0: [0, 1]},
-                                   gpus=[(f"0000:0{i}:00.0", 0) for i in range(1, 4)]))
+    crowded = read_topology(
+        _sysfs(tmp_path / "b", [(0,), (1,)], {0: [0, 1]}, gpus=[(f"0000:0{i}:00.0", 0) for i in range(1, 4)])
+    )
     p = plan(crowded, crowded.online, 0.5, gpu="0000:01:00.0")  # 3 GPUs share 2 cores: none for it
     assert not p.placed and "no physical core left" in p.note
     assert "placement off" in p.describe()
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs CPU affinity and two CPUs")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs CPU affinity and two CPUs",
+)
 def test_the_engine_pins_worker_and_training_apart_and_restores() -> None:
     before = os.sched_getaffinity(0)
     with ZenFlowEngine(torch.nn.Linear(8, 8), EngineConfig(mode="zenflow")) as eng:
@@ -158,7 +167,14 @@ def test_descriptions_say_what_was_placed(tmp_path: Path) -> None:
     gpus = [("0000:1a:00.0", 0), ("0000:86:00.0", 1)]
     topo = read_topology(_smt_host(tmp_path, gpus))
     p = plan(topo, topo.online, 0.5, gpu="0000:86:00.0")
-    assert p.describe().startswith("CPU placement (GPU 2 of 2, NUMA node 1): training thread on CPUs 8-11,24-27")
+    assert p.describe().startswith(
+        "CPU placement (GPU 2 of 2, NUMA node 1): training thread on CPUs 8-11,24-27"
+    )
     share_only = Placement(process=p.process, gpu_slot=1, gpus=2, numa_node=1, note="mode device has none")
-    assert share_only.describe() == "CPU placement (GPU 2 of 2, NUMA node 1): this process on CPUs 8-15,24-31 (mode device has none)"
-    assert Placement(note="bind_worker_cores is off").describe() == "CPU placement off: bind_worker_cores is off"
+    assert (
+        share_only.describe()
+        == "CPU placement (GPU 2 of 2, NUMA node 1): this process on CPUs 8-15,24-31 (mode device has none)"
+    )
+    assert (
+        Placement(note="bind_worker_cores is off").describe() == "CPU placement off: bind_worker_cores is off"
+    )

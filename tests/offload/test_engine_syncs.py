@@ -17,7 +17,9 @@ H = AdamWHyper(1e-2, 0.9, 0.999, 1e-8, 0.1)
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in units of b's last place (fp32)."""
-    spacing = (torch.nextafter(b.abs(), torch.tensor(float("inf"))) - b.abs()).clamp(min=torch.finfo(b.dtype).tiny)
+    spacing = (torch.nextafter(b.abs(), torch.tensor(float("inf"))) - b.abs()).clamp(
+        min=torch.finfo(b.dtype).tiny
+    )
     return (a - b).abs() / spacing
 
 
@@ -41,8 +43,10 @@ def test_mixed_step_counts_update_each_column_like_its_own_adamw(dtype: torch.dt
     def select(n: str, cols: list[int]) -> None:
         old = ref.get(n, {})
         p = params[n].detach().float()
-        ref[n] = {c: old.get(c) or [p[:, c].clone(), torch.zeros(shapes[n][0]), torch.zeros(shapes[n][0]), 0]
-                  for c in cols}
+        ref[n] = {
+            c: old.get(c) or [p[:, c].clone(), torch.zeros(shapes[n][0]), torch.zeros(shapes[n][0]), 0]
+            for c in cols
+        }
 
     for n, p in params.items():
         cols = list(range(k))
@@ -67,8 +71,12 @@ def test_mixed_step_counts_update_each_column_like_its_own_adamw(dtype: torch.dt
             for n, p in params.items():
                 grp, j = _entry(opt, n)
                 cols = opt.columns(n)
-                before[n] = (p.detach().float().index_select(1, cols), grp.exp_avg[j].clone(),
-                             grp.exp_avg_sq[j].clone(), grp.steps[j].double() + 1)
+                before[n] = (
+                    p.detach().float().index_select(1, cols),
+                    grp.exp_avg[j].clone(),
+                    grp.exp_avg_sq[j].clone(),
+                    grp.steps[j].double() + 1,
+                )
             opt.step()
             for n, p in params.items():
                 cols = opt.columns(n).tolist()
@@ -94,12 +102,19 @@ def test_mixed_step_counts_update_each_column_like_its_own_adamw(dtype: torch.dt
 def _mlp(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Embedding(20, 12), torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
-        torch.nn.Linear(24, 20), torch.nn.GELU(), torch.nn.Linear(20, 20),
+        torch.nn.Embedding(20, 12),
+        torch.nn.Linear(12, 24),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(24),
+        torch.nn.Linear(24, 20),
+        torch.nn.GELU(),
+        torch.nn.Linear(20, 20),
     ).to(dtype)
 
 
-def _count_steps(cfg: EngineConfig, dtype: torch.dtype, steps: int, epochs: tuple[int, ...] = ()) -> list[dict]:
+def _count_steps(
+    cfg: EngineConfig, dtype: torch.dtype, steps: int, epochs: tuple[int, ...] = ()
+) -> list[dict]:
     model = _mlp(dtype)
     rows = []
     with ZenFlowEngine(model, cfg) as eng:
@@ -115,23 +130,38 @@ def _count_steps(cfg: EngineConfig, dtype: torch.dtype, steps: int, epochs: tupl
                 eng.step()
             after = eng.counters()
             eng.zero_grad()
-            rows.append({
-                "syncs": c.total_syncs, "sync_ops": dict(c.syncs), "kernels": c.kernels,
-                "engine_syncs": after["host_syncs"] - before["host_syncs"],
-                "waits": after["host_waits"] - before["host_waits"],
-                "boundary": after["windows"] > before["windows"],
-                "reselected": after["reselections"] > before["reselections"],
-                "after": before["reselections"] > 0,
-            })
+            rows.append(
+                {
+                    "syncs": c.total_syncs,
+                    "sync_ops": dict(c.syncs),
+                    "kernels": c.kernels,
+                    "engine_syncs": after["host_syncs"] - before["host_syncs"],
+                    "waits": after["host_waits"] - before["host_waits"],
+                    "boundary": after["windows"] > before["windows"],
+                    "reselected": after["reselections"] > before["reselections"],
+                    "after": before["reselections"] > 0,
+                }
+            )
     return rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kw", [{}, {"accumulate_on": "device"}, {"update_interval": "auto", "max_update_interval": 3}],
-                         ids=["host-acc", "device-acc", "auto"])
-def test_no_host_sync_on_plain_steps_and_window_ends_at_most_one_per_reselection(kw: dict, dtype: torch.dtype) -> None:
-    cfg = EngineConfig(mode="zenflow", lr=1e-2, topk_ratio=0.25, update_interval=kw.pop("update_interval", 2),
-                       select_interval="auto", **kw)
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"accumulate_on": "device"}, {"update_interval": "auto", "max_update_interval": 3}],
+    ids=["host-acc", "device-acc", "auto"],
+)
+def test_no_host_sync_on_plain_steps_and_window_ends_at_most_one_per_reselection(
+    kw: dict, dtype: torch.dtype
+) -> None:
+    cfg = EngineConfig(
+        mode="zenflow",
+        lr=1e-2,
+        topk_ratio=0.25,
+        update_interval=kw.pop("update_interval", 2),
+        select_interval="auto",
+        **kw,
+    )
     rows = _count_steps(cfg, dtype, 16, epochs=(5, 10))
     assert sum(r["reselected"] for r in rows) == 2 and sum(r["boundary"] for r in rows) >= 4
     for i, r in enumerate(rows):

@@ -17,10 +17,12 @@ ROWS = [
     "INSERT INTO files (id, team_id, filename, purpose, bytes, sha256, storage_path, num_examples, status, created_at) "
     "VALUES ('file-1', 'team-1', 'f', 'fine-tune', 1, '0', '/x', 1, 'processed', '2026-01-01 00:00:00+00')",
 ]
-JOB = ("INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, hyperparameters, engine, seed, "
-       "created_at, queue, cancel_requested, attempts, global_step, worker_hostname, heartbeat_at) VALUES "
-       "('{id}', 'team-1', 'tiny-llama', 'file-1', '{status}', '{{}}', '{{}}', 0, '2026-01-01 00:00:00+00', 'q', "
-       "false, 1, 0, 'w@h', '2026-01-02 00:00:00+00')")
+JOB = (
+    "INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, hyperparameters, engine, seed, "
+    "created_at, queue, cancel_requested, attempts, global_step, worker_hostname, heartbeat_at) VALUES "
+    "('{id}', 'team-1', 'tiny-llama', 'file-1', '{status}', '{{}}', '{{}}', 0, '2026-01-01 00:00:00+00', 'q', "
+    "false, 1, 0, 'w@h', '2026-01-02 00:00:00+00')"
+)
 
 
 def _check(url: str) -> None:
@@ -35,13 +37,18 @@ def _check(url: str) -> None:
         migrate.upgrade(url)
         migrate.check(url)
         with engine.connect() as conn:
-            runs = conn.execute(text("SELECT job_id, team_id, queue, worker_hostname, gpus, ended_at "
-                                     "FROM fine_tuning_job_runs")).all()
+            runs = conn.execute(
+                text(
+                    "SELECT job_id, team_id, queue, worker_hostname, gpus, ended_at FROM fine_tuning_job_runs"
+                )
+            ).all()
         assert [tuple(r) for r in runs] == [("ftjob-running", "team-1", "q", "w@h", 1, None)]
         migrate.downgrade(url, "0003")
         tables = set(inspect(engine).get_table_names())
         assert "team_quotas" not in tables and "fine_tuning_job_runs" not in tables
-        assert "ix_fine_tuning_jobs_team_status" not in {i["name"] for i in inspect(engine).get_indexes("fine_tuning_jobs")}
+        assert "ix_fine_tuning_jobs_team_status" not in {
+            i["name"] for i in inspect(engine).get_indexes("fine_tuning_jobs")
+        }
     finally:
         engine.dispose()
 
@@ -56,5 +63,3 @@ def test_postgresql() -> None:
 
 def test_sqlite(tmp_path: Path) -> None:
     _check(f"sqlite:///{tmp_path / 'zenflow.db'}")
-
-

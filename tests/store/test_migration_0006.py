@@ -21,13 +21,22 @@ def _check(url: str) -> None:
         if migrate.head() == "0006":  # no drift against store/orm.py (later revisions: test_migrations)
             migrate.check(url)
         assert {c["name"] for c in inspect(engine).get_columns("workers")} == {
-            "name", "queues", "capacity", "started_at", "heartbeat_at"}
+            "name",
+            "queues",
+            "capacity",
+            "started_at",
+            "heartbeat_at",
+        }
         assert "ix_workers_heartbeat_at" in {i["name"] for i in inspect(engine).get_indexes("workers")}
         # The ORM of later revisions maps columns 0006 lacks (0007: gpus_per_job): plain SQL here.
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO workers (name, queues, capacity, started_at, heartbeat_at) VALUES "
-                              "('w@h', '[\"q\"]', '{\"cores\": 2}', '2026-01-01 00:00:00+00', "
-                              "'2026-01-01 00:00:00+00')"))
+            conn.execute(
+                text(
+                    "INSERT INTO workers (name, queues, capacity, started_at, heartbeat_at) VALUES "
+                    "('w@h', '[\"q\"]', '{\"cores\": 2}', '2026-01-01 00:00:00+00', "
+                    "'2026-01-01 00:00:00+00')"
+                )
+            )
         with engine.connect() as conn:
             assert conn.execute(text("SELECT name FROM workers")).scalars().all() == ["w@h"]
         engine.dispose()

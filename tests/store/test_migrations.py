@@ -87,16 +87,29 @@ def _dispatched_at_roundtrip(url: str) -> None:
     try:
         with engine.begin() as c:
             c.execute(text("INSERT INTO teams (id, name, created_at) VALUES ('t', 't', '2026-01-01')"))
-            c.execute(text("INSERT INTO files (id, team_id, filename, purpose, bytes, sha256, storage_path, "
-                           "num_examples, status, created_at) VALUES ('f', 't', 'x', 'fine-tune', 1, '0', 'p', 0, "
-                           "'processed', '2026-01-01')"))
+            c.execute(
+                text(
+                    "INSERT INTO files (id, team_id, filename, purpose, bytes, sha256, storage_path, "
+                    "num_examples, status, created_at) VALUES ('f', 't', 'x', 'fine-tune', 1, '0', 'p', 0, "
+                    "'processed', '2026-01-01')"
+                )
+            )
             for job, status in (("j1", "queued"), ("j2", "validating_files")):
-                c.execute(text("INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, "
-                               "hyperparameters, engine, seed, created_at, queue, cancel_requested, attempts, "
-                               "global_step) VALUES (:id, 't', 'm', 'f', :st, '{}', '{}', 0, "
-                               "'2026-01-01 00:00:00+00', 'q', false, 0, 0)"), {"id": job, "st": status})
-            c.execute(text("INSERT INTO fine_tuning_job_events (id, job_id, created_at, level, type, message) "
-                           "VALUES ('e', 'j1', '2026-01-01', 'info', 'message', 'hi')"))
+                c.execute(
+                    text(
+                        "INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, "
+                        "hyperparameters, engine, seed, created_at, queue, cancel_requested, attempts, "
+                        "global_step) VALUES (:id, 't', 'm', 'f', :st, '{}', '{}', 0, "
+                        "'2026-01-01 00:00:00+00', 'q', false, 0, 0)"
+                    ),
+                    {"id": job, "st": status},
+                )
+            c.execute(
+                text(
+                    "INSERT INTO fine_tuning_job_events (id, job_id, created_at, level, type, message) "
+                    "VALUES ('e', 'j1', '2026-01-01', 'info', 'message', 'hi')"
+                )
+            )
         migrate.upgrade(url)
         migrate.check(url)
         with engine.connect() as c:

@@ -42,8 +42,14 @@ class _Watch:
 
     def __call__(self, ev: Event) -> None:
         engine = getattr(ev, "engine", None)
-        self.events.append((ev.type, getattr(ev, "step", None), getattr(ev, "loss", None),
-                            getattr(engine, "rank", None) if engine is not None else None))
+        self.events.append(
+            (
+                ev.type,
+                getattr(ev, "step", None),
+                getattr(ev, "loss", None),
+                getattr(engine, "rank", None) if engine is not None else None,
+            )
+        )
         if ev.type == "step":
             self.steps += 1
 
@@ -53,8 +59,15 @@ class _Watch:
 
 
 def _rank_main(rank: int, world: int, port: int, jobs: list[Job], out: Any) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -67,8 +80,9 @@ def _rank_main(rank: int, world: int, port: int, jobs: list[Job], out: Any) -> N
             w = _Watch(job, rank)
             o = RankOutcome(rank)
             try:
-                o.result = run_training(job.spec, on_event=w, should_cancel=w.cancel, dist=ctx,
-                                        progress=False).as_dict()
+                o.result = run_training(
+                    job.spec, on_event=w, should_cancel=w.cancel, dist=ctx, progress=False
+                ).as_dict()
             except Exception as e:
                 o.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             o.events = w.events
@@ -89,7 +103,9 @@ def run_ranks(jobs: list[Job], world: int = 2, timeout: float = 300) -> list[lis
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, q), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, jobs, q), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     got: list[RankOutcome] = []
@@ -104,7 +120,9 @@ def run_ranks(jobs: list[Job], world: int = 2, timeout: float = 300) -> list[lis
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise AssertionError(f"rank process died: exit codes {[p.exitcode for p in procs]}") from None
+                    raise AssertionError(
+                        f"rank process died: exit codes {[p.exitcode for p in procs]}"
+                    ) from None
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
             assert p.exitcode == 0, f"rank exit code {p.exitcode}"

@@ -19,16 +19,30 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 def _spec(tmp_path: Path, **hp: object) -> Path:
     hyper = {"n_epochs": 1, "batch_size": 32, "max_seq_length": 128, "checkpoint_every": 2, **hp}
     p = tmp_path / "job.yaml"
-    p.write_text(json.dumps({"model": "tiny-llama", "training_file": str(TRAIN_FILE), "hyperparameters": hyper,
-                             "engine": {"mode": "device"}, "device": "cpu"}))
+    p.write_text(
+        json.dumps(
+            {
+                "model": "tiny-llama",
+                "training_file": str(TRAIN_FILE),
+                "hyperparameters": hyper,
+                "engine": {"mode": "device"},
+                "device": "cpu",
+            }
+        )
+    )
     return p
 
 
 def test_python_m_trainer_train(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "trainer", "train", str(spec), "--output-dir", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", str(spec), "--output-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     final = Path(proc.stdout.strip().splitlines()[-1])
     assert final == tmp_path / "out" / "final" and (final / "model.safetensors").is_file()
@@ -39,7 +53,9 @@ def test_cli_in_process_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     spec = _spec(tmp_path, max_steps=2)
     assert main(["train", str(spec), "--output-dir", str(tmp_path / "o"), "--json", "--no-resume"]) == 0
     events = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
-    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2] and events[-1]["type"] == "run_finished"
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2] and events[-1][
+        "type"
+    ] == "run_finished"
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: gpt-17\ntraining_file: x.jsonl\n")
@@ -53,7 +69,6 @@ def test_cli_in_process_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert "empty file: no examples" in capsys.readouterr().err
 
 
-
 def test_exit_codes_bad_input_2_internal_error_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Bad input (a model folder without a tokenizer, max_seq_length over GPT-2's n_positions) exits 2
     with the API's message and no traceback; weights that pass the header check but do not load are an
@@ -62,14 +77,24 @@ def test_exit_codes_bad_input_2_internal_error_1(tmp_path: Path, capsys: pytest.
 
     def train(model: Path, **hp: object) -> tuple[int, str]:
         p = tmp_path / f"{model.name}.yaml"
-        p.write_text(json.dumps({"model": str(model), "training_file": str(TRAIN_FILE), "device": "cpu",
-                                 "hyperparameters": {"max_steps": 1, "batch_size": 2, **hp}}))
+        p.write_text(
+            json.dumps(
+                {
+                    "model": str(model),
+                    "training_file": str(TRAIN_FILE),
+                    "device": "cpu",
+                    "hyperparameters": {"max_steps": 1, "batch_size": 2, **hp},
+                }
+            )
+        )
         rc = main(["train", str(p), "--output-dir", str(tmp_path / model.name), "--no-resume"])
         return rc, capsys.readouterr().err
 
     no_tok = write_model_folder(tmp_path / "no-tok", "llama", tokenizer=False)
     rc, err = train(no_tok)
-    assert rc == 2 and "Traceback" not in err and f"invalid model: model folder {no_tok}: no tokenizer" in err, err
+    assert (
+        rc == 2 and "Traceback" not in err and f"invalid model: model folder {no_tok}: no tokenizer" in err
+    ), err
 
     gpt2 = write_model_folder(tmp_path / "gpt2", "gpt2", max_position_embeddings=64)
     rc, err = train(gpt2, max_seq_length=128)

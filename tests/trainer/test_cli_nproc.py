@@ -11,14 +11,21 @@ from pathlib import Path
 
 from trainer.samples import TRAIN_FILE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spec(tmp_path: Path, *, device: str = "cpu", gpus: int | None = None) -> Path:
     body: dict[str, object] = {
-        "model": "tiny-llama", "training_file": str(TRAIN_FILE), "device": device,
-        "hyperparameters": {"n_epochs": 1, "batch_size": 8, "max_steps": 4, "max_seq_length": 128,
-                            "checkpoint_every": 2},
+        "model": "tiny-llama",
+        "training_file": str(TRAIN_FILE),
+        "device": device,
+        "hyperparameters": {
+            "n_epochs": 1,
+            "batch_size": 8,
+            "max_steps": 4,
+            "max_seq_length": 128,
+            "checkpoint_every": 2,
+        },
         "engine": {"mode": "zenflow", "update_interval": 2, "select_interval": 4},
     }
     if gpus is not None:
@@ -31,8 +38,14 @@ def _spec(tmp_path: Path, *, device: str = "cpu", gpus: int | None = None) -> Pa
 def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "trainer", "train", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
@@ -43,7 +56,9 @@ def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
     assert proc.stderr.count("done: 4 steps") == 1 and proc.stderr.count("Training 4 steps") == 1, proc.stderr
     ckpt = out / "checkpoint-000004"
     assert sorted(p.name for p in ckpt.glob("engine-rank*")) == [
-        "engine-rank00000-of-00002.pt", "engine-rank00001-of-00002.pt"]  # both ranks trained
+        "engine-rank00000-of-00002.pt",
+        "engine-rank00001-of-00002.pt",
+    ]  # both ranks trained
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -57,8 +72,11 @@ def test_spec_resources_gpus_is_the_default_nproc(tmp_path: Path) -> None:
     assert ranks == {0} and [e["engine"]["world_size"] for e in events if e["type"] == "step"] == [2] * 4
     one = _train(str(spec), "--output-dir", str(tmp_path / "one"), "--nproc", "1", "--json", cwd=tmp_path)
     assert one.returncode == 0, one.stderr
-    steps = [e for e in map(json.loads, (ln for ln in one.stdout.splitlines() if ln.startswith("{")))
-             if e["type"] == "step"]
+    steps = [
+        e
+        for e in map(json.loads, (ln for ln in one.stdout.splitlines() if ln.startswith("{")))
+        if e["type"] == "step"
+    ]
     assert steps and {s["engine"]["world_size"] for s in steps} == {1}
 
 

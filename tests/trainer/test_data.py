@@ -157,12 +157,21 @@ def test_too_long_needs_tokenizer(tmp_path: Path, tok) -> None:  # type: ignore[
     assert len(errs) == 1 and errs[0]["line"] == 2 and errs[0]["field"] == "messages"
     assert (
         errs[0]["message"].startswith("line 2: messages: too long: ")
-        and "(max_seq_length 64)" in errs[0]["message"] and 'hyperparameters.truncation to "truncate"' in errs[0]["message"]
+        and "(max_seq_length 64)" in errs[0]["message"]
+        and 'hyperparameters.truncation to "truncate"' in errs[0]["message"]
     )
     pc = write(tmp_path, [{"prompt": "p" * 80, "completion": "c"}], "pc.jsonl")
-    assert errors_of(pc, tokenizer=tok, max_seq_length=64, options=DataOptions(truncation="error"))[0]["field"] == "prompt+completion"
+    assert (
+        errors_of(pc, tokenizer=tok, max_seq_length=64, options=DataOptions(truncation="error"))[0]["field"]
+        == "prompt+completion"
+    )
     rep = validate_file(p, tokenizer=tok, max_seq_length=512)
-    assert rep.num_tokens and rep.max_tokens and rep.num_loss_tokens and rep.num_truncated == rep.num_dropped == 0
+    assert (
+        rep.num_tokens
+        and rep.max_tokens
+        and rep.num_loss_tokens
+        and rep.num_truncated == rep.num_dropped == 0
+    )
 
 
 def test_max_errors_and_missing_file(tmp_path: Path) -> None:

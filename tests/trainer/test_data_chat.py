@@ -35,9 +35,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gemma2": write_model_folder(root / "gemma2", "gemma2", weights=False),
         "phi3": write_model_folder(root / "phi3", "phi3", weights=False),
         "llama-no-eos": write_model_folder(root / "llama-no-eos", "llama", eos=False, weights=False),
-        "bare-no-eos": write_model_folder(root / "bare", "llama", eos=False, chat_template=None, weights=False),
-        "plain-no-eos": write_model_folder(root / "plain", "llama", eos=False, chat_template=PLAIN_TEMPLATE,
-                                           weights=False),
+        "bare-no-eos": write_model_folder(
+            root / "bare", "llama", eos=False, chat_template=None, weights=False
+        ),
+        "plain-no-eos": write_model_folder(
+            root / "plain", "llama", eos=False, chat_template=PLAIN_TEMPLATE, weights=False
+        ),
     }
 
 
@@ -64,16 +67,24 @@ def errors_of(path: Path, **kw: Any) -> list[dict[str, Any]]:
     return [dict(e) for e in ei.value.errors]
 
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"},
-                     {"role": "assistant", "content": "ok"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "ok"},
+    ]
+}
 
 
 def test_tool_calling_example_learns_the_calls_and_answers_only(folders: dict[str, Path]) -> None:
     tok = tok_of(folders, "qwen2")
     ex = tokenize_record(TOOL_CALL_RECORD, "chat", tok)
     text = tok.decode(ex.input_ids)
-    assert '"name": "get_weather"' in text and "<tool_response>\nsunny\n</tool_response>" in text  # tools= rendered
+    assert (
+        '"name": "get_weather"' in text and "<tool_response>\nsunny\n</tool_response>" in text
+    )  # tools= rendered
     assert "What is the weather in Paris?" in text  # the two text parts joined
     # Byte-level tokens: the runs are the mask exactly (assistant tool call + answer, each with <|im_end|>\n).
     assert learned_runs(tok, ex) == [
@@ -96,24 +107,55 @@ def test_tool_file_validates_with_bom_and_crlf(tmp_path: Path, folders: dict[str
 
 def test_developer_role_renders_as_system(folders: dict[str, Path]) -> None:
     tok = tok_of(folders, "qwen2")
-    rec = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
-                        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    assert tok.decode(tokenize_record(rec, "chat", tok).input_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    rec = {
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
+    assert tok.decode(tokenize_record(rec, "chat", tok).input_ids).startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>"
+    )
 
 
 def test_format_errors_of_the_openai_fields(tmp_path: Path) -> None:
     bad = [
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
-                      {"role": "assistant", "content": "a"}]},
-        {"messages": [{"role": "user", "content": "q"},
-                      {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
-        {"messages": [{"role": "user", "content": "q", "tool_calls": []}, {"role": "assistant", "content": "a"}]},
-        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "tools": {"f": 1}},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}],
+                },
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "q", "tool_calls": []},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        {
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            "tools": {"f": 1},
+        },
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
     ]
     got = [(e["line"], e["field"]) for e in errors_of(jsonl(tmp_path / "bad.jsonl", bad))]
-    assert got == [(1, "messages[0].content[0]"), (2, "messages[1].tool_calls[0].function.arguments"),
-                   (3, "messages[0].tool_calls"), (4, "tools"), (5, "messages[1].content")]
+    assert got == [
+        (1, "messages[0].content[0]"),
+        (2, "messages[1].tool_calls[0].function.arguments"),
+        (3, "messages[0].tool_calls"),
+        (4, "tools"),
+        (5, "messages[1].content"),
+    ]
 
 
 def test_template_without_tool_support_is_a_line_error(tmp_path: Path, folders: dict[str, Path]) -> None:
@@ -125,7 +167,9 @@ def test_template_without_tool_support_is_a_line_error(tmp_path: Path, folders: 
     assert "does not render tools (it has no tool support)" in errs[0]["message"]
 
 
-def test_gemma_refuses_system_names_the_line_and_fold_passes(tmp_path: Path, folders: dict[str, Path]) -> None:
+def test_gemma_refuses_system_names_the_line_and_fold_passes(
+    tmp_path: Path, folders: dict[str, Path]
+) -> None:
     tok = tok_of(folders, "gemma2")
     no_system = {"messages": CHAT["messages"][1:]}
     path = jsonl(tmp_path / "g.jsonl", [no_system, CHAT])
@@ -133,8 +177,13 @@ def test_gemma_refuses_system_names_the_line_and_fold_passes(tmp_path: Path, fol
     assert [(e["line"], e["field"]) for e in errs] == [(2, "messages[0]")]
     assert "System role not supported" in errs[0]["message"]
     assert 'set hyperparameters.system_message to "fold"' in errs[0]["message"]
-    rep = validate_file(path, tokenizer=tok, max_seq_length=512, options=DataOptions(system_message="fold"),
-                        keep_examples=True)
+    rep = validate_file(
+        path,
+        tokenizer=tok,
+        max_seq_length=512,
+        options=DataOptions(system_message="fold"),
+        keep_examples=True,
+    )
     assert rep.num_examples == 2
     assert "<start_of_turn>user\nBe brief.\n\nhi<end_of_turn>" in tok.decode(rep.examples[1].input_ids)
     assert learned_runs(tok, rep.examples[1]) == ["hello<end_of_turn>\n", "ok<end_of_turn>\n"]
@@ -143,7 +192,10 @@ def test_gemma_refuses_system_names_the_line_and_fold_passes(tmp_path: Path, fol
 def test_phi3_learns_the_end_marker_of_every_turn(folders: dict[str, Path]) -> None:
     """Phi-3's template puts eos only after the whole conversation: each turn still learns <|end|>."""
     tok = tok_of(folders, "phi3")
-    assert learned_runs(tok, tokenize_record(CHAT, "chat", tok)) == ["hello<|end|>\n", "ok<|end|>\n<|endoftext|>"]
+    assert learned_runs(tok, tokenize_record(CHAT, "chat", tok)) == [
+        "hello<|end|>\n",
+        "ok<|end|>\n<|endoftext|>",
+    ]
 
 
 def _long_file(tmp_path: Path) -> Path:
@@ -154,13 +206,17 @@ def _long_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop", "error"])
-def test_truncation_policies_count_and_name_the_lines(tmp_path: Path, folders: dict[str, Path], policy: str) -> None:
+def test_truncation_policies_count_and_name_the_lines(
+    tmp_path: Path, folders: dict[str, Path], policy: str
+) -> None:
     tok, path = tok_of(folders, "llama"), _long_file(tmp_path)
     kw: dict[str, Any] = dict(tokenizer=tok, max_seq_length=64, options=DataOptions(truncation=policy))  # type: ignore[arg-type]
     if policy == "error":
         errs = errors_of(path, **kw)
         assert [(e["line"], e["field"]) for e in errs] == [(2, "messages"), (4, "messages"), (5, "messages")]
-        assert "(max_seq_length 64)" in errs[0]["message"] and "hyperparameters.truncation" in errs[0]["message"]
+        assert (
+            "(max_seq_length 64)" in errs[0]["message"] and "hyperparameters.truncation" in errs[0]["message"]
+        )
         return
     rep = validate_file(path, keep_examples=True, **kw)
     assert all(len(ex.input_ids) <= 64 for ex in rep.examples) and rep.truncation == policy
@@ -168,12 +224,21 @@ def test_truncation_policies_count_and_name_the_lines(tmp_path: Path, folders: d
         # lines 2 and 5 keep their first 64 tokens; line 4's answer lies past the cut: dropped, and said so
         assert (rep.num_examples, rep.num_truncated, rep.truncated_lines) == (4, 2, [2, 5])
         assert (rep.num_dropped, rep.dropped_lines) == (1, [4])
-        assert rep.cut_summary() == ("2 truncated to 64 tokens (lines 2, 5); "
-                                     "1 dropped, no assistant token left after truncation (line 4)")
+        assert rep.cut_summary() == (
+            "2 truncated to 64 tokens (lines 2, 5); "
+            "1 dropped, no assistant token left after truncation (line 4)"
+        )
     else:
-        assert (rep.num_examples, rep.num_truncated, rep.num_dropped, rep.dropped_lines) == (2, 0, 3, [2, 4, 5])
+        assert (rep.num_examples, rep.num_truncated, rep.num_dropped, rep.dropped_lines) == (
+            2,
+            0,
+            3,
+            [2, 4, 5],
+        )
     assert rep.as_dict()["num_dropped"] == rep.num_dropped
-    only_long = jsonl(tmp_path / "only_long.jsonl", [json.loads(ln) for ln in path.read_text().splitlines()[3:4]])
+    only_long = jsonl(
+        tmp_path / "only_long.jsonl", [json.loads(ln) for ln in path.read_text().splitlines()[3:4]]
+    )
     assert "no example left" in errors_of(only_long, **kw)[0]["message"]
 
 
@@ -188,7 +253,9 @@ def test_no_eos_reuses_the_templates_end_of_turn_marker(folders: dict[str, Path]
 
 
 @pytest.mark.parametrize("name", ["bare-no-eos", "plain-no-eos"])
-def test_no_eos_and_no_marker_adds_one_end_token_learned_after_every_turn(folders: dict[str, Path], name: str) -> None:
+def test_no_eos_and_no_marker_adds_one_end_token_learned_after_every_turn(
+    folders: dict[str, Path], name: str
+) -> None:
     tok = tok_of(folders, name)
     assert tok.eos_token == tok.pad_token == "<|end|>" and len(tok) == len(tok_of(folders, "llama")) + 1
     assert learned_runs(tok, tokenize_record(CHAT, "chat", tok)) == ["hello<|end|>\n", "ok<|end|>\n"]
@@ -208,7 +275,10 @@ def test_gemma_stops_on_eos_and_end_of_turn(folders: dict[str, Path]) -> None:
 
     tok = tok_of(folders, "gemma2")
     assert end_of_turn_token(tok) == "<end_of_turn>"
-    assert stop_token_ids(tok) == [tok.convert_tokens_to_ids("<eos>"), tok.convert_tokens_to_ids("<end_of_turn>")]
+    assert stop_token_ids(tok) == [
+        tok.convert_tokens_to_ids("<eos>"),
+        tok.convert_tokens_to_ids("<end_of_turn>"),
+    ]
 
 
 def test_renderer_options_are_per_file(folders: dict[str, Path]) -> None:

@@ -20,8 +20,13 @@ def _file(tmp_path: Path, *lines: str) -> Path:
     return p
 
 
-@pytest.mark.parametrize("deep", ["[" * 100_000 + "]" * 100_000,
-                                  '{"prompt": ' + '{"a":' * 50_000 + "1" + "}" * 50_000 + ', "completion": "x"}'])
+@pytest.mark.parametrize(
+    "deep",
+    [
+        "[" * 100_000 + "]" * 100_000,
+        '{"prompt": ' + '{"a":' * 50_000 + "1" + "}" * 50_000 + ', "completion": "x"}',
+    ],
+)
 def test_deeply_nested_line_is_a_validation_error(tmp_path: Path, deep: str) -> None:
     from trainer.data.tokenizer import build_byte_tokenizer
 
@@ -38,8 +43,13 @@ def test_deeply_nested_line_is_a_validation_error(tmp_path: Path, deep: str) -> 
 def test_unknown_role_is_quoted_short(tmp_path: Path) -> None:
     role = "[" * 800 + "]" * 800  # parses, but is no role; its repr must not recurse 800 deep
     chat = '{"messages": [{"role": ' + role + ', "content": "q"}, {"role": "assistant", "content": "a"}]}'
-    path = _file(tmp_path, chat, json.dumps({"messages": [{"role": "x" * 10_000, "content": "q"},
-                                                          {"role": "assistant", "content": "a"}]}))
+    path = _file(
+        tmp_path,
+        chat,
+        json.dumps(
+            {"messages": [{"role": "x" * 10_000, "content": "q"}, {"role": "assistant", "content": "a"}]}
+        ),
+    )
     with pytest.raises(DatasetValidationError) as err:
         validate_file(path)
     details = [(e["line"], e["field"], e["detail"]) for e in err.value.errors]

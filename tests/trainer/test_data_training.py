@@ -18,22 +18,41 @@ from trainer.spec import JobSpec
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": "hello"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+}
 
 
 def _spec(model: Path, train: Path, out: Path, **hp: Any) -> JobSpec:
-    return JobSpec.model_validate({
-        "model": str(model), "training_file": str(train), "output_dir": str(out), "device": "cpu",
-        "engine": {"mode": "device"},
-        "hyperparameters": {"n_epochs": 1, "batch_size": 2, "max_seq_length": 256, "eval_every": None,
-                            "learning_rate": 1e-2, "seed": 0, **hp},
-    })
+    return JobSpec.model_validate(
+        {
+            "model": str(model),
+            "training_file": str(train),
+            "output_dir": str(out),
+            "device": "cpu",
+            "engine": {"mode": "device"},
+            "hyperparameters": {
+                "n_epochs": 1,
+                "batch_size": 2,
+                "max_seq_length": 256,
+                "eval_every": None,
+                "learning_rate": 1e-2,
+                "seed": 0,
+                **hp,
+            },
+        }
+    )
 
 
 def test_tool_calling_file_trains(tmp_path: Path) -> None:
     model = write_model_folder(tmp_path / "qwen2", "qwen2", max_position_embeddings=512)
-    long_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 600}]}
+    long_answer = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 600}]
+    }
     train = jsonl(tmp_path / "train.jsonl", [TOOL_CALL_RECORD, CHAT, TOOL_CALL_RECORD, long_answer])
     events: list[Event] = []
     result = run_training(_spec(model, train, tmp_path / "out", max_seq_length=480), on_event=events.append)
@@ -72,8 +91,11 @@ def test_added_end_token_is_learned_stopped_on_and_in_the_lora_adapter(tmp_path:
     with torch.no_grad():  # whatever the user's resize puts in the new row, the adapter's embeddings win
         grown.get_input_embeddings().weight[end:].zero_()
     adapted = PeftModel.from_pretrained(grown, final / "adapter").merge_and_unload()
-    ids = tok(tok.apply_chat_template(CHAT["messages"], tokenize=False), return_tensors="pt",
-              add_special_tokens=False).input_ids
+    ids = tok(
+        tok.apply_chat_template(CHAT["messages"], tokenize=False),
+        return_tensors="pt",
+        add_special_tokens=False,
+    ).input_ids
     assert end in ids[0].tolist()
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-4)

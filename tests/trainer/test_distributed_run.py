@@ -36,14 +36,27 @@ MODES: dict[str, dict[str, Any]] = {
     "device": {"mode": "device"},
 }
 #: 40 examples, 4 a step (2 per rank): 10 steps; checkpoints at 3, 6, 9, 10; validation at 5 and 10.
-HP = {"n_epochs": 1, "batch_size": 4, "checkpoint_every": 3, "eval_every": 5, "max_seq_length": 32,
-      "learning_rate": 1e-2}
+HP = {
+    "n_epochs": 1,
+    "batch_size": 4,
+    "checkpoint_every": 3,
+    "eval_every": 5,
+    "max_seq_length": 32,
+    "learning_rate": 1e-2,
+}
 STEPS = 10
 
 
 def spec(out: Path, data: Path, valid: Path, mode: str, gpus: int = 2, **hp: Any) -> JobSpec:
-    return make_spec(out, data, valid, hyperparameters={**HP, **hp}, engine=MODES[mode], dtype="float32",
-                     resources={"gpus": gpus})
+    return make_spec(
+        out,
+        data,
+        valid,
+        hyperparameters={**HP, **hp},
+        engine=MODES[mode],
+        dtype="float32",
+        resources={"gpus": gpus},
+    )
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -70,7 +83,11 @@ def ok(outcomes: list[RankOutcome]) -> TrainResult:
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     root = tmp_path_factory.mktemp("dist")
     arithmetic_file(root / "ragged.jsonl", n=21, seed=2)  # 6 steps of 4; the last one's 1 example on rank 1
-    return root, arithmetic_file(root / "sums.jsonl", n=40), arithmetic_file(root / "valid.jsonl", n=7, seed=1)
+    return (
+        root,
+        arithmetic_file(root / "sums.jsonl", n=40),
+        arithmetic_file(root / "valid.jsonl", n=7, seed=1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -89,25 +106,38 @@ def two_ranks(files: tuple[Path, Path, Path]) -> dict[str, list[RankOutcome]]:
 def one_process(files: tuple[Path, Path, Path]) -> dict[str, TrainResult]:
     root, data, valid = files
     runs = {m: run_training(spec(root / f"single-{m}", data, valid, m, gpus=1)) for m in MODES}
-    runs["ragged"] = run_training(spec(root / "single-ragged", root / "ragged.jsonl", valid, "offload", gpus=1))
+    runs["ragged"] = run_training(
+        spec(root / "single-ragged", root / "ragged.jsonl", valid, "offload", gpus=1)
+    )
     seen = Recorder()
-    runs["cut"] = run_training(spec(root / "single-cut", data, valid, "zenflow", gpus=1), on_event=seen,
-                               should_cancel=lambda: len(seen.of("step")) >= 4)
+    runs["cut"] = run_training(
+        spec(root / "single-cut", data, valid, "zenflow", gpus=1),
+        on_event=seen,
+        should_cancel=lambda: len(seen.of("step")) >= 4,
+    )
     return runs
 
 
 @pytest.fixture(scope="module")
-def resumed(files: tuple[Path, Path, Path], two_ranks: dict[str, list[RankOutcome]],
-            one_process: dict[str, TrainResult]) -> dict[str, Any]:
+def resumed(
+    files: tuple[Path, Path, Path],
+    two_ranks: dict[str, list[RankOutcome]],
+    one_process: dict[str, TrainResult],
+) -> dict[str, Any]:
     """2->2 and 1->2 (2 ranks), and 2->1 (this process), each from a run cancelled at step 4; and a
     finished 2-rank run asked again."""
     root, data, valid = files
     ok(two_ranks["cut"])
     shutil.copytree(root / "cut", root / "cut-to-1")
     assert one_process["cut"].cancelled
-    b = run_ranks([Job(spec(root / "cut", data, valid, "zenflow")),
-                   Job(spec(root / "single-cut", data, valid, "zenflow")),
-                   Job(spec(root / "full-device", data, valid, "device"))], timeout=300)
+    b = run_ranks(
+        [
+            Job(spec(root / "cut", data, valid, "zenflow")),
+            Job(spec(root / "single-cut", data, valid, "zenflow")),
+            Job(spec(root / "full-device", data, valid, "device")),
+        ],
+        timeout=300,
+    )
     rec = Recorder()
     to_one = run_training(spec(root / "cut-to-1", data, valid, "zenflow", gpus=1), on_event=rec)
     return {"2-2": b[0], "1-2": b[1], "again": b[2], "2-1": to_one, "2-1-events": rec}
@@ -115,7 +145,9 @@ def resumed(files: tuple[Path, Path, Path], two_ranks: dict[str, list[RankOutcom
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_two_ranks_equal_one_process_with_the_whole_batch(
-    mode: str, files: tuple[Path, Path, Path], two_ranks: dict[str, list[RankOutcome]],
+    mode: str,
+    files: tuple[Path, Path, Path],
+    two_ranks: dict[str, list[RankOutcome]],
     one_process: dict[str, TrainResult],
 ) -> None:
     root = files[0]
@@ -131,7 +163,9 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(
 
 
 def test_a_rank_without_examples_in_a_step_adds_nothing(
-    files: tuple[Path, Path, Path], two_ranks: dict[str, list[RankOutcome]], one_process: dict[str, TrainResult]
+    files: tuple[Path, Path, Path],
+    two_ranks: dict[str, list[RankOutcome]],
+    one_process: dict[str, TrainResult],
 ) -> None:
     two = ok(two_ranks["ragged"])
     assert two.steps == one_process["ragged"].steps == 6
@@ -147,7 +181,9 @@ def test_events_step_per_rank_the_rest_from_rank_0(two_ranks: dict[str, list[Ran
     assert types0.count("checkpoint") == 4
     steps0 = [(s, loss) for t, s, loss, _ in r0.events if t == "step"]
     steps1 = [(s, loss) for t, s, loss, _ in r1.events if t == "step"]
-    assert steps0 == steps1 and [s for s, _ in steps0] == list(range(1, STEPS + 1))  # global loss, same on both
+    assert steps0 == steps1 and [s for s, _ in steps0] == list(
+        range(1, STEPS + 1)
+    )  # global loss, same on both
     assert {rk for t, _, _, rk in r0.events if t == "step"} == {0}
     assert {rk for t, _, _, rk in r1.events if t == "step"} == {1}
 
@@ -188,13 +224,18 @@ def test_cancel_on_any_rank_stops_all_at_the_same_step(two_ranks: dict[str, list
 def test_resume_two_to_two_is_bit_exact(files: tuple[Path, Path, Path], resumed: dict[str, Any]) -> None:
     root = files[0]
     res = ok(resumed["2-2"])
-    assert res.steps == STEPS and [s for t, s, *_ in resumed["2-2"][1].events if t == "step"] == list(range(5, 11))
+    assert res.steps == STEPS and [s for t, s, *_ in resumed["2-2"][1].events if t == "step"] == list(
+        range(5, 11)
+    )
     a, b = weights(root / "cut"), weights(root / "full-zenflow")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [
+        k for k in a if not torch.equal(a[k], b[k])
+    ]
 
 
-def test_resume_two_to_one_and_one_to_two(files: tuple[Path, Path, Path], resumed: dict[str, Any],
-                                          one_process: dict[str, TrainResult]) -> None:
+def test_resume_two_to_one_and_one_to_two(
+    files: tuple[Path, Path, Path], resumed: dict[str, Any], one_process: dict[str, TrainResult]
+) -> None:
     root = files[0]
     to_one: TrainResult = resumed["2-1"]
     assert to_one.steps == STEPS and not to_one.cancelled
@@ -237,13 +278,20 @@ def test_collectives_without_a_group_are_local() -> None:
 
 @pytest.mark.parametrize(
     "env, problem",
-    [({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK is not set"),
-     ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}, r"RANK=2 must be in \[0, 1\]"),
-     ({"WORLD_SIZE": "two", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "WORLD_SIZE='two'"),
-     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR"),
-     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "99999"}, "MASTER_PORT=99999")],
+    [
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK is not set"),
+        (
+            {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"},
+            r"RANK=2 must be in \[0, 1\]",
+        ),
+        ({"WORLD_SIZE": "two", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "WORLD_SIZE='two'"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "99999"}, "MASTER_PORT=99999"),
+    ],
 )
-def test_init_from_env_refuses_bad_variables(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], problem: str) -> None:
+def test_init_from_env_refuses_bad_variables(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], problem: str
+) -> None:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():

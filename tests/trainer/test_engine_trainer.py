@@ -41,9 +41,16 @@ def _spec(out: Path, n: int = 32) -> JobSpec:
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
     hp = {"n_epochs": 1, "batch_size": 4, "max_seq_length": 64, "checkpoint_every": 100, "seed": 3}
-    return JobSpec.model_validate({"model": "tiny-llama", "training_file": str(data), "hyperparameters": hp,
-                                   "output_dir": str(out / "run"), "device": "cpu",
-                                   "engine": {"mode": "zenflow", "update_interval": 2}})
+    return JobSpec.model_validate(
+        {
+            "model": "tiny-llama",
+            "training_file": str(data),
+            "hyperparameters": hp,
+            "output_dir": str(out / "run"),
+            "device": "cpu",
+            "engine": {"mode": "zenflow", "update_interval": 2},
+        }
+    )
 
 
 def _poison_calls(monkeypatch: pytest.MonkeyPatch, bad: set[int]) -> None:
@@ -82,11 +89,23 @@ def test_a_run_that_only_skips_fails_clearly(tmp_path: Path, monkeypatch: pytest
 def test_skipped_steps_are_counted() -> None:
     reg = CollectorRegistry()
     tel = WorkerTelemetry("w1", 0, registry=reg, hostname="h1")
-    base = {"wall_seconds": 0.5, "compute_seconds": 0.5, "stall_seconds": 0.0, "cpu_optimizer_seconds": 0.0,
-            "bytes_device_to_host": 0, "bytes_host_to_device": 0, "device_optimizer_state_bytes": 0}
+    base = {
+        "wall_seconds": 0.5,
+        "compute_seconds": 0.5,
+        "stall_seconds": 0.0,
+        "cpu_optimizer_seconds": 0.0,
+        "bytes_device_to_host": 0,
+        "bytes_host_to_device": 0,
+        "device_optimizer_state_bytes": 0,
+    }
     for step, skipped in [(1, False), (2, True), (3, True), (4, False)]:
-        tel.observe_step(StepMetrics(step=step, skipped=skipped, **base), tokens=1, loss=1.0,
-                         base_model="tiny-llama", mode="zenflow")
+        tel.observe_step(
+            StepMetrics(step=step, skipped=skipped, **base),
+            tokens=1,
+            loss=1.0,
+            base_model="tiny-llama",
+            mode="zenflow",
+        )
     labels = {"worker": "w1", "hostname": "h1", "gpu": "0", "base_model": "tiny-llama", "mode": "zenflow"}
     assert reg.get_sample_value("zenflow_steps_skipped_total", labels) == 2.0
 

@@ -81,12 +81,26 @@ def test_resolve_refuses_more_steps_than_a_job_row_holds() -> None:
 
 
 def _spec(model: str = "tiny-llama", **hp: Any) -> Any:
-    return spec_from_job(model=model, training_file="train.jsonl", validation_file=None, hyperparameters=hp,
-                         engine=None, seed=1, output_dir="out")
+    return spec_from_job(
+        model=model,
+        training_file="train.jsonl",
+        validation_file=None,
+        hyperparameters=hp,
+        engine=None,
+        seed=1,
+        output_dir="out",
+    )
 
 
-TIGHT = JobLimits(max_n_epochs=50, max_batch_size=64, max_seq_length=1024, max_total_steps=200,
-                  max_total_tokens=200_000, max_learning_rate=0.5, max_lora_rank=16)
+TIGHT = JobLimits(
+    max_n_epochs=50,
+    max_batch_size=64,
+    max_seq_length=1024,
+    max_total_steps=200,
+    max_total_tokens=200_000,
+    max_learning_rate=0.5,
+    max_lora_rank=16,
+)
 
 
 @pytest.mark.parametrize(
@@ -101,18 +115,34 @@ TIGHT = JobLimits(max_n_epochs=50, max_batch_size=64, max_seq_length=1024, max_t
         ({"eval_every": 201}, 8, ("hyperparameters", "eval_every"), "at most 200"),
         ({"checkpoint_every": 201}, 8, ("hyperparameters", "checkpoint_every"), "at most 200"),
         ({"learning_rate": 1e300}, 8, ("hyperparameters", "learning_rate"), "at most 0.5"),
-        ({"learning_rate_multiplier": 1e300}, 8, ("hyperparameters", "learning_rate_multiplier"), "x multiplier"),
+        (
+            {"learning_rate_multiplier": 1e300},
+            8,
+            ("hyperparameters", "learning_rate_multiplier"),
+            "x multiplier",
+        ),
         ({"learning_rate_multiplier": 200}, 8, ("hyperparameters", "learning_rate_multiplier"), "= 0.6"),
         ({"lora": {"r": 17}}, 8, ("hyperparameters", "lora", "r"), "at most 16"),
         # Known only once the data is counted: 40 epochs x 8 steps of one example.
         ({"n_epochs": 40, "batch_size": 1}, 8, ("hyperparameters", "n_epochs"), "320 training steps"),
-        ({"n_epochs": 40, "batch_size": 1, "max_steps": 250}, 8, ("hyperparameters", "max_steps"), "at most 200"),
+        (
+            {"n_epochs": 40, "batch_size": 1, "max_steps": 250},
+            8,
+            ("hyperparameters", "max_steps"),
+            "at most 200",
+        ),
         # 50 steps x batch 8 x 512 positions = 204,800 > 200,000.
-        ({"n_epochs": 50, "batch_size": 8, "max_seq_length": 512}, 8, ("hyperparameters", "max_seq_length"),
-         "204,800 token positions"),
+        (
+            {"n_epochs": 50, "batch_size": 8, "max_seq_length": 512},
+            8,
+            ("hyperparameters", "max_seq_length"),
+            "204,800 token positions",
+        ),
     ],
 )
-def test_limit_errors_name_the_field(hp: dict[str, Any], num_examples: int, loc: tuple[str, ...], words: str) -> None:
+def test_limit_errors_name_the_field(
+    hp: dict[str, Any], num_examples: int, loc: tuple[str, ...], words: str
+) -> None:
     lora = hp.pop("lora", None)
     errors = limit_errors(_spec(**hp, **({"lora": lora} if lora else {})), TIGHT, num_examples=num_examples)
     assert [e.loc for e in errors] == [loc], errors
@@ -128,8 +158,14 @@ def test_auto_sequence_length_over_the_limit_asks_for_a_value() -> None:
 def test_limits_pass_ordinary_jobs_and_are_the_settings_defaults() -> None:
     from store.settings import Settings
 
-    assert limit_errors(_spec(n_epochs=3, batch_size=4, max_seq_length=128), JobLimits(), num_examples=1000) == []
-    assert limit_errors(_spec(lora={"target_modules": ["q_proj", "v_proj"], "r": 8}), TIGHT, num_examples=8) == []
+    assert (
+        limit_errors(_spec(n_epochs=3, batch_size=4, max_seq_length=128), JobLimits(), num_examples=1000)
+        == []
+    )
+    assert (
+        limit_errors(_spec(lora={"target_modules": ["q_proj", "v_proj"], "r": 8}), TIGHT, num_examples=8)
+        == []
+    )
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     assert JobLimits(**{name: getattr(settings, name) for name in JobLimits.model_fields}) == JobLimits()
 
@@ -138,12 +174,23 @@ def test_lora_target_modules_are_matched_against_the_model(tmp_path: Path) -> No
     """A Llama-style local checkpoint (config.json only: the check builds it on the meta device)."""
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=300, max_position_embeddings=256).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+    ).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
     good = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    assert limit_errors(_spec(str(tmp_path), lora={"target_modules": good}), JobLimits(), num_examples=8) == []
-    errors = limit_errors(_spec(str(tmp_path), lora={"target_modules": ["q_proj", "query", "mlp"]}), JobLimits())
+    assert (
+        limit_errors(_spec(str(tmp_path), lora={"target_modules": good}), JobLimits(), num_examples=8) == []
+    )
+    errors = limit_errors(
+        _spec(str(tmp_path), lora={"target_modules": ["q_proj", "query", "mlp"]}), JobLimits()
+    )
     assert [e.loc for e in errors] == [("hyperparameters", "lora", "target_modules")]
     assert "'query' matches no module" in errors[0].message and "q_proj" in errors[0].message
     assert "'mlp' matches LlamaMLP modules, which LoRA cannot adapt" in errors[0].message
@@ -155,4 +202,6 @@ def test_lora_target_modules_are_matched_against_the_model(tmp_path: Path) -> No
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
     errors = limit_errors(_spec(str(broken), lora={"target_modules": ["q_proj"]}), JobLimits())
-    assert [e.loc for e in errors] == [("hyperparameters", "lora", "target_modules")] and "cannot build the model" in errors[0].message
+    assert [e.loc for e in errors] == [
+        ("hyperparameters", "lora", "target_modules")
+    ] and "cannot build the model" in errors[0].message

@@ -22,11 +22,26 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def make_spec(out: Path, train: Path = TRAIN_FILE, valid: Path | None = VALID_FILE, **kw: Any) -> JobSpec:
-    hp = {"n_epochs": 1, "batch_size": 16, "max_seq_length": 128, "eval_every": 4, "checkpoint_every": 4, "seed": 3,
-          **kw.pop("hyperparameters", {})}
-    return JobSpec.model_validate({"model": kw.pop("model", "tiny-llama"), "training_file": str(train),
-                                   "validation_file": str(valid) if valid else None, "hyperparameters": hp,
-                                   "output_dir": str(out), "device": "cpu", **kw})
+    hp = {
+        "n_epochs": 1,
+        "batch_size": 16,
+        "max_seq_length": 128,
+        "eval_every": 4,
+        "checkpoint_every": 4,
+        "seed": 3,
+        **kw.pop("hyperparameters", {}),
+    }
+    return JobSpec.model_validate(
+        {
+            "model": kw.pop("model", "tiny-llama"),
+            "training_file": str(train),
+            "validation_file": str(valid) if valid else None,
+            "hyperparameters": hp,
+            "output_dir": str(out),
+            "device": "cpu",
+            **kw,
+        }
+    )
 
 
 def arithmetic_file(path: Path, n: int = 24, seed: int = 0) -> Path:
@@ -59,7 +74,9 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobSpec, TrainRe
     return spec, run_training(spec, on_event=rec), rec
 
 
-def test_full_job_loads_with_from_pretrained_and_generates(finished: tuple[JobSpec, TrainResult, Recorder]) -> None:
+def test_full_job_loads_with_from_pretrained_and_generates(
+    finished: tuple[JobSpec, TrainResult, Recorder],
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec, result, _ = finished
@@ -68,11 +85,14 @@ def test_full_job_loads_with_from_pretrained_and_generates(finished: tuple[JobSp
     assert final == Path(spec.output_dir or "") / FINAL_DIR and not (final / "training_state.pt").exists()
     model = AutoModelForCausalLM.from_pretrained(str(final), local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(final), local_files_only=True)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Peru?"}],
-                                     tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of Peru?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert out.shape[1] > ids.shape[1] and isinstance(tok.decode(out[0, ids.shape[1]:]), str)
+    assert out.shape[1] > ids.shape[1] and isinstance(tok.decode(out[0, ids.shape[1] :]), str)
     # The exported weights are the last checkpoint's, which is a complete resumable checkpoint.
     last = latest_checkpoint(final.parent)
     assert last is not None and last.step == 8 and (last.path / "training_state.pt").is_file()
@@ -85,16 +105,24 @@ def test_full_job_loads_with_from_pretrained_and_generates(finished: tuple[JobSp
 def test_full_job_events(finished: tuple[JobSpec, TrainResult, Recorder]) -> None:
     _, result, rec = finished
     types = [e.type for e in rec.events]
-    assert types[0] == "log" and types.index("run_started") < types.index("step") and types[-1] == "run_finished"
+    assert (
+        types[0] == "log" and types.index("run_started") < types.index("step") and types[-1] == "run_finished"
+    )
     steps = rec.of("step")
     assert [e.step for e in steps] == list(range(1, 9))
-    assert all(e.tokens > 0 and e.tokens_per_second > 0 and 0 <= e.stall_fraction <= 1 and e.lr > 0 for e in steps)
+    assert all(
+        e.tokens > 0 and e.tokens_per_second > 0 and 0 <= e.stall_fraction <= 1 and e.lr > 0 for e in steps
+    )
     assert steps[-1].loss < steps[0].loss and steps[0].engine.mode == "zenflow"
     assert [e.step for e in rec.of("eval")] == [4, 8] and result.valid_loss == rec.of("eval")[-1].valid_loss
     assert [e.step for e in rec.of("checkpoint")] == [4, 8]
     assert rec.of("checkpoint")[0].metrics["train_loss"] == steps[3].loss
     started = rec.of("run_started")[0]
-    assert started.hyperparameters["total_steps"] == 8 and started.mode == "zenflow" and started.dtype == "float32"
+    assert (
+        started.hyperparameters["total_steps"] == 8
+        and started.mode == "zenflow"
+        and started.dtype == "float32"
+    )
     assert result.trained_tokens == sum(e.tokens for e in steps)
 
 
@@ -105,11 +133,18 @@ def test_finished_run_is_not_rerun(finished: tuple[JobSpec, TrainResult, Recorde
     assert again == result and not rec.of("step")
 
 
-def test_local_model_directory_as_base(finished: tuple[JobSpec, TrainResult, Recorder], tmp_path: Path) -> None:
+def test_local_model_directory_as_base(
+    finished: tuple[JobSpec, TrainResult, Recorder], tmp_path: Path
+) -> None:
     """A local Hugging Face directory (here the previous job's output) is a base model too."""
     _, result, first = finished
-    spec = make_spec(tmp_path / "out", valid=None, model=result.final_model_dir,
-                     hyperparameters={"max_steps": 2, "learning_rate": 1e-3}, engine={"mode": "device"})
+    spec = make_spec(
+        tmp_path / "out",
+        valid=None,
+        model=result.final_model_dir,
+        hyperparameters={"max_steps": 2, "learning_rate": 1e-3},
+        engine={"mode": "device"},
+    )
     rec = Recorder()
     again = run_training(spec, on_event=rec)
     assert again.steps == 2 and rec.of("run_started")[0].hyperparameters["learning_rate"] == 1e-3
@@ -124,17 +159,35 @@ def _weights(result: TrainResult) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "engine, lora, runtime",
-    [({"mode": "device"}, None, {}), ({"mode": "zenflow", "update_interval": 4}, None, {}),
-     ({"mode": "device"}, {"r": 4, "dropout": 0.1}, {}),
-     ({"mode": "zenflow", "update_interval": 2, "full_warm_up_rounds": 0}, {"r": 4, "dropout": 0.1},
-      {"micro_batch_size": 1, "packing": True, "gradient_checkpointing": True, "max_seq_length": 16})],
-    ids=["device", "zenflow", "lora-dropout", "micro-packed-checkpointed"],  # the last: 2 rows of 2 examples per step
+    [
+        ({"mode": "device"}, None, {}),
+        ({"mode": "zenflow", "update_interval": 4}, None, {}),
+        ({"mode": "device"}, {"r": 4, "dropout": 0.1}, {}),
+        (
+            {"mode": "zenflow", "update_interval": 2, "full_warm_up_rounds": 0},
+            {"r": 4, "dropout": 0.1},
+            {"micro_batch_size": 1, "packing": True, "gradient_checkpointing": True, "max_seq_length": 16},
+        ),
+    ],
+    ids=[
+        "device",
+        "zenflow",
+        "lora-dropout",
+        "micro-packed-checkpointed",
+    ],  # the last: 2 rows of 2 examples per step
 )
 def test_resume_gives_identical_weights(
     tmp_path: Path, engine: dict[str, Any], lora: dict[str, Any] | None, runtime: dict[str, Any]
 ) -> None:
     data = arithmetic_file(tmp_path / "sums.jsonl")
-    hp = {"n_epochs": 2, "batch_size": 4, "checkpoint_every": 3, "max_seq_length": 32, "learning_rate": 1e-2, **runtime}
+    hp = {
+        "n_epochs": 2,
+        "batch_size": 4,
+        "checkpoint_every": 3,
+        "max_seq_length": 32,
+        "learning_rate": 1e-2,
+        **runtime,
+    }
     extra = {"engine": engine, "lora": lora}
     full = run_training(make_spec(tmp_path / "a", data, None, hyperparameters=hp, **extra))
     assert full.steps == 12
@@ -142,8 +195,11 @@ def test_resume_gives_identical_weights(
     # Interrupt 1: cancel after step 5 (mid-window; checkpoints at 3 and the cancel point 5).
     out = tmp_path / "b"
     seen = Recorder()
-    cut = run_training(make_spec(out, data, None, hyperparameters=hp, **extra), on_event=seen,
-                       should_cancel=lambda: len(seen.of("step")) >= 5)
+    cut = run_training(
+        make_spec(out, data, None, hyperparameters=hp, **extra),
+        on_event=seen,
+        should_cancel=lambda: len(seen.of("step")) >= 5,
+    )
     assert cut.cancelled and cut.steps == 5 and latest_checkpoint(out).step == 5  # type: ignore[union-attr]
 
     # Interrupt 2: a crash (an exception) at step 8: nothing saved past the checkpoint at 6.
@@ -188,8 +244,12 @@ def test_lora_exports_merged_model_and_adapter(tmp_path: Path) -> None:
     from trainer.model.catalog import load_model
 
     rec = Recorder()
-    spec = make_spec(tmp_path / "out", valid=None, lora={"r": 4, "alpha": 8},
-                     hyperparameters={"max_steps": 4, "learning_rate": 5e-2})
+    spec = make_spec(
+        tmp_path / "out",
+        valid=None,
+        lora={"r": 4, "alpha": 8},
+        hyperparameters={"max_steps": 4, "learning_rate": 5e-2},
+    )
     result = run_training(spec, on_event=rec)
     started = rec.of("run_started")[0]
     assert 0 < started.trainable_parameters < started.num_parameters / 5
@@ -201,7 +261,11 @@ def test_lora_exports_merged_model_and_adapter(tmp_path: Path) -> None:
     got = merged.state_dict()
     assert got.keys() == ref.keys()
     assert all(torch.allclose(got[k], ref[k], atol=1e-6) for k in ref)
-    changed = [k for k in ref if not torch.equal(ref[k], load_model("tiny-llama", dtype=torch.float32, seed=3).state_dict()[k])]
+    changed = [
+        k
+        for k in ref
+        if not torch.equal(ref[k], load_model("tiny-llama", dtype=torch.float32, seed=3).state_dict()[k])
+    ]
     assert changed and all("proj" in k for k in changed)  # only adapted linear layers moved
 
 
@@ -219,11 +283,16 @@ def test_bad_data_raises_with_error_event(tmp_path: Path) -> None:
 def test_resume_refuses_other_hyperparameters(tmp_path: Path) -> None:
     data = arithmetic_file(tmp_path / "sums.jsonl")
     hp = {"batch_size": 4, "max_seq_length": 32, "checkpoint_every": 2}
-    run_training(make_spec(tmp_path / "out", data, None, hyperparameters=hp), should_cancel=lambda: bool(_ckpts(tmp_path)))
+    run_training(
+        make_spec(tmp_path / "out", data, None, hyperparameters=hp),
+        should_cancel=lambda: bool(_ckpts(tmp_path)),
+    )
     with pytest.raises(ResumeMismatchError, match="different hyperparameters"):
         run_training(make_spec(tmp_path / "out", data, None, hyperparameters={**hp, "batch_size": 3}))
     # Not resuming starts afresh (earlier checkpoints removed).
-    fresh = run_training(make_spec(tmp_path / "out", data, None, hyperparameters={**hp, "batch_size": 3}), resume=False)
+    fresh = run_training(
+        make_spec(tmp_path / "out", data, None, hyperparameters={**hp, "batch_size": 3}), resume=False
+    )
     assert fresh.steps == 8 and not fresh.cancelled
 
 

@@ -46,7 +46,8 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize(
-    "engine", [{"mode": "device"}, {"mode": "zenflow", "update_interval": 2, "full_warm_up_rounds": 0}],
+    "engine",
+    [{"mode": "device"}, {"mode": "zenflow", "update_interval": 2, "full_warm_up_rounds": 0}],
     ids=["device", "zenflow"],
 )
 def test_micro_batches_give_the_same_update(tmp_path: Path, engine: dict[str, Any]) -> None:
@@ -54,10 +55,19 @@ def test_micro_batches_give_the_same_update(tmp_path: Path, engine: dict[str, An
     1e-5), same step events; zenflow's windows count optimizer steps, not micro-batches."""
     data = arithmetic_file(tmp_path / "sums.jsonl", n=32)
     # Rows of 20 tokens hold two of these examples (7-8 tokens): packed, a step is 3 + 1 rows.
-    base = {"n_epochs": 2, "batch_size": 8, "max_seq_length": 20, "learning_rate": 1e-2, "checkpoint_every": 100}
+    base = {
+        "n_epochs": 2,
+        "batch_size": 8,
+        "max_seq_length": 20,
+        "learning_rate": 1e-2,
+        "checkpoint_every": 100,
+    }
     runs = {}
-    for name, extra in {"whole": {}, "micro": {"micro_batch_size": 2},
-                        "packed": {"micro_batch_size": 3, "packing": True}}.items():
+    for name, extra in {
+        "whole": {},
+        "micro": {"micro_batch_size": 2},
+        "packed": {"micro_batch_size": 3, "packing": True},
+    }.items():
         rec = Recorder()
         spec = make_spec(tmp_path / name, data, None, hyperparameters={**base, **extra}, engine=engine)
         result = run_training(spec, on_event=rec)
@@ -70,7 +80,9 @@ def test_micro_batches_give_the_same_update(tmp_path: Path, engine: dict[str, An
         weights, other, res = runs[name]
         assert _rel(whole, weights) < 1e-5, name
         assert [e.step for e in other] == [e.step for e in steps] == list(range(1, 9))
-        assert [e.tokens for e in other] == [e.tokens for e in steps] and res.trained_tokens == result.trained_tokens
+        assert [e.tokens for e in other] == [
+            e.tokens for e in steps
+        ] and res.trained_tokens == result.trained_tokens
         assert [e.loss for e in other] == pytest.approx([e.loss for e in steps], rel=1e-5)
         assert [e.engine.applied_cpu_update for e in other] == [e.engine.applied_cpu_update for e in steps]
     if engine["mode"] == "zenflow":
@@ -78,9 +90,13 @@ def test_micro_batches_give_the_same_update(tmp_path: Path, engine: dict[str, An
         assert [e.engine.applied_cpu_update for e in steps] == [False, False, False, True] + [False, True] * 2
 
 
-def _segments_logits(model: Any, examples: list[Example], rows: list[list[int]]) -> tuple[list[torch.Tensor], Any]:
+def _segments_logits(
+    model: Any, examples: list[Example], rows: list[list[int]]
+) -> tuple[list[torch.Tensor], Any]:
     """Each example's logits out of one packed forward, in example order, and the packed batch."""
-    batch = next(iter(micro_batches(examples, len(rows), pad_id=0, device=CPU, packing=True, max_seq_length=64)))
+    batch = next(
+        iter(micro_batches(examples, len(rows), pad_id=0, device=CPU, packing=True, max_seq_length=64))
+    )
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     out: dict[int, torch.Tensor] = {}
@@ -115,11 +131,17 @@ def test_packed_loss_equals_unpacked_per_example(attention: str) -> None:
     # Control: the same rows under one causal mask per row (an explicit 2D mask turns packing detection
     # off) mix examples, and the logits after the first example of a row change.
     with torch.no_grad():
-        mixed = model(input_ids=batch.input_ids, attention_mask=torch.ones_like(batch.input_ids),
-                      position_ids=batch.position_ids, use_cache=False).logits
+        mixed = model(
+            input_ids=batch.input_ids,
+            attention_mask=torch.ones_like(batch.input_ids),
+            position_ids=batch.position_ids,
+            use_cache=False,
+        ).logits
     second = rows[0][1]
     start = len(examples[rows[0][0]].input_ids)
-    assert not torch.allclose(mixed[0, start : start + len(examples[second].input_ids)], packed[second], atol=1e-3)
+    assert not torch.allclose(
+        mixed[0, start : start + len(examples[second].input_ids)], packed[second], atol=1e-3
+    )
 
 
 def test_packing_rows_and_attention() -> None:
@@ -138,14 +160,19 @@ def test_gradient_checkpointing_gives_the_same_gradients(lora: dict[str, Any] | 
     grads, calls = [], []
     for checkpointing in (False, True):
         model = load_model("tiny-llama", dtype=torch.float32, seed=0)
-        apply_runtime(model, RuntimeChoices(micro_batch_size=4, gradient_checkpointing=checkpointing, packing=False),
-                      CPU, torch.float32)
+        apply_runtime(
+            model,
+            RuntimeChoices(micro_batch_size=4, gradient_checkpointing=checkpointing, packing=False),
+            CPU,
+            torch.float32,
+        )
         # Inside the checkpointed layer (transformers checkpoints forward, hooks on the layer stay outside).
         forwards: list[int] = []
         model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, seen=forwards: seen.append(1))
         if lora is not None:
-            spec = JobSpec.model_validate({"model": "tiny-llama", "training_file": "x.jsonl",
-                                           "hyperparameters": {"lora": lora}})
+            spec = JobSpec.model_validate(
+                {"model": "tiny-llama", "training_file": "x.jsonl", "hyperparameters": {"lora": lora}}
+            )
             model = apply_lora(model, spec, seed=0)
         model.train()
         torch.manual_seed(5)  # the same dropout masks (checkpoints replay the RNG state)
@@ -185,10 +212,17 @@ def test_runtime_resolution() -> None:
     r = Hyperparameters().resolve(1000, base_learning_rate=1e-3)
     assert (r.micro_batch_size, r.gradient_checkpointing, r.packing) == (r.batch_size, False, False)
     # A batch size lowered to the examples (or auto) clamps the micro-batch with it.
-    assert Hyperparameters(batch_size=16, micro_batch_size=16).resolve(5, base_learning_rate=1).micro_batch_size == 5
+    assert (
+        Hyperparameters(batch_size=16, micro_batch_size=16).resolve(5, base_learning_rate=1).micro_batch_size
+        == 5
+    )
     plan = RuntimeChoices(micro_batch_size=64, gradient_checkpointing=True, packing=True)
     r = Hyperparameters(batch_size=8, packing=False).resolve(100, base_learning_rate=1, planned=plan)
-    assert (r.micro_batch_size, r.gradient_checkpointing, r.packing) == (8, True, False)  # explicit wins, clamped
+    assert (r.micro_batch_size, r.gradient_checkpointing, r.packing) == (
+        8,
+        True,
+        False,
+    )  # explicit wins, clamped
     assert "micro_batch_size" not in r.training_signature()
 
 
@@ -199,5 +233,7 @@ def test_checkpoint_without_runtime_fields_resumes() -> None:
     back = ResolvedHyperparameters(**old)
     assert (back.micro_batch_size, back.gradient_checkpointing, back.packing) == (4, False, False)
     assert back.training_signature() == r.training_signature()
-    other = Hyperparameters(batch_size=4, micro_batch_size=2, packing=True).resolve(40, base_learning_rate=1e-3)
+    other = Hyperparameters(batch_size=4, micro_batch_size=2, packing=True).resolve(
+        40, base_learning_rate=1e-3
+    )
     assert other.training_signature() == back.training_signature()

@@ -21,14 +21,31 @@ from trainer.plan.planner import Plan, plan_job
 from trainer.plan.shapes import activation_bytes, model_shape
 from trainer.spec import JobSpec, LoraSpec
 
-SAMPLES = Path(__file__).resolve().parents[1] / "trainer" / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "samples"
 #: The public Llama-3-8B config.
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 #: ~100M parameters, Llama-shaped with grouped KV heads.
-LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=16000, max_position_embeddings=1024, tie_word_embeddings=False)
+LLAMA_100M = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=16000,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 
 
 def _model_dir(tmp_path: Path, name: str, cfg: dict[str, object]) -> Path:
@@ -86,13 +103,22 @@ def test_activations_match_saved_tensors_tiny(dtype: torch.dtype, checkpointing:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_activations_match_saved_tensors_100m(llama100m: tuple[Path, torch.nn.Module], checkpointing: bool) -> None:
+def test_activations_match_saved_tensors_100m(
+    llama100m: tuple[Path, torch.nn.Module], checkpointing: bool
+) -> None:
     d, model = llama100m
     _check_activations(model, model_shape(str(d)), 1, 48, torch.float32, checkpointing, True)
 
 
-def _check_activations(model: torch.nn.Module, shape, b: int, s: int, dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                       checkpointing: bool, padded: bool) -> None:
+def _check_activations(
+    model: torch.nn.Module,
+    shape,
+    b: int,
+    s: int,
+    dtype: torch.dtype,  # type: ignore[no-untyped-def]
+    checkpointing: bool,
+    padded: bool,
+) -> None:
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     try:
@@ -124,8 +150,12 @@ def test_a_resumed_run_keeps_its_checkpoints_engine_layout(accumulate_on: str) -
     from trainer.plan.in_run import engine_choices
 
     model = load_model("tiny-llama", dtype=torch.float32, seed=0)
-    cfg = EngineConfig(mode="zenflow", accumulate_on=accumulate_on, update_interval=4,  # type: ignore[arg-type]
-                       bind_worker_cores=False)
+    cfg = EngineConfig(
+        mode="zenflow",
+        accumulate_on=accumulate_on,
+        update_interval=4,  # type: ignore[arg-type]
+        bind_worker_cores=False,
+    )
     with ZenFlowEngine(model, cfg) as engine:
         for p in model.parameters():
             p.grad = torch.ones_like(p)
@@ -137,8 +167,10 @@ def test_a_resumed_run_keeps_its_checkpoints_engine_layout(accumulate_on: str) -
     assert engine_choices(plan, state) == {"mode": "zenflow", "accumulate_on": accumulate_on}
 
 
-@pytest.mark.parametrize(("mode", "accumulate_on"), [
-    ("device", "host"), ("offload", "host"), ("zenflow", "host"), ("zenflow", "device")])
+@pytest.mark.parametrize(
+    ("mode", "accumulate_on"),
+    [("device", "host"), ("offload", "host"), ("zenflow", "host"), ("zenflow", "device")],
+)
 def test_engine_bytes_match_what_the_engine_reports(mode: str, accumulate_on: str) -> None:
     from trainer.model.catalog import load_model
 
@@ -163,7 +195,9 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     assert plan.settings.mode == "zenflow" and plan.modes["zenflow"].fits
     assert plan.device_bytes <= plan.device_capacity_bytes and plan.host_bytes <= 128 * GiB
     norms = 65 * 4096  # 1-D weights stay on the device; every 2-D weight is split
-    assert plan.device["weights"] == 2 * plan.params and plan.host["engine_state"] == 12 * (plan.params - norms)
+    assert plan.device["weights"] == 2 * plan.params and plan.host["engine_state"] == 12 * (
+        plan.params - norms
+    )
     # the chosen settings are stated, with why
     assert plan.settings.micro_batch_size >= 1 and isinstance(plan.settings.gradient_checkpointing, bool)
     assert any(r.startswith("engine.mode auto -> zenflow") for r in plan.reasons)
@@ -172,7 +206,9 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     assert modes["offload"].step_seconds > modes["zenflow"].step_seconds > 0
     # on an H100 a micro-batch of 2 x 2048 needs activation checkpointing; 4 x 2048 does not fit at all
     h100 = Machine.for_gpu("h100", host_memory_bytes=128 * GiB)
-    two = plan_job(_spec(d, hyperparameters={"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 2}), h100)
+    two = plan_job(
+        _spec(d, hyperparameters={"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 2}), h100
+    )
     assert two.fits and two.settings.gradient_checkpointing and two.settings.micro_batch_size == 2
     hp4 = {"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 4}
     four = plan_job(_spec(d, hyperparameters=hp4, engine={"mode": "zenflow"}), h100)
@@ -213,7 +249,9 @@ def test_engine_mode_auto_picks_device_for_lora_and_small_models(tmp_path: Path)
     small = plan_job(_spec("tiny-llama"), machine)
     assert small.settings.mode == "device"
     assert JobSpec(model="tiny-llama", training_file="t.jsonl").engine.mode == "auto"
-    given = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"mode": "auto", "accumulate_on": "auto"})
+    given = JobSpec(
+        model="tiny-llama", training_file="t.jsonl", engine={"mode": "auto", "accumulate_on": "auto"}
+    )
     assert given.engine.topk_ratio == 0.25  # an explicit auto keeps the model's engine defaults
 
 
@@ -236,8 +274,12 @@ def test_run_records_its_plan_and_runs_the_chosen_mode(tmp_path: Path) -> None:
     from trainer.run.loop import run_training
 
     events: list[Event] = []
-    spec = JobSpec(model="tiny-llama", training_file=SAMPLES / "capitals_train.jsonl", output_dir=tmp_path,
-                   hyperparameters={"max_steps": 2, "batch_size": 4, "max_seq_length": 128})
+    spec = JobSpec(
+        model="tiny-llama",
+        training_file=SAMPLES / "capitals_train.jsonl",
+        output_dir=tmp_path,
+        hyperparameters={"max_steps": 2, "batch_size": 4, "max_seq_length": 128},
+    )
     run_training(spec, on_event=events.append, resume=False, progress=False)
     (planned,) = [e for e in events if isinstance(e, LogEvent) and "plan" in e.data]
     plan = Plan.model_validate(planned.data["plan"])
@@ -253,14 +295,28 @@ def test_a_config_the_plan_cannot_build(tmp_path: Path) -> None:
 
     d = tmp_path / "broken"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5,
-                                               "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 10}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_attention_heads": 5,
+                "num_hidden_layers": 1,
+                "intermediate_size": 8,
+                "vocab_size": 10,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="cannot build the model from its config"):
         plan_job(_spec(d), Machine.for_gpu("h100", host_memory_bytes=64 * GiB))
     events: list[Event] = []
     assert plan_for_run(_spec(d), "cpu", num_examples=10, num_tokens=None, emit=events.append) is None
     (warning,) = events
-    assert isinstance(warning, LogEvent) and warning.level == "warning" and "No memory and speed plan" in warning.message
+    assert (
+        isinstance(warning, LogEvent)
+        and warning.level == "warning"
+        and "No memory and speed plan" in warning.message
+    )
     assert planned_runtime(None) is None and engine_choices(None) == {}
 
 
@@ -293,7 +349,11 @@ def test_machines_and_sizes() -> None:
     assert find_gpu("NVIDIA L4") is not None and find_gpu("NVIDIA L4").key == "l4"  # type: ignore[union-attr]
     assert find_gpu("NVIDIA L40S").key == "l40s" and find_gpu("Quadro 9000") is None  # type: ignore[union-attr]
     assert find_gpu("NVIDIA L40") is None  # not an L4: names match as whole words
-    assert parse_bytes("128GiB") == 128 * GiB and parse_bytes("120 GB") == 120 * 10**9 and parse_bytes("1024") == 1024
+    assert (
+        parse_bytes("128GiB") == 128 * GiB
+        and parse_bytes("120 GB") == 120 * 10**9
+        and parse_bytes("1024") == 1024
+    )
     with pytest.raises(ValueError):
         parse_bytes("lots")
     with pytest.raises(ValueError):
@@ -305,10 +365,36 @@ def test_bench_memory_smoke() -> None:
 
     out = io.StringIO()
     with redirect_stdout(out):
-        assert main(["--models", "tiny-llama", "--seq", "32", "--gpus", "h200", "--no-packing", "--run",
-                     "--run-modes", "zenflow", "--run-steps", "2", "--run-batch", "2", "--run-seq", "64", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "--models",
+                    "tiny-llama",
+                    "--seq",
+                    "32",
+                    "--gpus",
+                    "h200",
+                    "--no-packing",
+                    "--run",
+                    "--run-modes",
+                    "zenflow",
+                    "--run-steps",
+                    "2",
+                    "--run-batch",
+                    "2",
+                    "--run-seq",
+                    "64",
+                    "--json",
+                ]
+            )
+            == 0
+        )
     doc = json.loads(out.getvalue())
-    assert {r["component"] for r in doc["memory"]} >= {"parameters", "activations", "activations (checkpointing)"}
+    assert {r["component"] for r in doc["memory"]} >= {
+        "parameters",
+        "activations",
+        "activations (checkpointing)",
+    }
     assert all(0.9 <= r["ratio"] <= 1.1 for r in doc["memory"]), doc["memory"]
     assert [r["model"] for r in doc["speed"]] == ["llama-1b", "llama-3b", "llama-8b"]
     assert all(r["zenflow_over_offload_speed"] > 0 for r in doc["speed"])

@@ -76,15 +76,26 @@ def test_rank_env_gpu_and_cpu_ranks() -> None:
     base = {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,5", "OMP_NUM_THREADS": "3"}
     g = [rank_env(r, 2, 29500, visible_device=d, base=base) for r, d in enumerate(["2", "5"])]
     assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in g] == [
-        ("0", "2", "0", "2"), ("1", "2", "1", "5")]
-    assert all(e["MASTER_ADDR"] == "127.0.0.1" and e["MASTER_PORT"] == "29500" and e["PATH"] == "/bin" for e in g)
-    assert all(RANK_CPUS_ENV not in e and e["OMP_NUM_THREADS"] == "3" for e in g)  # the engine places GPU ranks
+        ("0", "2", "0", "2"),
+        ("1", "2", "1", "5"),
+    ]
+    assert all(
+        e["MASTER_ADDR"] == "127.0.0.1" and e["MASTER_PORT"] == "29500" and e["PATH"] == "/bin" for e in g
+    )
+    assert all(
+        RANK_CPUS_ENV not in e and e["OMP_NUM_THREADS"] == "3" for e in g
+    )  # the engine places GPU ranks
     assert base["CUDA_VISIBLE_DEVICES"] == "2,5"  # base untouched
 
     cpus = list(range(8))
-    c = [rank_env(r, 2, 29500, visible_device=None, base={"OMP_NUM_THREADS": "16"}, cpus=cpus) for r in range(2)]
+    c = [
+        rank_env(r, 2, 29500, visible_device=None, base={"OMP_NUM_THREADS": "16"}, cpus=cpus)
+        for r in range(2)
+    ]
     assert [(e[RANK_CPUS_ENV], e["OMP_NUM_THREADS"], e["CUDA_VISIBLE_DEVICES"]) for e in c] == [
-        ("0,1,2,3", "4", ""), ("4,5,6,7", "4", "")]
+        ("0,1,2,3", "4", ""),
+        ("4,5,6,7", "4", ""),
+    ]
     one = rank_env(1, 2, 1, visible_device=None, base={"OMP_NUM_THREADS": "1"}, cpus=cpus)
     assert one["OMP_NUM_THREADS"] == "1"  # never more threads than the caller allowed
     with pytest.raises(ValueError):
@@ -100,7 +111,11 @@ def test_cpu_share_is_an_even_disjoint_split() -> None:
 
 def test_group_envs_share_one_fresh_port() -> None:
     g = group_envs(3, devices=["0", "1", "2"], base={})
-    assert len({e["MASTER_PORT"] for e in g}) == 1 and [e["CUDA_VISIBLE_DEVICES"] for e in g] == ["0", "1", "2"]
+    assert len({e["MASTER_PORT"] for e in g}) == 1 and [e["CUDA_VISIBLE_DEVICES"] for e in g] == [
+        "0",
+        "1",
+        "2",
+    ]
     assert 0 < free_port() < 65536
     with pytest.raises(ValueError, match="need 3 GPUs"):
         group_envs(3, devices=["0"], base={})
@@ -117,8 +132,11 @@ def test_failing_rank_takes_the_group_down(tmp_path: Path) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(60)
     """
-    argvs = [child(SLEEPER, str(tmp_path)), child("import time, sys; time.sleep(0.5); sys.exit(1)"),
-             child(stubborn)]
+    argvs = [
+        child(SLEEPER, str(tmp_path)),
+        child("import time, sys; time.sleep(0.5); sys.exit(1)"),
+        child(stubborn),
+    ]
     g = RankGroup(argvs, envs(3), term_grace=1.0).start()
     t0 = time.monotonic()
     assert g.wait(timeout=30) == 1
@@ -133,7 +151,8 @@ def test_rank_killed_by_a_signal_is_the_groups_code(tmp_path: Path) -> None:
     """A rank dying by SIGKILL (the OOM killer) gives the group -SIGKILL even though its peer fails
     right after it (exit 5: the broken connection), as requeue.py expects of a killed runner."""
     argvs = [
-        child("""
+        child(
+            """
         import os, signal, sys, time
         from pathlib import Path
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -143,13 +162,18 @@ def test_rank_killed_by_a_signal_is_the_groups_code(tmp_path: Path) -> None:
         while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
             time.sleep(0.005)
         sys.exit(5)
-        """, str(tmp_path)),
-        child("""
+        """,
+            str(tmp_path),
+        ),
+        child(
+            """
         import os, signal, sys
         from pathlib import Path
         (Path(sys.argv[1]) / "peer").write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
-        """, str(tmp_path)),
+        """,
+            str(tmp_path),
+        ),
     ]
     g = RankGroup(argvs, envs(2), term_grace=2.0).start()
     assert g.wait(timeout=30) == -signal.SIGKILL
@@ -160,14 +184,16 @@ def test_all_exit_on_their_own_rank_zero_decides(tmp_path: Path) -> None:
     ok = RankGroup([child("import sys; sys.exit(0)")] * 2, envs(2)).start()
     assert ok.wait(timeout=30) == 0 and ok.failed_rank is None
     # rank 1 done first, then rank 0 preempted (75): the job's code is rank 0's
-    pre = RankGroup([child("import sys, time; time.sleep(0.5); sys.exit(75)"), child("import sys; sys.exit(0)")],
-                    envs(2)).start()
+    pre = RankGroup(
+        [child("import sys, time; time.sleep(0.5); sys.exit(75)"), child("import sys; sys.exit(0)")], envs(2)
+    ).start()
     assert pre.wait(timeout=30) == 75 and pre.failed_rank == 0
 
 
 def test_stragglers_after_rank_zero_exited_are_stopped(tmp_path: Path) -> None:
-    g = RankGroup([child("import sys; sys.exit(0)"), child(SLEEPER, str(tmp_path))], envs(2),
-                  term_grace=0.5).start()
+    g = RankGroup(
+        [child("import sys; sys.exit(0)"), child(SLEEPER, str(tmp_path))], envs(2), term_grace=0.5
+    ).start()
     assert g.wait(timeout=30) == 0
     assert g.returncodes() == [0, 0] and (tmp_path / "term-1").exists()
 

@@ -130,7 +130,10 @@ def test_model_engine_defaults_fill_only_the_gaps(tmp_path: Path) -> None:
     for model in (str(tmp_path), "small-llama"):
         eng = JobSpec(model=model, training_file="t.jsonl").engine
         assert (eng.topk_ratio, eng.update_interval, eng.select_interval) == (
-            plain.topk_ratio, plain.update_interval, plain.select_interval)
+            plain.topk_ratio,
+            plain.update_interval,
+            plain.select_interval,
+        )
     # the job's own bad value is still reported at its field
     with pytest.raises(ValidationError) as ei:
         JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"topk_ratio": 2})

@@ -26,7 +26,9 @@ def test_capacity_measured_here_is_plausible() -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     assert cap.locked_memory_bytes == (None if soft == resource.RLIM_INFINITY else soft)
     if torch.cuda.is_available():
-        assert cap.device_type == "cuda" and cap.gpu_name and cap.gpu_memory_bytes > 0 and cap.gpus_on_host >= 1
+        assert (
+            cap.device_type == "cuda" and cap.gpu_name and cap.gpu_memory_bytes > 0 and cap.gpus_on_host >= 1
+        )
         assert cap.pcie_gbps is not None and cap.pcie_gbps > 0
     else:
         assert cap.device_type == "cpu" and cap.gpu_name is None and cap.pcie_gbps is None
@@ -36,13 +38,23 @@ def test_capacity_measured_here_is_plausible() -> None:
 
 
 def test_a_gpu_worker_gets_its_share_of_the_host() -> None:
-    cap = WorkerCapacity(device_type="cuda", gpu_name="NVIDIA H100 80GB HBM3", gpu_memory_bytes=80 * GiB,
-                         gpus_on_host=8, host_memory_bytes=2048 * GiB, cores=128, cpu_adam_gbps=160.0,
-                         pcie_gbps=52.0, locked_memory_bytes=None)
+    cap = WorkerCapacity(
+        device_type="cuda",
+        gpu_name="NVIDIA H100 80GB HBM3",
+        gpu_memory_bytes=80 * GiB,
+        gpus_on_host=8,
+        host_memory_bytes=2048 * GiB,
+        cores=128,
+        cpu_adam_gbps=160.0,
+        pcie_gbps=52.0,
+        locked_memory_bytes=None,
+    )
     m = to_machine(cap)
     assert (m.gpu_name, m.gpu_flops, m.gpu_memory_bytes) == ("h100", KNOWN_GPUS["h100"].flops, 80 * GiB)
     assert (m.host_memory_bytes, m.cores, m.cpu_adam_gbps, m.pcie_gbps) == (256 * GiB, 16, 20.0, 52.0)
-    unknown = to_machine(cap.model_copy(update={"gpu_name": "Some GPU X", "gpu_sm_count": 100, "gpus_on_host": 1}))
+    unknown = to_machine(
+        cap.model_copy(update={"gpu_name": "Some GPU X", "gpu_sm_count": 100, "gpus_on_host": 1})
+    )
     assert unknown.gpu_name == "Some GPU X" and unknown.gpu_flops == pytest.approx(100 * 2.9e12)
     assert unknown.host_memory_bytes == 2048 * GiB
 
@@ -50,7 +62,11 @@ def test_a_gpu_worker_gets_its_share_of_the_host() -> None:
 def test_default_capacity_describes_a_typical_box() -> None:
     settings = Settings(_env_file=None)
     m = to_machine(default_capacity(settings))
-    assert (m.device_type, m.gpu_name, m.gpu_memory_bytes) == ("cuda", "h100", KNOWN_GPUS["h100"].memory_bytes)
+    assert (m.device_type, m.gpu_name, m.gpu_memory_bytes) == (
+        "cuda",
+        "h100",
+        KNOWN_GPUS["h100"].memory_bytes,
+    )
     assert (m.host_memory_bytes, m.cores, m.locked_memory_bytes) == (192 * GiB, 24, None)
     cpu = to_machine(default_capacity(settings.model_copy(update={"default_worker_gpu": ""})))
     assert cpu.device_type == "cpu" and cpu.host_memory_bytes == 192 * GiB
@@ -65,11 +81,19 @@ def test_registry_live_workers_per_queue(pg_db_url: str) -> None:
     t0 = utcnow()
     with session_scope(pg_db_url) as s:
         worker_registry.register(s, "reg-a@test", ["q-reg-1", "q-reg-2"], CAP.model_dump(), now=t0)
-        worker_registry.register(s, "reg-b@test", ["q-reg-2"], CAP.model_dump(), now=t0 - timedelta(seconds=90))
+        worker_registry.register(
+            s, "reg-b@test", ["q-reg-2"], CAP.model_dump(), now=t0 - timedelta(seconds=90)
+        )
     try:
         with session_scope(pg_db_url) as s:
+
             def live(queue: str, at: float) -> list[str]:
-                return [w.name for w in worker_registry.live_workers(s, queue, live_seconds=60, now=t0 + timedelta(seconds=at))]
+                return [
+                    w.name
+                    for w in worker_registry.live_workers(
+                        s, queue, live_seconds=60, now=t0 + timedelta(seconds=at)
+                    )
+                ]
 
             assert live("q-reg-1", 0) == ["reg-a@test"] and live("q-reg-2", 0) == ["reg-a@test"]
             assert live("q-reg-1", 61) == [] and live("q-other", 0) == []

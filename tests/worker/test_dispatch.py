@@ -43,8 +43,14 @@ def settings(db_url: str, redis_broker_url: str, unique_queue: str, tmp_path: Pa
     """Settings on the private database and the local Redis; worker.broker's Celery app uses them."""
     from worker.broker import configure_celery
 
-    s = Settings(_env_file=None, data_dir=tmp_path / "var", database_url=db_url,  # type: ignore[call-arg]
-                 broker_url=redis_broker_url, default_queue=unique_queue, dispatch_grace_seconds=GRACE)
+    s = Settings(
+        _env_file=None,
+        data_dir=tmp_path / "var",
+        database_url=db_url,  # type: ignore[call-arg]
+        broker_url=redis_broker_url,
+        default_queue=unique_queue,
+        dispatch_grace_seconds=GRACE,
+    )
     configure_celery(s)
     yield s
     configure_celery()
@@ -71,7 +77,9 @@ def queued_ids(rds, queue: str) -> list[str]:  # type: ignore[no-untyped-def]
 
 def events(url: str, job_id: str, message: str) -> int:
     with session_scope(url) as s:
-        return len(s.scalars(select(JobEvent.id).where(JobEvent.job_id == job_id, JobEvent.message == message)).all())
+        return len(
+            s.scalars(select(JobEvent.id).where(JobEvent.job_id == job_id, JobEvent.message == message)).all()
+        )
 
 
 def later(seconds: float = GRACE + 1) -> object:
@@ -80,8 +88,11 @@ def later(seconds: float = GRACE + 1) -> object:
 
 def age_dispatch(url: str, job_id: str, seconds: float = GRACE + 5) -> None:
     with session_scope(url) as s:
-        s.execute(update(FineTuningJob).where(FineTuningJob.id == job_id)
-                  .values(dispatched_at=utcnow() - timedelta(seconds=seconds)))
+        s.execute(
+            update(FineTuningJob)
+            .where(FineTuningJob.id == job_id)
+            .values(dispatched_at=utcnow() - timedelta(seconds=seconds))
+        )
 
 
 def test_undispatched_job_is_dispatched_after_the_grace(settings: Settings, tmp_path: Path, rds) -> None:  # type: ignore[no-untyped-def]
@@ -98,7 +109,9 @@ def test_undispatched_job_is_dispatched_after_the_grace(settings: Settings, tmp_
 
 
 def test_lost_message_is_redispatched_once_intact_queue_untouched(
-    settings: Settings, tmp_path: Path, rds  # type: ignore[no-untyped-def]
+    settings: Settings,
+    tmp_path: Path,
+    rds,  # type: ignore[no-untyped-def]
 ) -> None:
     url, lost_q = settings.resolved_database_url, settings.default_queue
     kept_q = f"zf-test-{secrets.token_hex(6)}"
@@ -157,15 +170,18 @@ def test_concurrent_reapers_dispatch_once(settings: Settings, tmp_path: Path, rd
     assert events(url, never, NEVER_SENT_EVENT) == 1 and events(url, lost, LOST_EVENT) == 1
 
 
-def test_requeue_paths_stamp_dispatched_at(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_requeue_paths_stamp_dispatched_at(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import worker.task as w
     from worker.reaper import reap_stale_jobs
 
     url = settings.resolved_database_url
     data = sums_file(tmp_path / "d.jsonl")
     old = utcnow() - timedelta(seconds=settings.heartbeat_timeout_seconds + 60)
-    stale = make_job(url, data, status="running", worker_hostname="dead@h", heartbeat_at=old, attempts=1,
-                     dispatched_at=old)
+    stale = make_job(
+        url, data, status="running", worker_hostname="dead@h", heartbeat_at=old, attempts=1, dispatched_at=old
+    )
     sent: list[str] = []
     assert reap_stale_jobs(settings=settings, enqueue=lambda j, q: sent.append(j)) == [stale] == sent
     assert (get_job(url, stale).dispatched_at or old) > old  # type: ignore[operator]

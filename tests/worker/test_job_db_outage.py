@@ -52,8 +52,11 @@ def _dbname(url: str) -> str:
 
 def terminate_backends(url: str) -> int:
     """Kill every connection to the test's database; how many were killed."""
-    rows = pg_admin("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d "
-                    "AND pid <> pg_backend_pid()", d=_dbname(url))
+    rows = pg_admin(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d "
+        "AND pid <> pg_backend_pid()",
+        d=_dbname(url),
+    )
     return sum(1 for (ok,) in rows if ok)  # type: ignore[misc]
 
 
@@ -73,7 +76,9 @@ class Terminator(threading.Thread):
     then every ``outage_every`` seconds, and kills its backends every ``every`` seconds in between,
     until stopped."""
 
-    def __init__(self, url: str, *, every: float = 1.0, outage_every: float = 4.0, outage: float = 1.5) -> None:
+    def __init__(
+        self, url: str, *, every: float = 1.0, outage_every: float = 4.0, outage: float = 1.5
+    ) -> None:
         super().__init__(daemon=True)
         self.url, self.every, self.outage_every, self.outage = url, every, outage_every, outage
         self.killed = self.outages = 0
@@ -98,9 +103,17 @@ class Terminator(threading.Thread):
 
 def runner_env(url: str, tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
-    env.update(ZENFLOW_DATABASE_URL=url, ZENFLOW_DATA_DIR=str(tmp_path / "var"), ZENFLOW_WORKER_HOSTNAME=HOSTNAME,
-               ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="0.5", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
+    env.update(
+        ZENFLOW_DATABASE_URL=url,
+        ZENFLOW_DATA_DIR=str(tmp_path / "var"),
+        ZENFLOW_WORKER_HOSTNAME=HOSTNAME,
+        ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="0.5",
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
     return env
 
 
@@ -109,8 +122,12 @@ def start_runner(url: str, job_id: str, tmp_path: Path, **extra: str) -> tuple[s
 
     log = tmp_path / f"runner-{time.monotonic_ns()}.log"
     with log.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", JOB_RUNNER_MODULE, job_id], env=runner_env(url, tmp_path, **extra),
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", JOB_RUNNER_MODULE, job_id],
+            env=runner_env(url, tmp_path, **extra),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     return proc, log
 
 
@@ -132,14 +149,21 @@ def events(url: str, job_id: str) -> list[JobEvent]:
 
 def metric_steps(url: str, job_id: str) -> list[int]:
     with session_scope(url) as s:
-        return list(s.scalars(select(JobStepMetric.step).where(JobStepMetric.job_id == job_id)
-                              .order_by(JobStepMetric.step)))
+        return list(
+            s.scalars(
+                select(JobStepMetric.step).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+            )
+        )
 
 
 def checkpoint_rows(url: str, job_id: str) -> dict[int, str]:
     with session_scope(url) as s:
-        return {r.step_number: r.path for r in s.execute(
-            select(JobCheckpoint.step_number, JobCheckpoint.path).where(JobCheckpoint.job_id == job_id))}
+        return {
+            r.step_number: r.path
+            for r in s.execute(
+                select(JobCheckpoint.step_number, JobCheckpoint.path).where(JobCheckpoint.job_id == job_id)
+            )
+        }
 
 
 def step_event_counts(evs: list[JobEvent]) -> Counter[int]:
@@ -158,7 +182,9 @@ def assert_complete(url: str, job_id: str) -> FineTuningJob:
     steps = list(range(1, job.total_steps + 1))
     assert metric_steps(url, job_id) == steps
     counts = step_event_counts(evs)
-    assert sorted(counts) == steps and set(counts.values()) == {1}, {k: v for k, v in counts.items() if v != 1}
+    assert sorted(counts) == steps and set(counts.values()) == {1}, {
+        k: v for k, v in counts.items() if v != 1
+    }
     on_disk = {c.step: str(c.path) for c in list_checkpoints(Path(str(job.output_dir)))}
     assert on_disk and checkpoint_rows(url, job_id) == on_disk
     assert job.last_checkpoint_path == on_disk[max(on_disk)]
@@ -178,8 +204,11 @@ HP = {"batch_size": 4, "max_seq_length": 64, "n_epochs": 100, "warmup": 0, "eval
 def test_job_survives_dropped_connections_and_short_outages(db_url: str, tmp_path: Path) -> None:
     """Backends killed every half second and the database away for 1 s every 2.5 s: the job trains on,
     writes everything in order once it can, and succeeds (the issue's repro failed at step 346)."""
-    job_id = make_job(db_url, sums_file(tmp_path / "d.jsonl"), hyperparameters={
-        **HP, "max_steps": 600, "checkpoint_every": 50})
+    job_id = make_job(
+        db_url,
+        sums_file(tmp_path / "d.jsonl"),
+        hyperparameters={**HP, "max_steps": 600, "checkpoint_every": 50},
+    )
     proc, log = start_runner(db_url, job_id, tmp_path, ZENFLOW_JOB_DB_OUTAGE_SECONDS="30")
     terminator = Terminator(db_url, every=0.5, outage_every=2.5, outage=1.0)
     try:
@@ -200,52 +229,91 @@ def test_job_survives_dropped_connections_and_short_outages(db_url: str, tmp_pat
 
 
 @pytest.mark.slow
-def test_outage_past_the_window_interrupts_requeues_and_resumes(db_url: str, tmp_path: Path, redis_broker_url: str,
-                                                                unique_queue: str) -> None:
+def test_outage_past_the_window_interrupts_requeues_and_resumes(
+    db_url: str, tmp_path: Path, redis_broker_url: str, unique_queue: str
+) -> None:
     """The database away for longer than the job's window (3 s here): the run checkpoints and exits as
     interrupted, the worker re-queues it with the attempt counted, the next attempt resumes from the
     checkpoint and writes what the first could not, and the job succeeds, never failed."""
     settings = Settings(data_dir=tmp_path / "var", database_url=db_url)
     workers = Workers(settings, redis_broker_url, unique_queue, tmp_path)
     try:
-        worker = workers.start("w1", ZENFLOW_JOB_DB_OUTAGE_SECONDS="3", ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="0.5",
-                               ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS="120")
-        job_id = make_job(db_url, sums_file(tmp_path / "d.jsonl"), queue=unique_queue,
-                          hyperparameters={**HP, "max_steps": 1000, "checkpoint_every": 50})
+        worker = workers.start(
+            "w1",
+            ZENFLOW_JOB_DB_OUTAGE_SECONDS="3",
+            ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="0.5",
+            ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS="120",
+        )
+        job_id = make_job(
+            db_url,
+            sums_file(tmp_path / "d.jsonl"),
+            queue=unique_queue,
+            hyperparameters={**HP, "max_steps": 1000, "checkpoint_every": 50},
+        )
         workers.enqueue(job_id)
-        wait_for(lambda: job_row(db_url, job_id).global_step >= 60, 120, "training past a checkpoint", workers.log)
+        wait_for(
+            lambda: job_row(db_url, job_id).global_step >= 60, 120, "training past a checkpoint", workers.log
+        )
         runner = wait_for(lambda: runner_pids(worker.pid), 10, "the runner process")[0]
         with database_away(db_url):
             # the run notices, waits out its 3 s window, checkpoints, and exits
-            wait_for(lambda: not Path(f"/proc/{runner}").exists()
-                     or b") Z" in Path(f"/proc/{runner}/stat").read_bytes(), 60, "the runner to stop", workers.log)
-        wait_for(lambda: job_row(db_url, job_id).status in ("succeeded", "failed"), 180, "the job to finish",
-                 workers.log)
+            wait_for(
+                lambda: (
+                    not Path(f"/proc/{runner}").exists()
+                    or b") Z" in Path(f"/proc/{runner}/stat").read_bytes()
+                ),
+                60,
+                "the runner to stop",
+                workers.log,
+            )
+        wait_for(
+            lambda: job_row(db_url, job_id).status in ("succeeded", "failed"),
+            180,
+            "the job to finish",
+            workers.log,
+        )
     finally:
         workers.stop()
     job = assert_complete(db_url, job_id)
     msgs = [e.message for e in events(db_url, job_id)]
     assert job.attempts == 2 and job.error is None, (job.attempts, job.error)
-    interrupted = [m for m in msgs if m.startswith("Training interrupted: the database was unreachable for more "
-                                                   "than 3 s; re-queued to resume from step ")]
+    interrupted = [
+        m
+        for m in msgs
+        if m.startswith(
+            "Training interrupted: the database was unreachable for more "
+            "than 3 s; re-queued to resume from step "
+        )
+    ]
     assert len(interrupted) == 1, msgs
     step = int(interrupted[0].rsplit(" ", 1)[1])
     assert f"Training resumed at step {step}: 1000 steps" in " | ".join(msgs)
     assert "Attempt 2/3 started on w1@test, resuming from step" in " | ".join(msgs)
-    assert not (Path(str(job.output_dir)) / ".zenflow-unwritten-reports.jsonl").exists()  # written, then removed
+    assert not (
+        Path(str(job.output_dir)) / ".zenflow-unwritten-reports.jsonl"
+    ).exists()  # written, then removed
 
 
 @pytest.mark.slow
-def test_resumed_run_writes_one_step_event_per_step_and_reconciles_checkpoints(db_url: str, tmp_path: Path) -> None:
+def test_resumed_run_writes_one_step_event_per_step_and_reconciles_checkpoints(
+    db_url: str, tmp_path: Path
+) -> None:
     """Killed between two checkpoints, resumed by a second process: the replayed steps get no second
     "Step N" event (item 7), a checkpoint on disk without its row is registered, and a row without its
     directory goes."""
-    job_id = make_job(db_url, sums_file(tmp_path / "d.jsonl"), hyperparameters={
-        **HP, "max_steps": 300, "checkpoint_every": 10})
+    job_id = make_job(
+        db_url,
+        sums_file(tmp_path / "d.jsonl"),
+        hyperparameters={**HP, "max_steps": 300, "checkpoint_every": 10},
+    )
     proc, log = start_runner(db_url, job_id, tmp_path)
     try:
-        wait_for(lambda: (step := job_row(db_url, job_id).global_step) >= 25 and 3 <= step % 10 <= 8, 120,
-                 "a step between two checkpoints", log)
+        wait_for(
+            lambda: (step := job_row(db_url, job_id).global_step) >= 25 and 3 <= step % 10 <= 8,
+            120,
+            "a step between two checkpoints",
+            log,
+        )
         proc.send_signal(signal.SIGKILL)  # e.g. the OOM killer: the steps since the checkpoint are replayed
         proc.wait(10)
     finally:
@@ -255,9 +323,15 @@ def test_resumed_run_writes_one_step_event_per_step_and_reconciles_checkpoints(d
     newest = max(checkpoint_rows(db_url, job_id))
     assert killed_at > newest
     with session_scope(db_url) as s:  # as if the database had lost the newest row, and kept a stale one
-        s.execute(text("DELETE FROM fine_tuning_job_checkpoints WHERE job_id = :j AND step_number = :n"),
-                  {"j": job_id, "n": newest})
-        s.add(JobCheckpoint(job_id=job_id, step_number=5, path=str(tmp_path / "gone"), fine_tuned_model_checkpoint="x"))
+        s.execute(
+            text("DELETE FROM fine_tuning_job_checkpoints WHERE job_id = :j AND step_number = :n"),
+            {"j": job_id, "n": newest},
+        )
+        s.add(
+            JobCheckpoint(
+                job_id=job_id, step_number=5, path=str(tmp_path / "gone"), fine_tuned_model_checkpoint="x"
+            )
+        )
     proc, log = start_runner(db_url, job_id, tmp_path)
     assert proc.wait(180) == 0, log.read_text()[-5000:]
     assert_complete(db_url, job_id)  # one "Step N" event for each step, the rows as on disk
@@ -273,8 +347,14 @@ def test_resumed_run_writes_one_step_event_per_step_and_reconciles_checkpoints(d
 def _running_job(url: str, tmp_path: Path) -> str:
     from store.orm import utcnow
 
-    return make_job(url, sums_file(tmp_path / "d.jsonl", n=8), status="running", worker_hostname=HOSTNAME,
-                    heartbeat_at=utcnow(), attempts=1)
+    return make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=8),
+        status="running",
+        worker_hostname=HOSTNAME,
+        heartbeat_at=utcnow(),
+        attempts=1,
+    )
 
 
 def test_writer_buffers_in_order_through_an_outage_with_bounded_memory(db_url: str, tmp_path: Path) -> None:
@@ -282,15 +362,24 @@ def test_writer_buffers_in_order_through_an_outage_with_bounded_memory(db_url: s
 
     job_id = _running_job(db_url, tmp_path)
     lost: list[bool] = []
-    w = ReportWriter(db_url, job_id, HOSTNAME, outage_seconds=60, max_items=20, on_lost=lambda: lost.append(True))
+    w = ReportWriter(
+        db_url, job_id, HOSTNAME, outage_seconds=60, max_items=20, on_lost=lambda: lost.append(True)
+    )
     w.start()
     try:
         with database_away(db_url):
             for i in range(20):
-                w.put(Write(job={"global_step": i + 1}, events=[event_row(f"event {i}")],
-                            metric={"step": i + 1, "train_loss": 1.0 / (i + 1)}))
+                w.put(
+                    Write(
+                        job={"global_step": i + 1},
+                        events=[event_row(f"event {i}")],
+                        metric={"step": i + 1, "train_loss": 1.0 / (i + 1)},
+                    )
+                )
             # the buffer is full: the next put waits for the database (training waits, memory stays bounded)
-            blocked = threading.Thread(target=lambda: w.put(Write(events=[event_row("event 20")])), daemon=True)
+            blocked = threading.Thread(
+                target=lambda: w.put(Write(events=[event_row("event 20")])), daemon=True
+            )
             blocked.start()
             blocked.join(1.5)
             assert blocked.is_alive() and w.pending() == 20
@@ -355,10 +444,16 @@ def test_writer_writes_nothing_for_a_job_taken_away(db_url: str, tmp_path: Path)
     try:
         with session_scope(db_url) as s:  # the reaper holds the row lock while the write comes in
             s.execute(text("SELECT 1 FROM fine_tuning_jobs WHERE id = :j FOR UPDATE"), {"j": job_id})
-            w.put(Write(job={"global_step": 9}, events=[event_row("stale")], metric={"step": 9, "train_loss": 1.0}))
+            w.put(
+                Write(
+                    job={"global_step": 9}, events=[event_row("stale")], metric={"step": 9, "train_loss": 1.0}
+                )
+            )
             time.sleep(0.5)
-            s.execute(text("UPDATE fine_tuning_jobs SET status = 'queued', worker_hostname = NULL WHERE id = :j"),
-                      {"j": job_id})
+            s.execute(
+                text("UPDATE fine_tuning_jobs SET status = 'queued', worker_hostname = NULL WHERE id = :j"),
+                {"j": job_id},
+            )
         assert lost.wait(30) and w.lost
     finally:
         w.close()
@@ -398,7 +493,9 @@ def test_public_message_never_carries_sql(db_url: str) -> None:
         conn.execute(text("SELECT 1"))
         terminate_backends(db_url)
         with pytest.raises(Exception) as dropped:
-            conn.execute(update(FineTuningJob).where(FineTuningJob.id == "ftjob-secret").values(global_step=346))
+            conn.execute(
+                update(FineTuningJob).where(FineTuningJob.id == "ftjob-secret").values(global_step=346)
+            )
     assert "UPDATE fine_tuning_jobs" in str(dropped.value)  # what reached users before
     assert is_db_unavailable(dropped.value)
     assert public_message(dropped.value) == "database unavailable (AdminShutdown)"

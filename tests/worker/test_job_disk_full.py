@@ -30,8 +30,13 @@ from tests.worker.test_worker import get_job, make_job, messages, sums_file
 def settings(service_env: dict[str, str]) -> Iterator[Settings]:
     from store.settings import get_settings
 
-    yield get_settings().model_copy(update={"disk_full_backoff_seconds": 0.3, "disk_full_max_requeues": 2,
-                                            "heartbeat_interval_seconds": 0.1})
+    yield get_settings().model_copy(
+        update={
+            "disk_full_backoff_seconds": 0.3,
+            "disk_full_max_requeues": 2,
+            "heartbeat_interval_seconds": 0.1,
+        }
+    )
 
 
 def _runner_hit_a_full_disk(url: str, job_id: str, checkpoint: str, step: int) -> None:
@@ -46,7 +51,9 @@ def _runner_hit_a_full_disk(url: str, job_id: str, checkpoint: str, step: int) -
         job = s.get(FineTuningJob, job_id)
         assert job is not None
         job.last_checkpoint_path, job.global_step = checkpoint, step
-        add_event(s, job_id, message, level="warning", data={"error_type": "DiskFullError", "disk_full": message})
+        add_event(
+            s, job_id, message, level="warning", data={"error_type": "DiskFullError", "disk_full": message}
+        )
 
 
 def test_disk_full_requeues_after_a_backoff_without_counting_attempts(
@@ -67,14 +74,20 @@ def test_disk_full_requeues_after_a_backoff_without_counting_attempts(
         job = get_job(url, job_id)
         assert (job.status, job.attempts, job.error, sent[-1]) == ("queued", 0, None, job_id)
         msgs = messages(url, job_id)
-        assert (f"No space left while writing checkpoint 120; the previous checkpoint is kept. Retrying in {backoff:g} s "
-                f"(disk-full re-queue {n}/2; attempts are not counted)") in msgs
-        assert msgs[-1].startswith(f"No space left while writing checkpoint 120 (disk-full re-queue {n}/2); re-queued")
+        assert (
+            f"No space left while writing checkpoint 120; the previous checkpoint is kept. Retrying in {backoff:g} s "
+            f"(disk-full re-queue {n}/2; attempts are not counted)"
+        ) in msgs
+        assert msgs[-1].startswith(
+            f"No space left while writing checkpoint 120 (disk-full re-queue {n}/2); re-queued"
+        )
     _runner_hit_a_full_disk(url, job_id, "/jobs/x/checkpoint-000060", 120)
     assert w.finish_after_exit(job_id, EXIT_DISK_FULL, "w1@h", settings) == "failed"
     job = get_job(url, job_id)
     assert job.status == "failed" and job.error is not None and job.error["code"] == "disk_full"
-    assert job.error["message"].startswith("no space left while writing checkpoint 120; gave up after 2 re-queues")
+    assert job.error["message"].startswith(
+        "no space left while writing checkpoint 120; gave up after 2 re-queues"
+    )
     assert len(sent) == 2
 
     # a new checkpoint in between: the disk was freed for a while, so the count starts again
@@ -85,11 +98,15 @@ def test_disk_full_requeues_after_a_backoff_without_counting_attempts(
         assert "(disk-full re-queue 1/2)" in messages(url, other)[-1]
 
 
-def test_disk_full_backoff_honours_a_cancel(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_backoff_honours_a_cancel(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import worker.task as w
     from worker.job.runner import EXIT_DISK_FULL
 
-    monkeypatch.setattr(w, "enqueue_job", lambda job_id, queue=None: pytest.fail("a cancelled job is not re-queued"))
+    monkeypatch.setattr(
+        w, "enqueue_job", lambda job_id, queue=None: pytest.fail("a cancelled job is not re-queued")
+    )
     settings = settings.model_copy(update={"disk_full_backoff_seconds": 60.0})
     url = settings.resolved_database_url
     job_id = make_job(url, sums_file(tmp_path / "d.jsonl"))
@@ -129,6 +146,8 @@ def test_checkpoint_write_on_a_full_disk(tmp_path: Path) -> None:
             f.write(b"\0" * (os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize - (3 << 19)))
         with pytest.raises(DiskFullError) as err:
             write_atomic_dir(fs / "checkpoint-000020", payload(4 << 20), {"step": 20})
-        assert str(err.value) == "no space left while writing checkpoint 20" and err.value.errno == errno.ENOSPC
+        assert (
+            str(err.value) == "no space left while writing checkpoint 20" and err.value.errno == errno.ENOSPC
+        )
         assert is_complete(first) and digest(first) == before
         assert sorted(p.name for p in fs.iterdir()) == ["checkpoint-000010", "keep"]

@@ -29,8 +29,11 @@ def settings(service_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.Mo
 
 def _error_events(url: str, job_id: str) -> list[tuple[str, dict[str, Any]]]:
     with session_scope(url) as s:
-        rows = s.execute(select(JobEvent.message, JobEvent.data)
-                         .where(JobEvent.job_id == job_id, JobEvent.level == "error").order_by(JobEvent.seq)).all()
+        rows = s.execute(
+            select(JobEvent.message, JobEvent.data)
+            .where(JobEvent.job_id == job_id, JobEvent.level == "error")
+            .order_by(JobEvent.seq)
+        ).all()
         return [(m, dict(d or {})) for m, d in rows]
 
 
@@ -52,7 +55,9 @@ def test_a_failed_job_has_one_error_event(settings: Settings, tmp_path: Path) ->
     folder = write_model_folder(tmp_path / "models" / "garbage", "llama", weights=False)
     (folder / "pytorch_model.bin").write_bytes(b"not a torch checkpoint")
     data_file = tmp_path / "ok.jsonl"
-    data_file.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}\n')
+    data_file.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}\n'
+    )
     job_id = make_job(url, data_file)
     with session_scope(url) as s:
         s.get(FineTuningJob, job_id).model = "garbage"  # type: ignore[union-attr]

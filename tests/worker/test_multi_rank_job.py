@@ -29,20 +29,50 @@ ROOT = Path(__file__).resolve().parents[2]
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def make_job(url: str, data: Path, *, queue: str, gpus: int | None, hyperparameters: dict[str, Any] | None = None,
-             engine: dict[str, Any] | None = None, **cols: Any) -> str:
+def make_job(
+    url: str,
+    data: Path,
+    *,
+    queue: str,
+    gpus: int | None,
+    hyperparameters: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    **cols: Any,
+) -> str:
     with session_scope(url) as s:
         team = Team(name=f"t-{os.urandom(6).hex()}")
         s.add(team)
         s.flush()
-        f = File(team_id=team.id, filename=data.name, purpose="fine-tune", bytes=data.stat().st_size,
-                 sha256="0" * 64, storage_path=str(data), num_examples=0)
+        f = File(
+            team_id=team.id,
+            filename=data.name,
+            purpose="fine-tune",
+            bytes=data.stat().st_size,
+            sha256="0" * 64,
+            storage_path=str(data),
+            num_examples=0,
+        )
         s.add(f)
         s.flush()
-        hp = {"n_epochs": 1, "batch_size": 4, "max_seq_length": 64, "checkpoint_every": 5, **(hyperparameters or {})}
-        job = FineTuningJob(team_id=team.id, model="tiny-llama", training_file_id=f.id, status="queued",
-                            hyperparameters=hp, engine=engine or {"mode": "device"}, seed=1, queue=queue,
-                            resources=None if gpus is None else {"gpus": gpus}, **cols)
+        hp = {
+            "n_epochs": 1,
+            "batch_size": 4,
+            "max_seq_length": 64,
+            "checkpoint_every": 5,
+            **(hyperparameters or {}),
+        }
+        job = FineTuningJob(
+            team_id=team.id,
+            model="tiny-llama",
+            training_file_id=f.id,
+            status="queued",
+            hyperparameters=hp,
+            engine=engine or {"mode": "device"},
+            seed=1,
+            queue=queue,
+            resources=None if gpus is None else {"gpus": gpus},
+            **cols,
+        )
         s.add(job)
         s.flush()
         return job.id
@@ -50,11 +80,14 @@ def make_job(url: str, data: Path, *, queue: str, gpus: int | None, hyperparamet
 
 def messages(url: str, job_id: str) -> list[str]:
     with session_scope(url) as s:
-        return list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)))
+        return list(
+            s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))
+        )
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, *, log: Path | None = None,
-             interval: float = 0.1) -> Any:
+def wait_for(
+    cond: Callable[[], Any], timeout: float, what: str, *, log: Path | None = None, interval: float = 0.1
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = cond()
@@ -104,12 +137,18 @@ def test_rank_group_takes_the_workers_gpus_or_cpu_ranks(settings: Settings) -> N
     from worker.task import rank_group, worker_ranks
 
     g = rank_group("ftjob-x", 2, "w@h", settings, devices=["3", "5", "6"])
-    assert [(e["RANK"], e["WORLD_SIZE"], e["CUDA_VISIBLE_DEVICES"]) for e in g.envs] == [("0", "2", "3"),
-                                                                                         ("1", "2", "5")]
-    assert len({e["MASTER_PORT"] for e in g.envs}) == 1 and all(e["ZENFLOW_WORKER_HOSTNAME"] == "w@h" for e in g.envs)
+    assert [(e["RANK"], e["WORLD_SIZE"], e["CUDA_VISIBLE_DEVICES"]) for e in g.envs] == [
+        ("0", "2", "3"),
+        ("1", "2", "5"),
+    ]
+    assert len({e["MASTER_PORT"] for e in g.envs}) == 1 and all(
+        e["ZENFLOW_WORKER_HOSTNAME"] == "w@h" for e in g.envs
+    )
     assert g.argvs[0][-2:] == ["worker.job.runner", "ftjob-x"] and g.argvs[0] == g.argvs[1]
     cpu = rank_group("ftjob-x", 2, "w@h", settings, devices=[])
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in cpu.envs] == ["", ""] and all(RANK_CPUS_ENV in e for e in cpu.envs)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in cpu.envs] == ["", ""] and all(
+        RANK_CPUS_ENV in e for e in cpu.envs
+    )
     one = rank_group("ftjob-x", 1, "w@h", settings, devices=["3", "5"])
     assert "RANK" not in one.envs[0] and one.envs[0]["CUDA_VISIBLE_DEVICES"] == "3"
 
@@ -119,7 +158,8 @@ def test_rank_group_takes_the_workers_gpus_or_cpu_ranks(settings: Settings) -> N
 
 
 def test_a_job_larger_than_the_worker_goes_to_the_queue_of_its_size(
-        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Never run on fewer ranks: back to ``<queue>-x4`` with the attempt counted; failed (with what to
     start) once no attempt is left. The run ledger counts the job's own size."""
     import worker.task as task
@@ -155,7 +195,12 @@ def test_queues_of_a_multi_rank_worker(settings: Settings) -> None:
     both = settings.model_copy(update={"cpu_ranks": True, "gpus_per_job": 2})
     assert embedded_queues(both) == [settings.default_queue, f"{settings.default_queue}-x2"]
     eight = [(i, "h200") for i in range(8)]
-    assert [[i for i, _ in g] for g in gpu_groups(eight, 2, cpu_ranks=False)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [[i for i, _ in g] for g in gpu_groups(eight, 2, cpu_ranks=False)] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
     assert [[i for i, _ in g] for g in gpu_groups(eight[:3], 2, cpu_ranks=False)] == [[0, 1]]
     assert gpu_groups(eight[:2], 1, cpu_ranks=False) == [[(0, "h200")], [(1, "h200")]]
     assert gpu_groups([(None, None)], 2, cpu_ranks=True) == [[(None, None)]]
@@ -166,9 +211,14 @@ def test_queues_of_a_multi_rank_worker(settings: Settings) -> None:
 
 def test_launcher_refuses_more_ranks_than_gpus() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
-    proc = subprocess.run([sys.executable, "-m", "worker", "--gpus", "none", "--gpus-per-job", "2"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**env, "PYTHONPATH": str(ROOT), "ZENFLOW_CPU_RANKS": "false"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "--gpus", "none", "--gpus-per-job", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT), "ZENFLOW_CPU_RANKS": "false"},
+    )
     assert proc.returncode == 2 and "--gpus-per-job 2: this worker has no GPU" in proc.stderr, proc.stderr
     assert "ZENFLOW_CPU_RANKS=true" in proc.stderr
 
@@ -189,7 +239,11 @@ def test_rank_labels_and_peer_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gpu_label() == "5"  # a GPU rank: its physical index
 
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:42406")
-    assert peer_lost(gloo) and not peer_lost(RuntimeError("CUDA out of memory")) and not peer_lost(ValueError("x"))
+    assert (
+        peer_lost(gloo)
+        and not peer_lost(RuntimeError("CUDA out of memory"))
+        and not peer_lost(ValueError("x"))
+    )
     try:
         try:
             raise gloo
@@ -208,18 +262,38 @@ class Worker:
 
     def __init__(self, settings: Settings, redis_url: str, queue: str, tmp_path: Path) -> None:
         self.settings, self.queue, self.log = settings, queue, tmp_path / "worker.log"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "ZENFLOW_BROKER_URL": redis_url,
-                    "ZENFLOW_DATABASE_URL": settings.resolved_database_url, "ZENFLOW_DATA_DIR": str(settings.data_dir),
-                    "ZENFLOW_DEFAULT_QUEUE": queue, "ZENFLOW_CPU_RANKS": "true",
-                    "ZENFLOW_HEARTBEAT_INTERVAL_SECONDS": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
-                    # the session database holds other tests' queued jobs: not for this Redis
-                    "ZENFLOW_DISPATCH_GRACE_SECONDS": "86400"}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "ZENFLOW_BROKER_URL": redis_url,
+            "ZENFLOW_DATABASE_URL": settings.resolved_database_url,
+            "ZENFLOW_DATA_DIR": str(settings.data_dir),
+            "ZENFLOW_DEFAULT_QUEUE": queue,
+            "ZENFLOW_CPU_RANKS": "true",
+            "ZENFLOW_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "TOKENIZERS_PARALLELISM": "false",
+            # the session database holds other tests' queued jobs: not for this Redis
+            "ZENFLOW_DISPATCH_GRACE_SECONDS": "86400",
+        }
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "worker", "--gpus", "none", "--gpus-per-job", "2",
-               "--queues", self.queue, "--loglevel", "INFO"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker",
+            "--gpus",
+            "none",
+            "--gpus-per-job",
+            "2",
+            "--queues",
+            self.queue,
+            "--loglevel",
+            "INFO",
+        ]
         with self.log.open("ab") as f:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         return self.proc
@@ -265,9 +339,14 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
 
     url = worker.settings.resolved_database_url
     queue = queue_for_gpus(2, worker.queue)
-    job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=64), queue=queue, gpus=2,
-                      hyperparameters={"batch_size": 2, "n_epochs": 2, "max_steps": STEPS, "checkpoint_every": EVERY},
-                      engine={"mode": "zenflow", "update_interval": 2, "select_interval": 4})
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=64),
+        queue=queue,
+        gpus=2,
+        hyperparameters={"batch_size": 2, "n_epochs": 2, "max_steps": STEPS, "checkpoint_every": EVERY},
+        engine={"mode": "zenflow", "update_interval": 2, "select_interval": 4},
+    )
     worker.start()
     worker.enqueue(job_id, queue)
 
@@ -282,8 +361,13 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
     os.kill(ranks[1], signal.SIGKILL)  # e.g. the OOM killer takes one rank
     wait_for(lambda: not alive(ranks[0]) and not alive(ranks[1]), 60, "the group to end", log=worker.log)
 
-    job = wait_for(lambda: (j := get_job(url, job_id)).status in ("succeeded", "failed", "cancelled") and j, 600,
-                   "the resumed job to end", log=worker.log, interval=0.5)
+    job = wait_for(
+        lambda: (j := get_job(url, job_id)).status in ("succeeded", "failed", "cancelled") and j,
+        600,
+        "the resumed job to end",
+        log=worker.log,
+        interval=0.5,
+    )
     msgs = messages(url, job_id)
     assert job.status == "succeeded", (job.error, msgs[-10:])
     assert job.attempts == 2 and job.global_step == STEPS
@@ -293,8 +377,11 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
     assert sum(m.startswith("Job succeeded") for m in msgs) == 1
     assert sum(m.startswith("Attempt ") for m in msgs) == 2
     with session_scope(url) as s:
-        steps = list(s.scalars(select(JobStepMetric.step).where(JobStepMetric.job_id == job_id)
-                               .order_by(JobStepMetric.step)))
+        steps = list(
+            s.scalars(
+                select(JobStepMetric.step).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+            )
+        )
         runs = list(s.scalars(select(JobRun.gpus).where(JobRun.job_id == job_id)))
         final = s.get(RegisteredModel, job.fine_tuned_model)
         assert final is not None
@@ -305,8 +392,12 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
     assert "rank 1 of 2 exited (killed by SIGKILL)" in worker.log.read_text(errors="replace")
     with session_scope(url) as s:  # registered for admission as a worker of 2-rank jobs
-        row = wait_for(lambda: s.get(WorkerRow, str(job.worker_hostname), populate_existing=True), 60,
-                       "the worker's registry row", log=worker.log)
+        row = wait_for(
+            lambda: s.get(WorkerRow, str(job.worker_hostname), populate_existing=True),
+            60,
+            "the worker's registry row",
+            log=worker.log,
+        )
         assert (row.gpus_per_job, row.queues) == (2, [queue])
 
 
@@ -335,8 +426,12 @@ def test_a_multi_gpu_worker_reads_every_gpu_of_its_group(monkeypatch: pytest.Mon
     reg = CollectorRegistry()
     for c in hardware_collectors("w", None, "h", Fake()):
         reg.register(c)
-    util = {s.labels["gpu"]: s.value for m in reg.collect() for s in m.samples
-            if s.name == "zenflow_nvml_gpu_utilization_ratio"}
+    util = {
+        s.labels["gpu"]: s.value
+        for m in reg.collect()
+        for s in m.samples
+        if s.name == "zenflow_nvml_gpu_utilization_ratio"
+    }
     assert util == {"2": pytest.approx(0.2), "7": pytest.approx(0.7)}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
     assert [c.gpu for c in hardware_collectors("w", None, "h", Fake())] == ["4"]

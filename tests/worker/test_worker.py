@@ -43,25 +43,62 @@ def sums_file(path: Path, n: int = 64) -> Path:
     with path.open("w") as f:
         for _ in range(n):
             a, b = rng.randint(0, 99), rng.randint(0, 99)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"{a}+{b}?"},
-                                             {"role": "assistant", "content": str(a + b)}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"{a}+{b}?"},
+                            {"role": "assistant", "content": str(a + b)},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
-def make_job(url: str, data: Path, *, hyperparameters: dict[str, Any] | None = None, status: str = "queued",
-             queue: str = "gpu-default", **cols: Any) -> str:
+def make_job(
+    url: str,
+    data: Path,
+    *,
+    hyperparameters: dict[str, Any] | None = None,
+    status: str = "queued",
+    queue: str = "gpu-default",
+    **cols: Any,
+) -> str:
     with session_scope(url) as s:
         team = Team(name=f"t-{os.urandom(6).hex()}")
         s.add(team)
         s.flush()
-        f = File(team_id=team.id, filename=data.name, purpose="fine-tune", bytes=data.stat().st_size, sha256="0" * 64,
-                 storage_path=str(data), num_examples=0)
+        f = File(
+            team_id=team.id,
+            filename=data.name,
+            purpose="fine-tune",
+            bytes=data.stat().st_size,
+            sha256="0" * 64,
+            storage_path=str(data),
+            num_examples=0,
+        )
         s.add(f)
         s.flush()
-        hp = {"n_epochs": 1, "batch_size": 4, "max_seq_length": 64, "checkpoint_every": 5,
-              **(hyperparameters or {})}
-        job = FineTuningJob(team_id=team.id, model="tiny-llama", training_file_id=f.id, status=status,
-                            hyperparameters=hp, engine={"mode": "device"}, seed=1, queue=queue, **cols)
+        hp = {
+            "n_epochs": 1,
+            "batch_size": 4,
+            "max_seq_length": 64,
+            "checkpoint_every": 5,
+            **(hyperparameters or {}),
+        }
+        job = FineTuningJob(
+            team_id=team.id,
+            model="tiny-llama",
+            training_file_id=f.id,
+            status=status,
+            hyperparameters=hp,
+            engine={"mode": "device"},
+            seed=1,
+            queue=queue,
+            **cols,
+        )
         s.add(job)
         s.flush()
         return job.id
@@ -85,11 +122,18 @@ def model_path(url: str, model_id: str) -> Path:
 
 def messages(url: str, job_id: str) -> list[str]:
     with session_scope(url) as s:
-        return list(s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)))
+        return list(
+            s.scalars(select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq))
+        )
 
 
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, proc: subprocess.Popen[bytes] | None = None,
-             log: Path | None = None) -> Any:
+def wait_for(
+    cond: Callable[[], Any],
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = cond()
@@ -120,8 +164,13 @@ def test_claim_rules(settings: Settings, tmp_path: Path) -> None:
     assert claim_job(fresh, "w2@h", settings) == "running-elsewhere"  # a redelivered message: no second run
     assert claim_job(fresh, "w1@h", settings) == "claimed"  # same node again: its previous run is dead
     assert get_job(url, fresh).attempts == 1
-    stale = make_job(url, data, status="running", worker_hostname="w1@h",
-                     heartbeat_at=utcnow() - timedelta(seconds=settings.heartbeat_timeout_seconds + 5))
+    stale = make_job(
+        url,
+        data,
+        status="running",
+        worker_hostname="w1@h",
+        heartbeat_at=utcnow() - timedelta(seconds=settings.heartbeat_timeout_seconds + 5),
+    )
     assert claim_job(stale, "w2@h", settings) == "claimed"
     assert get_job(url, stale).worker_hostname == "w2@h"
     done = make_job(url, data, status="succeeded")
@@ -135,7 +184,9 @@ def test_claim_rules(settings: Settings, tmp_path: Path) -> None:
     assert claim_job("ftjob-missing", "w1@h", settings) == "missing"
 
 
-def test_requeue_after_abnormal_exit(settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_requeue_after_abnormal_exit(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import worker.task as w
     from worker.job.runner import EXIT_PREEMPTED
 
@@ -162,22 +213,44 @@ def test_reaper(settings: Settings, tmp_path: Path) -> None:
 
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
     old = utcnow() - timedelta(seconds=settings.heartbeat_timeout_seconds + 60)
-    stale = make_job(url, data, status="running", worker_hostname="dead@h", heartbeat_at=old, attempts=1, global_step=7)
+    stale = make_job(
+        url, data, status="running", worker_hostname="dead@h", heartbeat_at=old, attempts=1, global_step=7
+    )
     fresh = make_job(url, data, status="running", worker_hostname="live@h", heartbeat_at=utcnow(), attempts=1)
-    worn = make_job(url, data, status="running", worker_hostname="dead@h", heartbeat_at=old,
-                    attempts=settings.max_job_attempts)
-    cancel = make_job(url, data, status="running", worker_hostname="dead@h", heartbeat_at=old, attempts=1,
-                      cancel_requested=True)
+    worn = make_job(
+        url,
+        data,
+        status="running",
+        worker_hostname="dead@h",
+        heartbeat_at=old,
+        attempts=settings.max_job_attempts,
+    )
+    cancel = make_job(
+        url,
+        data,
+        status="running",
+        worker_hostname="dead@h",
+        heartbeat_at=old,
+        attempts=1,
+        cancel_requested=True,
+    )
     mine = make_job(url, data, status="running", worker_hostname="me@h", heartbeat_at=utcnow(), attempts=1)
     sent: list[str] = []
     got = reap_stale_jobs(settings=settings, enqueue=lambda j, q: sent.append(j))
     assert stale in got and fresh not in got and mine not in got and set(got) == set(sent)
-    assert get_job(url, stale).status == "queued" and "re-queued to resume from step 7" in messages(url, stale)[-1]
+    assert (
+        get_job(url, stale).status == "queued"
+        and "re-queued to resume from step 7" in messages(url, stale)[-1]
+    )
     assert get_job(url, fresh).status == "running"
     assert get_job(url, worn).status == "failed" and get_job(url, cancel).status == "cancelled"
     # A restarted node re-queues what it was running before it started, however fresh the heartbeat.
-    assert mine in reap_stale_jobs(settings=settings, own_hostname="me@h", own_before=utcnow() + timedelta(seconds=1),
-                                   enqueue=lambda j, q: None)
+    assert mine in reap_stale_jobs(
+        settings=settings,
+        own_hostname="me@h",
+        own_before=utcnow() + timedelta(seconds=1),
+        enqueue=lambda j, q: None,
+    )
     assert reap_stale_jobs(settings=settings, enqueue=lambda j, q: None) == []
 
 
@@ -201,19 +274,33 @@ def test_job_runner_reports_to_the_database(settings: Settings, tmp_path: Path) 
     assert model_path(url, job.fine_tuned_model) == Path(job.output_dir) / "final"
     AutoModelForCausalLM.from_pretrained(model_path(url, job.fine_tuned_model), local_files_only=True)
     with session_scope(url) as s:
-        metrics = s.scalars(select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)).all()
-        ckpts = s.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job_id)
-                          .order_by(JobCheckpoint.step_number)).all()
+        metrics = s.scalars(
+            select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+        ).all()
+        ckpts = s.scalars(
+            select(JobCheckpoint).where(JobCheckpoint.job_id == job_id).order_by(JobCheckpoint.step_number)
+        ).all()
         assert [m.step for m in metrics] == list(range(1, 11)) and all(m.train_loss and m.lr for m in metrics)
         # keep_checkpoints=3: the step-4 checkpoint was pruned along with its row.
         assert [c.step_number for c in ckpts] == [8, 10] or [c.step_number for c in ckpts] == [4, 8, 10]
         assert ckpts[-1].path == job.last_checkpoint_path and "train_loss" in ckpts[-1].metrics
         # each checkpoint row's id is a live model of the team; a pruned one's id is gone with its files
-        live = {m.id: m.path for m in s.scalars(select(RegisteredModel).where(
-            RegisteredModel.job_id == job_id, RegisteredModel.deleted_at.is_(None)))}
-        assert live == {job.fine_tuned_model: str(Path(job.output_dir) / "final"),
-                        **{c.fine_tuned_model_checkpoint: c.path for c in ckpts}}
-        assert all(c.fine_tuned_model_checkpoint == f"{job.fine_tuned_model}:ckpt-step-{c.step_number}" for c in ckpts)
+        live = {
+            m.id: m.path
+            for m in s.scalars(
+                select(RegisteredModel).where(
+                    RegisteredModel.job_id == job_id, RegisteredModel.deleted_at.is_(None)
+                )
+            )
+        }
+        assert live == {
+            job.fine_tuned_model: str(Path(job.output_dir) / "final"),
+            **{c.fine_tuned_model_checkpoint: c.path for c in ckpts},
+        }
+        assert all(
+            c.fine_tuned_model_checkpoint == f"{job.fine_tuned_model}:ckpt-step-{c.step_number}"
+            for c in ckpts
+        )
     msgs = messages(url, job_id)
     assert any(m.startswith("Validated training file: 40 examples") for m in msgs)
     assert "Step 10/10: training loss=" in " ".join(msgs) and msgs[-1].startswith("Job succeeded")
@@ -223,8 +310,11 @@ def test_job_runner_cancel_and_bad_data(settings: Settings, tmp_path: Path) -> N
     from worker.job.runner import run_job_process
 
     url = settings.resolved_database_url
-    job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=64),
-                      hyperparameters={"batch_size": 1, "n_epochs": 20, "checkpoint_every": 1000})
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=64),
+        hyperparameters={"batch_size": 1, "n_epochs": 20, "checkpoint_every": 1000},
+    )
 
     def cancel_soon() -> None:
         wait_for(lambda: get_job(url, job_id).global_step >= 3, 120, "step 3")
@@ -256,19 +346,42 @@ class Workers:
 
     def __init__(self, settings: Settings, redis_url: str, queue: str, tmp_path: Path) -> None:
         self.settings, self.queue, self.tmp = settings, queue, tmp_path
-        self.env = {**os.environ, "ZENFLOW_BROKER_URL": redis_url, "ZENFLOW_DATABASE_URL": settings.resolved_database_url,
-                    "ZENFLOW_DATA_DIR": str(settings.data_dir), "ZENFLOW_DEFAULT_QUEUE": queue,
-                    "ZENFLOW_HEARTBEAT_INTERVAL_SECONDS": "1", "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1",
-                    # The session database holds the rule tests' queued jobs (on other queues): the
-                    # workers' reapers are not to send them to the shared Redis (tests/worker/test_dispatch.py).
-                    "ZENFLOW_DISPATCH_GRACE_SECONDS": "86400"}
+        self.env = {
+            **os.environ,
+            "ZENFLOW_BROKER_URL": redis_url,
+            "ZENFLOW_DATABASE_URL": settings.resolved_database_url,
+            "ZENFLOW_DATA_DIR": str(settings.data_dir),
+            "ZENFLOW_DEFAULT_QUEUE": queue,
+            "ZENFLOW_HEARTBEAT_INTERVAL_SECONDS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            # The session database holds the rule tests' queued jobs (on other queues): the
+            # workers' reapers are not to send them to the shared Redis (tests/worker/test_dispatch.py).
+            "ZENFLOW_DISPATCH_GRACE_SECONDS": "86400",
+        }
         self.procs: list[subprocess.Popen[bytes]] = []
         self.log = tmp_path / "worker.log"
 
     def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "celery", "-A", "worker", "worker", "--pool", "solo", "-Q", self.queue,
-               "-n", f"{name}@test", "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "worker",
+            "worker",
+            "--pool",
+            "solo",
+            "-Q",
+            self.queue,
+            "-n",
+            f"{name}@test",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         logf = self.log.open("ab")
         p = subprocess.Popen(cmd, env={**self.env, **env}, stdout=logf, stderr=subprocess.STDOUT)
         self.procs.append(p)
@@ -291,7 +404,9 @@ class Workers:
 
 
 @pytest.fixture
-def workers(settings: Settings, redis_broker_url: str, unique_queue: str, tmp_path: Path) -> Iterator[Workers]:
+def workers(
+    settings: Settings, redis_broker_url: str, unique_queue: str, tmp_path: Path
+) -> Iterator[Workers]:
     w = Workers(settings, redis_broker_url, unique_queue, tmp_path)
     yield w
     w.stop()
@@ -315,7 +430,11 @@ def runner_pids(worker_pid: int) -> list[int]:
 
 def _steps(url: str, job_id: str) -> list[int]:
     with session_scope(url) as s:
-        return list(s.scalars(select(JobStepMetric.step).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)))
+        return list(
+            s.scalars(
+                select(JobStepMetric.step).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+            )
+        )
 
 
 def test_worker_runs_a_job_through_redis(workers: Workers, tmp_path: Path) -> None:
@@ -329,7 +448,10 @@ def test_worker_runs_a_job_through_redis(workers: Workers, tmp_path: Path) -> No
     job = get_job(url, job_id)
     assert job.attempts == 1 and job.worker_hostname == "w1@test" and job.global_step == 6
     with session_scope(url) as s:
-        assert s.scalar(select(func.count()).select_from(JobCheckpoint).where(JobCheckpoint.job_id == job_id)) == 2
+        assert (
+            s.scalar(select(func.count()).select_from(JobCheckpoint).where(JobCheckpoint.job_id == job_id))
+            == 2
+        )
     AutoModelForCausalLM.from_pretrained(model_path(url, str(job.fine_tuned_model)), local_files_only=True)
     assert "Attempt 1/3 started on w1@test" in messages(url, job_id)
 
@@ -337,13 +459,23 @@ def test_worker_runs_a_job_through_redis(workers: Workers, tmp_path: Path) -> No
 def test_killed_runner_is_requeued_and_resumed(workers: Workers, tmp_path: Path) -> None:
     url = workers.settings.resolved_database_url
     proc = workers.start("w1")
-    job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=64), queue=workers.queue,
-                      hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 10})
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=64),
+        queue=workers.queue,
+        hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 10},
+    )
     workers.enqueue(job_id)
     wait_for(lambda: get_job(url, job_id).last_checkpoint_path, 240, "a checkpoint", proc, workers.log)
     pids = wait_for(lambda: runner_pids(proc.pid), 10, "the runner process")
     os.kill(pids[0], signal.SIGKILL)  # e.g. the kernel's OOM killer
-    wait_for(lambda: get_job(url, job_id).status == "succeeded", 300, "the resumed job to succeed", proc, workers.log)
+    wait_for(
+        lambda: get_job(url, job_id).status == "succeeded",
+        300,
+        "the resumed job to succeed",
+        proc,
+        workers.log,
+    )
     job = get_job(url, job_id)
     msgs = messages(url, job_id)
     assert job.attempts == 2 and job.global_step == 100
@@ -356,8 +488,12 @@ def test_killed_runner_is_requeued_and_resumed(workers: Workers, tmp_path: Path)
 def test_warm_shutdown_preempts_and_another_worker_resumes(workers: Workers, tmp_path: Path) -> None:
     url = workers.settings.resolved_database_url
     first = workers.start("w1")
-    job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=64), queue=workers.queue,
-                      hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 50})
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=64),
+        queue=workers.queue,
+        hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 50},
+    )
     workers.enqueue(job_id)
     wait_for(lambda: get_job(url, job_id).global_step >= 5, 240, "training to start", first, workers.log)
     first.send_signal(signal.SIGTERM)  # warm shutdown: the job checkpoints and goes back to the queue
@@ -366,7 +502,9 @@ def test_warm_shutdown_preempts_and_another_worker_resumes(workers: Workers, tmp
     assert job.status == "queued" and job.attempts == 0 and job.last_checkpoint_path
     assert "preempted" in messages(url, job_id)[-1]
     second = workers.start("w2")
-    wait_for(lambda: get_job(url, job_id).status == "succeeded", 300, "the job to succeed", second, workers.log)
+    wait_for(
+        lambda: get_job(url, job_id).status == "succeeded", 300, "the job to succeed", second, workers.log
+    )
     assert get_job(url, job_id).worker_hostname == "w2@test" and _steps(url, job_id) == list(range(1, 101))
 
 
@@ -374,18 +512,33 @@ def test_warm_shutdown_preempts_and_another_worker_resumes(workers: Workers, tmp
 def test_killed_worker_is_reaped_and_resumed(workers: Workers, tmp_path: Path) -> None:
     url = workers.settings.resolved_database_url
     first = workers.start("w1")
-    job_id = make_job(url, sums_file(tmp_path / "d.jsonl", n=64), queue=workers.queue,
-                      hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 10})
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=64),
+        queue=workers.queue,
+        hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 10},
+    )
     workers.enqueue(job_id)
     wait_for(lambda: get_job(url, job_id).last_checkpoint_path, 240, "a checkpoint", first, workers.log)
     runner = wait_for(lambda: runner_pids(first.pid), 10, "the runner process")[0]
     first.kill()  # the whole worker dies; the runner follows it (PR_SET_PDEATHSIG)
     first.wait(10)
-    wait_for(lambda: not Path(f"/proc/{runner}").exists() or b"Z" in Path(f"/proc/{runner}/stat").read_bytes()[:64],
-             10, "the runner to die with its worker")
+    wait_for(
+        lambda: (
+            not Path(f"/proc/{runner}").exists() or b"Z" in Path(f"/proc/{runner}/stat").read_bytes()[:64]
+        ),
+        10,
+        "the runner to die with its worker",
+    )
     assert get_job(url, job_id).status == "running"  # nobody can tell yet
     second = workers.start("w2", ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS="4")
-    wait_for(lambda: get_job(url, job_id).status == "succeeded", 300, "the reaped job to succeed", second, workers.log)
+    wait_for(
+        lambda: get_job(url, job_id).status == "succeeded",
+        300,
+        "the reaped job to succeed",
+        second,
+        workers.log,
+    )
     job = get_job(url, job_id)
     assert job.attempts == 2 and job.worker_hostname == "w2@test"
     assert any("lost (no heartbeat" in m for m in messages(url, job_id))

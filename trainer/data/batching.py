@@ -59,7 +59,9 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
         return None if t is None else t.to(device, non_blocking=nb)
 
     ids, labels = batch.input_ids.to(device, non_blocking=nb), batch.labels.to(device, non_blocking=nb)
-    return Batch(ids, move(batch.attention_mask), labels, batch.num_tokens, batch.num_learned, move(batch.position_ids))
+    return Batch(
+        ids, move(batch.attention_mask), labels, batch.num_tokens, batch.num_learned, move(batch.position_ids)
+    )
 
 
 def _learned(labels: torch.Tensor) -> int:
@@ -109,7 +111,9 @@ def micro_batches(
     if packing:
         rows = pack_rows([len(e.input_ids) for e in examples], max_seq_length)
         for k in range(0, len(rows), micro_batch_size):
-            yield collate_packed([[examples[i] for i in row] for row in rows[k : k + micro_batch_size]], pad_id, device)
+            yield collate_packed(
+                [[examples[i] for i in row] for row in rows[k : k + micro_batch_size]], pad_id, device
+            )
         return
     order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
     for k in range(0, len(order), micro_batch_size):
@@ -124,7 +128,9 @@ def loss_sum(model: Any, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     import torch.nn.functional as F
 
     extra = {} if batch.position_ids is None else {"position_ids": batch.position_ids}
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **extra).logits
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **extra
+    ).logits
     logits = logits[:, :-1].float()
     labels = batch.labels[:, 1:]
     total = F.cross_entropy(
@@ -145,8 +151,15 @@ def evaluate(
 ) -> tuple[float, int]:
     """Mean token loss over ``examples`` (no grad, eval mode, no RNG use) and the learned-token count,
     in micro-batches like training (the same memory bound)."""
-    s, n = evaluate_sums(model, examples, micro_batch_size, pad_id=pad_id, device=device, packing=packing,
-                         max_seq_length=max_seq_length)
+    s, n = evaluate_sums(
+        model,
+        examples,
+        micro_batch_size,
+        pad_id=pad_id,
+        device=device,
+        packing=packing,
+        max_seq_length=max_seq_length,
+    )
     return (s / n if n else float("nan")), n
 
 
@@ -167,8 +180,14 @@ def evaluate_sums(
     model.eval()
     s, n = 0.0, 0
     with torch.no_grad():
-        for b in micro_batches(examples, micro_batch_size, pad_id=pad_id, device=device, packing=packing,
-                               max_seq_length=max_seq_length):
+        for b in micro_batches(
+            examples,
+            micro_batch_size,
+            pad_id=pad_id,
+            device=device,
+            packing=packing,
+            max_seq_length=max_seq_length,
+        ):
             ls, c = loss_sum(model, b)
             s += float(ls)
             n += int(c)

@@ -40,8 +40,10 @@ SystemMessage = Literal["keep", "fold"]
 #: (field, detail): one problem of a record, the caller adds the line.
 Problem = tuple[str | None, str]
 
-FOLD_HINT = ('set hyperparameters.system_message to "fold" to put the system messages at the start of '
-             "the next user message, or remove them from the data")
+FOLD_HINT = (
+    'set hyperparameters.system_message to "fold" to put the system messages at the start of '
+    "the next user message, or remove them from the data"
+)
 
 
 class RecordRefused(ValueError):
@@ -80,7 +82,9 @@ def _check_content(m: dict[str, Any], f: str) -> list[Problem]:
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else None
             what = f"content part of type {_shown(kind)}" if kind else "a content part without type 'text'"
-            problems.append((pf, f"{what}: only text parts ({{\"type\": \"text\", \"text\": ...}}) can be trained on"))
+            problems.append(
+                (pf, f'{what}: only text parts ({{"type": "text", "text": ...}}) can be trained on')
+            )
         elif not isinstance(part.get("text"), str):
             problems.append((f"{pf}.text", "expected a string"))
     return problems
@@ -96,10 +100,12 @@ def _check_tool_calls(calls: Any, f: str) -> list[Problem]:
             problems.append((cf, "expected an object with type 'function' and a function"))
             continue
         if call.get("type", "function") != "function":
-            problems.append((f"{cf}.type", f"unsupported tool call type {_shown(call.get('type'))} (expected 'function')"))
+            problems.append(
+                (f"{cf}.type", f"unsupported tool call type {_shown(call.get('type'))} (expected 'function')")
+            )
         fn = call.get("function")
         if not isinstance(fn, dict):
-            problems.append((f"{cf}.function", "missing (expected {\"name\": ..., \"arguments\": ...})"))
+            problems.append((f"{cf}.function", 'missing (expected {"name": ..., "arguments": ...})'))
             continue
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             problems.append((f"{cf}.function.name", "missing"))
@@ -121,8 +127,12 @@ def _check_tools(tools: Any) -> list[Problem]:
     problems: list[Problem] = []
     for j, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            problems.append((f"tools[{j}]", "expected {\"type\": \"function\", \"function\": {\"name\": ...}}"))
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            problems.append((f"tools[{j}]", 'expected {"type": "function", "function": {"name": ...}}'))
         elif not isinstance(fn.get("name"), str) or not fn["name"]:
             problems.append((f"tools[{j}].function.name", "missing"))
     return problems
@@ -184,14 +194,18 @@ def _text(content: Any) -> str | None:
 def _call(call: dict[str, Any]) -> dict[str, Any]:
     fn = call["function"]
     args = fn.get("arguments")
-    out: dict[str, Any] = {"type": "function",
-                           "function": {"name": fn["name"], "arguments": json.loads(args) if isinstance(args, str) else args}}
+    out: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": json.loads(args) if isinstance(args, str) else args},
+    }
     if call.get("id") is not None:
         out["id"] = call["id"]
     return out
 
 
-def template_messages(messages: list[dict[str, Any]], system_message: SystemMessage = "keep") -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], system_message: SystemMessage = "keep"
+) -> list[dict[str, Any]]:
     """Validated OpenAI messages in chat-template form (see the module docstring); ``weight`` is kept.
 
     Raises RecordRefused when ``fold`` finds a system message with no user message after it.
@@ -223,8 +237,10 @@ def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             pending = []
         out.append(m)
     if pending:
-        raise RecordRefused(f"messages[{pending[0][0]}]", "a system message with no user message after it "
-                            "cannot be folded into one (system_message: fold)")
+        raise RecordRefused(
+            f"messages[{pending[0][0]}]",
+            "a system message with no user message after it cannot be folded into one (system_message: fold)",
+        )
     return out
 
 
@@ -243,12 +259,18 @@ def _template_refusal(exc: Exception, messages: list[dict[str, Any]]) -> RecordR
     field = "messages"
     if about_roles and "system" in roles and ("system" in low or "tool" not in low):
         field = f"messages[{roles.index('system')}]"
-        lead = "This model's chat template has no system role" if "system" in low else "If the template has no system role"
+        lead = (
+            "This model's chat template has no system role"
+            if "system" in low
+            else "If the template has no system role"
+        )
         hints.append(f"{lead}: {FOLD_HINT}")
     if about_roles and "tool" in roles and ("tool" in low or "system" not in low):
         field = field if hints else f"messages[{roles.index('tool')}]"
-        hints.append("If it does not take tool messages, train tool use on a model whose template supports "
-                     "tools, or remove the tool turns")
+        hints.append(
+            "If it does not take tool messages, train tool use on a model whose template supports "
+            "tools, or remove the tool turns"
+        )
     if "alternate" in low:
         hints.append("Give user and assistant messages in turns, user first")
     if hints:
@@ -275,10 +297,14 @@ class ChatRenderer:
         #: Appended to every assistant turn when the template ends it with no special token.
         self.append_eos = eos if eos and end_of_turn_token(tokenizer) is None else None
 
-    def _render(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool = False) -> str:
+    def _render(
+        self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool = False
+    ) -> str:
         plain = [{k: v for k, v in m.items() if k != "weight"} for m in msgs]
         tool_list: list[Any] | None = list(tools) if tools else None
-        out = self.tokenizer.apply_chat_template(plain, tools=tool_list, tokenize=False, add_generation_prompt=gen)
+        out = self.tokenizer.apply_chat_template(
+            plain, tools=tool_list, tokenize=False, add_generation_prompt=gen
+        )
         assert isinstance(out, str)
         return out
 
@@ -286,8 +312,12 @@ class ChatRenderer:
         """The rendered conversation and its loss spans; raises RecordRefused."""
         msgs = template_messages(rec["messages"], self.system_message)
         if self.append_eos:  # not on tool-call turns: these templates render the calls after the content
-            msgs = [{**m, "content": m["content"] + self.append_eos}
-                    if m["role"] == "assistant" and not m.get("tool_calls") else m for m in msgs]
+            msgs = [
+                {**m, "content": m["content"] + self.append_eos}
+                if m["role"] == "assistant" and not m.get("tool_calls")
+                else m
+                for m in msgs
+            ]
         tools = rec.get("tools") or None
         try:
             full = self._render(msgs, tools)
@@ -296,11 +326,16 @@ class ChatRenderer:
         self._check_tool_support(full, msgs, tools)
         spans = self._spans(full, msgs, tools)
         if not spans:
-            raise RecordRefused("messages", "the assistant turns could not be found in the conversation the "
-                                "model's chat template renders, so no token can be learned")
+            raise RecordRefused(
+                "messages",
+                "the assistant turns could not be found in the conversation the "
+                "model's chat template renders, so no token can be learned",
+            )
         return full, spans
 
-    def _check_tool_support(self, full: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+    def _check_tool_support(
+        self, full: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> None:
         def same_without(strip: Callable[[dict[str, Any]], dict[str, Any]], drop_tools: bool) -> bool:
             try:
                 return self._render([strip(m) for m in msgs], None if drop_tools else tools) == full
@@ -308,14 +343,24 @@ class ChatRenderer:
                 return False
 
         if tools and same_without(lambda m: m, drop_tools=True):
-            raise RecordRefused("tools", "the model's chat template does not render tools (it has no tool "
-                                "support): train tool use on a model whose template takes tools=, or remove 'tools'")
+            raise RecordRefused(
+                "tools",
+                "the model's chat template does not render tools (it has no tool "
+                "support): train tool use on a model whose template takes tools=, or remove 'tools'",
+            )
         calls = [i for i, m in enumerate(msgs) if m.get("tool_calls")]
-        if calls and same_without(lambda m: {k: v for k, v in m.items() if k != "tool_calls"}, drop_tools=False):
-            raise RecordRefused(f"messages[{calls[0]}].tool_calls", "the model's chat template does not render "
-                                "assistant tool calls (it has no tool support): use a model whose template does")
+        if calls and same_without(
+            lambda m: {k: v for k, v in m.items() if k != "tool_calls"}, drop_tools=False
+        ):
+            raise RecordRefused(
+                f"messages[{calls[0]}].tool_calls",
+                "the model's chat template does not render "
+                "assistant tool calls (it has no tool support): use a model whose template does",
+            )
 
-    def _spans(self, full: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[tuple[int, int]]:
+    def _spans(
+        self, full: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[tuple[int, int]]:
         spans: list[tuple[int, int]] = []
         cursor = 0
         for i, m in enumerate(msgs):

@@ -125,17 +125,23 @@ class DatasetReport:
     def event_message(self, kind: str) -> str:
         """``Validated training file: 40 examples, 5120 tokens; 2 truncated to 512 tokens (lines 4, 9)``."""
         cut = self.cut_summary()
-        return f"Validated {kind} file: {self.num_examples} examples, {self.num_tokens} tokens" + (f"; {cut}" if cut else "")
+        return f"Validated {kind} file: {self.num_examples} examples, {self.num_tokens} tokens" + (
+            f"; {cut}" if cut else ""
+        )
 
     def cut_summary(self) -> str:
         """What over-long examples became, e.g. ``"2 truncated to 512 tokens (lines 4, 9); 1 dropped (line
         7)"``; empty when none was cut."""
         parts = []
         if self.num_truncated:
-            parts.append(f"{self.num_truncated} truncated to {self.max_seq_length} tokens ({_lines_text(self.truncated_lines, self.num_truncated)})")
+            parts.append(
+                f"{self.num_truncated} truncated to {self.max_seq_length} tokens ({_lines_text(self.truncated_lines, self.num_truncated)})"
+            )
         if self.num_dropped:
             why = "too long" if self.truncation == "drop" else "no assistant token left after truncation"
-            parts.append(f"{self.num_dropped} dropped, {why} ({_lines_text(self.dropped_lines, self.num_dropped)})")
+            parts.append(
+                f"{self.num_dropped} dropped, {why} ({_lines_text(self.dropped_lines, self.num_dropped)})"
+            )
         return "; ".join(parts)
 
 
@@ -207,8 +213,14 @@ def _parse(no: int, text: str | None) -> tuple[dict[str, Any] | None, list[DataE
     except json.JSONDecodeError as e:
         return None, [_err(no, None, f"invalid JSON: {e.msg} (column {e.colno})")]
     except RecursionError:  # the decoder recurses per nesting level: [[[[...]]]] 100,000 deep
-        return None, [_err(no, None, "invalid JSON: nested too deeply (a record is an object of messages, "
-                                     "or of prompt and completion)")]
+        return None, [
+            _err(
+                no,
+                None,
+                "invalid JSON: nested too deeply (a record is an object of messages, "
+                "or of prompt and completion)",
+            )
+        ]
     if not isinstance(rec, dict):
         return None, [_err(no, None, f"expected a JSON object, got {type(rec).__name__}")]
     return rec, []
@@ -232,8 +244,12 @@ class _Lengths:
             return ex
         if self.policy == "error":
             fld = "messages" if fmt == "chat" else "prompt+completion"
-            return _err(no, fld, f"too long: {n} tokens (max_seq_length {self.max_len}); shorten it, raise "
-                                 'max_seq_length, or set hyperparameters.truncation to "truncate" or "drop"')
+            return _err(
+                no,
+                fld,
+                f"too long: {n} tokens (max_seq_length {self.max_len}); shorten it, raise "
+                'max_seq_length, or set hyperparameters.truncation to "truncate" or "drop"',
+            )
         if self.policy == "truncate":
             cut = Example(ex.input_ids[: self.max_len], ex.labels[: self.max_len])
             if cut.num_loss_tokens:
@@ -294,7 +310,15 @@ def validate_file(
                 fmt, fmt_line = rf, no
             elif rf != fmt:
                 key = "messages" if rf == "chat" else "prompt"
-                add([_err(no, key, f"{FORMAT_NAMES[rf]} record in a {FORMAT_NAMES[fmt]} file (line {fmt_line})")])
+                add(
+                    [
+                        _err(
+                            no,
+                            key,
+                            f"{FORMAT_NAMES[rf]} record in a {FORMAT_NAMES[fmt]} file (line {fmt_line})",
+                        )
+                    ]
+                )
                 continue
             if rf == "chat":
                 errs = [_err(no, f, d) for f, d in check_chat_record(rec)]
@@ -330,8 +354,14 @@ def validate_file(
         errors.append(_err(None, None, f"stopped after {max_errors} errors"))
     if not errors and count == 0:
         if lengths.num_dropped:
-            errors.append(_err(None, None, f"no example left: all {lengths.num_dropped} were dropped as longer "
-                                           f"than max_seq_length {max_seq_length} (truncation: {opts.truncation})"))
+            errors.append(
+                _err(
+                    None,
+                    None,
+                    f"no example left: all {lengths.num_dropped} were dropped as longer "
+                    f"than max_seq_length {max_seq_length} (truncation: {opts.truncation})",
+                )
+            )
         else:
             errors.append(_err(None, None, "empty file: no examples"))
     if errors:
@@ -347,11 +377,15 @@ def validate_file(
 
 
 def load_examples(
-    path: str | Path, tokenizer: PreTrainedTokenizerBase, max_seq_length: int, options: DataOptions | None = None
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    options: DataOptions | None = None,
 ) -> tuple[list[Example], DatasetReport]:
     """Validate and tokenize a whole file (raises DatasetValidationError)."""
-    report = validate_file(path, tokenizer=tokenizer, max_seq_length=max_seq_length, options=options,
-                           keep_examples=True)
+    report = validate_file(
+        path, tokenizer=tokenizer, max_seq_length=max_seq_length, options=options, keep_examples=True
+    )
     return report.examples, report
 
 
@@ -374,7 +408,11 @@ def _mask_by_spans(
 
 
 def tokenize_record(
-    rec: dict[str, Any], fmt: Format, tokenizer: PreTrainedTokenizerBase, *, renderer: ChatRenderer | None = None
+    rec: dict[str, Any],
+    fmt: Format,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    renderer: ChatRenderer | None = None,
 ) -> Example:
     """Token ids and labels of one validated record; a chat record the template refuses raises RecordRefused."""
     if fmt == "chat":

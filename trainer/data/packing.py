@@ -70,7 +70,9 @@ def flatten_rows(rows: list[list[Example]], pad_id: int, multiple: int = 8) -> P
     import torch
     from transformers import DataCollatorWithFlattening
 
-    flatten = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX, return_tensors="pt")
+    flatten = DataCollatorWithFlattening(
+        return_position_ids=True, separator_id=IGNORE_INDEX, return_tensors="pt"
+    )
     flat = [flatten([{"input_ids": e.input_ids, "labels": e.labels} for e in row]) for row in rows]
     longest = max(int(f["input_ids"].shape[1]) for f in flat)
     width = (longest + multiple - 1) // multiple * multiple
@@ -94,7 +96,9 @@ def use_packing_attention(model: Any, device: torch.device, dtype: torch.dtype) 
     Raises ValueError for a model whose forward takes no ``position_ids`` (it could not restart them).
     """
     if "position_ids" not in inspect.signature(model.forward).parameters:
-        raise ValueError(f"packing needs position_ids, which {type(model).__name__} does not take; set packing to false")
+        raise ValueError(
+            f"packing needs position_ids, which {type(model).__name__} does not take; set packing to false"
+        )
     wanted = "sdpa"  # on every device: see the module docstring for why not flash_attention_2
     if model.config._attn_implementation != wanted:
         model.set_attn_implementation(wanted)

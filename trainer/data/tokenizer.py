@@ -47,8 +47,9 @@ BYTE_CHAT_TEMPLATE = (
 #: assistant turns so the fine-tuned model learns to stop; a tool list as JSON in a ``<|tools|>`` turn.
 DEFAULT_CHAT_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}{% if tools %}{{ '<|tools|>\\n' }}{{ tools | tojson }}{{ '\\n' }}{% endif %}"
-    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}" + _TOOL_CALLS +
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    + _TOOL_CALLS
+    + "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
@@ -95,8 +96,10 @@ def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str | None:
     at = text.rfind(probe)
     if at < 0:
         return None
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    for tid in tokenizer(text[at + len(probe):], add_special_tokens=False)["input_ids"]:
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    for tid in tokenizer(text[at + len(probe) :], add_special_tokens=False)["input_ids"]:
         if tid in special:
             return str(tokenizer.convert_ids_to_tokens(tid))
     return None

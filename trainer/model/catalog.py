@@ -43,7 +43,12 @@ class BuiltinModel:
 #: selection per epoch) ended at ~3.6x device mode's validation loss (measured under the old summed-lr
 #: CPU step, scale_cpu_lr=True); these end within ~2-3% of it. On a pretrained base the paper's defaults
 #: are within 1% (bench/convergence.py).
-TINY_LLAMA_ZENFLOW = {"topk_ratio": 0.25, "update_interval": 1, "select_interval": 1, "full_warm_up_rounds": 16}
+TINY_LLAMA_ZENFLOW = {
+    "topk_ratio": 0.25,
+    "update_interval": 1,
+    "select_interval": 1,
+    "full_warm_up_rounds": 16,
+}
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m

@@ -29,13 +29,26 @@ if TYPE_CHECKING:
 #: by architecture: Llama/Qwen2/Mistral/Phi-3/Gemma (max_position_embeddings), GPT-2/GPT-J/CodeGen
 #: (n_positions, older files n_ctx), ChatGLM (seq_length), MPT (max_seq_len), others
 #: (max_sequence_length). Multimodal configs keep the language model's in ``text_config``.
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length",
-                 "max_seq_len")
+POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+)
 #: A tokenizer's ``model_max_length`` above this is transformers' "no limit" placeholder (1e30), not a limit.
 SANE_TOKENIZER_MAX = 10_000_000
 #: Files a tokenizer is built from (any one of them).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model", "tiktoken.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tiktoken.model",
+)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 #: Text every usable tokenizer turns into known tokens.
@@ -75,7 +88,9 @@ def _read_json(path: Path, folder: Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise ModelFolderError(folder, f"{path.name} is not UTF-8 text ({e.reason})") from e
     except json.JSONDecodeError as e:
-        raise ModelFolderError(folder, f"{path.name} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+        raise ModelFolderError(
+            folder, f"{path.name} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from e
     except OSError as e:
         raise ModelFolderError(folder, f"{path.name} cannot be read: {e.strerror or e}") from e
     if not isinstance(data, dict):
@@ -118,8 +133,11 @@ def _check_config(folder: Path, raw: dict[str, Any]) -> str:
     """The model_type, once transformers builds the config and knows a causal-LM class for it."""
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise ModelFolderError(folder, 'config.json has no "model_type": it must name the architecture '
-                                       '(e.g. "llama", "qwen2", "gpt2"), as the base model\'s config.json does')
+        raise ModelFolderError(
+            folder,
+            'config.json has no "model_type": it must name the architecture '
+            '(e.g. "llama", "qwen2", "gpt2"), as the base model\'s config.json does',
+        )
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -127,12 +145,18 @@ def _check_config(folder: Path, raw: dict[str, Any]) -> str:
         AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # a config class may raise anything on a value it does not expect
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ModelFolderError(folder, f'config.json\'s model_type "{model_type}" is not an architecture '
-                                           "this server's transformers knows") from e
+            raise ModelFolderError(
+                folder,
+                f'config.json\'s model_type "{model_type}" is not an architecture '
+                "this server's transformers knows",
+            ) from e
         raise ModelFolderError(folder, f"config.json does not load: {_first_line(e)}") from e
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelFolderError(folder, f'model_type "{model_type}" has no causal language model class in '
-                                       "transformers (AutoModelForCausalLM): it cannot be fine-tuned here")
+        raise ModelFolderError(
+            folder,
+            f'model_type "{model_type}" has no causal language model class in '
+            "transformers (AutoModelForCausalLM): it cannot be fine-tuned here",
+        )
     return model_type
 
 
@@ -152,7 +176,9 @@ def _safetensors_parameters(folder: Path, file: Path) -> int:
         with safe_open(str(file), framework="numpy") as f:
             return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
     except Exception as e:  # safetensors raises its own SafetensorError (an Exception) on a bad header
-        raise ModelFolderError(folder, f"{file.name} is not a readable safetensors file: {_first_line(e)}") from e
+        raise ModelFolderError(
+            folder, f"{file.name} is not a readable safetensors file: {_first_line(e)}"
+        ) from e
 
 
 def _indexed_shards(folder: Path, index: Path) -> list[Path]:
@@ -164,7 +190,9 @@ def _indexed_shards(folder: Path, index: Path) -> list[Path]:
     for name in shards:
         shard = folder / name
         if Path(name).name != name or not shard.is_file():
-            raise ModelFolderError(folder, f"{index.name} names the shard {name!r}, which is not in the folder")
+            raise ModelFolderError(
+                folder, f"{index.name} names the shard {name!r}, which is not in the folder"
+            )
     return [folder / name for name in shards]
 
 
@@ -181,8 +209,11 @@ def _check_weights(folder: Path) -> tuple[tuple[str, ...], int | None]:
     else:
         bins = sorted(folder.glob("pytorch_model*.bin"))
     if not bins:
-        raise ModelFolderError(folder, "no weights: expected model.safetensors (or shards with "
-                                       f"{SAFETENSORS_INDEX}) or pytorch_model.bin (or shards with {BIN_INDEX})")
+        raise ModelFolderError(
+            folder,
+            "no weights: expected model.safetensors (or shards with "
+            f"{SAFETENSORS_INDEX}) or pytorch_model.bin (or shards with {BIN_INDEX})",
+        )
     empty = [b.name for b in bins if b.stat().st_size == 0]
     if empty:
         raise ModelFolderError(folder, f"{empty[0]} is empty")
@@ -200,20 +231,28 @@ def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """
     present = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
     if not present:
-        raise ModelFolderError(folder, "no tokenizer: none of " + ", ".join(TOKENIZER_FILES) + " is in the "
-                                       "folder; copy the base model's tokenizer files into it")
+        raise ModelFolderError(
+            folder,
+            "no tokenizer: none of " + ", ".join(TOKENIZER_FILES) + " is in the "
+            "folder; copy the base model's tokenizer files into it",
+        )
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # tokenizer back ends raise anything from OSError to a Rust panic exception
-        raise ModelFolderError(folder, f"the tokenizer ({', '.join(present)}) does not load: "
-                                       f"{type(e).__name__}: {_first_line(e)}") from e
+        raise ModelFolderError(
+            folder,
+            f"the tokenizer ({', '.join(present)}) does not load: {type(e).__name__}: {_first_line(e)}",
+        ) from e
     special = set(tok.all_special_ids)
     ids = tok(_PROBE, add_special_tokens=False)["input_ids"]
     if not ids or all(i in special for i in ids):
-        raise ModelFolderError(folder, f"the tokenizer ({', '.join(present)}) has no vocabulary: it turns "
-                                       f"{_PROBE!r} into {tok.convert_ids_to_tokens(ids)} ({len(tok)} tokens)")
+        raise ModelFolderError(
+            folder,
+            f"the tokenizer ({', '.join(present)}) has no vocabulary: it turns "
+            f"{_PROBE!r} into {tok.convert_ids_to_tokens(ids)} ({len(tok)} tokens)",
+        )
     return tok
 
 
@@ -222,7 +261,9 @@ def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 
 def _fingerprint(folder: Path) -> tuple[tuple[str, int, int], ...]:
     """Names, sizes and modification times of the folder's files: a changed file is checked again."""
-    return tuple(sorted((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in folder.iterdir() if p.is_file()))
+    return tuple(
+        sorted((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in folder.iterdir() if p.is_file())
+    )
 
 
 def check_model_folder(folder: Path | str) -> ModelFolder:
@@ -247,5 +288,11 @@ def _check(path: Path, fingerprint: tuple[tuple[str, int, int], ...]) -> ModelFo
     model_type = _check_config(path, raw)
     files, n_params = _check_weights(path)
     tok = load_folder_tokenizer(path)
-    return ModelFolder(path=path, model_type=model_type, position_limit=folder_position_limit(path),
-                       weight_files=files, num_parameters=n_params, vocab_size=len(tok))
+    return ModelFolder(
+        path=path,
+        model_type=model_type,
+        position_limit=folder_position_limit(path),
+        weight_files=files,
+        num_parameters=n_params,
+        vocab_size=len(tok),
+    )

@@ -99,8 +99,11 @@ def _module_table(model: str, config_stamp: float) -> tuple[tuple[str, str, bool
     from trainer.model.catalog import BuiltinModel, builtin_config, resolve_model
 
     m = resolve_model(model)
-    config = builtin_config(model) if isinstance(m, BuiltinModel) else AutoConfig.from_pretrained(
-        str(m), local_files_only=True)
+    config = (
+        builtin_config(model)
+        if isinstance(m, BuiltinModel)
+        else AutoConfig.from_pretrained(str(m), local_files_only=True)
+    )
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(config)
     ok = _adaptable_types()
@@ -127,7 +130,9 @@ def lora_target_problems(model: str, targets: list[str]) -> list[str]:
         hits = [(name, cls, ok) for name, cls, ok in table if name == target or name.endswith("." + target)]
         if not hits:
             leaves = sorted({name.rsplit(".", 1)[-1] for name, _, ok in table if ok})
-            problems.append(f"{target!r} matches no module of the model (adaptable names: {', '.join(leaves)})")
+            problems.append(
+                f"{target!r} matches no module of the model (adaptable names: {', '.join(leaves)})"
+            )
         elif not all(ok for _, _, ok in hits):
             bad = sorted({cls for _, cls, ok in hits if not ok})
             problems.append(f"{target!r} matches {', '.join(bad)} modules, which LoRA cannot adapt")

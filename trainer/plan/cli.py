@@ -30,18 +30,36 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "plan",
         help="whether a job fits a machine, its memory per component and predicted speed",
         description="Plan a job spec (YAML) on a machine: memory per component, settings for its 'auto' "
-                    "values, predicted step time per engine mode. Nothing is loaded or run.",
+        "values, predicted step time per engine mode. Nothing is loaded or run.",
         epilog="exit codes: 0 fits, 3 does not fit (see the problems), 2 bad input",
     )
     p.add_argument("spec", type=Path, help="job spec (YAML)")
-    p.add_argument("--gpu", default=None,
-                   help=f"GPU model ({', '.join(KNOWN_GPUS)}) or 'cpu' (default: this host's GPU, else its CPU)")
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help=f"GPU model ({', '.join(KNOWN_GPUS)}) or 'cpu' (default: this host's GPU, else its CPU)",
+    )
     p.add_argument("--host-memory", default=None, help="host memory, e.g. 128GiB (default: this host's)")
-    p.add_argument("--cores", type=int, default=None, help="CPU cores for the job (default: this host's usable cores)")
-    p.add_argument("--cpu-adam-gbps", type=float, default=None, help="measured CPU AdamW GB/s (default: per-core estimate)")
-    p.add_argument("--pcie-gbps", type=float, default=None, help="host<->device GB/s (default: from the PCIe generation)")
-    p.add_argument("--locked-memory", default=None, help="locked-memory limit (ulimit -l), e.g. 64GiB (default: unlimited)")
-    p.add_argument("--num-examples", type=int, default=None, help="training examples (default: the file's lines)")
+    p.add_argument(
+        "--cores", type=int, default=None, help="CPU cores for the job (default: this host's usable cores)"
+    )
+    p.add_argument(
+        "--cpu-adam-gbps",
+        type=float,
+        default=None,
+        help="measured CPU AdamW GB/s (default: per-core estimate)",
+    )
+    p.add_argument(
+        "--pcie-gbps", type=float, default=None, help="host<->device GB/s (default: from the PCIe generation)"
+    )
+    p.add_argument(
+        "--locked-memory",
+        default=None,
+        help="locked-memory limit (ulimit -l), e.g. 64GiB (default: unlimited)",
+    )
+    p.add_argument(
+        "--num-examples", type=int, default=None, help="training examples (default: the file's lines)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
     return p
@@ -53,17 +71,28 @@ def _machine(args: argparse.Namespace) -> Machine:
     locked = parse_bytes(args.locked_memory) if args.locked_memory else None
     if args.gpu is None:  # this host's GPU (or its CPU), with the figures given here
         found = Machine.detect()
-        update = {"host_memory_bytes": host, "cores": cores, "locked_memory_bytes": locked or found.locked_memory_bytes}
+        update = {
+            "host_memory_bytes": host,
+            "cores": cores,
+            "locked_memory_bytes": locked or found.locked_memory_bytes,
+        }
         if args.cpu_adam_gbps:
             update["cpu_adam_gbps"] = args.cpu_adam_gbps
         if args.pcie_gbps:
             update["pcie_gbps"] = args.pcie_gbps
         return Machine.model_validate({**found.model_dump(), **update})
     if args.gpu.lower() == "cpu":
-        return Machine.for_cpu(host_memory_bytes=host, cores=cores, cpu_adam_gbps=args.cpu_adam_gbps,
-                               locked_memory_bytes=locked)
-    return Machine.for_gpu(args.gpu, host_memory_bytes=host, cores=cores, cpu_adam_gbps=args.cpu_adam_gbps,
-                           pcie_gbps=args.pcie_gbps, locked_memory_bytes=locked)
+        return Machine.for_cpu(
+            host_memory_bytes=host, cores=cores, cpu_adam_gbps=args.cpu_adam_gbps, locked_memory_bytes=locked
+        )
+    return Machine.for_gpu(
+        args.gpu,
+        host_memory_bytes=host,
+        cores=cores,
+        cpu_adam_gbps=args.cpu_adam_gbps,
+        pcie_gbps=args.pcie_gbps,
+        locked_memory_bytes=locked,
+    )
 
 
 def _count_examples(path: Path) -> int | None:
@@ -116,8 +145,10 @@ def format_plan(plan: Plan) -> str:
         f"{'mode':9s}{'fits':>5s}{'step s':>10s}{'tokens/s':>12s}{'gpu s':>9s}{'pcie s':>9s}{'cpu s':>9s}  bound",
     ]
     for name, e in plan.modes.items():
-        lines.append(f"{name:9s}{'yes' if e.fits else 'no':>5s}{e.step_seconds:10.3f}{e.tokens_per_second:12,.0f}"
-                     f"{e.gpu_seconds:9.3f}{e.pcie_seconds:9.3f}{e.cpu_seconds:9.3f}  {e.bound}")
+        lines.append(
+            f"{name:9s}{'yes' if e.fits else 'no':>5s}{e.step_seconds:10.3f}{e.tokens_per_second:12,.0f}"
+            f"{e.gpu_seconds:9.3f}{e.pcie_seconds:9.3f}{e.cpu_seconds:9.3f}  {e.bound}"
+        )
     if plan.reasons:
         lines += ["", *(f"- {r}" for r in plan.reasons)]
     if plan.problems:

@@ -21,8 +21,14 @@ from trainer.plan.shapes import Weight
 if TYPE_CHECKING:
     from offload.config import EngineConfig
 
-_HOST_PARTS = {"master": "engine_state", "exp_avg": "engine_state", "exp_avg_sq": "engine_state",
-               "accumulators": "engine_accumulators", "gradient": "engine_transfer", "transfer": "engine_transfer"}
+_HOST_PARTS = {
+    "master": "engine_state",
+    "exp_avg": "engine_state",
+    "exp_avg_sq": "engine_state",
+    "accumulators": "engine_accumulators",
+    "gradient": "engine_transfer",
+    "transfer": "engine_transfer",
+}
 _DEVICE_BUFFERS = {"landing": "landing_buffers", "accumulator": "accumulator"}
 
 

@@ -55,22 +55,57 @@ class GPU(BaseModel):
 KNOWN_GPUS: dict[str, GPU] = {
     g.key: g
     for g in (
-        GPU(key="a100-40gb", names=("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb"), flops=312e12,
-            memory_bytes=40_536 * MiB, memory_gbps=1555, pcie_gen=4),
-        GPU(key="a100-80gb", names=("a100-sxm4-80gb", "a100 80gb pcie", "a100-pcie-80gb", "a100 80gb", "a100"),
-            flops=312e12, memory_bytes=81_051 * MiB, memory_gbps=2039, pcie_gen=4),
-        GPU(key="h100", names=("h100",), flops=989e12, memory_bytes=81_559 * MiB, memory_gbps=3350, pcie_gen=5),
-        GPU(key="h200", names=("h200",), flops=989e12, memory_bytes=143_771 * MiB, memory_gbps=4800, pcie_gen=5),
-        GPU(key="l40s", names=("l40s",), flops=362e12, memory_bytes=46_068 * MiB, memory_gbps=864, pcie_gen=4),
-        GPU(key="l4", names=("l4",), flops=121e12, memory_bytes=23_034 * MiB, memory_gbps=300,
-            pcie_gen=4),
-        GPU(key="rtx4090", names=("rtx 4090", "rtx4090"), flops=165e12, memory_bytes=24_564 * MiB,
-            memory_gbps=1008, pcie_gen=4),
+        GPU(
+            key="a100-40gb",
+            names=("a100-sxm4-40gb", "a100-pcie-40gb", "a100 40gb"),
+            flops=312e12,
+            memory_bytes=40_536 * MiB,
+            memory_gbps=1555,
+            pcie_gen=4,
+        ),
+        GPU(
+            key="a100-80gb",
+            names=("a100-sxm4-80gb", "a100 80gb pcie", "a100-pcie-80gb", "a100 80gb", "a100"),
+            flops=312e12,
+            memory_bytes=81_051 * MiB,
+            memory_gbps=2039,
+            pcie_gen=4,
+        ),
+        GPU(
+            key="h100", names=("h100",), flops=989e12, memory_bytes=81_559 * MiB, memory_gbps=3350, pcie_gen=5
+        ),
+        GPU(
+            key="h200",
+            names=("h200",),
+            flops=989e12,
+            memory_bytes=143_771 * MiB,
+            memory_gbps=4800,
+            pcie_gen=5,
+        ),
+        GPU(
+            key="l40s", names=("l40s",), flops=362e12, memory_bytes=46_068 * MiB, memory_gbps=864, pcie_gen=4
+        ),
+        GPU(key="l4", names=("l4",), flops=121e12, memory_bytes=23_034 * MiB, memory_gbps=300, pcie_gen=4),
+        GPU(
+            key="rtx4090",
+            names=("rtx 4090", "rtx4090"),
+            flops=165e12,
+            memory_bytes=24_564 * MiB,
+            memory_gbps=1008,
+            pcie_gen=4,
+        ),
     )
 }
 #: Aliases accepted by :func:`find_gpu` besides the keys (``--gpu a100`` is the 80 GB one).
-_ALIASES = {"a100": "a100-80gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "4090": "rtx4090",
-            "rtx-4090": "rtx4090", "h100-80gb": "h100", "h200-141gb": "h200"}
+_ALIASES = {
+    "a100": "a100-80gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "4090": "rtx4090",
+    "rtx-4090": "rtx4090",
+    "h100-80gb": "h100",
+    "h200-141gb": "h200",
+}
 
 
 def find_gpu(name: str) -> GPU | None:
@@ -129,23 +164,39 @@ class Machine(BaseModel):
         if gpu is None:
             raise ValueError(f"unknown GPU {name!r}: known are {', '.join(KNOWN_GPUS)}")
         return cls(
-            gpu_name=gpu.key, gpu_memory_bytes=gpu_memory_bytes or gpu.memory_bytes, gpu_flops=gpu.flops,
-            gpu_memory_gbps=gpu.memory_gbps, pcie_gbps=pcie_gbps or gpu.pcie_gbps,
-            host_memory_bytes=host_memory_bytes, cores=cores,
-            cpu_adam_gbps=cpu_adam_gbps or default_cpu_adam_gbps(cores), locked_memory_bytes=locked_memory_bytes,
+            gpu_name=gpu.key,
+            gpu_memory_bytes=gpu_memory_bytes or gpu.memory_bytes,
+            gpu_flops=gpu.flops,
+            gpu_memory_gbps=gpu.memory_gbps,
+            pcie_gbps=pcie_gbps or gpu.pcie_gbps,
+            host_memory_bytes=host_memory_bytes,
+            cores=cores,
+            cpu_adam_gbps=cpu_adam_gbps or default_cpu_adam_gbps(cores),
+            locked_memory_bytes=locked_memory_bytes,
         )
 
     @classmethod
     def for_cpu(
-        cls, *, host_memory_bytes: int, cores: int, cpu_adam_gbps: float | None = None,
+        cls,
+        *,
+        host_memory_bytes: int,
+        cores: int,
+        cpu_adam_gbps: float | None = None,
         locked_memory_bytes: int | None = None,
     ) -> Machine:
         """A CPU-only machine: the model, its gradients and activations live in host memory too."""
         adam = cpu_adam_gbps or default_cpu_adam_gbps(cores)
         return cls(
-            device_type="cpu", gpu_name="cpu", gpu_memory_bytes=0, gpu_flops=CPU_FLOPS_PER_CORE * cores,
-            gpu_memory_gbps=adam, pcie_gbps=adam, host_memory_bytes=host_memory_bytes, cores=cores,
-            cpu_adam_gbps=adam, locked_memory_bytes=locked_memory_bytes,
+            device_type="cpu",
+            gpu_name="cpu",
+            gpu_memory_bytes=0,
+            gpu_flops=CPU_FLOPS_PER_CORE * cores,
+            gpu_memory_gbps=adam,
+            pcie_gbps=adam,
+            host_memory_bytes=host_memory_bytes,
+            cores=cores,
+            cpu_adam_gbps=adam,
+            locked_memory_bytes=locked_memory_bytes,
         )
 
     @classmethod
@@ -159,13 +210,24 @@ class Machine(BaseModel):
             props = torch.cuda.get_device_properties(torch.cuda.current_device())
             gpu = find_gpu(props.name)
             if gpu is not None:
-                return cls.for_gpu(gpu.key, host_memory_bytes=host, cores=cores, locked_memory_bytes=locked,
-                                   gpu_memory_bytes=int(props.total_memory))
+                return cls.for_gpu(
+                    gpu.key,
+                    host_memory_bytes=host,
+                    cores=cores,
+                    locked_memory_bytes=locked,
+                    gpu_memory_bytes=int(props.total_memory),
+                )
             # an unknown GPU: its memory is known; FLOPs from the SM count at an A100-like rate per SM
-            return cls(gpu_name=props.name, gpu_memory_bytes=int(props.total_memory),
-                       gpu_flops=props.multi_processor_count * 2.9e12, pcie_gbps=PCIE_GBPS[4],
-                       host_memory_bytes=host, cores=cores, cpu_adam_gbps=default_cpu_adam_gbps(cores),
-                       locked_memory_bytes=locked)
+            return cls(
+                gpu_name=props.name,
+                gpu_memory_bytes=int(props.total_memory),
+                gpu_flops=props.multi_processor_count * 2.9e12,
+                pcie_gbps=PCIE_GBPS[4],
+                host_memory_bytes=host,
+                cores=cores,
+                cpu_adam_gbps=default_cpu_adam_gbps(cores),
+                locked_memory_bytes=locked,
+            )
         return cls.for_cpu(host_memory_bytes=host, cores=cores, locked_memory_bytes=locked)
 
 

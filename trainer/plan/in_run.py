@@ -33,8 +33,12 @@ def plan_for_run(
         machine = Machine.detect("cuda" if device_type == "cuda" else "cpu")
         plan = plan_job(spec, machine, num_examples=num_examples, num_tokens=num_tokens)
     except Exception as exc:  # the plan advises a run: a model it cannot build must not stop the run
-        emit(LogEvent(f"No memory and speed plan ({type(exc).__name__}: {exc}); auto settings take their defaults",
-                      level="warning"))
+        emit(
+            LogEvent(
+                f"No memory and speed plan ({type(exc).__name__}: {exc}); auto settings take their defaults",
+                level="warning",
+            )
+        )
         return None
     text = plan.summary() + "".join(f". {r}" for r in plan.reasons)
     if not plan.fits:
@@ -48,8 +52,11 @@ def planned_runtime(plan: Plan | None) -> RuntimeChoices | None:
     if plan is None:
         return None
     s = plan.settings
-    return RuntimeChoices(micro_batch_size=s.micro_batch_size, gradient_checkpointing=s.gradient_checkpointing,
-                          packing=s.packing)
+    return RuntimeChoices(
+        micro_batch_size=s.micro_batch_size,
+        gradient_checkpointing=s.gradient_checkpointing,
+        packing=s.packing,
+    )
 
 
 def engine_choices(plan: Plan | None, resumed: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -146,10 +146,12 @@ class Plan(BaseModel):
         """One line for the job's events."""
         s = self.settings
         fit = "fits" if self.fits else "does not fit"
-        return (f"Plan: {fit} on {self.machine.gpu_name}: {s.mode} mode, micro-batch {s.micro_batch_size}, "
-                f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, device {format_bytes(self.device_bytes)} "
-                f"of {format_bytes(self.device_capacity_bytes)}, host {format_bytes(self.host_bytes)} of "
-                f"{format_bytes(self.host_capacity_bytes)}, ~{self.step_seconds:.3g} s/step")
+        return (
+            f"Plan: {fit} on {self.machine.gpu_name}: {s.mode} mode, micro-batch {s.micro_batch_size}, "
+            f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, device {format_bytes(self.device_bytes)} "
+            f"of {format_bytes(self.device_capacity_bytes)}, host {format_bytes(self.host_bytes)} of "
+            f"{format_bytes(self.host_capacity_bytes)}, ~{self.step_seconds:.3g} s/step"
+        )
 
 
 class _Candidate(NamedTuple):
@@ -205,9 +207,14 @@ def rank_machine(machine: Machine, ranks: int) -> Machine:
     (worker.capacity.measure.to_machine); CPU ranks split the host's memory, cores and bandwidth."""
     if ranks == 1 or machine.device_type == "cuda":
         return machine
-    return machine.model_copy(update={
-        "host_memory_bytes": max(1, machine.host_memory_bytes // ranks), "cores": max(1, machine.cores // ranks),
-        "cpu_adam_gbps": machine.cpu_adam_gbps / ranks, "gpu_flops": machine.gpu_flops / ranks})
+    return machine.model_copy(
+        update={
+            "host_memory_bytes": max(1, machine.host_memory_bytes // ranks),
+            "cores": max(1, machine.cores // ranks),
+            "cpu_adam_gbps": machine.cpu_adam_gbps / ranks,
+            "gpu_flops": machine.gpu_flops / ranks,
+        }
+    )
 
 
 def _candidate(job: _Job, mode: str, mb: int, ckpt: bool, acc: str) -> _Candidate:
@@ -215,13 +222,21 @@ def _candidate(job: _Job, mode: str, mb: int, ckpt: bool, acc: str) -> _Candidat
     cuda = m.device_type == "cuda"
     eng = _engine_bytes(job, mode, acc)
     act = activation_bytes(shape, mb, job.seq, e, checkpointing=ckpt)
-    device = {"weights": shape.params * e, "gradients": shape.trainable_params * e, **eng.device,
-              "activations": act.peak_bytes}
+    device = {
+        "weights": shape.params * e,
+        "gradients": shape.trainable_params * e,
+        **eng.device,
+        "activations": act.peak_bytes,
+    }
     if cuda:
         device["runtime"] = CUDA_RUNTIME_BYTES
     tokens = job.num_tokens if job.num_tokens is not None else job.num_examples * job.seq // 2
-    host = {**eng.host, "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
-            "data": tokens * DATA_BYTES_PER_TOKEN, "process": HOST_PROCESS_BYTES}
+    host = {
+        **eng.host,
+        "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
+        "data": tokens * DATA_BYTES_PER_TOKEN,
+        "process": HOST_PROCESS_BYTES,
+    }
     dev_total, host_total = sum(device.values()), sum(host.values())
     if cuda:
         fits_device = dev_total <= _device_capacity(m)
@@ -233,17 +248,32 @@ def _candidate(job: _Job, mode: str, mb: int, ckpt: bool, acc: str) -> _Candidat
     interval = spec.engine.update_interval
     split = eng.host_params if mode == "zenflow" else _engine_bytes(job, "zenflow", acc).host_params
     times = step_times(
-        shape, m, tokens=job.batch * job.seq, micro_tokens=mb * job.seq, seq=job.seq, checkpointing=ckpt,
-        dtype_bytes=e, host_params={"offload": shape.trainable_params, "zenflow": split},
-        accumulate_on=acc, update_interval=None if interval == "auto" else int(interval),
-        max_update_interval=spec.engine.max_update_interval, cpu_share=spec.engine.cpu_optimizer_cores_ratio,
-        overlap_step=spec.engine.overlap_step)
+        shape,
+        m,
+        tokens=job.batch * job.seq,
+        micro_tokens=mb * job.seq,
+        seq=job.seq,
+        checkpointing=ckpt,
+        dtype_bytes=e,
+        host_params={"offload": shape.trainable_params, "zenflow": split},
+        accumulate_on=acc,
+        update_interval=None if interval == "auto" else int(interval),
+        max_update_interval=spec.engine.max_update_interval,
+        cpu_share=spec.engine.cpu_optimizer_cores_ratio,
+        overlap_step=spec.engine.overlap_step,
+    )
     packing = spec.hyperparameters.packing
-    settings = Settings(mode=mode, micro_batch_size=mb, gradient_checkpointing=ckpt,  # type: ignore[arg-type]
-                        packing=packing if isinstance(packing, bool) else False,
-                        accumulate_on=acc, update_interval=interval)  # type: ignore[arg-type]
-    return _Candidate(settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host,
-                      fits_locked)
+    settings = Settings(
+        mode=mode,
+        micro_batch_size=mb,
+        gradient_checkpointing=ckpt,  # type: ignore[arg-type]
+        packing=packing if isinstance(packing, bool) else False,
+        accumulate_on=acc,
+        update_interval=interval,
+    )  # type: ignore[arg-type]
+    return _Candidate(
+        settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked
+    )
 
 
 def _device_capacity(m: Machine) -> int:
@@ -254,8 +284,11 @@ def _device_capacity(m: Machine) -> int:
 
 def _options(job: _Job, mode: str) -> list[tuple[int, bool, str]]:
     mb = job.spec.hyperparameters.micro_batch_size
-    mbs = [min(mb, job.batch)] if isinstance(mb, int) else sorted(
-        {min(c, job.batch) for c in MICRO_BATCH_CANDIDATES if c <= job.batch} | {job.batch})
+    mbs = (
+        [min(mb, job.batch)]
+        if isinstance(mb, int)
+        else sorted({min(c, job.batch) for c in MICRO_BATCH_CANDIDATES if c <= job.batch} | {job.batch})
+    )
     gc = job.spec.hyperparameters.gradient_checkpointing
     ckpts = [gc] if isinstance(gc, bool) else [False, True]
     acc = job.spec.engine.accumulate_on
@@ -283,23 +316,37 @@ def plan_job(
     the training file's counts when known (batch size ``auto`` and the data's host memory depend on
     them). Raises UnknownModelError or ValueError when the model's config cannot be built."""
     shape = model_shape(spec.model, spec.lora)
-    dtype = spec.dtype if spec.dtype != "auto" else ("bfloat16" if machine.device_type == "cuda" else "float32")
+    dtype = (
+        spec.dtype if spec.dtype != "auto" else ("bfloat16" if machine.device_type == "cuda" else "float32")
+    )
     n = num_examples or DEFAULT_NUM_EXAMPLES
     try:
         hp = spec.resolve(n)
         batch, seq = hp.batch_size, hp.max_seq_length
     except ValueError:  # too many steps: limit_errors reports it; plan one step's memory anyway
-        batch = min(n, 32) if spec.hyperparameters.batch_size == "auto" else int(spec.hyperparameters.batch_size)
-        seq = spec.hyperparameters.max_seq_length if isinstance(spec.hyperparameters.max_seq_length, int) else 2048
+        batch = (
+            min(n, 32) if spec.hyperparameters.batch_size == "auto" else int(spec.hyperparameters.batch_size)
+        )
+        seq = (
+            spec.hyperparameters.max_seq_length
+            if isinstance(spec.hyperparameters.max_seq_length, int)
+            else 2048
+        )
     ranks = spec.resources.gpus
     machine = rank_machine(machine, ranks)
-    job = _Job(spec, machine, shape, 2 if dtype == "bfloat16" else 4, -(-batch // ranks), seq, n, num_tokens, ranks)
-    best = {mode: _best([_candidate(job, mode, *o) for o in _options(job, mode)])
-            for mode in ("device", "offload", "zenflow")}
+    job = _Job(
+        spec, machine, shape, 2 if dtype == "bfloat16" else 4, -(-batch // ranks), seq, n, num_tokens, ranks
+    )
+    best = {
+        mode: _best([_candidate(job, mode, *o) for o in _options(job, mode)])
+        for mode in ("device", "offload", "zenflow")
+    }
     reasons: list[str] = []
     if ranks > 1:
-        reasons.append(f"resources.gpus {ranks}: per rank {job.batch} of the {batch} examples of a step and "
-                       f"1/{ranks} of the CPU optimizer state; the figures are one rank's")
+        reasons.append(
+            f"resources.gpus {ranks}: per rank {job.batch} of the {batch} examples of a step and "
+            f"1/{ranks} of the CPU optimizer state; the figures are one rank's"
+        )
     mode = spec.engine.mode
     if mode == "auto":
         dev = best["device"]
@@ -308,20 +355,31 @@ def plan_job(
             mode = "device"
             reasons.append(
                 f"engine.mode auto -> device: the optimizer state ({format_bytes(dev.device['optimizer_state'])}) fits the "
-                f"device beside the model ({format_bytes(dev.device_total)} of {format_bytes(_device_capacity(machine))})")
+                f"device beside the model ({format_bytes(dev.device_total)} of {format_bytes(_device_capacity(machine))})"
+            )
         else:
             mode = "zenflow"
-            why = (f"its optimizer state ({format_bytes(dev.device['optimizer_state'])}) would take over "
-                   f"{DEVICE_ROOM:.0%} of the usable {format_bytes(_device_capacity(machine))}") if dev.fits else (
-                   f"device mode needs {format_bytes(dev.device_total)} of device memory, {format_bytes(_device_capacity(machine))} "
-                   "is usable")
+            why = (
+                (
+                    f"its optimizer state ({format_bytes(dev.device['optimizer_state'])}) would take over "
+                    f"{DEVICE_ROOM:.0%} of the usable {format_bytes(_device_capacity(machine))}"
+                )
+                if dev.fits
+                else (
+                    f"device mode needs {format_bytes(dev.device_total)} of device memory, {format_bytes(_device_capacity(machine))} "
+                    "is usable"
+                )
+            )
             if best["zenflow"].fits or not best["offload"].fits:
-                reasons.append(f"engine.mode auto -> zenflow: {why}; zenflow keeps the optimizer state on the host")
+                reasons.append(
+                    f"engine.mode auto -> zenflow: {why}; zenflow keeps the optimizer state on the host"
+                )
             else:  # zenflow's device-side columns and buffers do not fit; offload keeps only the model
                 mode = "offload"
                 reasons.append(
                     f"engine.mode auto -> offload: {why}, and zenflow needs {format_bytes(best['zenflow'].device_total)} "
-                    "(its selected columns' state and landing buffers); offload keeps all optimizer state on the host")
+                    "(its selected columns' state and landing buffers); offload keeps all optimizer state on the host"
+                )
     chosen = best[mode]
     reasons += _setting_reasons(spec, chosen)
     if mode == "zenflow" and spec.engine.accumulate_on != "auto" and machine.device_type == "cuda":
@@ -330,40 +388,71 @@ def plan_job(
         reasons.append(_locked_memory_note(chosen, machine))
     modes = {k: _estimate(c) for k, c in best.items()}
     return Plan(
-        fits=chosen.fits, model=spec.model, machine=machine, params=shape.params,
-        trainable_params=shape.trainable_params, dtype=dtype, batch_size=batch,
-        max_seq_length=seq, tokens_per_step=batch * seq, settings=chosen.settings,
-        device_capacity_bytes=_device_capacity(machine), host_capacity_bytes=machine.host_memory_bytes,
-        device_bytes=chosen.device_total, host_bytes=chosen.host_total + (
-            chosen.device_total if machine.device_type == "cpu" else 0),
-        device=chosen.device, host=chosen.host,
-        activations={"saved": chosen.activations.saved_bytes, "recompute": chosen.activations.recompute_bytes,
-                     "transient": chosen.activations.transient_bytes},
-        step_seconds=chosen.time.step_seconds, tokens_per_second=chosen.time.tokens_per_second, modes=modes,
-        reasons=reasons, problems=[] if chosen.fits else _problems(job, chosen, offload_fits=best["offload"].fits),
+        fits=chosen.fits,
+        model=spec.model,
+        machine=machine,
+        params=shape.params,
+        trainable_params=shape.trainable_params,
+        dtype=dtype,
+        batch_size=batch,
+        max_seq_length=seq,
+        tokens_per_step=batch * seq,
+        settings=chosen.settings,
+        device_capacity_bytes=_device_capacity(machine),
+        host_capacity_bytes=machine.host_memory_bytes,
+        device_bytes=chosen.device_total,
+        host_bytes=chosen.host_total + (chosen.device_total if machine.device_type == "cpu" else 0),
+        device=chosen.device,
+        host=chosen.host,
+        activations={
+            "saved": chosen.activations.saved_bytes,
+            "recompute": chosen.activations.recompute_bytes,
+            "transient": chosen.activations.transient_bytes,
+        },
+        step_seconds=chosen.time.step_seconds,
+        tokens_per_second=chosen.time.tokens_per_second,
+        modes=modes,
+        reasons=reasons,
+        problems=[] if chosen.fits else _problems(job, chosen, offload_fits=best["offload"].fits),
     )
 
 
 def _estimate(c: _Candidate) -> ModeEstimate:
     t = c.time
-    return ModeEstimate(fits=c.fits, settings=c.settings, device_bytes=c.device_total, host_bytes=c.host_total,
-                        step_seconds=t.step_seconds, tokens_per_second=t.tokens_per_second, gpu_seconds=t.gpu_seconds,
-                        pcie_seconds=t.pcie_seconds, cpu_seconds=t.cpu_seconds, bound=t.bound,
-                        update_interval=t.update_interval)
+    return ModeEstimate(
+        fits=c.fits,
+        settings=c.settings,
+        device_bytes=c.device_total,
+        host_bytes=c.host_total,
+        step_seconds=t.step_seconds,
+        tokens_per_second=t.tokens_per_second,
+        gpu_seconds=t.gpu_seconds,
+        pcie_seconds=t.pcie_seconds,
+        cpu_seconds=t.cpu_seconds,
+        bound=t.bound,
+        update_interval=t.update_interval,
+    )
 
 
 def _setting_reasons(spec: JobSpec, c: _Candidate) -> list[str]:
     s, out = c.settings, []
-    if spec.hyperparameters.micro_batch_size == "auto" or spec.hyperparameters.gradient_checkpointing == "auto":
+    if (
+        spec.hyperparameters.micro_batch_size == "auto"
+        or spec.hyperparameters.gradient_checkpointing == "auto"
+    ):
         how = "the fastest that fits" if c.fits_device else "the least device memory"
-        out.append(f"micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
-                   f"{'on' if s.gradient_checkpointing else 'off'}: {how} "
-                   f"(activations {format_bytes(c.activations.peak_bytes)} at the peak)")
+        out.append(
+            f"micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
+            f"{'on' if s.gradient_checkpointing else 'off'}: {how} "
+            f"(activations {format_bytes(c.activations.peak_bytes)} at the peak)"
+        )
     if s.mode == "zenflow" and spec.engine.accumulate_on == "auto":
         out.append(f"engine.accumulate_on auto -> {s.accumulate_on}")
     if s.mode == "zenflow" and s.update_interval == "auto" and c.time.update_interval:
-        out.append(f"engine.update_interval auto: the engine sizes its windows; the step time assumes "
-                   f"{c.time.update_interval} steps (the shortest that hides the CPU work)")
+        out.append(
+            f"engine.update_interval auto: the engine sizes its windows; the step time assumes "
+            f"{c.time.update_interval} steps (the shortest that hides the CPU work)"
+        )
     return out
 
 
@@ -373,8 +462,10 @@ def _accumulator_hint(job: _Job, c: _Candidate) -> list[str]:
     alt = _best([_candidate(job, "zenflow", mb, ckpt, other) for mb, ckpt, _ in _options(job, "zenflow")])
     if not alt.fits or alt.time.step_seconds > 0.9 * c.time.step_seconds:
         return []
-    return [f"engine.accumulate_on {other} would fit and run {c.time.step_seconds / alt.time.step_seconds:.1f}x "
-            f"faster here ({alt.time.step_seconds:.3g} s/step; set it, or auto)"]
+    return [
+        f"engine.accumulate_on {other} would fit and run {c.time.step_seconds / alt.time.step_seconds:.1f}x "
+        f"faster here ({alt.time.step_seconds:.3g} s/step; set it, or auto)"
+    ]
 
 
 def _problems(job: _Job, c: _Candidate, *, offload_fits: bool) -> list[Problem]:
@@ -384,36 +475,62 @@ def _problems(job: _Job, c: _Candidate, *, offload_fits: bool) -> list[Problem]:
     if not c.fits_device:
         need, have = format_bytes(c.device_total), format_bytes(_device_capacity(m))
         where = "device" if m.device_type == "cuda" else "host"
-        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(c.device.items(), key=lambda kv: -kv[1]) if v)
+        parts = ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in sorted(c.device.items(), key=lambda kv: -kv[1]) if v
+        )
         if isinstance(spec.hyperparameters.micro_batch_size, int) and c.settings.micro_batch_size > 1:
             loc, fix = ("hyperparameters", "micro_batch_size"), "set a smaller micro_batch_size"
         elif spec.hyperparameters.gradient_checkpointing is False:
-            loc, fix = ("hyperparameters", "gradient_checkpointing"), "set gradient_checkpointing true or auto"
+            loc, fix = (
+                ("hyperparameters", "gradient_checkpointing"),
+                "set gradient_checkpointing true or auto",
+            )
         elif spec.engine.mode == "device" and m.device_type == "cuda":
             loc, fix = ("engine", "mode"), "set engine.mode zenflow (optimizer state on the host)"
         elif c.settings.mode == "zenflow" and m.device_type == "cuda" and offload_fits:
-            loc, fix = ("engine", "mode"), ("set engine.mode offload (zenflow's selected columns and landing "
-                                            "buffers do not fit beside the model; offload mode does)")
+            loc, fix = (
+                ("engine", "mode"),
+                (
+                    "set engine.mode offload (zenflow's selected columns and landing "
+                    "buffers do not fit beside the model; offload mode does)"
+                ),
+            )
         elif isinstance(spec.hyperparameters.max_seq_length, int):
-            loc, fix = ("hyperparameters", "max_seq_length"), "set a shorter max_seq_length or a smaller model"
+            loc, fix = (
+                ("hyperparameters", "max_seq_length"),
+                "set a shorter max_seq_length or a smaller model",
+            )
         else:
             loc, fix = ("model",), "use LoRA or a smaller model"
-        out.append(Problem(loc, f"needs {need} of {where} memory ({parts}), the {m.gpu_name} has {have} usable; {fix}"))
+        out.append(
+            Problem(
+                loc, f"needs {need} of {where} memory ({parts}), the {m.gpu_name} has {have} usable; {fix}"
+            )
+        )
     if not c.fits_host and m.device_type == "cuda":
-        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(c.host.items(), key=lambda kv: -kv[1]) if v)
+        parts = ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in sorted(c.host.items(), key=lambda kv: -kv[1]) if v
+        )
         if c.settings.mode == "zenflow" and spec.engine.accumulate_on == "host":
             loc, fix = ("engine", "accumulate_on"), "set engine.accumulate_on device or a smaller model"
         elif spec.engine.mode in ("offload", "zenflow"):
             loc, fix = ("engine", "mode"), "set engine.mode auto or a smaller model"
         else:
             loc, fix = ("model",), "use LoRA or a smaller model"
-        out.append(Problem(loc, f"needs {format_bytes(c.host_total)} of host memory ({parts}), the machine has "
-                                f"{format_bytes(m.host_memory_bytes)}; {fix}"))
+        out.append(
+            Problem(
+                loc,
+                f"needs {format_bytes(c.host_total)} of host memory ({parts}), the machine has "
+                f"{format_bytes(m.host_memory_bytes)}; {fix}",
+            )
+        )
     return out
 
 
 def _locked_memory_note(c: _Candidate, m: Machine) -> str:
     pinned = sum(v for k, v in c.host.items() if k.startswith("engine"))
-    return (f"note: the engine pins {format_bytes(pinned)} of host memory, over the worker's locked-memory limit "
-            f"({format_bytes(m.locked_memory_bytes or 0)}); CUDA's pinned allocations do not count against it, "
-            "but other page-locking (RDMA, mlock) on this host does: consider raising it (ulimit -l)")
+    return (
+        f"note: the engine pins {format_bytes(pinned)} of host memory, over the worker's locked-memory limit "
+        f"({format_bytes(m.locked_memory_bytes or 0)}); CUDA's pinned allocations do not count against it, "
+        "but other page-locking (RDMA, mlock) on this host does: consider raising it (ulimit -l)"
+    )

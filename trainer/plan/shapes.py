@@ -131,9 +131,16 @@ def _shape(model: str, stamp: float, lora_key: str | None) -> ModelShape:
             from peft import LoraConfig, get_peft_model
 
             lora = json.loads(lora_key)
-            net = get_peft_model(net, LoraConfig(
-                r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+            net = get_peft_model(
+                net,
+                LoraConfig(
+                    r=lora["r"],
+                    lora_alpha=lora["alpha"],
+                    lora_dropout=lora["dropout"],
+                    target_modules=lora["target_modules"],
+                    task_type="CAUSAL_LM",
+                ),
+            )
     modules: dict[str, int] = {}
     seen: set[int] = set()
     trainable = []
@@ -152,15 +159,27 @@ def _shape(model: str, stamp: float, lora_key: str | None) -> ModelShape:
     head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
     inter = int(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden)
     layers = int(getattr(text, "num_hidden_layers", None) or text.n_layer)
-    positions = int(getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048)
+    positions = int(
+        getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
+    )
     adapted = 0
     if lora_key is not None:
         adapted = sum(1 for w in trainable if "lora_A" in w.name) // max(1, layers)
     return ModelShape(
-        model_type=str(getattr(config, "model_type", "unknown")), num_layers=layers, hidden=hidden,
-        intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=int(text.vocab_size),
-        max_positions=positions, params=sum(modules.values()), trainable=tuple(trainable), modules=modules,
-        lora_rank=None if lora_key is None else int(json.loads(lora_key)["r"]), lora_modules_per_layer=adapted,
+        model_type=str(getattr(config, "model_type", "unknown")),
+        num_layers=layers,
+        hidden=hidden,
+        intermediate=inter,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        vocab=int(text.vocab_size),
+        max_positions=positions,
+        params=sum(modules.values()),
+        trainable=tuple(trainable),
+        modules=modules,
+        lora_rank=None if lora_key is None else int(json.loads(lora_key)["r"]),
+        lora_modules_per_layer=adapted,
     )
 
 
@@ -180,7 +199,13 @@ def model_shape(model: str, lora: LoraSpec | None = None) -> ModelShape:
 
 
 def activation_bytes(
-    shape: ModelShape, micro_batch: int, seq: int, dtype_bytes: int, *, checkpointing: bool, masked: bool = True
+    shape: ModelShape,
+    micro_batch: int,
+    seq: int,
+    dtype_bytes: int,
+    *,
+    checkpointing: bool,
+    masked: bool = True,
 ) -> Activations:
     """Bytes autograd keeps for one micro-batch of ``micro_batch`` x ``seq`` tokens (module doc).
 

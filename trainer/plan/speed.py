@@ -99,16 +99,25 @@ def step_times(
     (offload: all trainable, zenflow: the split weights); ``update_interval`` None: the shortest
     window that hides the CPU work (at most ``max_update_interval``: the engine's ``auto``)."""
     trainable = shape.trainable_params
-    gpu = compute_seconds(shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq,
-                          checkpointing=checkpointing)
+    gpu = compute_seconds(
+        shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq, checkpointing=checkpointing
+    )
     hbm = machine.gpu_memory_gbps * 1e9
     pcie, adam = machine.pcie_gbps * 1e9, machine.cpu_adam_gbps * 1e9
     out: dict[str, StepTime] = {}
 
     def add(mode: str, g: float, p: float, c: float, total: float, interval: int | None = None) -> None:
         parts = {"gpu": g, "pcie": p, "cpu": c}
-        out[mode] = StepTime(mode, g, p, c, total, tokens / total if total > 0 else math.inf,
-                             max(parts, key=lambda k: parts[k]), interval)
+        out[mode] = StepTime(
+            mode,
+            g,
+            p,
+            c,
+            total,
+            tokens / total if total > 0 else math.inf,
+            max(parts, key=lambda k: parts[k]),
+            interval,
+        )
 
     g_dev = gpu + trainable * DEVICE_ADAM_BYTES_PER_PARAM / hbm
     add("device", g_dev, 0.0, 0.0, g_dev)
@@ -130,7 +139,11 @@ def step_times(
             c = split * ADAM_BYTES_PER_PARAM / interval / worker
         else:  # every step's gradient crosses PCIe and is added on the CPU
             p = split * dtype_bytes * (1 + 1 / interval) / pcie
-            c = split * (ACCUMULATE_ELEMENTS_PER_PARAM * dtype_bytes + ADAM_BYTES_PER_PARAM / interval) / worker
+            c = (
+                split
+                * (ACCUMULATE_ELEMENTS_PER_PARAM * dtype_bytes + ADAM_BYTES_PER_PARAM / interval)
+                / worker
+            )
         return g, p, c
 
     if update_interval is None:
@@ -147,6 +160,7 @@ def step_times(
         total = max(g, p, c)
     else:  # the boundary waits for the window's CPU AdamW
         total = max(g, p, c - split * ADAM_BYTES_PER_PARAM / interval / worker) + (
-            split * ADAM_BYTES_PER_PARAM / interval / worker)
+            split * ADAM_BYTES_PER_PARAM / interval / worker
+        )
     add("zenflow", g, p, c, total, interval)
     return out

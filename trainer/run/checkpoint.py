@@ -260,7 +260,11 @@ def _dedupe_shared(state: dict[str, torch.Tensor], tie_word_embeddings: bool) ->
         else:
             seen[key] = name
         out[name] = t
-    if tie_word_embeddings and "lm_head.weight" in out and any(k.endswith("embed_tokens.weight") for k in out):
+    if (
+        tie_word_embeddings
+        and "lm_head.weight" in out
+        and any(k.endswith("embed_tokens.weight") for k in out)
+    ):
         out.pop("lm_head.weight")
     return out
 
@@ -345,8 +349,15 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(), "cuda": cuda}
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+    }
 
 
 def set_rng_state(state: dict[str, Any], seed: int) -> None:

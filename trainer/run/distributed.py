@@ -116,8 +116,14 @@ def init_from_env(*, device: str = "auto", timeout_seconds: float = 1800) -> Dis
         torch.cuda.set_device(dev)
         kwargs["device_id"] = dev  # binds the NCCL communicator to this rank's GPU (eager init)
     if not tdist.is_initialized():
-        tdist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size,
-                                 timeout=timedelta(seconds=timeout_seconds), **kwargs)
+        tdist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_seconds),
+            **kwargs,
+        )
     group = tdist.group.WORLD
     assert group is not None
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, group=group)

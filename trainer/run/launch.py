@@ -64,15 +64,22 @@ def cpu_share(rank: int, world: int, cpus: Sequence[int] | None = None) -> list[
         return [pool[rank % len(pool)]]
     base, extra = divmod(len(pool), world)
     start = rank * base + min(rank, extra)
-    return pool[start:start + base + (1 if rank < extra else 0)]
+    return pool[start : start + base + (1 if rank < extra else 0)]
 
 
 def _cpulist(cpus: Sequence[int]) -> str:
     return ",".join(str(c) for c in cpus)
 
 
-def rank_env(rank: int, world: int, port: int, *, visible_device: str | None, base: Mapping[str, str],
-             cpus: Sequence[int] | None = None) -> dict[str, str]:
+def rank_env(
+    rank: int,
+    world: int,
+    port: int,
+    *,
+    visible_device: str | None,
+    base: Mapping[str, str],
+    cpus: Sequence[int] | None = None,
+) -> dict[str, str]:
     """``base`` plus rank ``rank``'s torch.distributed variables (one host: LOCAL_RANK = RANK).
 
     ``visible_device``: the rank's GPU (an index or UUID, as the worker was given it) as its only
@@ -82,8 +89,14 @@ def rank_env(rank: int, world: int, port: int, *, visible_device: str | None, ba
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside a group of {world}")
     env = dict(base)
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     if visible_device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(visible_device)
         env.pop(RANK_CPUS_ENV, None)
@@ -99,15 +112,18 @@ def rank_env(rank: int, world: int, port: int, *, visible_device: str | None, ba
     return env
 
 
-def group_envs(world: int, *, devices: Sequence[str] | None, base: Mapping[str, str],
-               port: int | None = None) -> list[dict[str, str]]:
+def group_envs(
+    world: int, *, devices: Sequence[str] | None, base: Mapping[str, str], port: int | None = None
+) -> list[dict[str, str]]:
     """Every rank's :func:`rank_env` on one fresh port: rank ``r`` on ``devices[r]``, or CPU ranks when
     ``devices`` is None. Raises ValueError when fewer devices than ranks are given."""
     if devices is not None and len(devices) < world:
         raise ValueError(f"{world} ranks need {world} GPUs; {len(devices)} given")
     port = port or free_port()
-    return [rank_env(r, world, port, visible_device=None if devices is None else devices[r], base=base)
-            for r in range(world)]
+    return [
+        rank_env(r, world, port, visible_device=None if devices is None else devices[r], base=base)
+        for r in range(world)
+    ]
 
 
 def _child_setup(parent_pid: int, cpus: str | None) -> None:
@@ -133,10 +149,16 @@ class RankGroup:
     to every rank (preemption, cancel escalation).
     """
 
-    def __init__(self, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], *,
-                 term_grace: float = TERM_GRACE_SECONDS, cwd: str | os.PathLike[str] | None = None,
-                 stdout: int | IO[Any] | Sequence[IO[Any]] | None = None, stderr: int | IO[Any] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        argvs: Sequence[Sequence[str]],
+        envs: Sequence[Mapping[str, str]],
+        *,
+        term_grace: float = TERM_GRACE_SECONDS,
+        cwd: str | os.PathLike[str] | None = None,
+        stdout: int | IO[Any] | Sequence[IO[Any]] | None = None,
+        stderr: int | IO[Any] | None = None,
+    ) -> None:
         if not argvs or len(argvs) != len(envs):
             raise ValueError("one argv and one environment per rank")
         self.argvs = [list(a) for a in argvs]
@@ -168,12 +190,20 @@ class RankGroup:
         try:
             for rank, (argv, env) in enumerate(zip(self.argvs, self.envs, strict=True)):
                 cpus = env.get(RANK_CPUS_ENV)
-                p = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self._outs[rank], stderr=self.stderr,
-                                     close_fds=True, process_group=0,
-                                     preexec_fn=lambda c=cpus: _child_setup(parent, c))
+                p = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=self.cwd,
+                    stdout=self._outs[rank],
+                    stderr=self.stderr,
+                    close_fds=True,
+                    process_group=0,
+                    preexec_fn=lambda c=cpus: _child_setup(parent, c),
+                )
                 self.procs.append(p)
-                threading.Thread(target=self._reap, args=(rank, p), name=f"zenflow-rank-{rank}-wait",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._reap, args=(rank, p), name=f"zenflow-rank-{rank}-wait", daemon=True
+                ).start()
         except BaseException:
             self._signal_all(signal.SIGKILL)
             for p in self.procs:
@@ -234,8 +264,12 @@ class RankGroup:
         if self.failed_rank is None:
             self.failed_rank = self._first_failure(exits)
             if self.failed_rank is not None and len(exits) < len(self.procs):
-                log.warning("rank %d of %d exited (%s): stopping the other ranks", self.failed_rank,
-                            len(self.procs), _describe(exits[self.failed_rank][0]))
+                log.warning(
+                    "rank %d of %d exited (%s): stopping the other ranks",
+                    self.failed_rank,
+                    len(self.procs),
+                    _describe(exits[self.failed_rank][0]),
+                )
                 self._begin_teardown(now)
         if len(exits) == len(self.procs):
             return exits[self.failed_rank if self.failed_rank is not None else 0][0]

@@ -179,7 +179,9 @@ def run_training(
         data = load_data(spec, emit, dist)
         built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
         try:
-            return _Run(spec, out, data, built, emit, should_cancel, main and _use_progress(progress), dist).train()
+            return _Run(
+                spec, out, data, built, emit, should_cancel, main and _use_progress(progress), dist
+            ).train()
         finally:
             release(built)
     except DatasetValidationError as e:
@@ -236,7 +238,9 @@ class _Run:
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=hp.total_steps, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(
+                total=hp.total_steps, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
         cancelled = False
         order: list[int] = []
         order_epoch = -1
@@ -262,7 +266,9 @@ class _Run:
                 if m.skipped:  # gradient norm not finite: nothing was updated
                     self.emit(skipped_step_warning(m, state.step + 1))
                 if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    raise FloatingPointError(f"gradient norm not finite for {self.skipped_in_a_row} steps in a row")
+                    raise FloatingPointError(
+                        f"gradient norm not finite for {self.skipped_in_a_row} steps in a row"
+                    )
                 dt = time.perf_counter() - t0
                 state.step += 1
                 state.losses = [*state.losses[-(LOSS_WINDOW - 1) :], done.loss]
@@ -287,7 +293,12 @@ class _Run:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{done.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{done.tokens / dt:.0f}")
-                if data.valid and hp.eval_every and state.step % hp.eval_every == 0 and state.step < hp.total_steps:
+                if (
+                    data.valid
+                    and hp.eval_every
+                    and state.step % hp.eval_every == 0
+                    and state.step < hp.total_steps
+                ):
                     self._eval()
                 if state.step % hp.checkpoint_every == 0 and state.step < hp.total_steps:
                     self.outputs.save_checkpoint(state)
@@ -325,13 +336,23 @@ class _Run:
 
     def _micro_batches(self, examples: list[Example]) -> Iterator[Batch]:
         hp = self.hp
-        return micro_batches(examples, hp.micro_batch_size, pad_id=self.data.pad_id, device=self.built.device,
-                             packing=hp.packing, max_seq_length=hp.max_seq_length)
+        return micro_batches(
+            examples,
+            hp.micro_batch_size,
+            pad_id=self.data.pad_id,
+            device=self.built.device,
+            packing=hp.packing,
+            max_seq_length=hp.max_seq_length,
+        )
 
     def _eval(self) -> None:
         hp, data, built, dist = self.hp, self.data, self.built, self.dist
-        kw: dict[str, Any] = {"pad_id": data.pad_id, "device": built.device, "packing": hp.packing,
-                              "max_seq_length": hp.max_seq_length}
+        kw: dict[str, Any] = {
+            "pad_id": data.pad_id,
+            "device": built.device,
+            "packing": hp.packing,
+            "max_seq_length": hp.max_seq_length,
+        }
         if dist is None:
             loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
         else:  # each rank its part; the summed losses and counts added up

@@ -152,7 +152,9 @@ class RunOutputs:
             staged.unlink(missing_ok=True)
         if n_full > 0:
             raise DiskFullError(f"checkpoint {step}") from problem
-        raise RuntimeError(f"checkpoint {step}: {int(n_failed)} rank(s) could not write their engine shard") from problem
+        raise RuntimeError(
+            f"checkpoint {step}: {int(n_failed)} rank(s) could not write their engine shard"
+        ) from problem
 
     def save_checkpoint(self, progress: Progress) -> None:
         """Write a checkpoint at ``progress.step``, record it in ``progress``, prune older ones."""
@@ -161,8 +163,14 @@ class RunOutputs:
         rng = rng_state()
         rank_state: dict[str, Any] = {}
         if dist is not None:
-            rank_state = {"version": STATE_VERSION, "step": step, "rank": dist.rank,
-                          "world_size": dist.world_size, "engine": engine_state, "rng": rng}
+            rank_state = {
+                "version": STATE_VERSION,
+                "step": step,
+                "rank": dist.rank,
+                "world_size": dist.world_size,
+                "engine": engine_state,
+                "rng": rng,
+            }
             self._stage_shards(step, rank_state)
         figures = metrics(progress)
 
@@ -207,16 +215,21 @@ class RunOutputs:
                 # Explicit save_embedding_layers (never "auto": no Hub lookup of the base config): the
                 # embeddings go into the adapter only when the vocabulary grew, so that the adapter
                 # works with the tokens it was trained with on a base model resized to the tokenizer.
-                built.model.save_pretrained(str(tmp / "adapter"), state_dict=adapter,
-                                            save_embedding_layers=built.added_tokens > 0)
+                built.model.save_pretrained(
+                    str(tmp / "adapter"), state_dict=adapter, save_embedding_layers=built.added_tokens > 0
+                )
             save_training_state(tmp, tstate)
             if dist is not None:
                 save_rank_state(tmp / engine_shard_name(0, dist.world_size), rank_state)
                 for r in range(1, dist.world_size):
                     os.replace(self._staged(progress.step, r), tmp / engine_shard_name(r, dist.world_size))
 
-        manifest: dict[str, Any] = {"kind": "checkpoint", "step": progress.step, "base_model": self.spec.model,
-                                    "metrics": figures}
+        manifest: dict[str, Any] = {
+            "kind": "checkpoint",
+            "step": progress.step,
+            "base_model": self.spec.model,
+            "metrics": figures,
+        }
         if dist is not None:
             manifest["world_size"] = dist.world_size
         try:
@@ -238,11 +251,18 @@ class RunOutputs:
                     link_or_copy(p, tmp / p.relative_to(src))
 
         def export() -> str:
-            return str(write_atomic_dir(
-                self.out / FINAL_DIR,
-                write,
-                {"kind": "final", "step": progress.step, "base_model": self.spec.model, "metrics": metrics(progress)},
-            ))
+            return str(
+                write_atomic_dir(
+                    self.out / FINAL_DIR,
+                    write,
+                    {
+                        "kind": "final",
+                        "step": progress.step,
+                        "base_model": self.spec.model,
+                        "metrics": metrics(progress),
+                    },
+                )
+            )
 
         return Path(self._on_main("the final model", export))
 

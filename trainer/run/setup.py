@@ -124,8 +124,13 @@ def load_data(spec: JobSpec, emit: Callable[[Event], None], dist: DistContext | 
     if spec.validation_file is not None:
         valid, vrep = load_examples(spec.validation_file, tokenizer, max_len, options)
         emit(LogEvent(vrep.event_message("validation"), data=vrep.as_dict()))
-    plan = plan_for_run(spec, rank_device(dist, spec.device).type, num_examples=len(train),
-                        num_tokens=rep.num_tokens, emit=emit)
+    plan = plan_for_run(
+        spec,
+        rank_device(dist, spec.device).type,
+        num_examples=len(train),
+        num_tokens=rep.num_tokens,
+        emit=emit,
+    )
     hp = spec.resolve(len(train), planned_runtime(plan))
     if dist is not None:
         hp, plan = broadcast_object(dist, (hp, plan))
@@ -221,12 +226,14 @@ def build(
     base_config = model.config
     generation_config = getattr(model, "generation_config", None)
     attention = apply_runtime(model, hp.runtime(), device, dtype)
-    emit(LogEvent(
-        f"Micro-batches of {hp.micro_batch_size} (batch size {hp.batch_size}); packing "
-        f"{'on' if hp.packing else 'off'}; gradient checkpointing {'on' if hp.gradient_checkpointing else 'off'}; "
-        f"attention {attention}",
-        data={**hp.runtime().model_dump(), "attention": attention},
-    ))
+    emit(
+        LogEvent(
+            f"Micro-batches of {hp.micro_batch_size} (batch size {hp.batch_size}); packing "
+            f"{'on' if hp.packing else 'off'}; gradient checkpointing {'on' if hp.gradient_checkpointing else 'off'}; "
+            f"attention {attention}",
+            data={**hp.runtime().model_dump(), "attention": attention},
+        )
+    )
     if spec.lora is not None:
         model = apply_lora(model, spec, hp.seed)
     model.to(device)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
@@ -238,13 +245,19 @@ def build(
     resumed = restore.first if restore is not None else None
     config = spec.engine.engine_config(hp.lr_at(0), **engine_choices(data.plan, resumed))
     engine = _make_engine(model, config, dist)
-    built = Built(model, engine, device, dtype, base_config, generation_config, Progress(),
-                  added_tokens=added_tokens)
+    built = Built(
+        model, engine, device, dtype, base_config, generation_config, Progress(), added_tokens=added_tokens
+    )
     try:
         emit(LogEvent(engine.placement.describe(), data=engine.placement.as_dict()))
         mem = engine.memory()
-        emit(LogEvent(f"Engine memory: host {mem.host_bytes / 2**30:.2f} GiB ({mem.host_bytes_per_param:.1f} B/param), "
-                      f"device state {mem.device_state_bytes / 2**30:.2f} GiB", data=mem.as_dict()))
+        emit(
+            LogEvent(
+                f"Engine memory: host {mem.host_bytes / 2**30:.2f} GiB ({mem.host_bytes_per_param:.1f} B/param), "
+                f"device state {mem.device_state_bytes / 2**30:.2f} GiB",
+                data=mem.as_dict(),
+            )
+        )
         if device.type == "cpu" and engine.mode != "device":
             # The engine's CPU optimizer worker gets its share of the cores; training keeps the rest.
             built.restore_threads = threads
@@ -268,18 +281,28 @@ def build(
                 seed_all(hp.seed + (dist.rank if dist is not None else 0))
             world = dist.world_size if dist is not None else 1
             if restore.saved_world != world:
-                emit(LogEvent(
-                    f"Checkpoint at step {ckpt.step} was written by {restore.saved_world} rank(s); its engine state "
-                    f"is re-cut for {world}: the same training up to float rounding, not bit-identical",
-                    data={"checkpoint_world_size": restore.saved_world, "world_size": world},
-                ))
+                emit(
+                    LogEvent(
+                        f"Checkpoint at step {ckpt.step} was written by {restore.saved_world} rank(s); its engine state "
+                        f"is re-cut for {world}: the same training up to float rounding, not bit-identical",
+                        data={"checkpoint_world_size": restore.saved_world, "world_size": world},
+                    )
+                )
             theirs = ResolvedHyperparameters(**state["hyperparameters"]).runtime()
             if theirs != hp.runtime():
-                emit(LogEvent(
-                    f"Resuming with {hp.runtime().model_dump()} where the checkpoint ran {theirs.model_dump()}: "
-                    "the same updates up to float rounding, not bit-identical", data={"checkpoint": theirs.model_dump()},
-                ))
-            emit(LogEvent(f"Resumed from checkpoint at step {ckpt.step}", data={"step": ckpt.step, "path": str(ckpt.path)}))
+                emit(
+                    LogEvent(
+                        f"Resuming with {hp.runtime().model_dump()} where the checkpoint ran {theirs.model_dump()}: "
+                        "the same updates up to float rounding, not bit-identical",
+                        data={"checkpoint": theirs.model_dump()},
+                    )
+                )
+            emit(
+                LogEvent(
+                    f"Resumed from checkpoint at step {ckpt.step}",
+                    data={"step": ckpt.step, "path": str(ckpt.path)},
+                )
+            )
         else:
             seed_all(hp.seed + (dist.rank if dist is not None else 0))
     except BaseException:
@@ -293,7 +316,9 @@ def apply_runtime(model: Any, choices: RuntimeChoices, device: torch.device, dty
     attention implementation packing needs, activation checkpointing (non-reentrant; transformers also
     makes the embeddings' output require grad, which a LoRA model behind frozen layers needs). Returns
     the attention implementation in use."""
-    attention = use_packing_attention(model, device, dtype) if choices.packing else model.config._attn_implementation
+    attention = (
+        use_packing_attention(model, device, dtype) if choices.packing else model.config._attn_implementation
+    )
     if choices.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return str(attention)

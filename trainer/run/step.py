@@ -66,7 +66,9 @@ def optimizer_step(
     for mb in micro_batches:
         ls, _ = loss_sum(model, mb)
         loss = ls / learned
-        engine.scale_loss(loss * scale if dist is not None else loss).backward()  # scaled only with fp16 loss scaling
+        engine.scale_loss(
+            loss * scale if dist is not None else loss
+        ).backward()  # scaled only with fp16 loss scaling
         loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
     m = engine.step()
     engine.zero_grad()

@@ -45,8 +45,9 @@ class Refusal:
         return ".".join(str(p) for p in self.loc) or None
 
 
-def refusal(spec: Any, candidates: Sequence[tuple[str, WorkerCapacity]], *,
-            num_examples: int | None = None) -> Refusal | None:
+def refusal(
+    spec: Any, candidates: Sequence[tuple[str, WorkerCapacity]], *, num_examples: int | None = None
+) -> Refusal | None:
     """None when ``spec``'s plan fits one of ``candidates`` ((label, capacity), at least one; the label
     names the worker in the message: ``worker gpu0@host``);
     else the refusal against the one that comes closest. Raises what :func:`trainer.plan.planner.plan_job`
@@ -71,7 +72,11 @@ def refusal(spec: Any, candidates: Sequence[tuple[str, WorkerCapacity]], *,
     name, capacity, plan = planned[min(planned, key=closeness)]
     problems = list(plan.problems) or [((), "the plan does not fit")]
     reasons = "; ".join(message for _, message in problems)
-    who = name if len(candidates) == 1 else f"any of the {len(candidates)} live workers of its queue; the closest is {name}"
+    who = (
+        name
+        if len(candidates) == 1
+        else f"any of the {len(candidates)} live workers of its queue; the closest is {name}"
+    )
     return Refusal(tuple(problems[0][0]), f"The job does not fit {who} ({capacity.describe()}): {reasons}")
 
 
@@ -79,8 +84,11 @@ def _stored_capacity(url: str, job_id: str, worker: str) -> tuple[dict[str, Any]
     """The capacity ``worker`` registered (None: no row) and the job's training-example count."""
     with session_scope(url) as s:
         row = worker_registry.get(s, worker)
-        num_examples = s.scalar(select(File.num_examples).join(FineTuningJob, FineTuningJob.training_file_id == File.id)
-                                .where(FineTuningJob.id == job_id))
+        num_examples = s.scalar(
+            select(File.num_examples)
+            .join(FineTuningJob, FineTuningJob.training_file_id == File.id)
+            .where(FineTuningJob.id == job_id)
+        )
         return (dict(row.capacity) if row is not None else None), num_examples
 
 
@@ -90,8 +98,11 @@ def recheck(url: str, job_id: str, worker: str, spec: Any, *, window: float) -> 
     before its worker's measurement was in). None when it fits, and when it cannot be told (the
     database away for ``window``, a model the plan cannot build): the run then goes ahead as before."""
     try:
-        stored, num_examples = retry_db(lambda: _stored_capacity(url, job_id, worker), window=window,
-                                        what=f"job {job_id}: capacity re-check")
+        stored, num_examples = retry_db(
+            lambda: _stored_capacity(url, job_id, worker),
+            window=window,
+            what=f"job {job_id}: capacity re-check",
+        )
     except DatabaseUnavailable as e:
         log.warning("job %s: capacity not re-checked: %s", job_id, e)
         return None

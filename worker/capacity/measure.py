@@ -90,8 +90,9 @@ class WorkerCapacity(BaseModel):
         """``NVIDIA H100 80GB HBM3, 79.6 GiB, 256.0 GiB of host memory, 16 cores (its share of a host
         with 8 GPUs)``: what :func:`to_machine` plans with, for messages."""
         m = to_machine(self)
-        where = (f"{self.gpu_name}, {m.gpu_memory_bytes / GiB:.1f} GiB" if m.device_type == "cuda"
-                 else "CPU only")
+        where = (
+            f"{self.gpu_name}, {m.gpu_memory_bytes / GiB:.1f} GiB" if m.device_type == "cuda" else "CPU only"
+        )
         text = f"{where}, {m.host_memory_bytes / GiB:.1f} GiB of host memory, {m.cores} cores"
         if m.device_type == "cuda" and self.gpus_on_host > 1:
             text += f" (its share of a host with {self.gpus_on_host} GPUs)"
@@ -106,41 +107,68 @@ def to_machine(capacity: WorkerCapacity) -> Machine:
     adam = capacity.cpu_adam_gbps / share if capacity.cpu_adam_gbps else None
     locked = capacity.locked_memory_bytes
     if capacity.device_type == "cpu":
-        return Machine.for_cpu(host_memory_bytes=host, cores=cores, cpu_adam_gbps=adam, locked_memory_bytes=locked)
+        return Machine.for_cpu(
+            host_memory_bytes=host, cores=cores, cpu_adam_gbps=adam, locked_memory_bytes=locked
+        )
     gpu = find_gpu(capacity.gpu_name or "")
     if gpu is not None:
-        return Machine.for_gpu(gpu.key, host_memory_bytes=host, cores=cores, cpu_adam_gbps=adam,
-                               pcie_gbps=capacity.pcie_gbps, locked_memory_bytes=locked,
-                               gpu_memory_bytes=capacity.gpu_memory_bytes or None)
+        return Machine.for_gpu(
+            gpu.key,
+            host_memory_bytes=host,
+            cores=cores,
+            cpu_adam_gbps=adam,
+            pcie_gbps=capacity.pcie_gbps,
+            locked_memory_bytes=locked,
+            gpu_memory_bytes=capacity.gpu_memory_bytes or None,
+        )
     flops = capacity.gpu_sm_count * FLOPS_PER_SM if capacity.gpu_sm_count else KNOWN_GPUS["a100-80gb"].flops
-    return Machine(gpu_name=capacity.gpu_name or "unknown GPU", gpu_memory_bytes=capacity.gpu_memory_bytes,
-                   gpu_flops=flops, pcie_gbps=capacity.pcie_gbps or PCIE_GBPS[4], host_memory_bytes=host,
-                   cores=cores, cpu_adam_gbps=adam or default_cpu_adam_gbps(cores), locked_memory_bytes=locked)
+    return Machine(
+        gpu_name=capacity.gpu_name or "unknown GPU",
+        gpu_memory_bytes=capacity.gpu_memory_bytes,
+        gpu_flops=flops,
+        pcie_gbps=capacity.pcie_gbps or PCIE_GBPS[4],
+        host_memory_bytes=host,
+        cores=cores,
+        cpu_adam_gbps=adam or default_cpu_adam_gbps(cores),
+        locked_memory_bytes=locked,
+    )
 
 
 def default_capacity(settings: Settings) -> WorkerCapacity:
     """The capacity admission assumes while no worker of a queue is registered (``ZENFLOW_DEFAULT_WORKER_*``);
     ValueError for a GPU the table does not know whose memory is not given either."""
     name = settings.default_worker_gpu.strip()
-    common: dict[str, Any] = dict(host_memory_bytes=settings.default_worker_host_memory_bytes, cores=settings.default_worker_cores,
-                  locked_memory_bytes=settings.default_worker_locked_memory_bytes,
-                  cpu_adam_gbps=settings.default_worker_cpu_adam_gbps)
+    common: dict[str, Any] = dict(
+        host_memory_bytes=settings.default_worker_host_memory_bytes,
+        cores=settings.default_worker_cores,
+        locked_memory_bytes=settings.default_worker_locked_memory_bytes,
+        cpu_adam_gbps=settings.default_worker_cpu_adam_gbps,
+    )
     if not name:
         return WorkerCapacity(device_type="cpu", **common)
     gpu = find_gpu(name)
     memory = settings.default_worker_gpu_memory_bytes or (gpu.memory_bytes if gpu else None)
     if memory is None:
-        raise ValueError(f"ZENFLOW_DEFAULT_WORKER_GPU={name!r} is not a known GPU ({', '.join(KNOWN_GPUS)}): "
-                         "give ZENFLOW_DEFAULT_WORKER_GPU_MEMORY_BYTES too")
-    return WorkerCapacity(device_type="cuda", gpu_name=name, gpu_memory_bytes=memory, gpus_on_host=1,
-                          pcie_gbps=settings.default_worker_pcie_gbps, **common)
+        raise ValueError(
+            f"ZENFLOW_DEFAULT_WORKER_GPU={name!r} is not a known GPU ({', '.join(KNOWN_GPUS)}): "
+            "give ZENFLOW_DEFAULT_WORKER_GPU_MEMORY_BYTES too"
+        )
+    return WorkerCapacity(
+        device_type="cuda",
+        gpu_name=name,
+        gpu_memory_bytes=memory,
+        gpus_on_host=1,
+        pcie_gbps=settings.default_worker_pcie_gbps,
+        **common,
+    )
 
 
 # --- measuring -----------------------------------------------------------------------------------
 
 
-def measure_cpu_adam_gbps(*, params: int = ADAM_PARAMS, seconds: float = ADAM_SECONDS,
-                          threads: int | None = None) -> float:
+def measure_cpu_adam_gbps(
+    *, params: int = ADAM_PARAMS, seconds: float = ADAM_SECONDS, threads: int | None = None
+) -> float:
     """Our fused CPU AdamW's throughput on this host (GB/s of ADAM_BYTES_PER_PARAM per parameter): steps
     on one buffer for about ``seconds`` after a warm-up step (page faults, thread start-up)."""
     import torch
@@ -152,8 +180,20 @@ def measure_cpu_adam_gbps(*, params: int = ADAM_PARAMS, seconds: float = ADAM_SE
     out = torch.empty(params, dtype=torch.bfloat16)
 
     def step(k: int) -> None:
-        cpu_adam.adam_step(p, g, m, v, step=k, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                           param_out=out, num_threads=threads)
+        cpu_adam.adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=k,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            param_out=out,
+            num_threads=threads,
+        )
 
     step(1)
     k, t0 = 1, time.perf_counter()
@@ -219,13 +259,24 @@ def measure_capacity(*, nvml: Nvml | None = None, adam_seconds: float = ADAM_SEC
     except Exception as e:  # the extension cannot be built here: the plan assumes a per-core rate
         log.warning("capacity: CPU AdamW timing failed: %s", e)
         adam = None
-    common: dict[str, Any] = dict(host_memory_bytes=host_memory_bytes(), cores=cores, locked_memory_bytes=locked_memory_limit(),
-                  cpu_adam_gbps=adam)
+    common: dict[str, Any] = dict(
+        host_memory_bytes=host_memory_bytes(),
+        cores=cores,
+        locked_memory_bytes=locked_memory_limit(),
+        cpu_adam_gbps=adam,
+    )
     if gpu is None:
         return WorkerCapacity(device_type="cpu", **common)
     name, memory, sms, count = gpu
-    return WorkerCapacity(device_type="cuda", gpu_name=name, gpu_memory_bytes=memory, gpu_sm_count=sms,
-                          gpus_on_host=count, pcie_gbps=measure_pcie_gbps(), **common)
+    return WorkerCapacity(
+        device_type="cuda",
+        gpu_name=name,
+        gpu_memory_bytes=memory,
+        gpu_sm_count=sms,
+        gpus_on_host=count,
+        pcie_gbps=measure_pcie_gbps(),
+        **common,
+    )
 
 
 @cache
@@ -239,12 +290,16 @@ def measure_in_subprocess(*, timeout: float = MEASURE_TIMEOUT_SECONDS) -> Worker
     ``CUDA_VISIBLE_DEVICES``); CapacityError when it fails."""
     cmd = [sys.executable, "-m", __name__]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ), check=False)
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ), check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise CapacityError(f"capacity measurement did not finish: {e}") from e
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        raise CapacityError(f"capacity measurement failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        raise CapacityError(
+            f"capacity measurement failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
     return WorkerCapacity.model_validate_json(lines[-1])
 
 

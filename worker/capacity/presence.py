@@ -27,9 +27,15 @@ log = logging.getLogger("zenflow.worker")
 class WorkerPresence(threading.Thread):
     """Register worker ``name`` with its measured capacity and keep its heartbeat fresh."""
 
-    def __init__(self, name: str, queues: Sequence[str], *, settings: Settings | None = None,
-                 measure: Callable[[], WorkerCapacity] = measure_in_subprocess,
-                 interval: float | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        queues: Sequence[str],
+        *,
+        settings: Settings | None = None,
+        measure: Callable[[], WorkerCapacity] = measure_in_subprocess,
+        interval: float | None = None,
+    ) -> None:
         super().__init__(name="zenflow-worker-presence", daemon=True)
         self.worker_name, self.queues = name, list(queues)
         self.settings = settings or get_settings()
@@ -47,8 +53,13 @@ class WorkerPresence(threading.Thread):
     def _register(self) -> None:
         assert self.capacity is not None
         with session_scope(self._url) as s:
-            worker_registry.register(s, self.worker_name, self.queues, self.capacity.model_dump(mode="json"),
-                             gpus_per_job=self.settings.gpus_per_job)
+            worker_registry.register(
+                s,
+                self.worker_name,
+                self.queues,
+                self.capacity.model_dump(mode="json"),
+                gpus_per_job=self.settings.gpus_per_job,
+            )
         self.registered.set()
 
     def _beat(self) -> None:
@@ -85,8 +96,13 @@ class WorkerPresence(threading.Thread):
             log.warning("worker %s: could not unregister: %s", self.worker_name, public_message(e))
 
 
-def start_presence(name: str, queues: Sequence[str], *, settings: Settings | None = None,
-                   measure: Callable[[], WorkerCapacity] = measure_in_subprocess) -> WorkerPresence:
+def start_presence(
+    name: str,
+    queues: Sequence[str],
+    *,
+    settings: Settings | None = None,
+    measure: Callable[[], WorkerCapacity] = measure_in_subprocess,
+) -> WorkerPresence:
     """Start a :class:`WorkerPresence` thread for worker ``name`` consuming ``queues``."""
     presence = WorkerPresence(name, queues, settings=settings, measure=measure)
     presence.start()

@@ -37,8 +37,17 @@ def exit_lost(job_id: str) -> NoReturn:
 class JobMonitor(threading.Thread):
     """Heartbeats and cancel polling for one running job, in the background."""
 
-    def __init__(self, job_id: str, url: str, hostname: str, heartbeat_interval: float, poll_interval: float = 1.0,
-                 *, outage_seconds: float = 300.0, interrupted: threading.Event | None = None):
+    def __init__(
+        self,
+        job_id: str,
+        url: str,
+        hostname: str,
+        heartbeat_interval: float,
+        poll_interval: float = 1.0,
+        *,
+        outage_seconds: float = 300.0,
+        interrupted: threading.Event | None = None,
+    ):
         super().__init__(name=f"zenflow-monitor-{job_id}", daemon=True)
         self.job_id, self.url, self.hostname = job_id, url, hostname
         self.heartbeat_interval = heartbeat_interval
@@ -58,24 +67,31 @@ class JobMonitor(threading.Thread):
         with session_scope(self.url) as s:
             s.execute(
                 update(FineTuningJob)
-                .where(FineTuningJob.id == self.job_id, FineTuningJob.worker_hostname == self.hostname,
-                       FineTuningJob.status == JobStatus.running.value)
+                .where(
+                    FineTuningJob.id == self.job_id,
+                    FineTuningJob.worker_hostname == self.hostname,
+                    FineTuningJob.status == JobStatus.running.value,
+                )
                 .values(heartbeat_at=utcnow())
             )
 
     def poll(self) -> None:
         with session_scope(self.url) as s:
             row = s.execute(
-                select(FineTuningJob.status, FineTuningJob.cancel_requested, FineTuningJob.worker_hostname).where(
-                    FineTuningJob.id == self.job_id
-                )
+                select(
+                    FineTuningJob.status, FineTuningJob.cancel_requested, FineTuningJob.worker_hostname
+                ).where(FineTuningJob.id == self.job_id)
             ).one_or_none()
         if row is None or row.status != JobStatus.running.value or row.worker_hostname != self.hostname:
             # Re-queued (or finished) elsewhere: another process may own the output directory now,
             # so stop at once without writing anything more.
             self.lost.set()
-            log.error("job %s is %s on %s", self.job_id, row.status if row else "deleted",
-                      row.worker_hostname if row else None)
+            log.error(
+                "job %s is %s on %s",
+                self.job_id,
+                row.status if row else "deleted",
+                row.worker_hostname if row else None,
+            )
             exit_lost(self.job_id)
         if row.cancel_requested:
             self.cancel.set()
@@ -93,10 +109,14 @@ class JobMonitor(threading.Thread):
             except Exception as e:  # the database is away: keep trying every round
                 if failing_since is None:
                     failing_since = now
-                    log.warning("job monitor: %s; retrying", public_message(e), exc_info=not is_db_unavailable(e))
+                    log.warning(
+                        "job monitor: %s; retrying", public_message(e), exc_info=not is_db_unavailable(e)
+                    )
                 elif now - failing_since > self.outage_seconds and not self.interrupted.is_set():
-                    log.error("job monitor: database unavailable for more than %g s: interrupting the run",
-                              self.outage_seconds)
+                    log.error(
+                        "job monitor: database unavailable for more than %g s: interrupting the run",
+                        self.outage_seconds,
+                    )
                     self.interrupted.set()
             else:
                 if failing_since is not None:

@@ -60,10 +60,15 @@ class DBReporter:
         """Make the job's checkpoint rows match the complete checkpoints in ``output_dir`` (at the start
         of a run: one written while the database was away, or by a run that died before its row was
         written, is registered; rows of checkpoints no longer on disk go)."""
-        found = [{"step": c.step, "path": str(c.path), "metrics": c.manifest.get("metrics") or {}}
-                 for c in list_checkpoints(output_dir)]
-        self.writer.put(Write(job={"last_checkpoint_path": found[-1]["path"] if found else None},
-                              checkpoints_on_disk=found))
+        found = [
+            {"step": c.step, "path": str(c.path), "metrics": c.manifest.get("metrics") or {}}
+            for c in list_checkpoints(output_dir)
+        ]
+        self.writer.put(
+            Write(
+                job={"last_checkpoint_path": found[-1]["path"] if found else None}, checkpoints_on_disk=found
+            )
+        )
 
     def _on_log(self, ev: LogEvent) -> Write:
         return Write(events=[event_row(ev.message, level=ev.level, data=ev.data or None)])
@@ -72,10 +77,14 @@ class DBReporter:
         self.total_steps = ev.total_steps
         self.on_cuda = ev.device.startswith("cuda")
         what = f"Training resumed at step {ev.start_step}" if ev.start_step else "Training started"
-        msg = (f"{what}: {ev.total_steps} steps, {ev.num_examples} examples, {ev.trainable_parameters:,} trainable "
-               f"parameters on {ev.device} ({ev.dtype}, engine mode {ev.mode})")
-        return Write(job={"total_steps": ev.total_steps, "resolved_hyperparameters": ev.hyperparameters},
-                     events=[event_row(msg, data=ev.as_dict())])
+        msg = (
+            f"{what}: {ev.total_steps} steps, {ev.num_examples} examples, {ev.trainable_parameters:,} trainable "
+            f"parameters on {ev.device} ({ev.dtype}, engine mode {ev.mode})"
+        )
+        return Write(
+            job={"total_steps": ev.total_steps, "resolved_hyperparameters": ev.hyperparameters},
+            events=[event_row(msg, data=ev.as_dict())],
+        )
 
     def _on_step(self, ev: StepEvent) -> Write:
         eng = ev.engine
@@ -108,15 +117,22 @@ class DBReporter:
         return Write(job={"global_step": ev.step}, metric=metric, events=[event])
 
     def _on_eval(self, ev: EvalEvent) -> Write:
-        event = event_row(f"Step {ev.step}: validation loss={ev.valid_loss:.4f}", type="metrics",
-                          data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens})
+        event = event_row(
+            f"Step {ev.step}: validation loss={ev.valid_loss:.4f}",
+            type="metrics",
+            data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens},
+        )
         return Write(valid_loss={"step": ev.step, "valid_loss": ev.valid_loss}, events=[event])
 
     def _on_checkpoint(self, ev: CheckpointSaved) -> Write:
         metrics = {k: v for k, v in ev.metrics.items() if v is not None}
-        return Write(job={"last_checkpoint_path": ev.path},
-                     checkpoint={"step": ev.step, "path": ev.path, "metrics": metrics},
-                     events=[event_row(f"Checkpoint saved at step {ev.step}", data={"step": ev.step, "path": ev.path})])
+        return Write(
+            job={"last_checkpoint_path": ev.path},
+            checkpoint={"step": ev.step, "path": ev.path, "metrics": metrics},
+            events=[
+                event_row(f"Checkpoint saved at step {ev.step}", data={"step": ev.step, "path": ev.path})
+            ],
+        )
 
     def _on_checkpoint_removed(self, ev: CheckpointRemoved) -> Write:
         return Write(removed_checkpoint=ev.step)

@@ -80,8 +80,19 @@ JOB_RUNNER_MODULE = "worker.job.runner"
 #: saved to the spool file.
 _LAST_TRY_SECONDS = 10.0
 
-__all__ = ["EXIT_DB_UNAVAILABLE", "EXIT_DISK_FULL", "EXIT_DONE", "EXIT_LOST", "EXIT_PEER_LOST", "EXIT_PREEMPTED",
-           "EXIT_WRONG_RANKS", "HOSTNAME_ENV", "JOB_RUNNER_MODULE", "run_job_process", "run_peer_rank"]
+__all__ = [
+    "EXIT_DB_UNAVAILABLE",
+    "EXIT_DISK_FULL",
+    "EXIT_DONE",
+    "EXIT_LOST",
+    "EXIT_PEER_LOST",
+    "EXIT_PREEMPTED",
+    "EXIT_WRONG_RANKS",
+    "HOSTNAME_ENV",
+    "JOB_RUNNER_MODULE",
+    "run_job_process",
+    "run_peer_rank",
+]
 
 EndState = Callable[[Session, FineTuningJob], None]
 
@@ -111,8 +122,9 @@ def _finish(url: str, job_id: str, hostname: str, end: EndState, window: float) 
         return EXIT_DB_UNAVAILABLE
 
 
-def _failed(code: str, message: str, *, param: str | None = None, event: str,
-            error: Exception | None = None) -> EndState:
+def _failed(
+    code: str, message: str, *, param: str | None = None, event: str, error: Exception | None = None
+) -> EndState:
     """Fail the job; its one error event carries ``error``'s type (and a data file's line errors)."""
     data: dict[str, Any] | None = None
     if error is not None:
@@ -146,8 +158,16 @@ def _claim_standalone(s: Session, job: FineTuningJob, hostname: str, settings: S
     claimed here the way the worker does."""
     if job.status == JobStatus.running.value:
         return job.worker_hostname == hostname
-    return jobs.claim(s, job, hostname, max_attempts=settings.max_job_attempts,
-                      heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds) is jobs.Claim.claimed
+    return (
+        jobs.claim(
+            s,
+            job,
+            hostname,
+            max_attempts=settings.max_job_attempts,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
+        )
+        is jobs.Claim.claimed
+    )
 
 
 def job_ranks(resources: dict[str, Any] | None) -> int:
@@ -158,8 +178,9 @@ def job_ranks(resources: dict[str, Any] | None) -> int:
         return 1
 
 
-def _load(url: str, job_id: str, hostname: str, settings: Settings, *,
-          world: int = 1) -> int | tuple[dict[str, Any], dict[str, str]]:
+def _load(
+    url: str, job_id: str, hostname: str, settings: Settings, *, world: int = 1
+) -> int | tuple[dict[str, Any], dict[str, str]]:
     """The spec's fields and the data files' params, or the exit code when the job is not to run here."""
     with session_scope(url) as s:
         job = jobs.lock_job(s, job_id)
@@ -169,7 +190,9 @@ def _load(url: str, job_id: str, hostname: str, settings: Settings, *,
         if JobStatus(job.status).terminal:
             return EXIT_DONE
         if job_ranks(job.resources) != world:  # never run a job on other ranks than it asks for
-            log.error("job %s asks for %d rank(s); this group has %d", job_id, job_ranks(job.resources), world)
+            log.error(
+                "job %s asks for %d rank(s); this group has %d", job_id, job_ranks(job.resources), world
+            )
             return EXIT_WRONG_RANKS
         if not _claim_standalone(s, job, hostname, settings):
             log.warning("job %s is %s on %s: not ours", job_id, job.status, job.worker_hostname)
@@ -193,8 +216,14 @@ def _load(url: str, job_id: str, hostname: str, settings: Settings, *,
             output_dir=output_dir,
             resources=job.resources,
         )
-    paths = {str(Path(p)): name for p, name in ((fields["training_file"], "training_file"),
-                                                 (fields["validation_file"], "validation_file")) if p}
+    paths = {
+        str(Path(p)): name
+        for p, name in (
+            (fields["training_file"], "training_file"),
+            (fields["validation_file"], "validation_file"),
+        )
+        if p
+    }
     return fields, paths
 
 
@@ -229,8 +258,11 @@ def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any 
     announce = _Announce(dist)
     try:
         try:
-            loaded = retry_db(lambda: _load(url, job_id, hostname, settings, world=world), window=window,
-                              what=f"job {job_id}: start")
+            loaded = retry_db(
+                lambda: _load(url, job_id, hostname, settings, world=world),
+                window=window,
+                what=f"job {job_id}: start",
+            )
         except DatabaseUnavailable as e:
             log.error("job %s: cannot start: %s", job_id, e)
             return EXIT_DB_UNAVAILABLE
@@ -243,26 +275,49 @@ def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any 
         except Exception as e:
             msg = scrub(str(e))
             announce(None)
-            return _finish(url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window)
+            return _finish(
+                url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window
+            )
         return _supervised(spec, job_id, url, hostname, paths, settings, dist, announce)
     finally:
         announce(None)  # whatever stopped the job before it ran: the other ranks exit
 
 
-def _supervised(spec: Any, job_id: str, url: str, hostname: str, paths: dict[str, str], settings: Settings,
-                dist: Any, announce: _Announce) -> int:
+def _supervised(
+    spec: Any,
+    job_id: str,
+    url: str,
+    hostname: str,
+    paths: dict[str, str],
+    settings: Settings,
+    dist: Any,
+    announce: _Announce,
+) -> int:
     """The claimed job with its monitor and writer running: the admission recheck, then the run."""
     window = settings.job_db_outage_seconds
     interrupted = threading.Event()  # the database away for longer than the window
-    monitor = JobMonitor(job_id, url, hostname, settings.heartbeat_interval_seconds,
-                         outage_seconds=window, interrupted=interrupted)
+    monitor = JobMonitor(
+        job_id,
+        url,
+        hostname,
+        settings.heartbeat_interval_seconds,
+        outage_seconds=window,
+        interrupted=interrupted,
+    )
 
     def on_lost() -> None:
         monitor.lost.set()
         exit_lost(job_id)
 
-    writer = ReportWriter(url, job_id, hostname, outage_seconds=window, max_items=settings.job_db_buffer_items,
-                          on_lost=on_lost, interrupted=interrupted)
+    writer = ReportWriter(
+        url,
+        job_id,
+        hostname,
+        outage_seconds=window,
+        max_items=settings.job_db_buffer_items,
+        on_lost=on_lost,
+        interrupted=interrupted,
+    )
     writer.start()
     monitor.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: monitor.preempted.set())
@@ -273,8 +328,13 @@ def _supervised(spec: Any, job_id: str, url: str, hostname: str, paths: dict[str
         if (refused := fit.recheck(url, job_id, hostname, spec, window=window)) is not None:
             monitor.stop()
             announce(None)
-            return _finish(url, job_id, hostname, _failed(fit.CODE, refused.message, param=refused.param,
-                                                          event=refused.message), window)
+            return _finish(
+                url,
+                job_id,
+                hostname,
+                _failed(fit.CODE, refused.message, param=refused.param, event=refused.message),
+                window,
+            )
         announce(spec)
         return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings, dist).run()
     finally:
@@ -283,8 +343,14 @@ def _supervised(spec: Any, job_id: str, url: str, hostname: str, paths: dict[str
         writer.close()
 
 
-_PEER_LOST_SIGNS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl error",
-                    "nccl communicator", "gloo")
+_PEER_LOST_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "nccl error",
+    "nccl communicator",
+    "gloo",
+)
 
 
 def peer_lost(e: BaseException) -> bool:
@@ -306,8 +372,18 @@ def peer_lost(e: BaseException) -> bool:
 class _Run:
     """One run of the job in this process, from the reconciliation of its checkpoints to its exit code."""
 
-    def __init__(self, spec: Any, job_id: str, url: str, hostname: str, monitor: JobMonitor, writer: ReportWriter,
-                 paths: dict[str, str], settings: Settings, dist: Any = None) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        job_id: str,
+        url: str,
+        hostname: str,
+        monitor: JobMonitor,
+        writer: ReportWriter,
+        paths: dict[str, str],
+        settings: Settings,
+        dist: Any = None,
+    ) -> None:
         self.spec, self.job_id, self.url, self.hostname, self.dist = spec, job_id, url, hostname, dist
         self.monitor, self.writer, self.paths = monitor, writer, paths
         self.window, self.files_dir = settings.job_db_outage_seconds, settings.resolved_files_dir
@@ -333,8 +409,9 @@ class _Run:
             try:
                 # Prometheus telemetry of this run sees every event after the database.
                 with track_job(self.job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
-                    result = run_training(spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop,
-                                          dist=self.dist)
+                    result = run_training(
+                        spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop, dist=self.dist
+                    )
             finally:
                 monitor.stop()
         except DatasetValidationError as e:
@@ -384,8 +461,12 @@ class _Run:
         left = w.close()
         if left:
             saved = w.save_spool(self.spool, left)
-            log.error("job %s: database unavailable; %d reports %s", self.job_id, len(left),
-                      f"saved to {self.spool} for the next run" if saved else "lost")
+            log.error(
+                "job %s: database unavailable; %d reports %s",
+                self.job_id,
+                len(left),
+                f"saved to {self.spool} for the next run" if saved else "lost",
+            )
         return not left
 
 
@@ -447,7 +528,9 @@ def run_rank(job_id: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {JOB_RUNNER_MODULE}", description="Run one job from the database.")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {JOB_RUNNER_MODULE}", description="Run one job from the database."
+    )
     parser.add_argument("job_id")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -60,12 +60,19 @@ class ReportingError(RuntimeError):
     """A write the database refuses for good (not an outage); the message is user-safe."""
 
 
-def event_row(message: str, *, level: str = "info", type: str = "message",
-              data: dict[str, Any] | None = None) -> dict[str, Any]:
+def event_row(
+    message: str, *, level: str = "info", type: str = "message", data: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A JobEvent's columns, its id and time fixed now (so the event is written once, stamped when it
     happened, whenever the database takes it)."""
-    return {"id": new_id("ftevent"), "created_at": utcnow().isoformat(), "message": message, "level": level,
-            "type": type, "data": data}
+    return {
+        "id": new_id("ftevent"),
+        "created_at": utcnow().isoformat(),
+        "message": message,
+        "level": level,
+        "type": type,
+        "data": data,
+    }
 
 
 @dataclass
@@ -98,9 +105,17 @@ def _ts(value: Any) -> datetime:
 
 #: The columns of a metrics row a Write may set, with the value when it sets none.
 _METRIC_COLUMNS: dict[str, Any] = {
-    "train_loss": None, "valid_loss": None, "lr": None, "tokens_per_second": None, "step_seconds": 0.0,
-    "stall_seconds": 0.0, "stall_fraction": 0.0, "gpu_utilization": None, "cpu_optimizer_seconds": 0.0,
-    "bytes_device_to_host": 0, "bytes_host_to_device": 0,
+    "train_loss": None,
+    "valid_loss": None,
+    "lr": None,
+    "tokens_per_second": None,
+    "step_seconds": 0.0,
+    "stall_seconds": 0.0,
+    "stall_fraction": 0.0,
+    "gpu_utilization": None,
+    "cpu_optimizer_seconds": 0.0,
+    "bytes_device_to_host": 0,
+    "bytes_host_to_device": 0,
 }
 
 
@@ -112,8 +127,11 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
         values.update(w.job)
     res = s.execute(
         update(FineTuningJob)
-        .where(FineTuningJob.id == job_id, FineTuningJob.status == JobStatus.running.value,
-               FineTuningJob.worker_hostname == hostname)
+        .where(
+            FineTuningJob.id == job_id,
+            FineTuningJob.status == JobStatus.running.value,
+            FineTuningJob.worker_hostname == hostname,
+        )
         .values(heartbeat_at=utcnow(), **values)
         .execution_options(synchronize_session=False)
     )
@@ -124,11 +142,22 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
         ids = [e["id"] for w in batch for e in w.events]
         done = set(s.scalars(select(JobEvent.id).where(JobEvent.id.in_(ids)))) if ids else set()
         batch = [w for w in batch if not any(e["id"] in done for e in w.events)]
-    steps = {w.metric["step"] for w in batch if w.metric} | {w.valid_loss["step"] for w in batch if w.valid_loss}
+    steps = {w.metric["step"] for w in batch if w.metric} | {
+        w.valid_loss["step"] for w in batch if w.valid_loss
+    }
     # step -> valid_loss of the rows there already; the rows this batch adds, by step
-    known: dict[int, float | None] = {r.step: r.valid_loss for r in s.execute(
-        select(JobStepMetric.step, JobStepMetric.valid_loss)
-        .where(JobStepMetric.job_id == job_id, JobStepMetric.step.in_(steps)))} if steps else {}
+    known: dict[int, float | None] = (
+        {
+            r.step: r.valid_loss
+            for r in s.execute(
+                select(JobStepMetric.step, JobStepMetric.valid_loss).where(
+                    JobStepMetric.job_id == job_id, JobStepMetric.step.in_(steps)
+                )
+            )
+        }
+        if steps
+        else {}
+    )
     added: dict[int, dict[str, Any]] = {}
     changed: dict[int, dict[str, Any]] = {}
     events: list[dict[str, Any]] = []
@@ -144,8 +173,13 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
                 changed.setdefault(step, {}).update(cols)
                 first_time = False
             else:
-                added[step] = {**_METRIC_COLUMNS, **cols, "job_id": job_id, "step": step,
-                               "created_at": _ts(w.metric.get("created_at"))}
+                added[step] = {
+                    **_METRIC_COLUMNS,
+                    **cols,
+                    "job_id": job_id,
+                    "step": step,
+                    "created_at": _ts(w.metric.get("created_at")),
+                }
         if w.valid_loss is not None:
             step, loss = w.valid_loss["step"], w.valid_loss["valid_loss"]
             if step in added:
@@ -158,8 +192,11 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
         if w.checkpoint is not None:
             _save_checkpoint_row(s, job_id, w.checkpoint)
         if w.removed_checkpoint is not None:
-            s.execute(delete(JobCheckpoint).where(JobCheckpoint.job_id == job_id,
-                                                  JobCheckpoint.step_number == w.removed_checkpoint))
+            s.execute(
+                delete(JobCheckpoint).where(
+                    JobCheckpoint.job_id == job_id, JobCheckpoint.step_number == w.removed_checkpoint
+                )
+            )
             model_ids.forget_checkpoint(s, job_id, w.removed_checkpoint)
         if w.checkpoints_on_disk is not None:
             events += _sync_checkpoints(s, job_id, w.checkpoints_on_disk)
@@ -168,20 +205,34 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
     if added:
         s.execute(insert(JobStepMetric), list(added.values()))
     for step, cols in changed.items():
-        s.execute(update(JobStepMetric).where(JobStepMetric.job_id == job_id, JobStepMetric.step == step)
-                  .values(**cols).execution_options(synchronize_session=False))
+        s.execute(
+            update(JobStepMetric)
+            .where(JobStepMetric.job_id == job_id, JobStepMetric.step == step)
+            .values(**cols)
+            .execution_options(synchronize_session=False)
+        )
     if events:  # one statement, rows in the order given: their seq keeps the order of the events
-        s.execute(insert(JobEvent), [{"job_id": job_id, "data": None, **e, "created_at": _ts(e.get("created_at"))}
-                                     for e in events])
+        s.execute(
+            insert(JobEvent),
+            [{"job_id": job_id, "data": None, **e, "created_at": _ts(e.get("created_at"))} for e in events],
+        )
 
 
 def _save_checkpoint_row(s: Session, job_id: str, ck: dict[str, Any]) -> None:
-    row = s.execute(select(JobCheckpoint).where(
-        JobCheckpoint.job_id == job_id, JobCheckpoint.step_number == ck["step"])).scalar_one_or_none()
+    row = s.execute(
+        select(JobCheckpoint).where(JobCheckpoint.job_id == job_id, JobCheckpoint.step_number == ck["step"])
+    ).scalar_one_or_none()
     model_id = model_ids.register_checkpoint(s, job_id, ck["step"], ck["path"])
     if row is None:
-        s.add(JobCheckpoint(job_id=job_id, step_number=ck["step"], path=ck["path"],
-                            fine_tuned_model_checkpoint=model_id, metrics=ck.get("metrics") or {}))
+        s.add(
+            JobCheckpoint(
+                job_id=job_id,
+                step_number=ck["step"],
+                path=ck["path"],
+                fine_tuned_model_checkpoint=model_id,
+                metrics=ck.get("metrics") or {},
+            )
+        )
     else:
         row.path, row.fine_tuned_model_checkpoint = ck["path"], model_id
         row.metrics = ck.get("metrics") or {}
@@ -201,8 +252,12 @@ def _sync_checkpoints(s: Session, job_id: str, on_disk: list[dict[str, Any]]) ->
     for step, ck in sorted(by_step.items()):
         if step not in rows:
             _save_checkpoint_row(s, job_id, ck)
-            events.append(event_row(f"Checkpoint at step {step} found on disk; registered",
-                                    data={"step": step, "path": ck["path"]}))
+            events.append(
+                event_row(
+                    f"Checkpoint at step {step} found on disk; registered",
+                    data={"step": step, "path": ck["path"]},
+                )
+            )
         elif rows[step].path != ck["path"]:
             _save_checkpoint_row(s, job_id, ck)
     return events
@@ -242,8 +297,13 @@ class ReportWriter(threading.Thread):
         """Queue ``w``; waits while the buffer is full (until the database is back or the outage is
         past its window). Raises ReportingError once a write was refused for good."""
         with self._cond:
-            while (len(self._items) >= self.max_items and self.fatal is None and not self.lost
-                   and not self.interrupted.is_set() and self.is_alive()):
+            while (
+                len(self._items) >= self.max_items
+                and self.fatal is None
+                and not self.lost
+                and not self.interrupted.is_set()
+                and self.is_alive()
+            ):
                 self._cond.wait(1.0)
             if self.fatal is not None:
                 raise ReportingError(public_message(self.fatal)) from self.fatal
@@ -351,11 +411,15 @@ class ReportWriter(threading.Thread):
                     now = time.monotonic()
                     if outage_since is None:
                         outage_since = now
-                        log.warning("job %s: %s; %d reports wait", self.job_id,
-                                    public_message(e), len(self._items))
+                        log.warning(
+                            "job %s: %s; %d reports wait", self.job_id, public_message(e), len(self._items)
+                        )
                     elif now - outage_since > self.outage_seconds and not self.interrupted.is_set():
-                        log.error("job %s: database unavailable for more than %g s: interrupting the run",
-                                  self.job_id, self.outage_seconds)
+                        log.error(
+                            "job %s: database unavailable for more than %g s: interrupting the run",
+                            self.job_id,
+                            self.outage_seconds,
+                        )
                         self.interrupted.set()
                         with self._cond:
                             self._cond.notify_all()
@@ -370,7 +434,9 @@ class ReportWriter(threading.Thread):
                     self._cond.notify_all()
                 return
             if outage_since is not None:
-                log.warning("job %s: database back after %.1f s", self.job_id, time.monotonic() - outage_since)
+                log.warning(
+                    "job %s: database back after %.1f s", self.job_id, time.monotonic() - outage_since
+                )
             self._done(batch)
             self._maybe_written, outage_since, isolate = False, None, max(0, isolate - 1)
             size = min(BATCH_WRITES, size * 2)

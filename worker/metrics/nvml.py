@@ -67,7 +67,9 @@ class Nvml:
         try:
             h = self._mod.nvmlDeviceGetHandleByIndex(index)
             name = self._mod.nvmlDeviceGetName(h)
-            return (name.decode() if isinstance(name, bytes) else str(name)), int(self._mod.nvmlDeviceGetMemoryInfo(h).total)
+            return (name.decode() if isinstance(name, bytes) else str(name)), int(
+                self._mod.nvmlDeviceGetMemoryInfo(h).total
+            )
         except Exception as e:
             log.debug("NVML name/memory of gpu %s failed: %s", index, e)
             return None

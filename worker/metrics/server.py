@@ -85,8 +85,9 @@ class HardwareCollector(Collector):
         yield m
 
 
-def hardware_collectors(worker: str, gpu: str | None, hostname: str,
-                        nvml: Nvml | None = None) -> list[HardwareCollector]:
+def hardware_collectors(
+    worker: str, gpu: str | None, hostname: str, nvml: Nvml | None = None
+) -> list[HardwareCollector]:
     """The worker's NVML readings: one collector for its GPU (``gpu``, default detected), or one per
     GPU of a multi-GPU worker (``--gpus-per-job``: its ``CUDA_VISIBLE_DEVICES`` group, each labelled
     with its index, the ``gpu`` label its job's ranks report under)."""

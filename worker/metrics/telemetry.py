@@ -260,8 +260,9 @@ class WorkerTelemetry:
                     self._set_mode(event.engine.mode)
                 base_model, mode = ("unknown", "unknown") if self._job is None else self._job[1:]
                 tokens = event.tokens if event.rank_tokens is None else event.rank_tokens  # a rank: its own
-                self.observe_step(event.engine, tokens=int(tokens), loss=event.loss,
-                                  base_model=base_model, mode=mode)
+                self.observe_step(
+                    event.engine, tokens=int(tokens), loss=event.loss, base_model=base_model, mode=mode
+                )
         except Exception:
             log.exception("telemetry: could not record %s", type(event).__name__)
 
