@@ -1,6 +1,7 @@
-# The two commands: `make run` (the main job on embedded defaults) and `make test` (the test suite).
-# Both bootstrap .venv, the pinned CPU torch, the package and the C++ optimizer build, idempotently.
-.PHONY: bootstrap run test lint bench
+# The two commands: `make run` (the main job on embedded defaults) and `make test` (the test suite, what CI
+# runs). Both bootstrap .venv, the pinned CPU torch, the package and the C++ optimizer build, idempotently.
+# `make lint` is every static check `make test` runs; `make test-fast` the inner loop.
+.PHONY: bootstrap run test lint test-fast
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -12,4 +13,4 @@ test: bootstrap
 	@bash scripts/test.sh
 
 lint: bootstrap
-	@.venv/bin/ruff check .
+	@bash scripts/lint.sh

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The test suite against the real local PostgreSQL and Redis (started by .ci/run in CI), after the
-# static checks: lint, the import contracts ([tool.importlinter] in pyproject.toml) and types ([tool.mypy]).
+# static checks of scripts/lint.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/ruff check .
-.venv/bin/lint-imports --no-logo
-.venv/bin/mypy
+bash scripts/lint.sh
 exec .venv/bin/python -m pytest "$@"
