@@ -18,13 +18,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.errors import APIError, validation_error
-from offload.config import EngineConfig
 from store.settings import Settings
 from trainer.data.dataset import DatasetValidationError, validate_file
 from trainer.limits import JobLimits, LimitError, limit_errors
 from trainer.model.folder_check import ModelFolderError
 from trainer.model.folder_check import check_model_folder as check_folder
-from trainer.spec import Hyperparameters, JobSpec, LoraSpec, ResourceSpec, spec_from_job
+from trainer.spec import EngineSettings, Hyperparameters, JobSpec, LoraSpec, ResourceSpec, spec_from_job
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ def check_job_spec(
     ``resources`` (checked: :func:`check_resources`) gives the job's ranks, each of which needs at least
     one example of every optimizer step (:func:`rank_batch_errors`).
     """
-    fields = set(EngineConfig.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
+    fields = set(EngineSettings.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
     try:
         spec = spec_from_job(
             model=model,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from store.orm import as_utc
+from trainer.spec import EngineSettings
 
 T = TypeVar("T")
 
@@ -102,8 +103,9 @@ class JobCreate(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
     integrations: list[dict[str, Any]] | None = None
-    #: Offload engine settings, validated by offload.config.EngineConfig (our extra).
-    engine: dict[str, Any] | None = None
+    #: The engine's settings (our extra): the fields a job may set, each ``mode`` and ``accumulate_on``
+    #: also ``auto`` (resolved by the job's plan); unset fields keep the model's or the engine's defaults.
+    engine: EngineSettings | None = None
     #: What the job needs from its worker, validated by trainer.spec.ResourceSpec (our extra):
     #: ``{"gpus": N}``, data-parallel ranks (1..64, default 1).
     resources: dict[str, Any] | None = None

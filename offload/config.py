@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 EngineMode = Literal["device", "offload", "zenflow"]
 
@@ -122,17 +122,20 @@ class EngineConfig(BaseModel):
     def _interval(cls, v: int | str, info: ValidationInfo) -> int | str:
         if isinstance(v, int) and not 1 <= v <= MAX_INTERVAL_STEPS:
             raise ValueError(f"must be an integer in [1, {MAX_INTERVAL_STEPS}] or 'auto'")
+        # update_interval is declared first, so it is validated (and in info.data) by now.
+        window = info.data.get("update_interval")
+        if (
+            info.field_name == "select_interval"
+            and isinstance(v, int)
+            and isinstance(window, int)
+            and v < window
+        ):
+            raise ValueError("must be >= update_interval")
         return v
 
-    @model_validator(mode="after")
-    def _check(self) -> EngineConfig:
-        b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise ValueError("betas: each must be in [0, 1)")
-        if (
-            isinstance(self.select_interval, int)
-            and isinstance(self.update_interval, int)
-            and self.select_interval < self.update_interval
-        ):
-            raise ValueError("select_interval: must be >= update_interval")
-        return self
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("each must be in [0, 1)")
+        return v

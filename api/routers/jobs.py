@@ -15,7 +15,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -23,7 +22,7 @@ from sqlalchemy.orm import Session
 from api import admission, dataset_check, job_checks
 from api.auth import Principal
 from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import APIError, error_responses, not_found, validation_error
+from api.errors import APIError, error_responses, not_found
 from api.job_views import (
     GET_JOB,
     JOB_CURSOR,
@@ -44,7 +43,6 @@ from api.schemas import (
     ListObject,
     StepMetric,
 )
-from offload.config import EngineConfig
 from store import quotas
 from store.ids import new_id
 from store.jobs import add_event, mark_dispatched, request_cancel
@@ -60,8 +58,11 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], response
 
 
 def _request_hash(body: JobCreate) -> str:
-    canon = json.dumps(body.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()
+    canon = body.model_dump(mode="json", exclude_none=True)
+    if body.engine is not None:  # the settings given, not the defaults filled in (as the request said them)
+        canon["engine"] = _engine(body)
+    text = json.dumps(canon, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _hyperparameters(body: JobCreate) -> tuple[dict[str, Any], str]:
@@ -81,13 +82,7 @@ def _hyperparameters(body: JobCreate) -> tuple[dict[str, Any], str]:
 
 def _engine(body: JobCreate) -> dict[str, Any]:
     """The engine settings the request gives (unset fields keep the trainer's defaults)."""
-    if not body.engine:
-        return {}
-    try:
-        cfg = EngineConfig.model_validate(body.engine)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(), prefix="engine", fields=EngineConfig.model_fields) from exc
-    return cfg.model_dump(mode="json", exclude_unset=True)
+    return body.engine.model_dump(mode="json", exclude_unset=True) if body.engine else {}
 
 
 def _check_file(session: Session, team_id: str, file_id: str, param: str) -> File:

@@ -74,6 +74,30 @@ def test_create_job_shape_and_enqueue(
     assert client.get(f"{JOBS}/{job['id']}", headers=team.headers).json()["id"] == job["id"]
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [{"mode": "auto"}, {"accumulate_on": "auto"}, {"mode": "auto", "accumulate_on": "auto", "topk_ratio": 0.2}],
+)
+def test_engine_auto_is_accepted_at_create(
+    client: TestClient, team: TeamKey, fid: str, engine: dict[str, Any]
+) -> None:
+    """``auto`` (documented, and the console's default choice) is resolved by the job's plan, not refused."""
+    r = create(client, team, {"model": "tiny-llama", "training_file": fid, "engine": engine})
+    assert r.status_code == 200, r.text
+    assert r.json()["engine"] == engine  # as given: the plan resolves it when the job runs
+
+
+def test_openapi_shows_the_engine_fields(client: TestClient) -> None:
+    """The request body's ``engine`` is the job library's EngineSettings, so clients see its fields."""
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    engine = schemas["JobCreate"]["properties"]["engine"]
+    ref = next(s["$ref"] for s in engine["anyOf"] if "$ref" in s).rsplit("/", 1)[-1]
+    fields = schemas[ref]["properties"]
+    assert {"mode", "accumulate_on", "topk_ratio", "update_interval", "select_interval"} <= set(fields)
+    assert set(fields["mode"]["enum"]) == {"auto", "device", "offload", "zenflow"}
+
+
 def test_create_commits_then_enqueues_then_stamps_dispatched_at(
     client: TestClient,
     app,
