@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from api.server import free_port
+from trainer.run.launch import free_port
 
 if TYPE_CHECKING:
     from openai import OpenAI

@@ -40,11 +40,13 @@ async def run_db(
 
 
 async def get_settings_dep(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 async def get_api_settings_dep(request: Request) -> ApiSettings:
-    return request.app.state.api_settings
+    settings: ApiSettings = request.app.state.api_settings
+    return settings
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
@@ -73,7 +75,7 @@ async def current_team(
     key = parse_bearer(request.headers.get("authorization"))
     if key is None:
         raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer zf-...'.")
-    principal = None
+    principal: Principal | None = None
     if well_formed(key):
         state = request.app.state
         digest = hash_key(key)

@@ -71,7 +71,7 @@ def route_template(scope: Scope, root_path_at_entry: str = "") -> str:
     route = scope.get("route")
     if route is None:
         return UNMATCHED
-    path = getattr(route, "path_format", None) or getattr(route, "path", None)
+    path: str | None = getattr(route, "path_format", None) or getattr(route, "path", None)
     if not path:
         return UNMATCHED
     # A route inside a mounted app: prefix the mount's path (Starlette grows root_path in place).

@@ -13,7 +13,6 @@ from typing import Any
 
 from api.config import ApiSettings, get_api_settings
 from store.settings import Settings, get_settings
-from trainer.run.launch import free_port  # noqa: F401  (servers started next: the load benchmark, tests)
 
 log = logging.getLogger("zenflow.serve")
 

@@ -44,7 +44,8 @@ from urllib.parse import urlencode, urlparse
 
 import httpx
 
-from api.server import free_port, uvicorn_command
+from api.server import uvicorn_command
+from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _json_dumps = json.dumps

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``train`` to ``subparsers`` (from ``ArgumentParser.add_subparsers()``)."""
     p = subparsers.add_parser(
         "train",
@@ -196,7 +197,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             shutdown(dist)
 
 
-def _train(args: argparse.Namespace, spec: JobSpec, dist: DistContext | None, refuse: Any) -> int:
+def _train(
+    args: argparse.Namespace, spec: JobSpec, dist: DistContext | None, refuse: Callable[[str], int]
+) -> int:
     """This process's part of the run: all of it, or one rank's (``dist``; rank 0 prints)."""
     main_rank = dist is None or dist.is_main
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -274,7 +277,7 @@ def _visible_gpus(device: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Any) -> int:
+def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Callable[[str], int]) -> int:
     """Run the job as ``nproc`` ranks of this same command (one GPU each, or CPU ranks) and supervise
     them as one group; the group's exit code (a signal: 128 + its number)."""
     from trainer.run.launch import RankGroup, group_envs

@@ -33,18 +33,15 @@ def serve_metrics() -> None:
         log.exception("worker metrics: could not start")
 
 
-@signals.celeryd_init.connect
 def _on_celeryd_init(sender: Any = None, **_: Any) -> None:
     if isinstance(sender, str) and sender:
         task.set_node_hostname(sender)
 
 
-@signals.worker_init.connect
 def _on_worker_init(**_: Any) -> None:
     serve_metrics()
 
 
-@signals.worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _reaper, _presence
     hostname = getattr(sender, "hostname", None) or getattr(
@@ -68,13 +65,20 @@ def _consumed_queues(consumer: Any) -> list[str]:
     return list(consumer.app.amqp.queues.consume_from)
 
 
-@signals.worker_shutdown.connect
 def _on_worker_shutdown(**_: Any) -> None:
     if _presence is not None:
         _presence.stop()
 
 
-@signals.worker_shutting_down.connect
 def _on_worker_shutting_down(**_: Any) -> None:
     if task.preempt_current():
         log.warning("worker shutting down: preempting the running job (it will be re-queued)")
+
+
+# Connected by call rather than as decorators: Celery is untyped, and its decorator would leave these
+# functions untyped too.
+signals.celeryd_init.connect(_on_celeryd_init)
+signals.worker_init.connect(_on_worker_init)
+signals.worker_ready.connect(_on_worker_ready)
+signals.worker_shutdown.connect(_on_worker_shutdown)
+signals.worker_shutting_down.connect(_on_worker_shutting_down)

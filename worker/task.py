@@ -332,7 +332,6 @@ def _report_exit(pid: int) -> None:
         log.exception("worker metrics: could not fold the runner's samples")
 
 
-@celery_app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_job(self: Any, job_id: str) -> str:
     """Run one job (see the module docstring); returns what happened, for the logs."""
     settings = get_settings()
@@ -354,3 +353,10 @@ def run_job(self: Any, job_id: str) -> str:
     outcome = finish_after_exit(job_id, rc, hostname, settings, preempted=_preempted.is_set())
     log.info("job %s: runner exited (%s): %s", job_id, describe_exit(rc), outcome)
     return outcome
+
+
+# Registered by call rather than as a decorator: Celery is untyped, and its decorator would leave
+# run_job untyped too. The task is sent by name (worker.broker.TASK_NAME), never through this object.
+celery_app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)(
+    run_job
+)

@@ -27,7 +27,7 @@ def _check_database(request: Request) -> str:
 
 
 def _check_broker(request: Request) -> str:
-    from kombu import Connection
+    from kombu.connection import Connection
 
     settings = request.app.state.settings
     timeout = request.app.state.api_settings.readiness_timeout_seconds

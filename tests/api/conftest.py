@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.config import ApiSettings
-from api.server import free_port
 from store.settings import Settings
 from tests.support import create_database, drop_database, require_redis
+from trainer.run.launch import free_port
 
 
 @pytest.fixture(scope="session")

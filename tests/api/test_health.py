@@ -10,9 +10,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import make_url
 
 from api.app import create_app
-from api.server import free_port
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, error_of, make_team
+from trainer.run.launch import free_port
 
 
 def test_healthz_and_readyz(client: TestClient) -> None:

@@ -76,7 +76,11 @@ def test_create_job_shape_and_enqueue(
 
 @pytest.mark.parametrize(
     "engine",
-    [{"mode": "auto"}, {"accumulate_on": "auto"}, {"mode": "auto", "accumulate_on": "auto", "topk_ratio": 0.2}],
+    [
+        {"mode": "auto"},
+        {"accumulate_on": "auto"},
+        {"mode": "auto", "accumulate_on": "auto", "topk_ratio": 0.2},
+    ],
 )
 def test_engine_auto_is_accepted_at_create(
     client: TestClient, team: TeamKey, fid: str, engine: dict[str, Any]

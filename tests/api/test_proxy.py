@@ -23,9 +23,10 @@ import yaml
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.server import free_port, uvicorn_options
+from api.server import uvicorn_options
 from tests.api.conftest import TEST_API_SETTINGS, TeamKey, chat_jsonl, make_team
 from tests.support import unavailable
+from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "deploy" / "nginx" / "templates" / "default.conf.template"

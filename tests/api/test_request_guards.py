@@ -16,9 +16,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from api.config import ApiSettings
-from api.server import free_port, uvicorn_command, uvicorn_options
+from api.server import uvicorn_command, uvicorn_options
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, upload, uploaded_id
+from trainer.run.launch import free_port
 
 # --- Content-Type ------------------------------------------------------------------------------------
 

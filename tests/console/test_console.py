@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from api.server import free_port
 from tests.support import (
     REDIS_URL,
     create_database,
@@ -31,6 +30,7 @@ from tests.support import (
     stop_process_group,
     unavailable,
 )
+from trainer.run.launch import free_port
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page

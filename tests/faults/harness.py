@@ -24,9 +24,10 @@ from typing import Any
 
 import httpx
 
-from api.server import free_port, uvicorn_command
+from api.server import uvicorn_command
 from tests import support
 from tests.support import drop_database, unavailable
+from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "trainer" / "samples"

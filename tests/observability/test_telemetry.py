@@ -311,7 +311,7 @@ def test_multiprocess_job_process_and_reaping(tmp_path: Path) -> None:
 
 
 def test_serve_worker_metrics_http(tmp_path: Path, monkeypatch) -> None:
-    from api.server import free_port
+    from trainer.run.launch import free_port
 
     port = free_port()
     mp = tmp_path / "mp"

@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from trainer.plan.gpus import KNOWN_GPUS, Machine, format_bytes, host_memory_bytes, parse_bytes, usable_cores
 from trainer.plan.planner import Plan, plan_job
@@ -24,7 +23,7 @@ EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``plan`` to ``subparsers`` (from ``ArgumentParser.add_subparsers()``)."""
     p = subparsers.add_parser(
         "plan",

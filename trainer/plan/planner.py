@@ -42,6 +42,10 @@ from trainer.plan.shapes import Activations, ModelShape, activation_bytes, model
 from trainer.plan.speed import StepTime, step_times
 from trainer.spec import JobSpec
 
+Mode = Literal["device", "offload", "zenflow"]
+MODES: tuple[Mode, ...] = ("device", "offload", "zenflow")
+Accumulator = Literal["host", "device"]
+
 __all__ = ["Machine", "Plan", "Problem", "Settings", "plan_job"]
 
 #: Fraction of device memory the plan leaves free.
@@ -74,11 +78,11 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    mode: Literal["device", "offload", "zenflow"]
+    mode: Mode
     micro_batch_size: int
     gradient_checkpointing: bool
     packing: bool
-    accumulate_on: Literal["host", "device"]
+    accumulate_on: Accumulator
     #: The engine's window: an int, or ``auto`` (the engine's adaptive window; see step time's assumption).
     update_interval: int | Literal["auto"]
 
@@ -131,7 +135,7 @@ class Plan(BaseModel):
     step_seconds: float
     tokens_per_second: float
     #: Per engine mode: its best configuration, whether it fits, predicted step time.
-    modes: dict[str, ModeEstimate]
+    modes: dict[Mode, ModeEstimate]
     #: Why these settings (one sentence each).
     reasons: list[str]
     problems: list[Problem]
@@ -191,7 +195,7 @@ class _Job(NamedTuple):
 SHARDED_HOST = ("engine_state", "engine_accumulators")
 
 
-def _engine_bytes(job: _Job, mode: str, acc: str) -> EngineBytes:
+def _engine_bytes(job: _Job, mode: Mode, acc: Accumulator) -> EngineBytes:
     """The engine's bytes on one rank with the job's settings in ``mode`` with accumulator ``acc`` (the
     job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state."""
     config = job.spec.engine.engine_config(1.0).model_copy(update={"mode": mode, "accumulate_on": acc})
@@ -217,7 +221,7 @@ def rank_machine(machine: Machine, ranks: int) -> Machine:
     )
 
 
-def _candidate(job: _Job, mode: str, mb: int, ckpt: bool, acc: str) -> _Candidate:
+def _candidate(job: _Job, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) -> _Candidate:
     spec, m, shape, e = job.spec, job.machine, job.shape, job.dtype_bytes
     cuda = m.device_type == "cuda"
     eng = _engine_bytes(job, mode, acc)
@@ -266,11 +270,11 @@ def _candidate(job: _Job, mode: str, mb: int, ckpt: bool, acc: str) -> _Candidat
     settings = Settings(
         mode=mode,
         micro_batch_size=mb,
-        gradient_checkpointing=ckpt,  # type: ignore[arg-type]
+        gradient_checkpointing=ckpt,
         packing=packing if isinstance(packing, bool) else False,
         accumulate_on=acc,
         update_interval=interval,
-    )  # type: ignore[arg-type]
+    )
     return _Candidate(
         settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked
     )
@@ -282,7 +286,7 @@ def _device_capacity(m: Machine) -> int:
     return int(m.gpu_memory_bytes * (1 - DEVICE_MARGIN))
 
 
-def _options(job: _Job, mode: str) -> list[tuple[int, bool, str]]:
+def _options(job: _Job, mode: Mode) -> list[tuple[int, bool, Accumulator]]:
     mb = job.spec.hyperparameters.micro_batch_size
     mbs = (
         [min(mb, job.batch)]
@@ -292,6 +296,7 @@ def _options(job: _Job, mode: str) -> list[tuple[int, bool, str]]:
     gc = job.spec.hyperparameters.gradient_checkpointing
     ckpts = [gc] if isinstance(gc, bool) else [False, True]
     acc = job.spec.engine.accumulate_on
+    accs: list[Accumulator]
     if acc in ("host", "device"):
         accs = [acc]
     else:  # on a CPU machine both accumulators are host memory: keep the worker doing the adds
@@ -302,8 +307,7 @@ def _options(job: _Job, mode: str) -> list[tuple[int, bool, str]]:
 def _best(cands: list[_Candidate]) -> _Candidate:
     """The fastest that fits (ties: the least memory); when none does, the fastest of those that fit
     the device (the host side is then what to change), else the one needing the least device memory."""
-    for ok in (lambda c: c.fits, lambda c: c.fits_device):
-        good = [c for c in cands if ok(c)]
+    for good in ([c for c in cands if c.fits], [c for c in cands if c.fits_device]):
         if good:
             return min(good, key=lambda c: (round(c.time.step_seconds, 9), c.device_total + c.host_total))
     return min(cands, key=lambda c: (c.device_total, c.time.step_seconds))
@@ -337,10 +341,7 @@ def plan_job(
     job = _Job(
         spec, machine, shape, 2 if dtype == "bfloat16" else 4, -(-batch // ranks), seq, n, num_tokens, ranks
     )
-    best = {
-        mode: _best([_candidate(job, mode, *o) for o in _options(job, mode)])
-        for mode in ("device", "offload", "zenflow")
-    }
+    best = {mode: _best([_candidate(job, mode, *o) for o in _options(job, mode)]) for mode in MODES}
     reasons: list[str] = []
     if ranks > 1:
         reasons.append(
@@ -458,7 +459,7 @@ def _setting_reasons(spec: JobSpec, c: _Candidate) -> list[str]:
 
 def _accumulator_hint(job: _Job, c: _Candidate) -> list[str]:
     """A faster ``accumulate_on`` than the job's own, when one fits (the job's value is kept)."""
-    other = "device" if c.settings.accumulate_on == "host" else "host"
+    other: Accumulator = "device" if c.settings.accumulate_on == "host" else "host"
     alt = _best([_candidate(job, "zenflow", mb, ckpt, other) for mb, ckpt, _ in _options(job, "zenflow")])
     if not alt.fits or alt.time.step_seconds > 0.9 * c.time.step_seconds:
         return []

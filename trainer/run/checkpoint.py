@@ -298,7 +298,10 @@ def load_training_state(directory: Path) -> dict[str, Any]:
     """Our own file (RNG states hold numpy arrays), so weights_only=False."""
     import torch
 
-    return torch.load(Path(directory) / TRAINING_STATE, map_location="cpu", weights_only=False)
+    state: dict[str, Any] = torch.load(
+        Path(directory) / TRAINING_STATE, map_location="cpu", weights_only=False
+    )
+    return state
 
 
 def engine_shard_name(rank: int, world_size: int) -> str:
@@ -328,7 +331,8 @@ def load_rank_state(directory: Path, rank: int, world_size: int) -> dict[str, An
     if world_size == 1:
         return load_training_state(directory)
     path = Path(directory) / engine_shard_name(rank, world_size)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    shard: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+    return shard
 
 
 # --- RNG states (saved in training_state.pt) ----------------------------------------------------
