@@ -37,7 +37,7 @@ from store.orm import FineTuningJob, JobEvent, JobStatus, utcnow
 from store.settings import Settings
 from worker.broker import Enqueue
 from worker.dispatch import dispatch_job
-from worker.job.runner import (
+from worker.job.exits import (
     EXIT_DB_UNAVAILABLE,
     EXIT_DISK_FULL,
     EXIT_PEER_LOST,

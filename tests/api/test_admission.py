@@ -142,7 +142,8 @@ def test_worker_recheck_fails_a_job_that_no_longer_fits_with_the_same_message(
 ) -> None:
     """Accepted while a big worker was live; run by a small one, whose re-check fails it with the
     message the API gives for the same job against that worker."""
-    from worker.job.runner import EXIT_DONE, HOSTNAME_ENV, run_job_process
+    from worker.job.exits import EXIT_DONE
+    from worker.job.runner import HOSTNAME_ENV, run_job_process
 
     file_id = uploaded_id(client, team)
     register("adm-big-gone@test", BIG)

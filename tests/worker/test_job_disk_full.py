@@ -60,7 +60,7 @@ def test_disk_full_requeues_after_a_backoff_without_counting_attempts(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import worker.task as w
-    from worker.job.runner import EXIT_DISK_FULL
+    from worker.job.exits import EXIT_DISK_FULL
 
     sent: list[str] = []
     monkeypatch.setattr(w, "enqueue_job", lambda job_id, queue=None: sent.append(job_id))
@@ -102,7 +102,7 @@ def test_disk_full_backoff_honours_a_cancel(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import worker.task as w
-    from worker.job.runner import EXIT_DISK_FULL
+    from worker.job.exits import EXIT_DISK_FULL
 
     monkeypatch.setattr(
         w, "enqueue_job", lambda job_id, queue=None: pytest.fail("a cancelled job is not re-queued")

@@ -224,7 +224,8 @@ def test_launcher_refuses_more_ranks_than_gpus() -> None:
 
 
 def test_rank_labels_and_peer_loss(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.job.runner import job_ranks, peer_lost
+    from worker.job.ranks import peer_lost
+    from worker.job.runner import job_ranks
     from worker.metrics.telemetry import gpu_label
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

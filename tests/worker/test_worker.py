@@ -188,7 +188,7 @@ def test_requeue_after_abnormal_exit(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import worker.task as w
-    from worker.job.runner import EXIT_PREEMPTED
+    from worker.job.exits import EXIT_PREEMPTED
 
     sent: list[tuple[str, str | None]] = []
     monkeypatch.setattr(w, "enqueue_job", lambda job_id, queue=None: sent.append((job_id, queue)))

@@ -21,11 +21,9 @@ from sqlalchemy import select, update
 from store.db import session_scope
 from store.orm import FineTuningJob, JobStatus, utcnow
 from worker.errors import is_db_unavailable, public_message
+from worker.job.exits import EXIT_LOST
 
 log = logging.getLogger("zenflow.job_runner")
-
-#: Exit code of a job process whose job was taken away (re-queued or finished elsewhere).
-EXIT_LOST = 3
 
 
 def exit_lost(job_id: str) -> NoReturn:

@@ -14,17 +14,7 @@ message, param}``; data errors name the file param. Every database write is retr
 connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries
 SQL (:func:`worker.errors.public_message`).
 
-Exit codes: 0 the job reached a terminal state; 75 preempted by SIGTERM (checkpoint written, job left
-running for the worker to re-queue, attempt not counted); 69 interrupted: the database was unreachable
-for longer than the outage window (checkpoint written if the disk allowed, unwritten reports saved in
-the output directory for the next run; the worker re-queues the job, the attempt counted); 74 no space
-left while writing a checkpoint (the previous one kept; the worker re-queues after a backoff, the
-attempt not counted); 3 the job is not ours: already claimed elsewhere, or taken away while running
-(re-queued by the reaper, finished elsewhere), in which case the process exits at once without writing
-more (another process may own the output directory); 64 the job asks for another number of ranks
-than this group has (not claimed); 76 a peer rank failed (its collective broke: the job is left
-running, the group's code is the failed rank's); any other exit (a crash, a signal) leaves the job
-running for the worker or the reaper to re-queue.
+Exit codes: :mod:`worker.job.exits`.
 
 A job on N > 1 ranks (``resources.gpus``) runs as N of these processes, started by the worker as one
 :class:`trainer.run.launch.RankGroup` with the ``env://`` variables (WORLD_SIZE > 1): each joins the group
@@ -56,23 +46,23 @@ from store.settings import Settings, get_settings
 from trainer.model.catalog import BUILTIN_MODELS
 from worker.capacity import fit
 from worker.errors import public_message, scrub
-from worker.job.monitor import EXIT_LOST, JobMonitor, exit_lost
+from worker.job.exits import (
+    EXIT_DB_UNAVAILABLE,
+    EXIT_DISK_FULL,
+    EXIT_DONE,
+    EXIT_LOST,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    EXIT_WRONG_RANKS,
+)
+from worker.job.monitor import JobMonitor, exit_lost
+from worker.job.ranks import Announce, peer_lost, run_peer_rank
 from worker.job.reporter import DBReporter
 from worker.job.writer import SPOOL_NAME, ReportWriter
 from worker.retry import DatabaseUnavailable, retry_db
 
 log = logging.getLogger("zenflow.job_runner")
 
-EXIT_DONE = 0
-EXIT_PREEMPTED = 75
-#: The database stayed unreachable for longer than the outage window (sysexits EX_UNAVAILABLE).
-EXIT_DB_UNAVAILABLE = 69
-#: The job asks for a different number of ranks than this process group has (sysexits EX_USAGE).
-EXIT_WRONG_RANKS = 64
-#: Rank 0's collective broke because a peer rank failed (sysexits EX_PROTOCOL); the job is left running.
-EXIT_PEER_LOST = 76
-#: No space left while writing a checkpoint (sysexits EX_IOERR).
-EXIT_DISK_FULL = 74
 HOSTNAME_ENV = "ZENFLOW_WORKER_HOSTNAME"
 #: What the worker task runs with ``python -m``.
 JOB_RUNNER_MODULE = "worker.job.runner"
@@ -80,19 +70,7 @@ JOB_RUNNER_MODULE = "worker.job.runner"
 #: saved to the spool file.
 _LAST_TRY_SECONDS = 10.0
 
-__all__ = [
-    "EXIT_DB_UNAVAILABLE",
-    "EXIT_DISK_FULL",
-    "EXIT_DONE",
-    "EXIT_LOST",
-    "EXIT_PEER_LOST",
-    "EXIT_PREEMPTED",
-    "EXIT_WRONG_RANKS",
-    "HOSTNAME_ENV",
-    "JOB_RUNNER_MODULE",
-    "run_job_process",
-    "run_peer_rank",
-]
+__all__ = ["HOSTNAME_ENV", "JOB_RUNNER_MODULE", "job_ranks", "run_job_process", "run_rank"]
 
 EndState = Callable[[Session, FineTuningJob], None]
 
@@ -227,25 +205,6 @@ def _load(
     return fields, paths
 
 
-class _Announce:
-    """Rank 0 tells the other ranks, once, whether the job runs: its JobSpec, or None (not ours, refused,
-    invalid, failed to start); a no-op without a group."""
-
-    def __init__(self, dist: Any) -> None:
-        self.dist, self.done = dist, dist is None
-
-    def __call__(self, spec: Any) -> None:
-        if self.done:
-            return
-        self.done = True
-        from trainer.run.distributed import broadcast_object
-
-        try:
-            broadcast_object(self.dist, spec)
-        except Exception:  # the peers are gone: the supervisor settles the group
-            log.exception("could not hand the job to the other ranks")
-
-
 def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any = None) -> int:
     """Run the job to an end state; see the module docstring for the exit codes. ``dist``: this is rank
     0 of the job's :class:`trainer.run.distributed.DistContext` (None: the only process)."""
@@ -255,7 +214,7 @@ def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any 
     url, window = settings.resolved_database_url, settings.job_db_outage_seconds
     hostname = runner_hostname()
     world = dist.world_size if dist is not None else 1
-    announce = _Announce(dist)
+    announce = Announce(dist)
     try:
         try:
             loaded = retry_db(
@@ -291,7 +250,7 @@ def _supervised(
     paths: dict[str, str],
     settings: Settings,
     dist: Any,
-    announce: _Announce,
+    announce: Announce,
 ) -> int:
     """The claimed job with its monitor and writer running: the admission recheck, then the run."""
     window = settings.job_db_outage_seconds
@@ -341,32 +300,6 @@ def _supervised(
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
         writer.close()
-
-
-_PEER_LOST_SIGNS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "nccl error",
-    "nccl communicator",
-    "gloo",
-)
-
-
-def peer_lost(e: BaseException) -> bool:
-    """Whether a rank's training error is its collective breaking (a peer rank died), not its own
-    failure: torch.distributed's errors, and gloo's and NCCL's plain RuntimeErrors about the link."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
-        if dist_error is not None and isinstance(cur, dist_error):
-            return True
-        if isinstance(cur, RuntimeError) and any(s in str(cur).lower() for s in _PEER_LOST_SIGNS):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
 
 
 class _Run:
@@ -468,39 +401,6 @@ class _Run:
                 f"saved to {self.spool} for the next run" if saved else "lost",
             )
         return not left
-
-
-def run_peer_rank(job_id: str, dist: Any) -> int:
-    """Rank > 0 of a job's group: train the JobSpec rank 0 hands over (none: exit at once) and report
-    only this rank's step metrics, to Prometheus. Exit 0 when the run ends (done, cancelled, or an
-    input error rank 0 reports), 74 on a full disk, 1 on any other failure (logged here)."""
-    from trainer.data.dataset import DatasetValidationError
-    from trainer.model.catalog import UnknownModelError
-    from trainer.model.folder_check import ModelFolderError
-    from trainer.run.checkpoint import DiskFullError, is_out_of_space
-    from trainer.run.distributed import broadcast_object
-    from trainer.run.loop import run_training
-    from worker.metrics.telemetry import track_job
-
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # preempted: stop with the others
-    try:
-        spec = broadcast_object(dist, None)
-        if spec is None:
-            return EXIT_DONE
-        with track_job(job_id, base_model=spec.model, mode=spec.engine.mode, count=False) as tj:
-            run_training(spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist)
-    except (DatasetValidationError, UnknownModelError, ModelFolderError) as e:
-        log.info("job %s rank %d: %s (rank 0 reports it)", job_id, dist.rank, e)
-    except Exception as e:
-        if isinstance(e, DiskFullError) or is_out_of_space(e):
-            log.error("job %s rank %d: %s", job_id, dist.rank, e)
-            return EXIT_DISK_FULL
-        log.exception("job %s rank %d failed", job_id, dist.rank)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return EXIT_DONE
 
 
 def _world_size() -> int:
