@@ -7,8 +7,9 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
+from trainer.plan.candidates import rank_machine
 from trainer.plan.gpus import GiB, Machine
-from trainer.plan.planner import plan_job, rank_machine
+from trainer.plan.planner import plan_job
 from trainer.spec import JobSpec
 
 #: The public Llama-3-8B config (as tests/trainer/test_plan.py).

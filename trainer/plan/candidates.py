@@ -1,0 +1,189 @@
+"""The candidate settings of a plan: for each engine mode, every micro-batch size, checkpointing and
+accumulator the job leaves open, with its device and host bytes and predicted step time on one rank
+(:func:`candidate`), and the one :func:`best` picks. The margins and per-process constants the plan
+counts with are here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+from trainer.plan.engine import EngineBytes, engine_bytes
+from trainer.plan.gpus import GiB, Machine
+from trainer.plan.records import Accumulator, Mode, Settings
+from trainer.plan.shapes import Activations, ModelShape, activation_bytes
+from trainer.plan.speed import StepTime, step_times
+from trainer.spec import JobSpec
+
+#: Fraction of device memory the plan leaves free.
+DEVICE_MARGIN = 0.10
+#: ``engine.mode: auto`` runs ``device`` when device mode fits and its optimizer state takes at most this
+#: fraction of the usable device memory (the rest stays for activations and larger micro-batches).
+DEVICE_ROOM = 1 / 3
+#: Device memory outside torch's allocator: the CUDA context and library workspaces.
+CUDA_RUNTIME_BYTES = 3 * GiB // 4
+#: Host memory of the training process apart from the engine and the data (Python, torch, transformers).
+HOST_PROCESS_BYTES = 2 * GiB
+#: Largest weight file a checkpoint is sharded into (transformers' default): what loading holds at once.
+WEIGHT_SHARD_BYTES = 5 * 10**9
+#: Host bytes of one tokenized token (its id and label as Python ints in lists).
+DATA_BYTES_PER_TOKEN = 72
+#: Examples assumed when the count is unknown (``batch_size: auto`` resolves to its largest, 32).
+DEFAULT_NUM_EXAMPLES = 3200
+MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class Candidate(NamedTuple):
+    settings: Settings
+    device: dict[str, int]
+    host: dict[str, int]
+    activations: Activations
+    time: StepTime
+    device_total: int
+    host_total: int
+    fits_device: bool
+    fits_host: bool
+    fits_locked: bool
+
+    @property
+    def fits(self) -> bool:
+        # The locked-memory limit (RLIMIT_MEMLOCK) is advisory: CUDA's pinned allocations
+        # (cudaHostAlloc) are pinned by the driver, not by mlock, so the limit does not stop them; a
+        # plan over it says so in its reasons instead of refusing the job.
+        return self.fits_device and self.fits_host
+
+
+class JobShape(NamedTuple):
+    spec: JobSpec
+    machine: Machine
+    shape: ModelShape
+    dtype_bytes: int
+    #: Examples per optimizer step on one rank (the job's batch split across its ranks).
+    batch: int
+    seq: int
+    num_examples: int
+    num_tokens: int | None
+    ranks: int = 1
+
+
+#: Host components of the engine each rank holds only its 1/N shard of (the CPU optimizer state).
+SHARDED_HOST = ("engine_state", "engine_accumulators")
+
+
+def engine_bytes_on_rank(job: JobShape, mode: Mode, acc: Accumulator) -> EngineBytes:
+    """The engine's bytes on one rank with the job's settings in ``mode`` with accumulator ``acc`` (the
+    job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state."""
+    config = job.spec.engine.engine_config(1.0).model_copy(update={"mode": mode, "accumulate_on": acc})
+    eng = engine_bytes(config, job.shape.trainable, job.dtype_bytes, cuda=job.machine.device_type == "cuda")
+    if job.ranks == 1:
+        return eng
+    host = {k: -(-v // job.ranks) if k in SHARDED_HOST else v for k, v in eng.host.items()}
+    return EngineBytes(device=eng.device, host=host, host_params=-(-eng.host_params // job.ranks))
+
+
+def rank_machine(machine: Machine, ranks: int) -> Machine:
+    """What one of ``ranks`` ranks of a job has: a GPU machine is already one GPU's share of its host
+    (worker.capacity.measure.to_machine); CPU ranks split the host's memory, cores and bandwidth."""
+    if ranks == 1 or machine.device_type == "cuda":
+        return machine
+    return machine.model_copy(
+        update={
+            "host_memory_bytes": max(1, machine.host_memory_bytes // ranks),
+            "cores": max(1, machine.cores // ranks),
+            "cpu_adam_gbps": machine.cpu_adam_gbps / ranks,
+            "gpu_flops": machine.gpu_flops / ranks,
+        }
+    )
+
+
+def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) -> Candidate:
+    spec, m, shape, e = job.spec, job.machine, job.shape, job.dtype_bytes
+    cuda = m.device_type == "cuda"
+    eng = engine_bytes_on_rank(job, mode, acc)
+    act = activation_bytes(shape, mb, job.seq, e, checkpointing=ckpt)
+    device = {
+        "weights": shape.params * e,
+        "gradients": shape.trainable_params * e,
+        **eng.device,
+        "activations": act.peak_bytes,
+    }
+    if cuda:
+        device["runtime"] = CUDA_RUNTIME_BYTES
+    tokens = job.num_tokens if job.num_tokens is not None else job.num_examples * job.seq // 2
+    host = {
+        **eng.host,
+        "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
+        "data": tokens * DATA_BYTES_PER_TOKEN,
+        "process": HOST_PROCESS_BYTES,
+    }
+    dev_total, host_total = sum(device.values()), sum(host.values())
+    if cuda:
+        fits_device = dev_total <= device_capacity(m)
+        fits_host = host_total <= m.host_memory_bytes
+    else:
+        fits_device = fits_host = dev_total + host_total <= m.host_memory_bytes
+    pinned = eng.host_total if cuda else 0
+    fits_locked = m.locked_memory_bytes is None or pinned <= m.locked_memory_bytes
+    interval = spec.engine.update_interval
+    split = eng.host_params if mode == "zenflow" else engine_bytes_on_rank(job, "zenflow", acc).host_params
+    times = step_times(
+        shape,
+        m,
+        tokens=job.batch * job.seq,
+        micro_tokens=mb * job.seq,
+        seq=job.seq,
+        checkpointing=ckpt,
+        dtype_bytes=e,
+        host_params={"offload": shape.trainable_params, "zenflow": split},
+        accumulate_on=acc,
+        update_interval=None if interval == "auto" else int(interval),
+        max_update_interval=spec.engine.max_update_interval,
+        cpu_share=spec.engine.cpu_optimizer_cores_ratio,
+        overlap_step=spec.engine.overlap_step,
+    )
+    packing = spec.hyperparameters.packing
+    settings = Settings(
+        mode=mode,
+        micro_batch_size=mb,
+        gradient_checkpointing=ckpt,
+        packing=packing if isinstance(packing, bool) else False,
+        accumulate_on=acc,
+        update_interval=interval,
+    )
+    return Candidate(
+        settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked
+    )
+
+
+def device_capacity(m: Machine) -> int:
+    if m.device_type == "cpu":
+        return m.host_memory_bytes
+    return int(m.gpu_memory_bytes * (1 - DEVICE_MARGIN))
+
+
+def options(job: JobShape, mode: Mode) -> list[tuple[int, bool, Accumulator]]:
+    mb = job.spec.hyperparameters.micro_batch_size
+    mbs = (
+        [min(mb, job.batch)]
+        if isinstance(mb, int)
+        else sorted({min(c, job.batch) for c in MICRO_BATCH_CANDIDATES if c <= job.batch} | {job.batch})
+    )
+    gc = job.spec.hyperparameters.gradient_checkpointing
+    ckpts = [gc] if isinstance(gc, bool) else [False, True]
+    acc = job.spec.engine.accumulate_on
+    accs: list[Accumulator]
+    if acc in ("host", "device"):
+        accs = [acc]
+    else:  # on a CPU machine both accumulators are host memory: keep the worker doing the adds
+        accs = ["host", "device"] if mode == "zenflow" and job.machine.device_type == "cuda" else ["host"]
+    return list(itertools.product(mbs, ckpts, accs))
+
+
+def best(cands: list[Candidate]) -> Candidate:
+    """The fastest that fits (ties: the least memory); when none does, the fastest of those that fit
+    the device (the host side is then what to change), else the one needing the least device memory."""
+    for good in ([c for c in cands if c.fits], [c for c in cands if c.fits_device]):
+        if good:
+            return min(good, key=lambda c: (round(c.time.step_seconds, 9), c.device_total + c.host_total))
+    return min(cands, key=lambda c: (c.device_total, c.time.step_seconds))

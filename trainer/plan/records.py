@@ -1,0 +1,106 @@
+"""What a plan says: :class:`Plan`, the settings it resolves (:class:`Settings`), each engine mode's
+estimate (:class:`ModeEstimate`) and what keeps a job from fitting (:class:`Problem`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer.plan.gpus import Machine, format_bytes
+
+Mode = Literal["device", "offload", "zenflow"]
+MODES: tuple[Mode, ...] = ("device", "offload", "zenflow")
+Accumulator = Literal["host", "device"]
+
+
+class Problem(NamedTuple):
+    """Why the plan does not fit: the field to change (``("engine", "accumulate_on")``) and why."""
+
+    loc: tuple[str, ...]
+    message: str
+
+
+class Settings(BaseModel):
+    """The settings a run uses: the job's own values, its ``auto`` ones resolved by the plan."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: Mode
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    packing: bool
+    accumulate_on: Accumulator
+    #: The engine's window: an int, or ``auto`` (the engine's adaptive window; see step time's assumption).
+    update_interval: int | Literal["auto"]
+
+
+class ModeEstimate(BaseModel):
+    """One engine mode's best configuration on the machine."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    settings: Settings
+    device_bytes: int
+    host_bytes: int
+    step_seconds: float
+    tokens_per_second: float
+    gpu_seconds: float
+    pcie_seconds: float
+    cpu_seconds: float
+    bound: str
+    #: zenflow: the window length the step time assumes.
+    update_interval: int | None = None
+
+
+class Plan(BaseModel):
+    """Whether a job fits a machine, its memory per component, its settings and predicted speed."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fits: bool
+    model: str
+    machine: Machine
+    params: int
+    trainable_params: int
+    dtype: Literal["float32", "bfloat16"]
+    batch_size: int
+    max_seq_length: int
+    tokens_per_step: int
+    settings: Settings
+    #: Device memory the plan may use (the GPU's memory less the margin; host memory on a CPU machine).
+    device_capacity_bytes: int
+    host_capacity_bytes: int
+    device_bytes: int
+    host_bytes: int
+    #: Per component: weights, gradients, optimizer_state, landing_buffers, accumulator, engine_scratch,
+    #: activations, runtime (device); engine_state, engine_accumulators, engine_transfer, model_loading,
+    #: data, process (host). On a CPU machine the device components are counted in host_bytes too.
+    device: dict[str, int]
+    host: dict[str, int]
+    activations: dict[str, int]
+    step_seconds: float
+    tokens_per_second: float
+    #: Per engine mode: its best configuration, whether it fits, predicted step time.
+    modes: dict[Mode, ModeEstimate]
+    #: Why these settings (one sentence each).
+    reasons: list[str]
+    problems: list[Problem]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: problems as ``{"loc": [...], "message": ...}``."""
+        d = self.model_dump(mode="json")
+        d["problems"] = [{"loc": list(p.loc), "message": p.message} for p in self.problems]
+        return d
+
+    def summary(self) -> str:
+        """One line for the job's events."""
+        s = self.settings
+        fit = "fits" if self.fits else "does not fit"
+        return (
+            f"Plan: {fit} on {self.machine.gpu_name}: {s.mode} mode, micro-batch {s.micro_batch_size}, "
+            f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, device {format_bytes(self.device_bytes)} "
+            f"of {format_bytes(self.device_capacity_bytes)}, host {format_bytes(self.host_bytes)} of "
+            f"{format_bytes(self.host_capacity_bytes)}, ~{self.step_seconds:.3g} s/step"
+        )
