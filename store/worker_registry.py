@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from store.orm import Worker, utcnow
@@ -78,10 +78,3 @@ def live_job_sizes(session: Session, *, live_seconds: float, now: datetime | Non
     cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
     rows = session.scalars(select(Worker.gpus_per_job).where(Worker.heartbeat_at >= cutoff).distinct())
     return sorted(int(n) for n in rows)
-
-
-def max_gpus_per_job(session: Session, *, live_seconds: float, now: datetime | None = None) -> int | None:
-    """The largest job (in ranks) a live worker runs; None when no worker is live at all."""
-    cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
-    found = session.scalar(select(func.max(Worker.gpus_per_job)).where(Worker.heartbeat_at >= cutoff))
-    return int(found) if found is not None else None

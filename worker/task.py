@@ -80,18 +80,6 @@ def node_hostname() -> str | None:
 # --- the task ---------------------------------------------------------------------------------
 
 
-def claim_job(job_id: str, hostname: str, settings: Settings) -> str:
-    """Decide under the row lock whether this worker runs the job: "claimed" or why not."""
-    with session_scope(settings.resolved_database_url) as s:
-        return jobs.claim(
-            s,
-            jobs.lock_job(s, job_id),
-            hostname,
-            max_attempts=settings.max_job_attempts,
-            heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
-        )
-
-
 #: While only jobs held back by their team's max_running_jobs quota wait, how often a worker re-checks.
 HOLD_POLL_SECONDS = 1.0
 

@@ -259,23 +259,23 @@ def test_idempotent_replay_sees_the_resources(
 # --- the registry -------------------------------------------------------------------------------------
 
 
-def test_max_gpus_per_job_counts_live_workers_only(pg_url: str) -> None:
+def test_live_job_sizes_count_live_workers_only(pg_url: str) -> None:
     with session_scope(pg_url) as s:
         long_ago = utcnow() - timedelta(hours=1)
         # other tests' workers may be live: stale for this transaction only (rolled back at the end)
         s.execute(update(Worker).values(heartbeat_at=long_ago - timedelta(hours=2)))
-        assert worker_registry.max_gpus_per_job(s, live_seconds=60) is None
+        assert worker_registry.live_job_sizes(s, live_seconds=60) == []
         worker_registry.register(s, "reg-stale@test", ["q-x8"], {}, gpus_per_job=8, now=long_ago)
-        assert worker_registry.max_gpus_per_job(s, live_seconds=60) is None
+        assert worker_registry.live_job_sizes(s, live_seconds=60) == []
         worker_registry.register(s, "reg-one@test", ["q"], {})
         worker_registry.register(s, "reg-two@test", ["q-x2"], {}, gpus_per_job=2)
         assert worker_registry.get(s, "reg-one@test").gpus_per_job == 1  # type: ignore[union-attr]
-        assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 2
-        assert worker_registry.max_gpus_per_job(s, live_seconds=7200) == 8
+        assert worker_registry.live_job_sizes(s, live_seconds=60) == [1, 2]
+        assert worker_registry.live_job_sizes(s, live_seconds=7200) == [1, 2, 8]
         worker_registry.register(
             s, "reg-two@test", ["q-x4"], {}, gpus_per_job=4
         )  # restarted with another size
-        assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 4
+        assert worker_registry.live_job_sizes(s, live_seconds=60) == [1, 4]
         with pytest.raises(ValueError, match="gpus_per_job"):
             worker_registry.register(s, "reg-zero@test", ["q"], {}, gpus_per_job=0)
         s.rollback()
@@ -325,7 +325,7 @@ def _migration_round_trip(url: str) -> None:
         with Session(engine) as s:
             worker_registry.register(s, "new@host", ["q-x2"], {}, gpus_per_job=2)
             s.commit()
-            assert worker_registry.max_gpus_per_job(s, live_seconds=60) == 2
+            assert worker_registry.live_job_sizes(s, live_seconds=60) == [2]
             job = s.get(FineTuningJob, "ftjob-old")
             assert job is not None
             job.resources = {"gpus": 2}

@@ -19,6 +19,7 @@ from store.db import get_engine, session_scope
 from store.orm import Base, FineTuningJob, JobEvent, utcnow
 from store.settings import Settings
 from tests.support import database_with_schema
+from tests.worker.claims import claim_job
 from tests.worker.test_worker import get_job, make_job, sums_file
 from worker.dispatch import (
     LOST_EVENT,
@@ -188,7 +189,7 @@ def test_requeue_paths_stamp_dispatched_at(
 
     monkeypatch.setattr(w, "enqueue_job", lambda j, queue=None: sent.append(j))
     job = make_job(url, data, queue=settings.default_queue)
-    assert w.claim_job(job, "w1@h", settings) == "claimed"
+    assert claim_job(job, "w1@h", settings) == "claimed"
     assert get_job(url, job).dispatched_at is None
     assert w.finish_after_exit(job, -9, "w1@h", settings) == "requeued" and sent[-1] == job
     assert get_job(url, job).status == "queued" and get_job(url, job).dispatched_at is not None

@@ -23,6 +23,7 @@ from store.jobs import add_event
 from store.orm import FineTuningJob
 from store.settings import Settings
 from tests.faults.test_disk_full import digest, fill, small_filesystem
+from tests.worker.claims import claim_job
 from tests.worker.test_worker import get_job, make_job, messages, sums_file
 
 
@@ -42,10 +43,9 @@ def settings(service_env: dict[str, str]) -> Iterator[Settings]:
 def _runner_hit_a_full_disk(url: str, job_id: str, checkpoint: str, step: int) -> None:
     """What a runner leaves behind when a checkpoint write finds no space: claimed, its newest checkpoint
     the one kept, and the reporter's warning (see worker.job.reporter)."""
-    import worker.task as w
 
     settings = Settings(database_url=url)
-    assert w.claim_job(job_id, "w1@h", settings) == "claimed"
+    assert claim_job(job_id, "w1@h", settings) == "claimed"
     message = f"no space left while writing checkpoint {step}"
     with session_scope(url) as s:
         job = s.get(FineTuningJob, job_id)

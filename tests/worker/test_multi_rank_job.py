@@ -21,6 +21,7 @@ from store.db import session_scope
 from store.orm import File, FineTuningJob, JobEvent, JobRun, JobStepMetric, RegisteredModel, Team
 from store.orm import Worker as WorkerRow
 from store.settings import Settings
+from tests.worker.claims import claim_job
 from tests.worker.test_worker import get_job, sums_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,7 +180,7 @@ def test_a_job_larger_than_the_worker_goes_to_the_queue_of_its_size(
     assert "needs 4 GPUs" in messages(url, job_id)[-1] and "runs jobs of 2" in messages(url, job_id)[-1]
 
     for _ in range(settings.max_job_attempts - 1):
-        assert task.claim_job(job_id, "w@h", settings) == "claimed"
+        assert claim_job(job_id, "w@h", settings) == "claimed"
     assert task.send_back_oversized(job_id, 4, 2, "w@h", settings) == "failed"
     j = get_job(url, job_id)
     assert j.status == "failed" and j.error is not None and j.error["code"] == "insufficient_gpus"

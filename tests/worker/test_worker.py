@@ -34,6 +34,7 @@ from store.orm import (
     utcnow,
 )
 from store.settings import Settings
+from tests.worker.claims import claim_job
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -157,7 +158,6 @@ def settings(service_env: dict[str, str]) -> Settings:
 
 
 def test_claim_rules(settings: Settings, tmp_path: Path) -> None:
-    from worker.task import claim_job
 
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
     fresh = make_job(url, data, status="running", worker_hostname="w1@h", heartbeat_at=utcnow())
@@ -194,16 +194,16 @@ def test_requeue_after_abnormal_exit(
     monkeypatch.setattr(w, "enqueue_job", lambda job_id, queue=None: sent.append((job_id, queue)))
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
     job = make_job(url, data, queue="gpu-x")
-    assert w.claim_job(job, "w1@h", settings) == "claimed"
+    assert claim_job(job, "w1@h", settings) == "claimed"
     assert w.finish_after_exit(job, -signal.SIGKILL, "w1@h", settings) == "requeued"
     j = get_job(url, job)
     assert (j.status, j.attempts, j.worker_hostname, sent) == ("queued", 1, None, [(job, "gpu-x")])
     assert "killed by SIGKILL" in messages(url, job)[-1]
-    assert w.claim_job(job, "w1@h", settings) == "claimed"
+    assert claim_job(job, "w1@h", settings) == "claimed"
     assert w.finish_after_exit(job, EXIT_PREEMPTED, "w1@h", settings) == "requeued"
     assert get_job(url, job).attempts == 1  # preemption does not count
     for _ in range(settings.max_job_attempts - 1):
-        w.claim_job(job, "w1@h", settings)
+        claim_job(job, "w1@h", settings)
     assert w.finish_after_exit(job, 1, "w1@h", settings) == "failed"
     assert get_job(url, job).error["code"] == "worker_lost"  # type: ignore[index]
 
