@@ -1,4 +1,4 @@
-"""The inference worker: bounded admission, generation threads, and the bridge back to the event loop.
+"""The generation pool: bounded admission, generation threads, and the bridge back to the event loop.
 
 Generation runs in a small thread pool inside the API process, never on the event loop. Threads rather
 than a separate process because torch releases the GIL inside its kernels, so the loop keeps serving
@@ -138,7 +138,7 @@ class Ticket:
             raise TimedOut() from None
 
 
-class InferenceWorker:
+class GenerationPool:
     """``threads`` generation threads behind an admission limit of ``threads + queue_size``."""
 
     def __init__(self, *, threads: int, queue_size: int, timeout_seconds: float) -> None:

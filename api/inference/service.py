@@ -30,7 +30,7 @@ from api.inference.generation_pool import (
     Event,
     Failed,
     Finished,
-    InferenceWorker,
+    GenerationPool,
     QueueFull,
     Started,
     Ticket,
@@ -79,7 +79,7 @@ def as_api_error(exc: BaseException, timeout: float) -> APIError:
 
 
 class InferenceService:
-    """The app's inference: settings, the built-in model cache and worker, and the vLLM forwarder."""
+    """The app's inference: settings, the built-in model cache and generation pool, and the vLLM forwarder."""
 
     def __init__(self, settings: ApiSettings) -> None:
         self.settings = settings
@@ -89,7 +89,7 @@ class InferenceService:
             device=settings.inference_device,
             dtype=settings.inference_dtype,
         )
-        self.worker = InferenceWorker(
+        self.pool = GenerationPool(
             threads=settings.inference_threads,
             queue_size=settings.inference_queue_size,
             timeout_seconds=settings.inference_timeout_seconds,
@@ -105,7 +105,7 @@ class InferenceService:
         )
 
     async def aclose(self) -> None:
-        self.worker.shutdown()
+        self.pool.shutdown()
         if self.vllm is not None:
             await self.vllm.aclose()
         self.cache.clear()
@@ -166,7 +166,7 @@ class InferenceService:
             shape.endpoint,
         )
         try:
-            ticket = self.worker.submit(partial(builtin.run, self.cache, req))
+            ticket = self.pool.submit(partial(builtin.run, self.cache, req))
         except QueueFull:
             metrics.request_done(shape.endpoint, BUILTIN, "rejected")
             raise queue_full(self.settings.inference_retry_after_seconds) from None

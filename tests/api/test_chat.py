@@ -267,15 +267,15 @@ def test_flood_gets_429_with_retry_after_and_slots_come_back(
     server: ServerThread, chat_app: FastAPI, owner: TeamKey
 ) -> None:
     assert _chat(server, owner, 1).status_code == 200  # the model is loaded before the flood
-    worker = chat_app.state.inference.worker
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: _chat(server, owner, 30), range(8)))
+    pool = chat_app.state.inference.pool
+    with concurrent.futures.ThreadPoolExecutor(8) as clients:
+        answers = list(clients.map(lambda _: _chat(server, owner, 30), range(8)))
     refused = [r for r in answers if r.status_code == 429]
     assert {r.status_code for r in answers} <= {200, 429}
     assert refused and len(refused) <= 8 - 1  # one thread + one waiting place: at least one is served
     for r in refused:
         assert r.headers["Retry-After"] == "3" and error_of(r)["code"] == "rate_limit_exceeded"
-    _wait_for(lambda: worker.slots_in_use == 0)
+    _wait_for(lambda: pool.slots_in_use == 0)
     assert _chat(server, owner, 1).status_code == 200
 
 
@@ -294,7 +294,7 @@ def _cancelled(server: ServerThread) -> float:
 def test_client_that_disconnects_mid_stream_frees_its_slot(
     server: ServerThread, chat_app: FastAPI, owner: TeamKey
 ) -> None:
-    worker = chat_app.state.inference.worker
+    pool = chat_app.state.inference.pool
     assert _chat(server, owner, 1).status_code == 200
     tokens_before, cancelled_before = _completion_tokens(server), _cancelled(server)
     body = {"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0, "stream": True}
@@ -304,9 +304,9 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert worker.slots_in_use == 1
+        assert pool.slots_in_use == 1
     # The connection is closed: the generation stops at its next token and lets go of the slot.
-    _wait_for(lambda: worker.slots_in_use == 0)
+    _wait_for(lambda: pool.slots_in_use == 0)
     _wait_for(lambda: _cancelled(server) == cancelled_before + 1)
     assert _completion_tokens(server) - tokens_before < 1000  # stopped, not run to max_tokens
     assert _chat(server, owner, 2).status_code == 200  # the next request is served
@@ -315,7 +315,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(
 def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(
     server: ServerThread, chat_app: FastAPI, owner: TeamKey
 ) -> None:
-    worker = chat_app.state.inference.worker
+    pool = chat_app.state.inference.pool
     assert _chat(server, owner, 1).status_code == 200
     tokens_before, cancelled_before = _completion_tokens(server), _cancelled(server)
     with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
@@ -325,7 +325,7 @@ def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(
             timeout=httpx.Timeout(60, read=1),
             json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000},
         )
-    _wait_for(lambda: worker.slots_in_use == 0)
+    _wait_for(lambda: pool.slots_in_use == 0)
     _wait_for(lambda: _cancelled(server) == cancelled_before + 1)
     assert _completion_tokens(server) - tokens_before < 1000  # stopped, not run to max_tokens
     assert _chat(server, owner, 2).status_code == 200
@@ -346,4 +346,4 @@ def test_request_over_the_time_limit_gets_504(settings: Settings) -> None:
         )
         assert r.status_code == 504, r.text
         assert error_of(r)["code"] == "timeout"
-        _wait_for(lambda: app.state.inference.worker.slots_in_use == 0)
+        _wait_for(lambda: app.state.inference.pool.slots_in_use == 0)
