@@ -18,15 +18,15 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api import job_checks
-from api.auth import KeyCache
-from api.body_limit import BodyLimitMiddleware
-from api.config import ApiSettings, get_api_settings
 from api.console import install_console
-from api.errors import install_error_handlers
-from api.guards import HeaderLimitMiddleware, no_nul_in_ids
+from api.core.auth import KeyCache
+from api.core.body_limit import BodyLimitMiddleware
+from api.core.config import ApiSettings, get_api_settings
+from api.core.errors import install_error_handlers
+from api.core.guards import HeaderLimitMiddleware, no_nul_in_ids
+from api.core.metrics import install_metrics
 from api.inference.service import InferenceService
-from api.metrics import install_metrics
+from api.jobs import checks
 from api.routers import chat, events, files, health, jobs, models, quotas
 from api.storage import LocalFileStore
 from store.db import make_engine
@@ -88,14 +88,14 @@ def create_app(
     app.state.api_settings = api_settings
     app.state.engine = engine
     app.state.sessionmaker = sessionmaker(bind=engine, expire_on_commit=False)
-    app.state.enqueue = enqueue or job_checks.enqueue
+    app.state.enqueue = enqueue or checks.enqueue
     app.state.key_cache = KeyCache(api_settings.key_cache_seconds)
     app.state.db_limiter = anyio.CapacityLimiter(api_settings.db_threads or _pool_size(engine))
     app.state.inference = InferenceService(api_settings)  # models load on first use
 
     install_error_handlers(app)
     app.include_router(health.router)
-    # Authenticated routers: an id with a NUL byte answers 404 on every database (api.guards).
+    # Authenticated routers: an id with a NUL byte answers 404 on every database (api.core.guards).
     ids_checked = [Depends(no_nul_in_ids)]
     app.include_router(files.router, dependencies=ids_checked)
     # events ahead of the other /v1/fine_tuning/jobs routes: none can shadow it
@@ -230,5 +230,5 @@ def _pool_size(engine: Engine) -> int:
 
 
 def _install_metrics(app: FastAPI) -> None:
-    """Prometheus /metrics (api.metrics)."""
+    """Prometheus /metrics (api.core.metrics)."""
     install_metrics(app)

@@ -17,7 +17,7 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
+from api.core.errors import APIError
 from store import model_ids as registry
 from store.orm import RegisteredModel, Team, as_utc
 from store.settings import Settings

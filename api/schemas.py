@@ -152,7 +152,7 @@ class FileObject(BaseModel):
     num_examples: int | None = None
     sha256: str | None = None
     #: Upload response only, when the upload named a ``model``: the data checked with that model's
-    #: tokenizer (api.dataset_check.upload_summary: tokens, truncated and dropped examples with lines).
+    #: tokenizer (api.jobs.data_check.upload_summary: tokens, truncated and dropped examples with lines).
     validation: dict[str, Any] | None = None
 
 
@@ -163,7 +163,7 @@ class FileDeleted(BaseModel):
 
 
 class Hyperparameters(BaseModel):
-    """OpenAI's three, then every other hyperparameter given and every resolved value (api.job_views.
+    """OpenAI's three, then every other hyperparameter given and every resolved value (api.jobs.views.
     job_hyperparameters): learning_rate, max_seq_length, lora, warmup_steps, total_steps, ..."""
 
     model_config = ConfigDict(extra="allow")

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from api.config import ApiSettings, get_api_settings
+from api.core.config import ApiSettings, get_api_settings
 from store.settings import Settings, get_settings
 
 log = logging.getLogger("zenflow.serve")

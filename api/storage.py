@@ -24,7 +24,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from api.errors import APIError
+from api.core.errors import APIError
 
 log = logging.getLogger(__name__)
 

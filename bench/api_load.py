@@ -146,7 +146,7 @@ def create_key(env: dict[str, str]) -> str:
         env,
         _PRELUDE
         + (
-            "from api.auth import create_key, create_team\n"
+            "from api.core.auth import create_key, create_team\n"
             "team = create_team(s, 'bench-' + secrets.token_hex(4))\n"
             "_, key = create_key(s, team, 'bench')\n"
             "s.commit()\n"

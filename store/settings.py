@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     #: A worker whose message finds only jobs of teams at their max_running_jobs waiting re-checks for
     #: this long (once a second) before it hands the message back to the queue.
     quota_hold_seconds: float = Field(30.0, ge=0)
-    # --- workers and admission (store.worker_registry, api.admission) ---
+    # --- workers and admission (store.worker_registry, api.jobs.admission) ---
     #: Ranks (GPUs) per job this worker runs (``python -m worker --gpus-per-job N``); it consumes
     #: the queue of jobs of that size (worker.broker.queue_for_gpus).
     gpus_per_job: int = Field(1, ge=1, le=64)

@@ -3,7 +3,7 @@
 A worker registers at start with the queues it consumes, the capacity it measured
 (``worker.capacity.measure``) and the size of the jobs it runs (``gpus_per_job``), refreshes its
 heartbeat every ``heartbeat_interval_seconds`` and unregisters on a clean stop. It is *live* while its
-heartbeat is at most ``worker_live_seconds`` old; admission (``api.admission``) plans a job against the
+heartbeat is at most ``worker_live_seconds`` old; admission (``api.jobs.admission``) plans a job against the
 live workers of its queue. A worker that died simply stops being live. The capacity is an opaque JSON
 object here: store/ knows nothing of its fields.
 """

@@ -70,7 +70,7 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def cmd_teams(args: argparse.Namespace) -> int:
-    from api.auth import TeamExistsError, create_team
+    from api.core.auth import TeamExistsError, create_team
     from store.orm import Team
 
     _ensure_schema()
@@ -90,7 +90,7 @@ def cmd_teams(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from api.auth import TeamNotFoundError, create_key, find_team, revoke_key
+    from api.core.auth import TeamNotFoundError, create_key, find_team, revoke_key
     from store.orm import ApiKey
 
     _ensure_schema()
@@ -125,7 +125,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from api.config import get_api_settings
+    from api.core.config import get_api_settings
 
     api = get_api_settings()
     parser = argparse.ArgumentParser(prog="zenflow", description="ZenFlow fine-tuning service")

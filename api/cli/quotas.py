@@ -63,7 +63,7 @@ def _shown(name: str, value: float | None) -> str:
 
 
 def cmd_quotas(args: argparse.Namespace) -> int:
-    from api.auth import TeamNotFoundError, find_team
+    from api.core.auth import TeamNotFoundError, find_team
     from store import quotas
     from store.settings import get_settings
 

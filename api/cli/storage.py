@@ -52,12 +52,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_storage(args: argparse.Namespace) -> int:
-    from api.config import get_api_settings
+    from api.core.config import get_api_settings
     from store.settings import get_settings
 
     sessions = _sessions()
     if args.storage_command == "usage":
-        from api.auth import TeamNotFoundError, find_team
+        from api.core.auth import TeamNotFoundError, find_team
         from store.usage import team_storage_usage
 
         with sessions() as session:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from api.errors import APIError
+from api.core.errors import APIError
 from api.inference import metrics
 from api.inference.generation_pool import Completed, Started, Ticket, TimedOut
 from api.inference.model_cache import LoadedModel, ModelCache, ModelTooLarge

@@ -1,6 +1,6 @@
 """Request and response bodies of ``/v1/chat/completions`` and ``/v1/completions`` (OpenAI's shapes).
 
-Requests are validated here (a bad field is a 400 naming it, ``api.errors``); unknown fields are
+Requests are validated here (a bad field is a 400 naming it, ``api.core.errors``); unknown fields are
 refused like OpenAI does ("unrecognized parameter"), so a client never believes a knob took effect
 that we ignore. The few no-op fields OpenAI clients commonly send (``user``, ``metadata``, ``store``)
 are accepted. Bounds that depend on the server (``max_tokens`` against ``inference_max_tokens`` and the

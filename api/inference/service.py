@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from api.errors import APIError
+from api.core.errors import APIError
 from api.inference import builtin, metrics
 from api.inference.generation_pool import (
     Cancelled,
@@ -43,7 +43,7 @@ from api.inference.vllm import VLLMForwarder
 from api.model_names import spec_model_name
 
 if TYPE_CHECKING:
-    from api.config import ApiSettings
+    from api.core.config import ApiSettings
     from api.model_names import ModelRef
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from fastapi.responses import JSONResponse
 
-from api.errors import APIError
+from api.core.errors import APIError
 from api.inference import metrics
 from api.inference.responses import EventStream
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import error_responses
+from api.core.deps import SettingsDep, TeamDep, run_db
+from api.core.errors import error_responses
 from api.inference.schemas import (
     ChatCompletionObject,
     ChatCompletionRequest,

@@ -15,10 +15,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import TeamDep, run_db
-from api.errors import APIError, error_responses
-from api.job_views import event_object, get_team_job
-from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
+from api.core.deps import TeamDep, run_db
+from api.core.errors import APIError, error_responses
+from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
+from api.jobs.views import event_object, get_team_job
 from api.schemas import JobEventObject, ListObject
 from store.orm import FineTuningJob, JobEvent, JobStatus
 

@@ -12,11 +12,11 @@ from sqlalchemy import Text, cast, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import dataset_check, job_checks
-from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import APIError, error_responses, not_found, validation_error
+from api.core.deps import SettingsDep, TeamDep, run_db
+from api.core.errors import APIError, error_responses, not_found, validation_error
+from api.core.pagination import MAX_LIMIT, list_object, page
+from api.jobs import checks, data_check
 from api.model_names import resolve_model, spec_model_name
-from api.pagination import MAX_LIMIT, list_object, page
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, receive_upload
 from store.ids import new_id
@@ -131,7 +131,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         if upload.bytes == 0:
             raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
         data_options = _data_options(upload.fields)
-        num_examples = await run_in_threadpool(job_checks.validate_dataset, upload.tmp_path)
+        num_examples = await run_in_threadpool(checks.validate_dataset, upload.tmp_path)
         validation = None
         if upload.fields.get("model"):
             validation = await run_in_threadpool(
@@ -197,14 +197,14 @@ def _data_options(fields: dict[str, str]) -> Hyperparameters:
 def _check_with_model(
     request: Request, team_id: str, settings: Settings, name: str, options: Hyperparameters, path: Path
 ) -> dict[str, Any]:
-    """The upload checked with a model the team may name (api.dataset_check); 400/404 naming the cause."""
+    """The upload checked with a model the team may name (api.jobs.data_check); 400/404 naming the cause."""
     with request.app.state.sessionmaker() as session:
         ref = resolve_model(session, team_id, name, settings)
-    job_checks.check_model_folder(ref.path, name)
-    report = dataset_check.check_file(
+    checks.check_model_folder(ref.path, name)
+    report = data_check.check_file(
         path, spec_model_name(ref), options, param="file", code="invalid_file_format"
     )
-    return dataset_check.upload_summary(report, ref.id)
+    return data_check.upload_summary(report, ref.id)
 
 
 @router.get("/files", response_model=ListObject[FileObject], responses=error_responses(400, 404))

@@ -1,6 +1,6 @@
 """``/v1/fine_tuning/jobs``: create (idempotent), list, retrieve, cancel, checkpoints, and our per-step
 ``metrics`` extra. The events list and stream: :mod:`api.routers.events`; how rows become API objects:
-:mod:`api.job_views`."""
+:mod:`api.jobs.views`."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import admission, dataset_check, job_checks
-from api.auth import Principal
-from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import APIError, error_responses, not_found
-from api.job_views import (
+from api.core.auth import Principal
+from api.core.deps import SettingsDep, TeamDep, run_db
+from api.core.errors import APIError, error_responses, not_found
+from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
+from api.jobs import admission, checks, data_check
+from api.jobs.views import (
     GET_JOB,
     JOB_CURSOR,
     checkpoint_object,
@@ -34,7 +35,6 @@ from api.job_views import (
     step_metric_object,
 )
 from api.model_names import resolve_model, spec_model_name
-from api.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.schemas import (
     FineTuningJobObject,
     HyperparametersIn,
@@ -205,7 +205,7 @@ def _create_job(
 
     hyperparameters, hp_param = _hyperparameters(body)
     model = resolve_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
-    job_checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
+    checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")
     validation = (
         _check_file(session, team.team_id, body.validation_file, "validation_file")
@@ -213,10 +213,10 @@ def _create_job(
         else None
     )
     engine = _engine(body)
-    resources = job_checks.check_resources(body.resources)  # 400 naming resources.gpus
+    resources = checks.check_resources(body.resources)  # 400 naming resources.gpus
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     job_id = new_id("ftjob")
-    spec = job_checks.check_job_spec(
+    spec = checks.check_job_spec(
         model=spec_model_name(model),
         training_file=Path(training.storage_path),
         validation_file=Path(validation.storage_path) if validation else None,
@@ -225,13 +225,13 @@ def _create_job(
         engine=engine,
         seed=seed,
         output_dir=settings.resolved_jobs_dir / job_id,
-        limits=job_checks.job_limits(settings),
+        limits=checks.job_limits(settings),
         num_examples=training.num_examples or None,
         resources=resources,
     )
     admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
-    queue = job_checks.job_queue(spec.resources.gpus, settings)
-    dataset_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
+    queue = checks.job_queue(spec.resources.gpus, settings)
+    data_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
     admission.check_capacity(
         session,
         spec,
@@ -265,7 +265,7 @@ def _create_job(
         idempotency_key=idempotency_key,
         request_hash=digest,
         queue=queue,
-        resolved_hyperparameters=job_checks.resolved_hyperparameters(spec, training.num_examples),
+        resolved_hyperparameters=checks.resolved_hyperparameters(spec, training.num_examples),
     )
     prior = _insert_or_replay(session, job, idempotency_key, digest)
     if prior is not None:  # a concurrent request with the same key won the race

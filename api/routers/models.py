@@ -25,8 +25,8 @@ from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
 from api import model_download as dl
-from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import APIError, error_responses
+from api.core.deps import SettingsDep, TeamDep, run_db
+from api.core.errors import APIError, error_responses
 from api.model_names import ModelRef, available_models, resolve_model
 from api.schemas import ListObject, ModelDeleted, ModelObject
 from store.model_ids import find_model

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
 
-from api.auth import Principal
-from api.deps import SettingsDep, TeamDep, run_db
-from api.errors import error_responses
+from api.core.auth import Principal
+from api.core.deps import SettingsDep, TeamDep, run_db
+from api.core.errors import error_responses
 from api.schemas import QuotaLimits, QuotaObject, QuotaUsage
 from store import quotas
 from store.settings import Settings

@@ -3,7 +3,7 @@
 ``workers`` has one row per worker process (its Celery node name): the queues it consumes, the
 capacity it measured at start (GPU, host memory, cores, locked-memory limit, CPU AdamW and PCIe
 bandwidth) and its heartbeat; a job is admitted only when its plan fits a live worker of its queue
-(store.worker_registry, api.admission).
+(store.worker_registry, api.jobs.admission).
 
 Revision ID: 0006
 Revises: 0005

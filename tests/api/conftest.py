@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from store.settings import Settings
 from tests.support import create_database, drop_database, require_redis
 from trainer.run.launch import free_port
@@ -120,7 +120,7 @@ class TeamKey:
 
 
 def make_team(app: FastAPI, name: str | None = None) -> TeamKey:
-    from api.auth import create_key, create_team
+    from api.core.auth import create_key, create_team
 
     with app.state.sessionmaker() as s:
         team = create_team(s, name or f"team-{secrets.token_hex(4)}")

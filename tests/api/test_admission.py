@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.admission import candidates
+from api.jobs.admission import candidates
 from store import worker_registry
 from store.db import session_scope
 from store.orm import FineTuningJob, JobEvent

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.auth import hash_key
+from api.core.auth import hash_key
 from store.orm import ApiKey
 from tests.api.conftest import TeamKey, error_of, uploaded_id
 
@@ -37,7 +37,7 @@ def test_missing_or_wrong_key_is_401(client: TestClient, headers: dict[str, str]
 
 
 def test_key_is_stored_hashed_and_revocable(client: TestClient, app, team: TeamKey) -> None:  # type: ignore[no-untyped-def]
-    from api.auth import revoke_key
+    from api.core.auth import revoke_key
 
     with app.state.sessionmaker() as s:
         row = s.scalar(select(ApiKey).where(ApiKey.team_id == team.id))

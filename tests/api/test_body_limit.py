@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from store.orm import FineTuningJob
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, upload

@@ -24,7 +24,9 @@ from tests.api.chat_support import metric_value, register_fine_tuned, write_mode
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, ServerThread, TeamKey, error_of, make_team
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2 + 2?"}]
-#: Slow enough per token (~20 ms on a CPU core) that a long generation outlasts the client's stay.
+#: Slow enough per token (~20 ms on a CPU core) that a long generation outlasts the client's stay. Asked
+#: greedily (temperature 0) its answer to MESSAGES never reaches the end-of-text token (it cycles through
+#: 11 tokens for 1000), so such an answer is long by construction; sampled, it may end at any token.
 SLOW_MODEL = "small-llama"
 
 
@@ -323,7 +325,7 @@ def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(
             f"{server.base_url}/v1/chat/completions",
             headers=owner.headers,
             timeout=httpx.Timeout(60, read=1),
-            json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000},
+            json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0},
         )
     _wait_for(lambda: pool.slots_in_use == 0)
     _wait_for(lambda: _cancelled(server) == cancelled_before + 1)
@@ -342,7 +344,7 @@ def test_request_over_the_time_limit_gets_504(settings: Settings) -> None:
         r = c.post(
             "/v1/chat/completions",
             headers=team.headers,
-            json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000},
+            json={"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0},
         )
         assert r.status_code == 504, r.text
         assert error_of(r)["code"] == "timeout"

@@ -219,7 +219,7 @@ def test_foreign_model_never_reaches_vllm(
 
 def test_an_answer_that_fails_mid_read_frees_its_slot() -> None:
     """vLLM answers 200 and then the body times out: a 504, and the slot is free again (no 429 later)."""
-    from api.errors import APIError
+    from api.core.errors import APIError
     from api.inference.vllm import VLLMForwarder
 
     class TimesOut(httpx.AsyncByteStream):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from api.storage import FRAMING_SLACK
 from store.settings import Settings
 

@@ -389,7 +389,7 @@ def _serve(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
 def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_path: Path) -> None:
     import httpx
 
-    from api.auth import create_key, create_team
+    from api.core.auth import create_key, create_team
     from trainer.samples import TRAIN_FILE
 
     proc, port, log_path = _serve(tmp_path)

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from api.errors import APIError
+from api.core.errors import APIError
 from store.orm import FineTuningJob
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, ServerThread, TeamKey, make_team, uploaded_id

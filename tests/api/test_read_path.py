@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import event, update
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from store.orm import ApiKey, FineTuningJob
 from tests.api.conftest import TeamKey, make_team, uploaded_id
 

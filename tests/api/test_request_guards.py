@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from api.server import uvicorn_command, uvicorn_options
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, upload, uploaded_id

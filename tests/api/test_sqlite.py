@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from store.settings import Settings
 from tests.api.conftest import Enqueued, chat_jsonl, error_of, make_team
 

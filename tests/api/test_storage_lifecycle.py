@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from api.retention import ForeignPathError, JobNotFinishedError, apply_retention, purge_job_outputs
 from store.ids import new_id
 from store.orm import File, FineTuningJob, JobCheckpoint, JobEvent, JobStatus

@@ -46,7 +46,7 @@ def test_console_is_served_with_a_strict_policy(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from api.app import create_app
-    from api.config import ApiSettings
+    from api.core.config import ApiSettings
     from store.settings import Settings
 
     app = create_app(
@@ -83,7 +83,7 @@ class LiveServer:
         """A new team and key in the server's database: (team name, key)."""
         from sqlalchemy.orm import Session
 
-        from api.auth import create_key, create_team
+        from api.core.auth import create_key, create_team
         from store.db import make_engine
 
         engine = make_engine(self.database_url)

@@ -321,7 +321,7 @@ class Stack:
 
     def create_team_key(self, name: str | None = None) -> tuple[str, str]:
         """(team id, clear API key)."""
-        from api.auth import create_key, create_team
+        from api.core.auth import create_key, create_team
 
         with self.session() as s:
             team = create_team(s, name or f"team-{secrets.token_hex(4)}")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from store.settings import Settings
 from tests.faults.harness import create_database, training_jsonl
 from tests.support import drop_database
@@ -34,7 +34,7 @@ MAX_EXAMPLES = 25
 def service(tmp_path_factory: pytest.TempPathFactory):
     """The app on a private PostgreSQL database, two teams with a key each, team A's file and job."""
     from api.app import create_app
-    from api.auth import create_key, create_team
+    from api.core.auth import create_key, create_team
     from store.db import session_scope
 
     url = create_database("zf_badinput")
@@ -218,7 +218,7 @@ def test_other_teams_key_is_refused(service) -> None:
 
 
 def test_revoked_key_is_refused(service, tmp_path: Path) -> None:
-    from api.auth import create_key, find_team, revoke_key
+    from api.core.auth import create_key, find_team, revoke_key
     from store.db import session_scope
 
     url = service["app"].state.settings.resolved_database_url

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import make_url
 
-from api.config import ApiSettings
+from api.core.config import ApiSettings
 from store.settings import Settings
 from tests.faults.harness import create_database, wait_until
 from tests.support import drop_database, pg_admin
@@ -39,7 +39,7 @@ def db_url():
 
 def test_connections_dropped_then_503_then_recovery(tmp_path: Path, db_url: str) -> None:
     from api.app import create_app
-    from api.auth import create_key, create_team
+    from api.core.auth import create_key, create_team
     from store.db import session_scope
 
     with session_scope(db_url) as s:

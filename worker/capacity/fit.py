@@ -1,4 +1,4 @@
-"""Does a job fit a worker? The one check behind admission at create (:mod:`api.admission`) and the
+"""Does a job fit a worker? The one check behind admission at create (:mod:`api.jobs.admission`) and the
 worker's re-check before it runs a job (:mod:`worker.job.runner`).
 
 The job's plan (:func:`trainer.plan.planner.plan_job`) is computed for each candidate worker's machine

@@ -11,8 +11,8 @@ from typing import Any
 from sqlalchemy import Select, bindparam, select
 from sqlalchemy.orm import Session, aliased
 
-from api.errors import not_found
-from api.pagination import after_clause
+from api.core.errors import not_found
+from api.core.pagination import after_clause
 from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject, StepMetric, unix
 from store.fairshare import fair_order
 from store.jobs import PENDING, lock_job

@@ -14,8 +14,8 @@ from __future__ import annotations
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.deps import TeamDep
-from api.errors import APIError, not_found
+from api.core.deps import TeamDep
+from api.core.errors import APIError, not_found
 
 #: What a path parameter names, for the 404's message.
 ID_KINDS = {"file_id": "File", "fine_tuning_job_id": "fine-tuning job"}

@@ -19,7 +19,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from api.errors import APIError
+from api.core.errors import APIError
 from trainer.data.dataset import DataOptions, DatasetReport, DatasetValidationError, validate_file
 from trainer.spec import Hyperparameters, JobSpec
 

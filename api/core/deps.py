@@ -16,9 +16,9 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from api.auth import Principal, authenticate, hash_key, parse_bearer, well_formed
-from api.config import ApiSettings
-from api.errors import APIError
+from api.core.auth import Principal, authenticate, hash_key, parse_bearer, well_formed
+from api.core.config import ApiSettings
+from api.core.errors import APIError
 from store.settings import Settings
 
 P = ParamSpec("P")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import APIError
+from api.core.errors import APIError
 
 #: (method, path) pairs whose bodies are limited elsewhere.
 EXEMPT = frozenset({("POST", "/v1/files")})

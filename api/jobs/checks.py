@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api.errors import APIError, validation_error
+from api.core.errors import APIError, validation_error
 from store.settings import Settings
 from trainer.data.dataset import DatasetValidationError, validate_file
 from trainer.limits import JobLimits, LimitError, limit_errors

@@ -20,8 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api.errors import APIError
-from api.job_checks import request_loc
+from api.core.errors import APIError
+from api.jobs.checks import request_loc
 from store import worker_registry
 from store.settings import Settings
 from worker.capacity.fit import CODE, refusal
