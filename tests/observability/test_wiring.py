@@ -19,7 +19,7 @@ def _calls(path: Path) -> set[str]:
 
 
 def test_worker_serves_metrics_and_reports_exited_runners() -> None:
-    worker = ROOT / "trainer" / "worker"
+    worker = ROOT / "worker"
     assert "serve_worker_metrics" in _calls(worker / "hooks.py"), (
         "worker/hooks.py: call worker.metrics.server.serve_worker_metrics() at worker start"
     )
@@ -29,7 +29,7 @@ def test_worker_serves_metrics_and_reports_exited_runners() -> None:
 
 
 def test_job_runner_feeds_the_telemetry() -> None:
-    calls = _calls(ROOT / "trainer" / "worker" / "job_runner.py")
+    calls = _calls(ROOT / "worker" / "job" / "runner.py")
     assert "track_job" in calls, (
         "worker/job/runner.py: run training inside worker.metrics.telemetry.track_job(...)"
     )
