@@ -1,13 +1,15 @@
-"""Fine-tuning jobs, in two halves that change for different reasons.
+"""A fine-tuning job end to end, as a library: no Celery, no database, no Prometheus (the worker
+service, :mod:`worker`, runs it from the queue; it imports this package, never the reverse).
 
-The training job as a library (no Celery, no database): :mod:`trainer.spec` (what a job is),
-:mod:`trainer.data.dataset` (JSONL validation and tokenization), :mod:`trainer.data.tokenizer`,
-:mod:`trainer.model.catalog` (base models), :mod:`trainer.data.batching` (batches and the loss),
-:mod:`trainer.model.lora`, :mod:`trainer.run.loop` (``run_training``, on the ZenFlow engine),
-:mod:`trainer.run.checkpoint`, :mod:`trainer.events` (what a run reports) and :mod:`trainer.cli`
-(``zenflow train``). The worker service around it, :mod:`worker`, takes jobs from the queue
-and runs them from the database; it imports the library, never the reverse.
+- :mod:`trainer.spec` (what a job is), :mod:`trainer.limits` (the service's bounds of one job),
+  :mod:`trainer.runtime` (how each step is computed), :mod:`trainer.events` (what a run reports),
+  :mod:`trainer.cli` (``zenflow train``);
+- :mod:`trainer.data`: the training data (JSONL validation and tokenization, the OpenAI chat format,
+  the tokenizer, batches and the loss, packing);
+- :mod:`trainer.model`: base models (the built-in catalogue and local folders, the folder checks, LoRA);
+- :mod:`trainer.plan`: before a job runs, whether it fits a machine and how fast it will run;
+- :mod:`trainer.run`: the run itself (the loop over set-up, steps and outputs, checkpoints,
+  data-parallel ranks and their launch).
 
-Importing the package, the spec, data and model modules, or the worker service does not import torch;
-the loop's training does.
+Importing the package, the spec, data and model modules does not import torch; the run's training does.
 """

@@ -1,27 +1,30 @@
-"""The worker service around the training job: it takes jobs from the queue and runs each, as
-:mod:`worker.job.runner` in a child process, reporting to the database and to Prometheus.
+"""The worker service (the layer above the job library): it takes jobs from the queue and runs each,
+as :mod:`worker.job.runner` in a child process, reporting to the database and to Prometheus.
 
-=====================  ==========================================================================
-module                 its one job
-=====================  ==========================================================================
-``broker``             the Celery app and its settings, queue names, ``enqueue_job`` (sending side)
-``task``               the run task: claim, supervise the child process, re-queue or fail
-``hooks``              Celery signal hooks: node name, /metrics server, reaper, registry, warm-shutdown preempt
-``embedded``           a worker in a thread of the API process (embedded defaults)
-``launcher``           ``python -m worker``: one worker process per GPU
-``job_runner``         the child process: one job from the database through ``trainer.run.loop``
-``monitor``            the child's heartbeat and cancel polling
-``reporter``           training events -> database rows
-``dispatch``           the outbox: queued jobs whose broker message never arrived or was lost
-``reaper``             running jobs whose worker died (stale heartbeats)
-``telemetry``          training-side Prometheus metrics of a job process
-``metrics_server``     a worker's /metrics: multiprocess files merged with NVML readings
-``nvml``               NVML access (GPU list, index, utilization and memory), no CUDA
-``capacity``           what a worker can run, measured at its start (GPU, memory, cores, bandwidths)
-``presence``           the worker's registry row: capacity, heartbeat
-``admission``          does a job's plan fit a worker (at create and before the runner starts it)
-``prometheus_dir``     the prometheus-client multiprocess directory, shared with the API's metrics
-=====================  ==========================================================================
+================================  ===============================================================
+module                            its one job
+================================  ===============================================================
+``broker``                        the Celery app and its settings, queue names, ``enqueue_job``
+``task``                          the run task: claim, supervise the child process, re-queue or fail
+``requeue``                       what the task does once a job's child process has exited
+``hooks``                         Celery signal hooks: node name, /metrics, reaper, registry, preempt
+``embedded``                      a worker in a thread of the API process (embedded defaults)
+``launcher``                      ``python -m worker``: one worker process per GPU or GPU group
+``dispatch``                      the outbox: queued jobs whose broker message never arrived
+``reaper``                        running jobs whose worker died (stale heartbeats)
+``errors``, ``retry``             what a user may see of an error; retrying across database drops
+``job/``                          the child process: ``runner`` (one job from the database through
+                                  ``trainer.run.loop``), ``ranks`` (the peer ranks of a multi-GPU
+                                  job), ``monitor`` (heartbeat, cancel polling), ``reporter`` (events
+                                  -> rows), ``writer`` (rows written in order across outages),
+                                  ``exits`` (its exit codes)
+``metrics/``                      Prometheus: ``telemetry`` (a job's training steps), ``server`` (a
+                                  worker's /metrics), ``nvml`` (GPUs, no CUDA), ``multiprocess``
+                                  (the directory shared with the API's /metrics)
+``capacity/``                     ``measure`` (what a worker can run, measured at its start),
+                                  ``presence`` (its registry row and heartbeat), ``fit`` (does a
+                                  job's plan fit a worker: at create and before the runner runs it)
+================================  ===============================================================
 
 Start a worker with ``celery -A worker worker --pool solo ...`` or ``python -m worker
 --gpus auto``. Importing this package (or :mod:`worker.broker`, which the API imports to send
