@@ -9,9 +9,9 @@ shards of its flat layout (:func:`shard_range`); a rank updates its own shard on
 values are all-gathered (:class:`ShardGather`) into every replica.
 
 Two groups (gloo). The training thread's collectives run on the caller's group; the CPU optimizer
-worker thread's all-gathers run on a second group over the same ranks (:class:`Ranks.side`), created
+thread's all-gathers run on a second group over the same ranks (:class:`Ranks.side`), created
 collectively with the engine, so the two threads never interleave operations on one group. With NCCL
-every collective stays on the training thread (the worker only uploads its shard), since NCCL kernels
+every collective stays on the training thread (the CPU thread only uploads its shard), since NCCL kernels
 of two communicators launched in different orders on different ranks can deadlock.
 
 Collectives on gloo take CPU tensors, on NCCL CUDA tensors on the rank's device; the engine's device
@@ -50,7 +50,7 @@ class Ranks:
     @classmethod
     def of(cls, group: Any) -> Ranks:
         """Ranks of ``group`` (``None``: a single process). Collective: every rank of the group must
-        construct its engine, since the worker's side group is created here."""
+        construct its engine, since the CPU thread's side group is created here."""
         if group is None:
             return cls()
         if not dist.is_available() or not dist.is_initialized():

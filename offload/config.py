@@ -35,69 +35,66 @@ class EngineConfig(BaseModel):
     once training runs.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # use_attribute_docstrings: each field's docstring is its description in the JSON schema (OpenAPI).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
     mode: EngineMode = "zenflow"
+    """How parameters are updated (above); zenflow, what the engine is for (jobs' "auto" may pick device)."""
     lr: float = Field(1e-4, gt=0)
+    """AdamW's learning rate at the start (``engine.set_lr`` drives it per step); a usual fine-tuning lr."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's decay rates of the first and second moments; torch.optim.AdamW's defaults."""
     eps: float = Field(1e-8, gt=0, le=1.0)
+    """AdamW's term added to the denominator for stability; torch.optim.AdamW's default."""
     weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY)
-    # Global gradient-norm clipping over both the device and the CPU part; None disables it.
+    """Decoupled weight decay (times ``1 - lr * weight_decay`` per step); off unless asked for."""
     max_grad_norm: float | None = Field(1.0, gt=0, le=MAX_GRAD_NORM)
+    """Global gradient-norm clipping over the device and the CPU part (None: off); 1.0, the usual LM value."""
 
     # ZenFlow knobs (ignored by the other modes).
     topk_ratio: float = Field(0.1, gt=0, le=1)
+    """Fraction of each 2-D weight's columns updated on the device every step; the ZenFlow paper's 0.1."""
     update_interval: int | Literal["auto"] = 4
+    """Steps per window (one CPU step of the other columns each), or "auto"; the paper's 4."""
     select_interval: int | Literal["auto"] = "auto"
+    """Steps between column reselections, or "auto": at each new epoch, as the paper does."""
     full_warm_up_rounds: int = Field(0, ge=0, le=MAX_WARM_UP_STEPS)
-    # Upper bound on an "auto" window, so staleness stays bounded.
+    """First steps that update everything synchronously on the CPU, selecting nothing; none, as the paper."""
     max_update_interval: int = Field(16, ge=1, le=MAX_INTERVAL_STEPS)
-    # Fraction of this process's CPU cores given to the CPU optimizer worker.
+    """Longest "auto" window, so staleness stays bounded; 16, four windows of the default length."""
     cpu_optimizer_cores_ratio: float = Field(0.5, gt=0, le=1)
-    # Run the CPU window update in the background, its result applied one window later (True), or at the
-    # window end with the training thread waiting for it and its result applied at once (False: no
-    # staleness, DeepSpeed's default).
+    """Share of the process's CPU cores given to the CPU optimizer thread (offload.cores); an even split."""
     overlap_step: bool = True
+    """Run each window's CPU step in the background and apply it a window later (True), or wait for it at
+    the window's end and apply it at once (False: no staleness, the CPU step is stall; DeepSpeed's default)."""
 
     # --- extensions (not in the original contract; defaults keep the documented behaviour) ---
-    # select_interval="auto" reselects when the caller signals a new epoch (engine.new_epoch()); a caller
-    # that never does gets a reselection every this many steps instead.
     select_interval_fallback: int = Field(100, ge=1, le=MAX_INTERVAL_STEPS)
-    # CPU cores the engine plans its split with; None = the cores this process may run on.
+    """select_interval "auto" if the caller never calls ``engine.new_epoch()``: reselect this often."""
     cpu_threads: int | None = Field(None, ge=1, le=MAX_CPU_THREADS)
-    # Core placement (offload.placement; Linux, where the host allows it): zenflow's CPU optimizer worker
-    # and the training thread on disjoint physical cores (hyperthread siblings together), and on a host
-    # with several GPUs each GPU's process on its own share of the cores, NUMA-local to its GPU. False:
-    # the engine changes no thread's CPU affinity (the off switch).
+    """CPU cores the engine plans its split with; None: the cores this process may run on."""
     bind_worker_cores: bool = True
-    # zenflow: the learning rate of the CPU's once-per-window AdamW step on the window-mean gradient. False
-    # (default, DeepSpeed's rule): the boundary's plain lr (gradient-accumulation semantics: the unselected
-    # weights move more slowly than the selected ones). True: the sum of the window's per-step learning
-    # rates (the linear scaling rule: lr * window length at a constant lr). Fine-tuning a pretrained model
-    # (python -m bench.convergence --seeds 0,1,2,3 --scale-cpu-lr), the summed lr ends at 1.25x (window 4)
-    # and 1.35x (window 8) device mode's validation loss, the plain one at 1.006x and 0.998x: a full-size
-    # step that lands a window late overshoots (Adam's step on a window mean is also larger than the
-    # per-step ones it replaces, the mean's noise being smaller).
+    """Pin the CPU optimizer thread and the training thread to disjoint physical cores, and on a host with
+    several GPUs each GPU's process to its own NUMA-local share (offload.placement, Linux); False: the
+    engine changes no thread's CPU affinity."""
     scale_cpu_lr: bool = False
-    # Where zenflow accumulates the unselected gradient over a window: "host" = the worker streams every
-    # step's gradient off the device (through a fixed two-slot ring on CUDA) and adds it, in fp32, into a
-    # host accumulator in the parameters' dtype (no extra device memory; two accumulators: 16 host
-    # bytes/param with bf16 params, see offload.memory); "device" = an fp32 accumulator on the device (+4
-    # device bytes/param, reported as device_buffer_bytes), copied to the host, rounded to the parameters'
-    # dtype, once per window (14 host bytes/param; CPU work per step is then only the window's AdamW /
-    # window length).
+    """CPU step lr: the window's summed lrs, or the boundary's (False: DeepSpeed's; converges better)."""
     accumulate_on: Literal["host", "device"] = "host"
-    # Largest slice (elements) the CPU optimizer updates before it lets waiting gradient copies run.
+    """Where zenflow sums a window's unselected gradient: "host" (streamed off the device every step, no
+    device memory) or "device" (an fp32 accumulator on the device, copied to the host once per window:
+    less CPU work per step for 4 device bytes per parameter); bytes per mode in docs/engine-tuning.md."""
     cpu_chunk_elements: int = Field(1 << 23, ge=1024, le=MAX_CHUNK_ELEMENTS)
-    # fp16 parameters: dynamic loss scaling with torch.amp.GradScaler's rule (the caller backpropagates
-    # engine.scale_loss(loss); the step unscales before clipping; a skipped step multiplies the scale by
-    # the backoff factor, growth_interval finite steps in a row by the growth factor). "auto": on exactly
-    # when a trainable parameter is fp16; "dynamic": always; "off": never (fp16 gradients may underflow).
+    """Largest slice the CPU step updates before waiting gradient copies run (2**23: a 32 MiB bf16 ring)."""
     loss_scaling: Literal["auto", "dynamic", "off"] = "auto"
+    """Dynamic loss scaling with GradScaler's rule; "auto": on exactly when a trainable parameter is fp16."""
     loss_scale_init: float = Field(2.0**16, gt=0, le=2.0**64)
+    """The first loss scale; torch.amp.GradScaler's default."""
     loss_scale_growth_factor: float = Field(2.0, gt=1, le=1e3)
+    """Scale multiplier after ``loss_scale_growth_interval`` finite steps in a row; GradScaler's default."""
     loss_scale_backoff_factor: float = Field(0.5, gt=0, lt=1)
+    """Scale multiplier after a skipped (non-finite) step; GradScaler's default."""
     loss_scale_growth_interval: int = Field(2000, ge=1, le=MAX_INTERVAL_STEPS)
+    """Finite steps in a row before the scale grows; GradScaler's default."""
 
     @field_validator(
         "update_interval",

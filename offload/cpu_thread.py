@@ -1,8 +1,8 @@
-"""The engine's background CPU worker: one daemon thread with its own cores.
+"""The engine's CPU thread: one daemon thread with its own cores that runs the CPU optimizer's work.
 
 Tasks are plain callables. *Urgent* tasks (gradient accumulation: they free staging buffers the
 training thread is waiting for) always run first; *normal* tasks (the window's CPU optimizer step)
-run in submission order. A normal task may return a generator: the worker then advances it one
+run in submission order. A normal task may return a generator: the thread then advances it one
 chunk at a time and runs any urgent task that arrived in between, so a long CPU Adam step never
 holds back the next window's gradient copies. The generator's return value is the task's result.
 
@@ -11,10 +11,10 @@ task's future fails with it, the thread exits, and ``check()``/``wait()`` raise
 :class:`CPUThreadError` in the calling (training) thread, chained ``from`` the original.
 ``close()`` lets queued work finish, then joins the thread; it is idempotent.
 
-GIL accounting: the worker thread's CPU time (``time.thread_time``: time blocked waiting for the GIL
+GIL accounting: the thread's CPU time (``time.thread_time``: time blocked waiting for the GIL
 does not count) over every stretch of task execution, less its CPU time inside the calls tasks mark
 as releasing the GIL (:func:`gil_released`: the C++ optimizer and accumulation, waits on transfers),
-is ``gil_seconds``: how long the worker ran Python holding the GIL, i.e. could delay the training
+is ``gil_seconds``: how long the thread ran Python holding the GIL, i.e. could delay the training
 thread's Python (an upper bound: torch ops a task calls count as held, though ATen releases the GIL
 during them).
 """
@@ -39,19 +39,19 @@ class CPUThreadError(RuntimeError):
 
 
 class CPUThreadClosedError(RuntimeError):
-    """A task was submitted to (or left in) a worker that has been closed."""
+    """A task was submitted to (or left in) a CPU thread that has been closed."""
 
 
 _Task = tuple[Callable[[], Any], "Future[Any]"]
 
 _tls = threading.local()
-#: Native thread ids of the live workers (core placement pins every other thread of the process).
+#: Native thread ids of the live CPU threads (core placement pins every other thread of the process).
 live_native_ids: set[int] = set()
 
 
 @contextlib.contextmanager
 def gil_released() -> Iterator[None]:
-    """Mark a call that releases the GIL (the worker's GIL-hold figure leaves its time out)."""
+    """Mark a call that releases the GIL (the CPU thread's GIL-hold figure leaves its time out)."""
     t0 = time.thread_time()
     try:
         yield
@@ -74,21 +74,21 @@ class CPUThread:
         self._stop = False
         self._error: BaseException | None = None
         self._busy = 0  # tasks submitted and not finished
-        #: Wall seconds the worker ran tasks, and its CPU seconds outside gil_released() calls in them.
+        #: Wall seconds the thread ran tasks, and its CPU seconds outside gil_released() calls in them.
         self.busy_seconds = 0.0
         self.gil_seconds = 0.0
         self._torch_threads = torch_threads
         self._cores = cores
         self._cuda_device = cuda_device
-        self.native_id = 0  # the worker thread's, once started
-        #: Whether the worker thread runs on ``cores`` (None: no cores asked for).
+        self.native_id = 0  # the thread's, once started
+        #: Whether the thread runs on ``cores`` (None: no cores asked for).
         self.pinned: bool | None = None
         ready = threading.Event()
         main_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
         self._thread.start()
         ready.wait()
-        # The worker's torch.set_num_threads also changed the default for threads started later;
+        # The thread's torch.set_num_threads also changed the default for threads started later;
         # put that default back to the training thread's count (a no-op for this thread itself).
         if torch_threads is not None:
             torch.set_num_threads(main_threads)
@@ -99,20 +99,20 @@ class CPUThread:
         with self._cv:
             self.check()
             if self._stop:
-                raise CPUThreadClosedError("the background worker is closed")
+                raise CPUThreadClosedError("the CPU thread is closed")
             (self._urgent if urgent else self._normal).append((fn, fut))
             self._busy += 1
             self._cv.notify()
         return fut
 
     def check(self) -> None:
-        """Raise the worker's failure, if any, in the calling thread."""
+        """Raise the thread's failure, if any, in the calling thread."""
         err = self._error
         if err is not None:
             raise CPUThreadError(f"background CPU optimizer failed: {type(err).__name__}: {err}") from err
 
     def wait(self, fut: Future[Any]) -> Any:
-        """Block until ``fut`` is done; a worker failure surfaces as CPUThreadError."""
+        """Block until ``fut`` is done; a failure of the thread surfaces as CPUThreadError."""
         try:
             return fut.result()
         except Exception as exc:  # not KeyboardInterrupt: a Ctrl-C while waiting stays a Ctrl-C
@@ -127,10 +127,6 @@ class CPUThread:
                 self._cv.wait(0.1)
         self.check()
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def close(self, timeout: float = 120.0) -> None:
         with self._cv:
             self._stop = True
@@ -138,7 +134,7 @@ class CPUThread:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    # --- worker thread --------------------------------------------------------------------------
+    # --- the thread itself ----------------------------------------------------------------------
     def _setup(self) -> None:
         self.native_id = threading.get_native_id()
         live_native_ids.add(self.native_id)

@@ -13,8 +13,8 @@ Use::
         engine.flush()                     # apply the pending CPU update before saving the model
         weights = engine.consolidated_state_dict()
 
-Modes: :mod:`offload.device_mode`, :mod:`offload.offload_mode`, :mod:`offload.zenflow.mode` (each
-module's docstring gives its exact semantics). The engine owns the parameters with
+Modes: :mod:`offload.device_mode`, :mod:`offload.offload_mode`, :mod:`offload.zenflow` (each
+docstring gives its exact semantics). The engine owns the parameters with
 ``requires_grad``; they must all live on one device (CPU or one CUDA device) and may be fp32, bf16
 or fp16. Clipping (:mod:`offload.clipping`) is global over all of them and happens before any part
 is updated, in every mode.
@@ -31,9 +31,9 @@ the time ``step()`` spent blocked on the CPU optimizer or on transfers; ``comput
 rest. On CUDA, ``step()`` first waits for the queued backward pass (counted as compute), so that
 every later wait is time the device has nothing to do.
 
-CPU cores: of the ``cpu_threads`` (default: the cores this process may use) the CPU optimizer
-worker gets ``round(cpu_optimizer_cores_ratio * n)`` (at least 1, and at most ``n - 1`` when
-``n > 1``); ``cpu_split`` reports ``(training, optimizer)``. The engine does not change the training
+CPU cores (:mod:`offload.cores`): of the ``cpu_threads`` (default: the cores this process may use)
+the CPU optimizer thread gets ``round(cpu_optimizer_cores_ratio * n)`` (at least 1, and at most
+``n - 1`` when ``n > 1``); ``cpu_split`` reports ``(training, optimizer)``. The engine does not change the training
 thread's torch thread count: on a CPU-only run call ``torch.set_num_threads(engine.cpu_split[0])``.
 The synchronous ``offload`` mode uses all ``n`` cores for its CPU step.
 
@@ -44,7 +44,7 @@ engine data parallel, ZeRO-2 style. ``step()`` averages the gradients across ran
 see the same reduced gradient everywhere and the device part is updated identically on every rank.
 Each rank owns a contiguous 1/N shard of every host store (fp32 master, moments, accumulators) and
 runs the CPU AdamW on it alone; the new values are all-gathered into every replica (zenflow: by the
-CPU worker on a second group, overlapped with the next window as the single-GPU prefetch is).
+CPU thread on a second group, overlapped with the next window as the single-GPU prefetch is).
 ``step()``, ``flush()`` and ``load_state_dict()`` are collective. ``state_dict()`` is this rank's
 shard; ``load_state_dict`` takes it back on the same rank of a group of the same size, or the list of
 every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` is local: every
@@ -54,7 +54,7 @@ host accumulation reduce-scatters the split weights' gradients and all-reduces o
 columns (:mod:`offload.zenflow.reduction`).
 
 Core placement (``bind_worker_cores``, on by default; :mod:`offload.placement`): where the host
-allows it, the split is made of whole physical cores from the sysfs topology, the worker thread is
+allows it, the split is made of whole physical cores from the sysfs topology, the CPU thread is
 pinned to the optimizer's and every other thread of the process to the training's, torch's intra-op
 thread count capped at the training CPUs (all restored at ``close()``), and on a multi-GPU host the
 process first takes its GPU's NUMA-local share of the cores (all modes). ``placement`` describes
@@ -63,9 +63,7 @@ what was done, or why nothing was.
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -74,7 +72,8 @@ import torch
 from offload.clipping import clip_, clip_reduced_
 from offload.collectives import Ranks, fill_missing_gradients
 from offload.config import EngineConfig
-from offload.cpu_thread import CPUThreadError, live_native_ids
+from offload.cores import Cores
+from offload.cpu_thread import CPUThreadError
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
 from offload.guard import Gate, LossScaler
@@ -82,29 +81,13 @@ from offload.memory import EngineMemory
 from offload.metrics import StepMetrics
 from offload.mode_base import Mode, NamedParams
 from offload.offload_mode import OffloadMode
-from offload.placement import Placement, device_pci_address, plan, read_topology
-from offload.placement import apply as apply_placement
-from offload.placement import restore as restore_placement
+from offload.placement import Placement
 from offload.timing import StepStats
 from offload.zenflow.mode import ZenFlowMode
 
 __all__ = ["CPUThreadError", "ZenFlowEngine"]
 
 _STATE_VERSION = 1
-
-
-def _available_cores() -> list[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
-def cpu_split(total: int, ratio: float) -> tuple[int, int]:
-    """``(training_threads, optimizer_threads)`` for ``total`` cores."""
-    opt = max(1, round(total * ratio))
-    if total > 1:
-        opt = min(opt, total - 1)
-    return max(1, total - opt), opt
 
 
 class ZenFlowEngine:
@@ -137,21 +120,9 @@ class ZenFlowEngine:
         self._params = [p for _, p in named]
         #: The process group (see the module docstring); created collectively, so every rank builds its engine.
         self._ranks = Ranks.of(process_group)
-        cores = _available_cores()
-        total = self.config.cpu_threads or len(cores)
-        self.cpu_split = cpu_split(total, self.config.cpu_optimizer_cores_ratio)
-        self.placement = self._plan_placement(cores)
-        self._pinned: dict[int, set[int]] = {}
-        self._pin_target: tuple[int, ...] = ()
-        self._torch_threads = 0  # the training thread's torch thread count before pinning capped it
-        pl = self.placement
-        worker_cores: list[int] | None = None
-        if self.config.mode == "zenflow" and pl.placed:
-            self.cpu_split = (len(pl.training), len(pl.optimizer))
-            total, worker_cores, self._pin_target = len(pl.process), list(pl.optimizer), pl.training
-        elif pl.gpu_slot is not None and pl.process:  # device/offload on a multi-GPU host: the GPU's share
-            total, self._pin_target = len(pl.process), pl.process
-            self.cpu_split = cpu_split(total, self.config.cpu_optimizer_cores_ratio)
+        #: The CPU cores' division between training and the CPU optimizer, and their placement.
+        self._cores = Cores(self.config, self.device)
+        self.cpu_split = self._cores.split
         self._ops = DeviceOps(self.device)
         self._lr = float(self.config.lr)
         self._step = 0
@@ -168,64 +139,26 @@ class ZenFlowEngine:
                 backoff_factor=cfg.loss_scale_backoff_factor,
                 growth_interval=cfg.loss_scale_growth_interval,
             )
-        self._mode: Mode = self._build_mode(total, worker_cores)
+        self._mode: Mode = self._build_mode()
         #: Host bytes the mode allocated (fixed for the engine's life; reported in every StepMetrics).
         self._host_bytes = self._mode.memory().host_bytes
-        self._pin()
+        self._cores.pin(self._mode.cpu_thread)
         self._t_last = time.perf_counter()
 
-    def _plan_placement(self, cores: list[int]) -> Placement:
-        cfg = self.config
-        if not cfg.bind_worker_cores:
-            return Placement(note="bind_worker_cores is off")
-        if not hasattr(os, "sched_setaffinity"):
-            return Placement(note="this platform has no CPU affinity")
-        if cfg.mode != "zenflow" and self.device.type != "cuda":
-            return Placement(note=f"mode {cfg.mode} on the CPU has no CPU optimizer worker to keep apart")
-        allowed = cores[: cfg.cpu_threads] if cfg.cpu_threads else cores
-        gpu = device_pci_address(self.device) if self.device.type == "cuda" else None
-        try:
-            topo = read_topology()
-        except (OSError, ValueError) as exc:
-            return Placement(note=f"no CPU topology: {exc}")
-        p = plan(topo, set(allowed), cfg.cpu_optimizer_cores_ratio, gpu)
-        if cfg.mode != "zenflow":  # no worker to keep apart; on a multi-GPU host the GPU's share still holds
-            share = p.process if p.gpu_slot is not None else ()
-            return replace(
-                p,
-                training=(),
-                optimizer=(),
-                process=share,
-                note=f"mode {cfg.mode} has no CPU optimizer worker to keep apart",
-            )
-        return p
+    @property
+    def placement(self) -> Placement:
+        """Where the training thread and the CPU optimizer run, or why they are not placed."""
+        return self._cores.placement
 
-    def _pin(self) -> None:
-        """Pin the process's other threads to their cores (the worker pinned itself); never fatal."""
-        if not self._pin_target:
-            return
-        worker = getattr(self._mode, "worker", None)
-        worker_ok = worker is None or worker.pinned is not False
-        try:
-            if not worker_ok:
-                raise OSError("the CPU optimizer worker could not be pinned")
-            self._pinned = apply_placement(self._pin_target, skip=set(live_native_ids))
-        except OSError as exc:
-            self.placement = replace(self.placement, applied=False, note=f"affinity refused: {exc}")
-            return
-        self.placement = replace(self.placement, applied=True)
-        # More intra-op threads than pinned CPUs would spin against each other (OpenMP busy-waits)
-        if torch.get_num_threads() > len(self._pin_target):
-            self._torch_threads = torch.get_num_threads()
-            torch.set_num_threads(len(self._pin_target))
-
-    def _build_mode(self, total: int, worker_cores: list[int] | None) -> Mode:
-        cfg, ops, ranks = self.config, self._ops, self._ranks
+    def _build_mode(self) -> Mode:
+        cfg, ops, ranks, cores = self.config, self._ops, self._ranks, self._cores
         if cfg.mode == "device":
             return DeviceMode(self._named, cfg, ops, ranks)
         if cfg.mode == "offload":
-            return OffloadMode(self._named, cfg, ops, ranks, threads=total)
-        return ZenFlowMode(self._named, cfg, ops, ranks, threads=self.cpu_split[1], worker_cores=worker_cores)
+            return OffloadMode(self._named, cfg, ops, ranks, threads=cores.total)
+        return ZenFlowMode(
+            self._named, cfg, ops, ranks, threads=self.cpu_split[1], optimizer_cores=cores.optimizer_cores
+        )
 
     # --- the training-loop API ------------------------------------------------------------------
     @property
@@ -451,16 +384,17 @@ class ZenFlowEngine:
         """Running totals (benchmarks): ``host_syncs``, the engine's deliberate blocking reads of device
         data (at most one per reselection); ``host_waits``, reads of a step's landed scalars that had
         to wait for the copy; ``reselections`` (zenflow, after the first selection) and ``windows``
-        (zenflow: windows ended); ``worker_busy_seconds`` and ``worker_gil_seconds``, the CPU worker's
-        time running tasks and, of that, outside GIL-free calls (an upper bound of its GIL hold)."""
-        worker = getattr(self._mode, "worker", None)
+        (zenflow: windows ended); ``worker_busy_seconds`` and ``worker_gil_seconds``, the CPU optimizer
+        thread's time running tasks and, of that, outside GIL-free calls (an upper bound of its GIL
+        hold; the names predate the thread's rename, benchmarks read them)."""
+        thread = self._mode.cpu_thread
         return {
             "host_syncs": self._ops.host_syncs,
             "host_waits": self._ops.host_waits,
             "reselections": getattr(self._mode, "reselections", 0),
             "windows": getattr(self._mode, "window", 0),
-            "worker_busy_seconds": worker.busy_seconds if worker is not None else 0.0,
-            "worker_gil_seconds": worker.gil_seconds if worker is not None else 0.0,
+            "worker_busy_seconds": thread.busy_seconds if thread is not None else 0.0,
+            "worker_gil_seconds": thread.gil_seconds if thread is not None else 0.0,
         }
 
     def is_host_memory(self, t: torch.Tensor) -> bool:
@@ -477,16 +411,12 @@ class ZenFlowEngine:
 
     # --- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the background worker and release pinned host memory; idempotent."""
+        """Stop the CPU optimizer thread, release pinned host memory, unpin; idempotent."""
         if self._closed:
             return
         self._closed = True
         self._mode.close()
-        if self._pinned:
-            restore_placement(self._pinned, self._pin_target)
-            self._pinned = {}
-            if self._torch_threads and torch.get_num_threads() == len(self._pin_target):
-                torch.set_num_threads(self._torch_threads)
+        self._cores.restore()
 
     def __enter__(self) -> ZenFlowEngine:
         return self

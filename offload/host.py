@@ -226,7 +226,7 @@ class HostStore:
 
         A generator: after every ``chunk`` elements (and at the end of each parameter) it yields the
         indices of the parameters fully updated since the last yield (maybe none), so a cooperative
-        worker can run waiting gradient copies in between and start copying finished parameters back.
+        CPU thread can run waiting gradient copies in between and start copying finished parameters back.
         Each updated parameter's step count goes up by one. When all the params are updated and share
         one step count (zenflow's windows), the chunks run over the flat buffers across parameter
         boundaries: one C++ call per chunk, not per parameter (same numbers: the update is elementwise).

@@ -19,8 +19,8 @@ Host (page-locked on CUDA), bytes per offloaded element:
   synchronous steps land their gradients in accumulator 0.
 - ``transfer`` (``zenflow``, ``accumulate_on="host"`` on CUDA only): a ring of two slots of
   ``min(split elements, cpu_chunk_elements)`` elements in the parameter dtype, through which the CPU
-  worker streams each step's gradient into the accumulator (a fixed 32 MiB with bf16 by default,
-  whatever the model's size). On a CPU device the worker reads the gradients where they are.
+  optimizer thread streams each step's gradient into the accumulator (a fixed 32 MiB with bf16 by
+  default, whatever the model's size). On a CPU device the thread reads the gradients where they are.
 
 So with bf16/fp16 parameters: ``offload`` 14 B, ``zenflow`` 16 B (host accumulation, plus the fixed
 ring on CUDA) or 14 B (device accumulation) per offloaded element; with fp32 parameters 16, 20 and 16.
@@ -37,7 +37,7 @@ Device, beyond the model's weights and gradients:
   selected element) and ``column_scratch`` (gathered selected-column gradients in fp32 plus a buffer in
   the parameter dtype, or an fp32 work copy for fp32 weights: 4 + g or 8 B per selected element).
 
-Not counted: with host accumulation the worker holds each step's split gradients (the model's own
+Not counted: with host accumulation the CPU thread holds each step's split gradients (the model's own
 ``.grad`` tensors, ``g`` B/element on the device) until it has streamed them to the host, each one
 released as soon as its last chunk is copied (normally within the next forward pass); a reselection gathers the new columns' fp32
 master values in transient host memory (4 B per selected element) for the upload.

@@ -8,6 +8,7 @@ import torch
 
 from offload.collectives import Ranks, Reduced, average_gradients
 from offload.config import EngineConfig
+from offload.cpu_thread import CPUThread
 from offload.device import DeviceOps
 from offload.guard import Gate
 from offload.memory import EngineMemory
@@ -46,6 +47,8 @@ class Mode:
     """Base class; subclasses implement step, state_bytes, state_dict and load_state_dict."""
 
     name: str = ""
+    #: The thread the mode runs its CPU optimizer on in the background (zenflow), if any.
+    cpu_thread: CPUThread | None = None
 
     def __init__(
         self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None
@@ -72,7 +75,7 @@ class Mode:
         """Apply everything pending to the model now (nothing is pending in the synchronous modes)."""
 
     def check(self) -> None:
-        """Raise a background failure, if any."""
+        """Raise a failure of the mode's CPU thread, if any."""
 
     def new_epoch(self) -> None:
         """The caller started a new epoch (zenflow reselects at the next window boundary)."""

@@ -1,4 +1,4 @@
-"""CPU core placement: the training thread and the CPU optimizer worker on disjoint physical cores.
+"""CPU core placement: the training thread and the CPU optimizer thread on disjoint physical cores.
 
 The plan is computed from the Linux sysfs topology (:func:`read_topology`: logical CPUs grouped into
 physical cores by ``thread_siblings_list``, NUMA nodes, NVIDIA GPUs and their ``numa_node``) and the
@@ -11,10 +11,10 @@ CPUs this process may use (:func:`plan`):
    computes the same host-wide plan and takes its GPU's share, so the shares are disjoint without any
    coordination. A process whose affinity is already narrower keeps it as its share.
 2. Inside the share, the physical cores are split by ``cpu_optimizer_cores_ratio``: the last ones
-   (at least one, and at least one left) go to the CPU optimizer worker, the rest to the training
+   (at least one, and at least one left) go to the CPU optimizer thread, the rest to the training
    thread; hyperthread siblings always stay together on one side.
 
-:func:`apply` pins the worker (its own thread, in :mod:`offload.cpu_thread`) and every other thread of
+:func:`apply` pins the CPU optimizer thread (:mod:`offload.cpu_thread`) and every other thread of
 the process (the training thread, its intra-op pool) and :func:`restore` undoes it; nothing here is
 fatal: where the host does not allow a placement (not Linux, one physical core, affinity calls
 refused) the plan says why and the engine runs unplaced.

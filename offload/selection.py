@@ -64,14 +64,6 @@ def remap(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return present, pos
 
 
-def difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sorted elements of sorted ``a`` that are not in sorted ``b``."""
-    if a.numel() == 0 or b.numel() == 0:
-        return a.clone()
-    present, _ = remap(b, a)
-    return a[~present]
-
-
 def union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sorted union of two sorted index tensors."""
     if a.numel() == 0:

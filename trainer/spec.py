@@ -54,7 +54,12 @@ class EngineSettings(EngineConfig):
     """
 
     mode: Literal["auto", "device", "offload", "zenflow"] = "auto"  # type: ignore[assignment]
+    """device: AdamW on the device; offload: the CPU AdamW every step, the device waiting; zenflow: the
+    important columns on the device every step, the rest on the CPU in the background; auto: the plan's
+    choice (device when its optimizer state fits the device with room, else zenflow)."""
     accumulate_on: Literal["host", "device", "auto"] = "host"  # type: ignore[assignment]
+    """Where zenflow sums a window's unselected gradient: host (no device memory), device (an fp32
+    accumulator on the device, less CPU work per step), or auto: the plan's choice."""
 
     @field_validator("lr")
     @classmethod

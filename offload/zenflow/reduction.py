@@ -19,112 +19,130 @@ accumulator is a whole-gradient buffer on the device) all-reduce every gradient 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from offload.collectives import Reduced, average_gradients, reduce_scatter_flat, wire_bytes
+from offload.collectives import Ranks, Reduced, average_gradients, reduce_scatter_flat, wire_bytes
+from offload.device import DeviceOps
+from offload.mode_base import NamedParams
 from offload.timing import StepStats
-
-if TYPE_CHECKING:
-    from offload.zenflow.mode import ZenFlowMode
+from offload.zenflow.layout import Columns, HostLayout
 
 
-def uses_shards(mode: ZenFlowMode) -> bool:
-    """Whether this step reduce-scatters (see the module docstring)."""
-    return bool(mode.splits) and not mode.on_device and (mode.started or mode.warm_left > 0)
+class ShardReduction:
+    """The reduction above for one engine; ``shards`` is this step's gradient shard of every host
+    store (None when the step all-reduced every gradient instead)."""
 
+    def __init__(
+        self, named: NamedParams, layout: HostLayout, ops: DeviceOps, ranks: Ranks, *, on_device: bool
+    ) -> None:
+        self.named, self.layout, self.ops, self.ranks = named, layout, ops, ranks
+        self.on_device = on_device
+        self.shards: list[torch.Tensor] | None = None
 
-@torch.no_grad()
-def reduce_zenflow(mode: ZenFlowMode, stats: StepStats) -> tuple[Reduced, list[torch.Tensor]]:
-    """The step's reduction when :func:`uses_shards`, and this rank's gradient shard of every host store."""
-    ranks = mode.ranks
-    split_ids = {id(s.param) for s in mode.splits}
-    full = [p.grad for _, p in mode.named if p.grad is not None and id(p) not in split_ids]
-    if full:
-        stats.bytes_reduced += average_gradients(full, ranks)
-    shards = []
-    for store in mode.stores:
-        in_order = [s.param.grad for s in mode.splits if s.store is store]  # the store's parameter order
-        out = torch.empty(store.shard_size, dtype=store.dtype, device=mode.ops.device)  # fresh: read later
-        stats.bytes_reduced += reduce_scatter_flat(in_order, store.full_offsets, out, ranks)
-        shards.append(out.narrow(0, 0, store.numel))
-    also = []
-    if mode.started:  # the device's columns: their mean, written back where the device optimizer reads it
-        for store in mode.stores:
-            members = [s for s in mode.splits if s.store is store and s.param.grad is not None]
-            if not members:
-                continue
-            pairs = [(s.param.grad, mode.dev.columns(s.name)) for s in members]
-            grads = [g for g, _ in pairs if g is not None]
-            cols = [c for _, c in pairs if c is not None]
-            assert len(grads) == len(cols) == len(members)  # members have a gradient; selection started
-            picked = torch.cat([g.index_select(1, c).reshape(-1) for g, c in zip(grads, cols, strict=True)])
-            dist.all_reduce(picked, group=ranks.group)
-            picked.div_(ranks.world)
-            stats.bytes_reduced += wire_bytes(
-                "all_reduce", picked.numel() * picked.element_size(), ranks.world
-            )
-            off = 0
-            for g, c in zip(grads, cols, strict=True):
-                n = g.shape[0] * c.numel()
-                g.index_copy_(1, c, picked.narrow(0, off, n).view(g.shape[0], c.numel()))
-                off += n
-                also.append(g)
-    # the norm per parameter, as one process computes it (offload.clipping)
-    order = {id(p): i for i, p in enumerate(p for _, p in mode.named if p.grad is not None)}
-    parts: list[tuple[int, torch.Tensor, bool]] = [
-        (order[id(g_owner)], g_owner.grad, False)
-        for _, g_owner in mode.named
-        if g_owner.grad is not None and id(g_owner) not in split_ids
-    ]
-    for s in mode.splits:
-        if s.param.grad is not None:
-            si = mode.stores.index(s.store)
-            parts.append(
-                (
-                    order[id(s.param)],
-                    shards[si].narrow(0, s.store.offsets[s.index], s.store.numels[s.index]),
-                    True,
+    @torch.no_grad()
+    def reduce(self, stats: StepStats, columns: Columns | None, *, warming: bool) -> Reduced | None:
+        """Reduce this step's gradients (``columns``: the current selection, None before the first;
+        ``warming``: a warm-up round, which needs this rank's shard only). None: this step does not
+        reduce-scatter (see the module docstring); the caller all-reduces every gradient."""
+        lay = self.layout
+        if not lay.splits or self.on_device or (columns is None and not warming):
+            self.shards = None
+            return None
+        ranks = self.ranks
+        split_ids = {id(s.param) for s in lay.splits}
+        full = [p.grad for _, p in self.named if p.grad is not None and id(p) not in split_ids]
+        if full:
+            stats.bytes_reduced += average_gradients(full, ranks)
+        shards = []
+        for store in lay.stores:
+            in_order = [s.param.grad for s in lay.members(store)]  # the store's parameter order
+            out = torch.empty(
+                store.shard_size, dtype=store.dtype, device=self.ops.device
+            )  # fresh: read later
+            stats.bytes_reduced += reduce_scatter_flat(in_order, store.full_offsets, out, ranks)
+            shards.append(out.narrow(0, 0, store.numel))
+        also = []
+        if columns is not None:  # the device's columns: their mean, written back where the device reads it
+            for store in lay.stores:
+                members = [s for s in lay.members(store) if s.param.grad is not None]
+                if not members:
+                    continue
+                pairs = [(s.param.grad, columns(s.name)) for s in members]
+                grads = [g for g, _ in pairs if g is not None]
+                cols = [c for _, c in pairs if c is not None]
+                assert len(grads) == len(cols) == len(members)  # members have a gradient; selection started
+                picked = torch.cat(
+                    [g.index_select(1, c).reshape(-1) for g, c in zip(grads, cols, strict=True)]
                 )
-            )
-    return Reduced(full, shards, also, parts, len(order)), shards
+                dist.all_reduce(picked, group=ranks.group)
+                picked.div_(ranks.world)
+                stats.bytes_reduced += wire_bytes(
+                    "all_reduce", picked.numel() * picked.element_size(), ranks.world
+                )
+                off = 0
+                for g, c in zip(grads, cols, strict=True):
+                    n = g.shape[0] * c.numel()
+                    g.index_copy_(1, c, picked.narrow(0, off, n).view(g.shape[0], c.numel()))
+                    off += n
+                    also.append(g)
+        # the norm per parameter, as one process computes it (offload.clipping)
+        order = {id(p): i for i, p in enumerate(p for _, p in self.named if p.grad is not None)}
+        parts: list[tuple[int, torch.Tensor, bool]] = [
+            (order[id(g_owner)], g_owner.grad, False)
+            for _, g_owner in self.named
+            if g_owner.grad is not None and id(g_owner) not in split_ids
+        ]
+        for s in lay.splits:
+            if s.param.grad is not None:
+                si = lay.stores.index(s.store)
+                parts.append(
+                    (
+                        order[id(s.param)],
+                        shards[si].narrow(0, s.store.offsets[s.index], s.store.numels[s.index]),
+                        True,
+                    )
+                )
+        self.shards = shards
+        return Reduced(full, shards, also, parts, len(order))
 
+    @torch.no_grad()
+    def scores(self, stats: StepStats) -> dict[str, torch.Tensor] | None:
+        """Every split weight's column scores (sum of |g| over its rows) of the mean gradient, from each
+        rank's shard: partial sums over the rows a shard holds, added across ranks in one all-reduce.
+        None when this step did not reduce-scatter (the scores come from ``.grad`` then)."""
+        if self.shards is None:
+            return None
+        lay, dev = self.layout, self.ops.device
+        parts: list[torch.Tensor] = []
+        names: list[str] = []
+        for s in lay.splits:
+            if s.param.grad is None:
+                continue
+            store = s.store
+            cols = s.param.shape[1]
+            n, a = store.numels[s.index], store.param_starts[s.index]
+            partial = torch.zeros(cols, dtype=torch.float32, device=dev)
+            if n:
+                r0, r1 = a // cols, -(-(a + n) // cols)
+                held = torch.zeros((r1 - r0) * cols, dtype=torch.float32, device=dev)
+                start = a - r0 * cols
+                piece = self.shards[lay.stores.index(store)].narrow(0, store.offsets[s.index], n)
+                held[start : start + n] = piece.abs()
+                partial = held.view(r1 - r0, cols).sum(0)
+            parts.append(partial)
+            names.append(s.name)
+        if not parts:
+            return {}
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.ranks.group)
+        stats.bytes_reduced += wire_bytes("all_reduce", flat.numel() * flat.element_size(), self.ranks.world)
+        return dict(zip(names, flat.split([p.numel() for p in parts]), strict=True))
 
-@torch.no_grad()
-def shard_scores(mode: ZenFlowMode, shards: list[torch.Tensor], stats: StepStats) -> dict[str, torch.Tensor]:
-    """Every split weight's column scores (sum of |g| over its rows) of the mean gradient, from each
-    rank's shard: partial sums over the rows a shard holds, added across ranks in one all-reduce."""
-    parts: list[torch.Tensor] = []
-    names: list[str] = []
-    for s in mode.splits:
-        if s.param.grad is None:
-            continue
-        store = s.store
-        cols = s.param.shape[1]
-        n, a = store.numels[s.index], store.param_starts[s.index]
-        partial = torch.zeros(cols, dtype=torch.float32, device=mode.ops.device)
-        if n:
-            r0, r1 = a // cols, -(-(a + n) // cols)
-            held = torch.zeros((r1 - r0) * cols, dtype=torch.float32, device=mode.ops.device)
-            start = a - r0 * cols
-            piece = shards[mode.stores.index(store)].narrow(0, store.offsets[s.index], n)
-            held[start : start + n] = piece.abs()
-            partial = held.view(r1 - r0, cols).sum(0)
-        parts.append(partial)
-        names.append(s.name)
-    if not parts:
-        return {}
-    flat = torch.cat(parts)
-    dist.all_reduce(flat, group=mode.ranks.group)
-    stats.bytes_reduced += wire_bytes("all_reduce", flat.numel() * flat.element_size(), mode.ranks.world)
-    return dict(zip(names, flat.split([p.numel() for p in parts]), strict=True))
-
-
-def split_sq(mode: ZenFlowMode, shards: list[torch.Tensor]) -> torch.Tensor:
-    """Squared L2 norm of the split weights' whole mean gradient, from every rank's shard (one scalar
-    all-reduce)."""
-    sq = torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()
-    dist.all_reduce(sq, group=mode.ranks.group)
-    return sq
+    def split_sq(self) -> torch.Tensor:
+        """Squared L2 norm of the split weights' whole mean gradient, from every rank's shard (one scalar
+        all-reduce); only when this step reduce-scattered."""
+        assert self.shards is not None
+        sq = torch.stack(torch._foreach_norm(self.shards, 2, dtype=torch.float32)).square().sum()
+        dist.all_reduce(sq, group=self.ranks.group)
+        return sq

@@ -15,7 +15,8 @@ from offload.config import EngineConfig
 from offload.cpu_thread import CPUThreadError
 from offload.engine import ZenFlowEngine
 from offload.selection import column_scores, num_selected, select_columns
-from offload.selective_adamw import AdamWHyper, SelectiveAdamW
+from offload.zenflow.adamw import AdamWHyper
+from offload.zenflow.selective_adamw import SelectiveAdamW
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -153,7 +154,7 @@ def test_selective_adamw_reselect_keeps_overlap_and_zeroes_new_columns():
     assert torch.count_nonzero(grp.exp_avg[j][:, 1]) == 0  # column 5 starts from zero
     assert grp.steps[j].tolist() == [3, 0]
     # mixed step counts: each column updates bitwise like torch's single-tensor AdamW at its own step
-    from offload.selective_adamw import adamw_
+    from offload.zenflow.adamw import adamw_
 
     w.grad = torch.randn(4, 6)
     expect = w.detach().index_select(1, torch.tensor([3, 5])).clone()
@@ -392,7 +393,7 @@ def test_flush_leaves_cpu_master_equal_to_device_outside_selection(dtype):
         eng.flush()
         mode = eng._mode
         sel = eng.selection()
-        assert mode.pending is None and not mode.stash
+        assert mode.pending is None and not mode.handover.stash
         for s in mode.splits:
             cols = torch.tensor([c for c in range(s.param.shape[1]) if c not in set(sel[s.name].tolist())])
             master = s.store.shaped(s.store.master, s.index)
@@ -542,7 +543,7 @@ def test_no_thread_leak_with_context_manager_and_del():
     eng = ZenFlowEngine(model, _zen_cfg())
     _train_step(model, eng, 0)
     assert threading.active_count() == before + 1
-    worker = eng._mode.worker
+    worker = eng._mode.cpu_thread
     del eng
     gc.collect()
     worker._thread.join(5)

@@ -113,7 +113,9 @@ def test_streaming_gradients_through_the_ring_gives_the_same_weights() -> None:
         with ZenFlowEngine(model, _cfg("zenflow", "host")) as eng:
             mode = eng._mode
             if variant == "ring":
-                mode.rings = [[mode.ops.host.empty(7, st.dtype) for _ in range(2)] for st in mode.stores]
+                mode.accumulation.rings = [
+                    [mode.ops.host.empty(7, st.dtype) for _ in range(2)] for st in mode.stores
+                ]
             for i in range(7):
                 _step(model, eng, i, set_to_none=variant != "zero-in-place")
             eng.flush()

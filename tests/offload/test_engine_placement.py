@@ -145,7 +145,7 @@ def test_the_engine_pins_worker_and_training_apart_and_restores() -> None:
     with ZenFlowEngine(torch.nn.Linear(8, 8), EngineConfig(mode="zenflow")) as eng:
         p = eng.placement
         assert p.placed and p.applied, p.note
-        worker = eng._mode.worker
+        worker = eng._mode.cpu_thread
         assert os.sched_getaffinity(worker.native_id) == set(p.optimizer)
         assert os.sched_getaffinity(0) == set(p.training) and not set(p.training) & set(p.optimizer)
         assert eng.cpu_split == (len(p.training), len(p.optimizer))
@@ -157,7 +157,7 @@ def test_the_engine_pins_worker_and_training_apart_and_restores() -> None:
     assert os.sched_getaffinity(0) == before
     with ZenFlowEngine(torch.nn.Linear(8, 8), EngineConfig(mode="zenflow", bind_worker_cores=False)) as eng:
         assert not eng.placement.placed and "off" in eng.placement.note
-        assert os.sched_getaffinity(eng._mode.worker.native_id) == before
+        assert os.sched_getaffinity(eng._mode.cpu_thread.native_id) == before
         assert os.sched_getaffinity(0) == before
     with ZenFlowEngine(torch.nn.Linear(8, 8), EngineConfig(mode="device")) as eng:
         assert not eng.placement.placed and os.sched_getaffinity(0) == before

@@ -10,7 +10,8 @@ import torch
 from bench.engine_ops import OpCounter
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
-from offload.selective_adamw import AdamWHyper, SelectiveAdamW, adamw_, adamw_columns_
+from offload.zenflow.adamw import AdamWHyper, adamw_, adamw_columns_
+from offload.zenflow.selective_adamw import SelectiveAdamW
 
 H = AdamWHyper(1e-2, 0.9, 0.999, 1e-8, 0.1)
 

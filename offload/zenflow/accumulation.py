@@ -1,0 +1,273 @@
+"""zenflow's window accumulation of the split weights' gradients (the part the CPU steps on).
+
+Host accumulation (default): every step the CPU thread adds the split weights' whole gradients into
+the window's host accumulator (``bufs[acc_i]`` of each store, in the parameters' dtype: summed in
+fp32, rounded once per step; each gradient times ``1/update_interval``, so the accumulator holds the
+window *mean*; for "auto" the boundary divides the sum by the window length). On CUDA the gradients
+stream off the device through a two-slot page-locked ring of ``cpu_chunk_elements`` (D2H stream,
+after an event recorded once the step's gradients are final); on a CPU device they are read in place.
+Up to two steps' gradients are in flight (:meth:`Accumulation.stage` waits for the step before last);
+they stay referenced until read, and :meth:`Accumulation.wait_reads` waits for those reads before the
+caller zeroes gradients in place.
+
+Device accumulation (``accumulate_on="device"``): the gradients are added into an fp32 accumulator on
+the device, copied, rounded to the parameters' dtype, into ``bufs[0]`` once, at the boundary
+(:meth:`Accumulation.to_host`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from offload.config import EngineConfig
+from offload.cpu_thread import CPUThread, gil_released
+from offload.device import DeviceOps, Transfer
+from offload.guard import Gate, zero_if_bad_
+from offload.host import HostStore
+from offload.timing import StepStats
+from offload.zenflow.layout import HostLayout
+
+
+@dataclass(slots=True)
+class Staged:
+    """This step's gradients, for the CPU thread to add into the window's accumulator (host
+    accumulation): per store its params' gradients (None: no gradient), final once ``ready`` has passed
+    (CUDA)."""
+
+    slot: int
+    grads: list[tuple[int, list[torch.Tensor | None]]]  # (store index, gradients)
+    ready: torch.cuda.Event | None
+    #: process group: the gradients are already this rank's shard pieces (offload.zenflow.reduction)
+    pieces: bool = False
+
+
+class Accumulation:
+    """The window accumulators' filling (see the module docstring)."""
+
+    def __init__(
+        self,
+        layout: HostLayout,
+        ops: DeviceOps,
+        thread: CPUThread | None,
+        cfg: EngineConfig,
+        *,
+        threads: int,
+        on_device: bool,
+    ) -> None:
+        self.layout, self.ops, self.thread, self.threads = layout, ops, thread, threads
+        self.on_device = on_device
+        ui = cfg.update_interval
+        self.alpha = 1.0 / ui if isinstance(ui, int) else 1.0
+        #: per store, host accumulation on CUDA: the two page-locked slots gradients stream through
+        self.rings: list[list[torch.Tensor] | None] = []
+        for store in layout.stores:
+            ring = None
+            if not on_device and ops.is_cuda:
+                size = max(1, min(store.numel, cfg.cpu_chunk_elements))
+                ring = [ops.host.empty(size, store.dtype) for _ in range(2)]
+            self.rings.append(ring)
+        self.slot = 0
+        self.slot_futs: list[Future[Any] | None] = [None, None]
+        self.dacc_free: torch.cuda.Event | None = None  # the last device-accumulator copy has been read
+
+    def reset(self) -> None:
+        """Nothing in flight (a loaded state)."""
+        self.slot, self.slot_futs, self.dacc_free = 0, [None, None], None
+
+    # --- host accumulation ------------------------------------------------------------------------
+    def stage(self, stats: StepStats, shards: list[torch.Tensor] | None) -> Staged:
+        """Take this step's split gradients for the CPU thread (read after ``ready``; ``shards``: this
+        rank's reduced shard per store, else ``.grad``); at most two steps' gradients are in flight,
+        so this first waits for the accumulation of the step before last."""
+        assert self.thread is not None
+        slot = self.slot
+        prev = self.slot_futs[slot]
+        if prev is not None:
+            with stats.blocked():
+                self.thread.wait(prev)
+            self.slot_futs[slot] = None
+        grads: list[tuple[int, list[torch.Tensor | None]]] = []
+        stores = self.layout.stores
+        if shards is not None:  # this rank's shard of the mean: the part the host needs
+            for si, (store, shard) in enumerate(zip(stores, shards, strict=True)):
+                grads.append(
+                    (si, [shard.narrow(0, o, n) for o, n in zip(store.offsets, store.numels, strict=True)])
+                )
+                stats.bytes_d2h += shard.numel() * shard.element_size()
+            self.slot ^= 1
+            return Staged(slot, grads, self.ops.record(), pieces=True)
+        for si, store in enumerate(stores):
+            gs: list[torch.Tensor | None] = [None] * len(store.numels)
+            for s in self.layout.splits:
+                if s.store is store and s.param.grad is not None:
+                    g = s.param.grad
+                    gs[s.index] = g
+                    stats.bytes_d2h += g.numel() * g.element_size()
+            grads.append((si, gs))
+        self.slot ^= 1
+        return Staged(slot, grads, self.ops.record())
+
+    def queue(self, staged: Staged, ok: bool, *, first: bool, acc_i: int) -> None:
+        """Have the CPU thread add the staged gradient into accumulator ``acc_i`` (overwriting it if
+        ``first`` of the window); not if the step is skipped (``ok`` false)."""
+        assert self.thread is not None
+        if not ok:
+            return
+        grads, ready, pieces, alpha = staged.grads, staged.ready, staged.pieces, self.alpha
+
+        def accumulate() -> None:
+            try:
+                for si, gs in grads:
+                    store, ring = self.layout.stores[si], self.rings[si]
+                    if ring is None:
+                        self._in_place(store, gs, acc_i, alpha, first, pieces)
+                    else:
+                        self._through(store, gs, ring, ready, acc_i, alpha, first, pieces)
+            finally:
+                grads.clear()  # release the gradients now, not when the thread's next task replaces this one
+
+        self.slot_futs[staged.slot] = self.thread.submit(accumulate, urgent=True)
+
+    def _in_place(
+        self,
+        store: HostStore,
+        grads: list[torch.Tensor | None],
+        acc_i: int,
+        alpha: float,
+        first: bool,
+        pieces: bool = False,
+    ) -> None:
+        """The device is the CPU: add each gradient into the accumulator where it lies (``pieces``: the
+        gradients are already this shard's pieces)."""
+        acc = store.bufs[acc_i]
+        for i, g in enumerate(grads):
+            dst = store.flat(acc, i)
+            if dst.numel() == 0:  # not in this rank's shard
+                continue
+            if g is not None:
+                src = g if pieces else store.piece(g, i)
+                store.accumulate(dst, src, alpha=alpha, first=first, num_threads=self.threads)
+            elif first:
+                dst.zero_()
+
+    def _through(
+        self,
+        store: HostStore,
+        grads: list[torch.Tensor | None],
+        ring: list[torch.Tensor],
+        ready: torch.cuda.Event | None,
+        acc_i: int,
+        alpha: float,
+        first: bool,
+        as_pieces: bool = False,
+    ) -> None:
+        """CUDA: stream the gradients off the device in slot-sized chunks of the store's flat layout,
+        copying chunk ``c + 1`` into one slot while chunk ``c`` is added from the other."""
+        acc, size = store.bufs[acc_i], ring[0].numel()
+        chunks = [(lo, min(store.numel, lo + size)) for lo in range(0, store.numel, size)]
+
+        def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
+            """(param, start, end) in the param's flat index of the chunk's parts."""
+            out = []
+            for i, (off, n) in enumerate(zip(store.offsets, store.numels, strict=True)):
+                a, b = max(lo, off), min(hi, off + n)
+                if a < b:
+                    out.append((i, a - off, b - off))
+            return out
+
+        def issue(c: int) -> Transfer:
+            lo, hi = chunks[c]
+            slot = ring[c % 2]
+            pairs = []
+            for i, a, b in pieces(lo, hi):
+                g = grads[i]
+                if g is not None:
+                    base = store.offsets[i] + a - lo
+                    pairs.append((slot[base : base + b - a], (g if as_pieces else store.piece(g, i))[a:b]))
+            return self.ops.d2h(pairs, ready=ready)
+
+        pending = issue(0)
+        for c, (lo, hi) in enumerate(chunks):
+            nxt = issue(c + 1) if c + 1 < len(chunks) else None
+            with gil_released():
+                pending.wait()
+            slot = ring[c % 2]
+            for i, a, b in pieces(lo, hi):
+                if grads[i] is None:  # nothing was copied there
+                    base = store.offsets[i] + a - lo
+                    slot[base : base + b - a].zero_()
+            store.accumulate(acc[lo:hi], slot[: hi - lo], alpha=alpha, first=first, num_threads=self.threads)
+            for i, _, _ in pieces(lo, hi):  # a gradient wholly copied: let the device reuse its memory now,
+                if store.offsets[i] + store.numels[i] <= hi:  # not at the end of the task (the next
+                    grads[i] = None  # backward allocates its own while this one may still be held)
+            if nxt is not None:
+                pending = nxt
+
+    def wait_reads(self) -> None:
+        """The gradients are about to be zeroed in place: let the CPU thread finish reading them."""
+        if self.thread is None:
+            return
+        for i, fut in enumerate(self.slot_futs):
+            if fut is not None:
+                self.thread.wait(fut)
+                self.slot_futs[i] = None
+
+    # --- device accumulation ----------------------------------------------------------------------
+    def add_on_device(self, gate: Gate, *, first: bool) -> None:
+        """Add this step's gradients into the fp32 device accumulators (``first``: overwrite them; a
+        skipped step adds exact zeros)."""
+        alpha = self.alpha
+        if first:
+            self.ops.compute_wait(self.dacc_free)  # the previous window's copy has left the accumulator
+        accs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for s in self.layout.splits:
+            assert s.dacc is not None
+            g = s.param.grad
+            if g is not None:
+                accs.append(s.dacc)
+                grads.append(g)
+            elif first:
+                s.dacc.zero_()
+        if not accs:
+            return
+        zero_if_bad_(grads, gate)  # a skipped step adds exact zeros
+        if first:
+            torch._foreach_copy_(
+                accs, grads
+            )  # then scale in fp32 (a multiply would round in the grad's dtype)
+            if alpha != 1.0:
+                torch._foreach_mul_(accs, alpha)
+        else:
+            torch._foreach_add_(accs, grads, alpha=alpha)
+
+    def to_host(self, acc_i: int, stats: StepStats) -> list[Transfer]:
+        """The window's device-accumulated gradient into host accumulator ``acc_i`` (asynchronous, one
+        copy per store, rounded to the parameters' dtype on the way in transient device memory)."""
+        copies = []
+        for store in self.layout.stores:
+            pairs = [
+                (store.flat(store.bufs[acc_i], s.index), store.piece(s.dacc, s.index))
+                for s in self.layout.members(store)
+                if s.dacc is not None
+            ]
+            t_acc = self.ops.d2h(pairs)
+            stats.bytes_d2h += t_acc.nbytes
+            copies.append(t_acc)
+            self.dacc_free = t_acc.event
+        return copies
+
+    # --- persistence ------------------------------------------------------------------------------
+    def device_state(self) -> dict[str, torch.Tensor]:
+        """The device accumulators (an open window's)."""
+        return {s.name: s.dacc.to("cpu", copy=True) for s in self.layout.splits if s.dacc is not None}
+
+    def load_device_state(self, sd: dict[str, torch.Tensor]) -> None:
+        for name, t in sd.items():
+            dacc = self.layout.by_name[name].dacc
+            assert dacc is not None
+            dacc.copy_(t)
