@@ -14,3 +14,6 @@ test: bootstrap
 
 lint: bootstrap
 	@bash scripts/lint.sh
+
+test-fast: bootstrap
+	@bash scripts/test-fast.sh

@@ -6,6 +6,17 @@ name is created for the session and dropped after, so parallel runs never collid
 ``redis://127.0.0.1:6379/0``; tests isolate themselves with unique queue names. Override with
 ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. A missing service skips locally and fails in CI
 (tests/support.py).
+
+Two tiers. ``make test`` (what CI runs) runs everything. ``make test-fast`` (scripts/test-fast.sh, the
+inner loop: 1-2 minutes on 2 cores) runs ``-m "not services and not slow"``: the unit tests of every
+package, with no service reached or started. A test is ``services`` when it needs PostgreSQL or Redis,
+or starts a server or a process of the service (a Celery worker, uvicorn, Prometheus, nginx, a browser,
+a job runner or worker process). :func:`pytest_collection_modifyitems` marks every test that requests
+one of :data:`SERVICE_FIXTURES` (directly or through another fixture), so a new test on those fixtures
+cannot slip into the fast tier; a test that reaches a service another way carries
+``pytest.mark.services`` itself (its module's ``pytestmark``). test-fast runs with the service URLs
+pointing at a closed port and ``ZENFLOW_TEST_NO_SERVICES=1``, under which tests/support.py's service
+helpers fail the test ("mark it services") instead of connecting.
 """
 
 from __future__ import annotations
@@ -17,6 +28,39 @@ from pathlib import Path
 import pytest
 
 from tests.support import database_with_schema, require_redis
+
+#: Fixtures that reach PostgreSQL or Redis or start service processes: a test requesting any of them
+#: (through other fixtures too: pytest's closure) is marked ``services`` and left out of test-fast.
+SERVICE_FIXTURES = frozenset(
+    {
+        # here
+        "pg_db_url",
+        "redis_broker_url",
+        "service_env",
+        "unique_queue",
+        # tests/api/conftest.py: the API on the session database and Redis
+        "pg_url",
+        "redis_url",
+        "queue_name",
+        "app",
+        "client",
+        "team",
+        "other_team",
+        # fixtures of test modules that start the service's processes or a browser
+        "celery_worker",  # tests/api/test_full_flow.py
+        "live_server",  # tests/console/test_console.py
+        "browser",
+        "workers",  # tests/worker/test_worker.py
+        "service",  # tests/faults/test_bad_input.py
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``services`` every test that requests a :data:`SERVICE_FIXTURES` fixture."""
+    for item in items:
+        if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.services)
 
 
 @pytest.fixture(scope="session")

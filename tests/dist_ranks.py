@@ -1,29 +1,58 @@
 """Run a function on N gloo ranks on the CPU (tests): spawned processes, an ``env://`` rendezvous on a free
-port, a deadline so a hung collective fails the test instead of blocking the suite."""
+port, a deadline so a hung collective fails the test instead of blocking the suite.
+
+Every rank computes under :func:`pinned_numerics`; a test that compares a rank's result bit for bit with
+one computed in the test process computes that one under it too. What decides the bits of a CPU result
+besides the inputs: the intra-op thread count (a matmul or a reduction splits its sums by thread, so
+another count can round differently: issue 21, where the ranks had 1 thread and the test process the
+default), the fp32 matmul precision and whether oneDNN is used (they choose the kernel), and the ISA the
+kernels dispatch to (the same machine, and ``ATEN_CPU_CAPABILITY`` / ``DNNL_MAX_CPU_ISA`` / ``MKL_*``
+inherited by the spawned ranks from the test process's environment)."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.multiprocessing as mp
 
 from trainer.run.launch import free_port
 
+#: Intra-op threads of each rank (and of a reference computed under :func:`pinned_numerics`).
+RANK_THREADS = 1
+
+
+@contextmanager
+def pinned_numerics(threads: int = RANK_THREADS) -> Iterator[None]:
+    """The process-wide torch settings that choose CPU kernels and their summation order, as every rank
+    has them: ``threads`` intra-op threads, fp32 matmuls at full precision, oneDNN on. Restored after."""
+    import torch
+
+    saved = torch.get_num_threads(), torch.get_float32_matmul_precision(), torch.backends.mkldnn.enabled
+    torch.set_num_threads(threads)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.mkldnn.enabled = True
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.set_float32_matmul_precision(saved[1])
+        torch.backends.mkldnn.enabled = saved[2]
+
 
 def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...]) -> None:
-    import torch
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    with pinned_numerics():
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> None:

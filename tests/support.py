@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def unavailable(reason: str) -> NoReturn:
@@ -18,6 +23,17 @@ def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"required for CI: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def _no_services() -> None:
+    """Under ``make test-fast`` (ZENFLOW_TEST_NO_SERVICES=1) a test that reaches PostgreSQL or Redis is
+    missing its ``services`` marker (tests/conftest.py): fail it, never connect."""
+    if os.environ.get("ZENFLOW_TEST_NO_SERVICES", "").lower() in ("1", "true", "yes"):
+        pytest.fail(
+            "this test reaches PostgreSQL or Redis: mark it `services` (pytestmark), or request a "
+            "fixture of tests/conftest.py's SERVICE_FIXTURES, so that make test-fast leaves it out",
+            pytrace=False,
+        )
 
 
 #: The local services (override with ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL).
@@ -30,6 +46,8 @@ REDIS_URL = os.environ.get("ZENFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 def pg_admin(sql: str, **params: object) -> list[object]:
     """Run one statement on the server's admin database (autocommit); its rows, if any."""
     from sqlalchemy import create_engine, text
+
+    _no_services()
 
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
@@ -89,6 +107,8 @@ def require_redis(url: str = REDIS_URL) -> str:
     """``url`` after checking that the Redis there answers."""
     import redis
 
+    _no_services()
+
     try:
         redis.Redis.from_url(url, socket_connect_timeout=2).ping()
     except Exception as exc:
@@ -106,3 +126,27 @@ def stop_process_group(proc: subprocess.Popen[bytes], *, grace: float = 60.0) ->
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def startup_seconds() -> float:
+    """Wall seconds, measured now, to start a Python process that imports the job runner: what a worker
+    does for every job it claims, and a gauge of how slow this machine is at the moment (about 0.6 s on
+    a quiet 2-core box, 3.5 s with 16 CPU hogs on it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
+    t = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-c", "import worker.job.runner"], cwd=ROOT, env=env, check=True, timeout=300
+    )
+    return time.monotonic() - t
+
+
+def heartbeat_timeout(interval: float) -> float:
+    """A ``heartbeat_timeout_seconds`` that a live job's heartbeat, beaten every ``interval`` seconds,
+    cannot outrun on this machine as loaded now, for tests that wait for a dead worker's job to be reaped.
+
+    The longest a live job goes without a beat is an interval plus how late one beat is: a database
+    round trip and a wake-up, and at each start the claim to the first beat (the worker beats while it
+    waits on the runner, worker/task.py; the runner's own first beat comes only after its start-up,
+    :func:`startup_seconds`). Four intervals and four start-ups cover both with room for the load to
+    rise meanwhile; never under the 4 s the tests used on a quiet machine."""
+    return max(4.0, 4 * interval + 4 * startup_seconds())

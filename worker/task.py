@@ -21,6 +21,11 @@
    a database outage is re-queued, never failed for it, and one stopped by a full disk is re-queued
    after a backoff without counting an attempt (:mod:`worker.requeue`).
 
+While it waits, the worker beats the job's heartbeat (every ``heartbeat_interval_seconds``, only while
+the job is still running here), as the runner's monitor does: the claim's heartbeat would otherwise
+have to last through the runner's start-up (interpreter, imports, loading the job), which no interval
+bounds and which a loaded machine stretches past a short ``heartbeat_timeout_seconds``.
+
 A worker that is killed outright leaves its job running with a heartbeat that goes stale;
 :mod:`worker.reaper` re-queues it, and a restarted worker re-queues its own node's jobs at
 once. On a warm shutdown (:mod:`worker.hooks`) the running job is preempted (SIGTERM:
@@ -44,7 +49,7 @@ from sqlalchemy import select, update
 
 from store import jobs
 from store.db import session_scope
-from store.orm import FineTuningJob, JobRun, JobStatus
+from store.orm import FineTuningJob, JobRun, JobStatus, utcnow
 from store.settings import Settings, get_settings
 from trainer.run.launch import RankGroup, group_envs
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
@@ -251,6 +256,21 @@ def preempt_current(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
+def _beat(job_id: str, hostname: str, settings: Settings) -> None:
+    """Refresh the heartbeat of the job this worker runs (as :meth:`worker.job.monitor.JobMonitor.beat`:
+    never a job re-queued or taken over meanwhile)."""
+    with session_scope(settings.resolved_database_url) as s:
+        s.execute(
+            update(FineTuningJob)
+            .where(
+                FineTuningJob.id == job_id,
+                FineTuningJob.worker_hostname == hostname,
+                FineTuningJob.status == JobStatus.running.value,
+            )
+            .values(heartbeat_at=utcnow())
+        )
+
+
 def _cancel_requested(job_id: str, settings: Settings) -> bool:
     with session_scope(settings.resolved_database_url) as s:
         return bool(
@@ -276,9 +296,15 @@ def run_child(
         _preempted.clear()
     cancel_seen: float | None = None
     terminated: float | None = None
-    last_check = 0.0
+    last_check = last_beat = 0.0
     try:
         while True:
+            if time.monotonic() - last_beat >= settings.heartbeat_interval_seconds:
+                last_beat = time.monotonic()
+                try:
+                    _beat(job_id, hostname, settings)
+                except Exception as e:  # the database is away: the runner's monitor copes with that
+                    log.debug("job %s: heartbeat failed: %s", job_id, public_message(e))
             try:
                 rc = group.wait(timeout=_POLL_SECONDS)
             except subprocess.TimeoutExpired:

@@ -343,6 +343,7 @@ def _migration_round_trip(url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.services
 def test_migration_0007_postgresql() -> None:
     url = create_database("zf_api_mig7")
     try:

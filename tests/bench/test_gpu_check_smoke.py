@@ -24,6 +24,7 @@ VARIANTS = ["zenflow-dacc", "zenflow", "device", "offload"]
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) -> None:
     env = {
         **os.environ,

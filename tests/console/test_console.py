@@ -194,6 +194,7 @@ def _page_problems(page: Page) -> list[str]:
     return problems
 
 
+@pytest.mark.services  # the service on PostgreSQL and Redis, driven by a browser
 def test_console_upload_create_follow_download_chat(
     browser: Browser, live_server: LiveServer, tmp_path: Path
 ) -> None:

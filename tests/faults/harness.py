@@ -2,8 +2,10 @@
 database on the local server, a private redis-server on a free port, the API under uvicorn, Celery
 workers, a Prometheus server. Every process is started here, owned by the test, and stopped by it.
 
-Timings are shortened through the service settings (heartbeat every 0.5 s, a worker lost after 4 s)
-so a fault plays out in seconds; jobs are tiny (``tiny-llama`` on the CPU).
+Timings are shortened through the service settings so a fault plays out in seconds: a heartbeat every
+0.5 s, and a worker lost after a timeout derived, per stack, from how slow the machine is at that moment
+(:func:`tests.support.heartbeat_timeout`: 4 s on a quiet box, more on a loaded one, where a fixed 4 s
+got live jobs re-queued as stale); jobs are tiny (``tiny-llama`` on the CPU).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import httpx
 
 from api.server import uvicorn_command
 from tests import support
-from tests.support import drop_database, unavailable
+from tests.support import drop_database, heartbeat_timeout, unavailable
 from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,6 +194,13 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)
     api_url: str | None = None
+    heartbeat_interval: float = 0.5
+    #: Measured when the stack is made (a subprocess start): see tests.support.heartbeat_timeout.
+    heartbeat_timeout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_timeout:
+            self.heartbeat_timeout = heartbeat_timeout(self.heartbeat_interval)
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ZENFLOW_", "PROMETHEUS_MULTIPROC"))}
@@ -201,8 +210,8 @@ class Stack:
             ZENFLOW_DATABASE_URL=self.database_url,
             ZENFLOW_BROKER_URL=self.broker_url,
             ZENFLOW_DEFAULT_QUEUE=self.queue,
-            ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="0.5",
-            ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS="4",
+            ZENFLOW_HEARTBEAT_INTERVAL_SECONDS=str(self.heartbeat_interval),
+            ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS=f"{self.heartbeat_timeout:.1f}",
             ZENFLOW_API_MIGRATE_ON_START="false",
             CUDA_VISIBLE_DEVICES="",
             OMP_NUM_THREADS="1",

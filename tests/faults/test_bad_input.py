@@ -25,7 +25,7 @@ from store.settings import Settings
 from tests.faults.harness import create_database, training_jsonl
 from tests.support import drop_database
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.services, pytest.mark.timeout(600)]
 
 MAX_EXAMPLES = 25
 

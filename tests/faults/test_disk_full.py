@@ -26,7 +26,7 @@ import pytest
 from tests.faults.harness import Client, job_params, stack, wait_until
 from tests.support import unavailable
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.services, pytest.mark.slow, pytest.mark.timeout(600)]
 
 SIZE_MB = 48
 

@@ -20,7 +20,7 @@ from store.settings import Settings
 from tests.faults.harness import create_database, wait_until
 from tests.support import drop_database, pg_admin
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.services, pytest.mark.timeout(300)]
 
 
 def _terminate(app_name: str) -> int:

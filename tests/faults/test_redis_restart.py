@@ -15,7 +15,7 @@ import pytest
 
 from tests.faults.harness import Client, RedisServer, job_params, stack, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.services, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_redis_restart_mid_job_loses_nothing(tmp_path: Path) -> None:

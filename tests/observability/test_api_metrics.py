@@ -161,6 +161,7 @@ def test_database_down_scrape_still_answers() -> None:
     assert reg.get_sample_value("zenflow_jobs", {"status": "queued"}) is None
 
 
+@pytest.mark.services  # the local Redis
 def test_broker_queue_length_from_redis(db) -> None:
     redis = pytest.importorskip("redis")
     url = "redis://127.0.0.1:6379/15"

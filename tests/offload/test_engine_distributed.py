@@ -11,7 +11,7 @@ import torch
 
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
-from tests.dist_ranks import run_ranks
+from tests.dist_ranks import pinned_numerics, run_ranks
 
 STEPS = 20
 BATCH = 8  # global batch; each of 2 ranks takes half
@@ -141,10 +141,13 @@ def test_sharded_state_is_exactly_the_single_process_one(
     tmp_path: Path, mode: str, cfg_kw: dict[str, Any], dtype: torch.dtype
 ) -> None:
     """Both ranks see the whole batch, so the averaged gradient is exactly the local one: sharding the
-    CPU state (reselection reads and writes of the master included) must change no bit."""
+    CPU state (reselection reads and writes of the master included) must change no bit. The reference
+    runs with the ranks' thread count and kernels (pinned_numerics): with the test process's own
+    (more threads) its fp32 matmuls can round differently, and that is no sharding bug (issue 21)."""
     kw = {**cfg_kw, "max_grad_norm": None}
     run_ranks(_rank_run, 2, str(tmp_path), mode, dtype, True, kw)
-    single, _ = _single(mode, dtype, kw)
+    with pinned_numerics():
+        single, _ = _single(mode, dtype, kw)
     got = torch.load(tmp_path / "rank0.pt")["weights"]
     for k in single:
         assert torch.equal(got[k], single[k]), k

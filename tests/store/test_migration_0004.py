@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sqlalchemy import inspect, text
 
 from api import migrate
@@ -53,6 +54,7 @@ def _check(url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.services
 def test_postgresql() -> None:
     url = create_database("zf_api_mig4")
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
 from api import migrate
@@ -131,6 +132,7 @@ def _check(url: str, outputs: Path) -> None:
         engine.dispose()
 
 
+@pytest.mark.services
 def test_postgresql(tmp_path: Path) -> None:
     url = create_database("zf_api_mig5")
     try:

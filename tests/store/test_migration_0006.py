@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sqlalchemy import inspect, text
 
 from api import migrate
@@ -47,6 +48,7 @@ def _check(url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.services
 def test_postgresql() -> None:
     url = create_database("zf_api_mig6")
     try:

@@ -36,6 +36,7 @@ def _roundtrip(url: str) -> None:
     migrate.check(url)
 
 
+@pytest.mark.services
 def test_postgresql_upgrade_check_downgrade() -> None:
     url = create_database("zf_api_mig")
     try:
@@ -129,6 +130,7 @@ def _dispatched_at_roundtrip(url: str) -> None:
         engine.dispose()
 
 
+@pytest.mark.services
 def test_dispatched_at_migration_postgresql() -> None:
     url = create_database("zf_api_mig2")
     try:

@@ -33,6 +33,7 @@ def _spec(tmp_path: Path, **hp: object) -> Path:
     return p
 
 
+@pytest.mark.services  # a job process
 def test_python_m_trainer_train(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
     proc = subprocess.run(

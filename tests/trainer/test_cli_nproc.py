@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainer.samples import TRAIN_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +50,7 @@ def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.services  # job processes
 def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = _train(str(_spec(tmp_path)), "--output-dir", str(out), "--nproc", "2", cwd=tmp_path)
@@ -62,6 +65,7 @@ def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.services  # job processes
 def test_spec_resources_gpus_is_the_default_nproc(tmp_path: Path) -> None:
     """``resources.gpus: 2`` without --nproc launches two ranks; ``--nproc 1`` overrides it."""
     spec = _spec(tmp_path, gpus=2)

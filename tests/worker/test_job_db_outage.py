@@ -33,7 +33,7 @@ from tests.support import database_with_schema, pg_admin
 from tests.worker.test_worker import Workers, make_job, runner_pids, sums_file
 from tests.worker.test_worker import get_job as job_row
 
-pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.services, pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(300)]
 
 HOSTNAME = "runner@outage-test"
 STEP_EVENT = re.compile(r"^Step (\d+)/\d+: training loss=")

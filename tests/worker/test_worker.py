@@ -34,6 +34,7 @@ from store.orm import (
     utcnow,
 )
 from store.settings import Settings
+from tests.support import heartbeat_timeout
 from tests.worker.claims import claim_job
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -252,6 +253,49 @@ def test_reaper(settings: Settings, tmp_path: Path) -> None:
         enqueue=lambda j, q: None,
     )
     assert reap_stale_jobs(settings=settings, enqueue=lambda j, q: None) == []
+
+
+def test_worker_beats_while_its_runner_starts(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the runner's monitor beats (after its interpreter start, imports and loading the job: seconds
+    on a loaded machine), the worker waiting on it keeps the job's heartbeat fresh, so a reaper with a
+    short timeout never takes a job that is starting for dead (issue 21: re-queued as stale, twice)."""
+    import worker.task as w
+    from store import jobs
+    from trainer.run.launch import RankGroup
+
+    url = settings.resolved_database_url
+    interval = 0.2
+    timeout = heartbeat_timeout(interval)
+    fast = settings.model_copy(
+        update={"heartbeat_interval_seconds": interval, "heartbeat_timeout_seconds": timeout}
+    )
+    job_id = make_job(url, sums_file(tmp_path / "d.jsonl"))
+    assert claim_job(job_id, "w1@h", fast) == "claimed"
+    # a runner that never beats, for longer than the timeout: only the worker keeps the job alive
+    sleeper = [sys.executable, "-c", f"import time; time.sleep({timeout + 2:.1f})"]
+    monkeypatch.setattr(w, "rank_group", lambda *a, **k: RankGroup([sleeper], [dict(os.environ)]))
+    monkeypatch.setattr(w, "_POLL_SECONDS", interval)
+    stale: list[float] = []  # heartbeat ages the reaper and the claim would have taken for a dead worker
+    done = threading.Event()
+
+    def watch() -> None:  # the reaper's and the claim's rule (store.jobs.heartbeat_is_fresh), this job only
+        while not done.wait(interval):
+            hb = get_job(url, job_id).heartbeat_at
+            if not jobs.heartbeat_is_fresh(hb, timeout):
+                stale.append((utcnow() - hb).total_seconds() if hb else float("inf"))
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        assert w.run_child(job_id, "w1@h", fast) == 0
+    finally:
+        done.set()
+        t.join(30)
+        with session_scope(url) as s:  # no running job left behind for the other tests' reapers
+            jobs.cancel(s, jobs.lock_job(s, job_id), "test over")
+    assert not stale, f"heartbeat older than the {timeout:.1f} s timeout: {stale}"
 
 
 # --- the runner, in-process -------------------------------------------------------------------
@@ -518,8 +562,10 @@ def test_killed_worker_is_reaped_and_resumed(workers: Workers, tmp_path: Path) -
         queue=workers.queue,
         hyperparameters={"batch_size": 1, "n_epochs": 2, "max_steps": 100, "checkpoint_every": 10},
     )
+    started = time.monotonic()
     workers.enqueue(job_id)
     wait_for(lambda: get_job(url, job_id).last_checkpoint_path, 240, "a checkpoint", first, workers.log)
+    first_ten = time.monotonic() - started  # a runner's start-up and 10 steps, on this machine now
     runner = wait_for(lambda: runner_pids(first.pid), 10, "the runner process")[0]
     first.kill()  # the whole worker dies; the runner follows it (PR_SET_PDEATHSIG)
     first.wait(10)
@@ -531,19 +577,25 @@ def test_killed_worker_is_reaped_and_resumed(workers: Workers, tmp_path: Path) -
         "the runner to die with its worker",
     )
     assert get_job(url, job_id).status == "running"  # nobody can tell yet
-    second = workers.start("w2", ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS="4")
+    # The second worker's reaper must take w1's job for dead, and never its own live run of it: a
+    # timeout derived from how slow this machine is now (tests.support.heartbeat_timeout), not a
+    # fixed 4 s that a loaded machine's start-up outruns (issue 21: attempts 3).
+    timeout = heartbeat_timeout(float(workers.env["ZENFLOW_HEARTBEAT_INTERVAL_SECONDS"]))
+    second = workers.start("w2", ZENFLOW_HEARTBEAT_TIMEOUT_SECONDS=f"{timeout:.1f}")
+    # the reaper's round after the timeout, then at most 90 steps more and a start-up: 10 x the first ten
     wait_for(
         lambda: get_job(url, job_id).status == "succeeded",
-        300,
+        max(300.0, 1.5 * timeout + 10 * first_ten),
         "the reaped job to succeed",
         second,
         workers.log,
     )
     job = get_job(url, job_id)
-    assert job.attempts == 2 and job.worker_hostname == "w2@test"
+    assert job.attempts == 2 and job.worker_hostname == "w2@test", (job.attempts, messages(url, job_id))
     assert any("lost (no heartbeat" in m for m in messages(url, job_id))
 
 
+@pytest.mark.services  # an in-process Celery worker that spawns the job runner
 def test_embedded_worker_on_sqlite_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``zenflow serve``'s in-process worker on the embedded defaults: SQLite database, kombu SQLAlchemy broker."""
     from store.db import get_engine
