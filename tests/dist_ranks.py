@@ -12,6 +12,7 @@ inherited by the spawned ranks from the test process's environment)."""
 from __future__ import annotations
 
 import os
+import queue
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,31 +44,53 @@ def pinned_numerics(threads: int = RANK_THREADS) -> Iterator[None]:
         torch.backends.mkldnn.enabled = saved[2]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...], results: Any
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     with pinned_numerics():
         dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
-            fn(rank, world, *args)
+            results.put((rank, fn(rank, world, *args)))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # fn may have left the group itself
+                dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> None:
-    """Call ``fn(rank, world, *args)`` on ``world`` ranks (module-level ``fn``: it is pickled by name);
-    raises when a rank fails or the deadline passes (every rank is then killed)."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Call ``fn(rank, world, *args)`` on ``world`` ranks (module-level ``fn``: it is pickled by name), each
+    in the default gloo process group; what each returned (picklable), by rank. Raises when a rank fails
+    (its traceback) or the deadline passes (every rank is then killed)."""
     from offload.cpu_adam import load_extension
 
     load_extension()  # built once here: ranks killed at the deadline mid-build would leave its lock behind
+    results = mp.get_context("spawn").Queue()
     ctx = mp.start_processes(
-        _entry, args=(fn, world, free_port(), args), nprocs=world, join=False, start_method="spawn"
+        _entry, args=(fn, world, free_port(), args, results), nprocs=world, join=False, start_method="spawn"
     )
+    got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"ranks did not finish within {timeout} s")
+
+    def drain() -> None:  # a rank exits only once the parent has read what it put
+        while True:
+            try:
+                rank, value = results.get_nowait()
+            except queue.Empty:
+                return
+            got[rank] = value
+
+    try:
+        while not ctx.join(timeout=1.0):
+            drain()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    drain()
+    missing = sorted(set(range(world)) - set(got))
+    assert not missing, f"ranks {missing} returned nothing"
+    return [got[r] for r in range(world)]

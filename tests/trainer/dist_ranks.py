@@ -1,18 +1,15 @@
-"""Run training jobs as N gloo ranks on the CPU, each rank a spawned process (torch.multiprocessing),
-for the multi-rank tests. Every rank runs the same list of jobs in order inside one process group (one
-start-up for several runs); the test process gets each rank's results back through a queue, and every
-wait has a deadline so that a hang fails the test instead of blocking it."""
+"""Training jobs on N gloo ranks on the CPU, for the multi-rank tests: every rank runs the same list of
+jobs in order inside one process group (one start-up for several runs), on the rank harness of
+tests/dist_ranks.py (spawned processes, a deadline, each rank's results returned)."""
 
 from __future__ import annotations
 
-import os
-import queue
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.dist_ranks import run_ranks
 from trainer.events import Event
-from trainer.run.launch import free_port
 from trainer.spec import JobSpec
 
 
@@ -58,82 +55,28 @@ class _Watch:
         return j.cancel_after is not None and self.rank in j.cancel_ranks and self.steps >= j.cancel_after
 
 
-def _rank_main(rank: int, world: int, port: int, jobs: list[Job], out: Any) -> None:
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
-    import torch
-
-    torch.set_num_threads(1)
-    from trainer.run.distributed import init_from_env, shutdown
+def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
+    """One rank: each job through ``run_training`` in the process group the harness joined."""
+    from trainer.run.distributed import init_from_env
     from trainer.run.loop import run_training
 
-    ctx = init_from_env(device="cpu", timeout_seconds=120)
-    try:
-        for job in jobs:
-            w = _Watch(job, rank)
-            o = RankOutcome(rank)
-            try:
-                o.result = run_training(
-                    job.spec, on_event=w, should_cancel=w.cancel, dist=ctx, progress=False
-                ).as_dict()
-            except Exception as e:
-                o.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            o.events = w.events
-            out.put(o)
-    finally:
-        shutdown(ctx)
+    ctx = init_from_env(device="cpu", timeout_seconds=120)  # the harness's group, as a DistContext
+    outcomes = []
+    for job in jobs:
+        w = _Watch(job, rank)
+        o = RankOutcome(rank)
+        try:
+            o.result = run_training(
+                job.spec, on_event=w, should_cancel=w.cancel, dist=ctx, progress=False
+            ).as_dict()
+        except Exception as e:
+            o.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        o.events = w.events
+        outcomes.append(o)
+    return outcomes
 
 
-def run_ranks(jobs: list[Job], world: int = 2, timeout: float = 300) -> list[list[RankOutcome]]:
-    """Each job's outcomes, by rank. Raises AssertionError when a rank hangs or dies."""
-    import time
-
-    import torch.multiprocessing as mp
-
-    from offload.cpu_adam import load_extension
-
-    load_extension()  # built once here: ranks killed at the deadline mid-build would leave its lock behind
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, jobs, q), daemon=True) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: list[RankOutcome] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < world * len(jobs):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"ranks timed out after {timeout} s with {len(got)} outcomes")
-            try:
-                got.append(q.get(timeout=min(left, 5)))
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise AssertionError(
-                        f"rank process died: exit codes {[p.exitcode for p in procs]}"
-                    ) from None
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-            assert p.exitcode == 0, f"rank exit code {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    by_job: list[list[RankOutcome]] = [[] for _ in jobs]
-    counts = [0] * world
-    for o in got:  # each rank reports its jobs in order
-        by_job[counts[o.rank]].append(o)
-        counts[o.rank] += 1
-    return [sorted(x, key=lambda o: o.rank) for x in by_job]
+def train_on_ranks(jobs: list[Job], world: int = 2, timeout: float = 300) -> list[list[RankOutcome]]:
+    """Each job's outcomes, by rank. Raises when a rank hangs or dies."""
+    by_rank = run_ranks(_train_jobs, world, jobs, timeout=timeout)
+    return [[by_rank[r][i] for r in range(world)] for i in range(len(jobs))]

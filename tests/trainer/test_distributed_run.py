@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.dist_ranks import Job, RankOutcome, run_ranks
+from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
 from tests.trainer.test_loop import Recorder, arithmetic_file, make_spec
 from trainer.data.batching import rank_part
 from trainer.run.checkpoint import (
@@ -99,7 +99,7 @@ def two_ranks(files: tuple[Path, Path, Path]) -> dict[str, list[RankOutcome]]:
     jobs["cut"] = Job(spec(root / "cut", data, valid, "zenflow"), cancel_after=4, cancel_ranks=(1,))
     jobs["tiny-batch"] = Job(spec(root / "tiny-batch", data, valid, "device", batch_size=1))
     jobs["ragged"] = Job(spec(root / "ragged", root / "ragged.jsonl", valid, "offload"))
-    return dict(zip(jobs, run_ranks(list(jobs.values()), timeout=400), strict=True))
+    return dict(zip(jobs, train_on_ranks(list(jobs.values()), timeout=400), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def resumed(
     ok(two_ranks["cut"])
     shutil.copytree(root / "cut", root / "cut-to-1")
     assert one_process["cut"].cancelled
-    b = run_ranks(
+    b = train_on_ranks(
         [
             Job(spec(root / "cut", data, valid, "zenflow")),
             Job(spec(root / "single-cut", data, valid, "zenflow")),
