@@ -304,16 +304,24 @@ def test_resumed_run_writes_one_step_event_per_step_and_reconciles_checkpoints(
     job_id = make_job(
         db_url,
         sums_file(tmp_path / "d.jsonl"),
-        hyperparameters={**HP, "max_steps": 300, "checkpoint_every": 10},
+        hyperparameters={**HP, "max_steps": 300, "checkpoint_every": 50},
     )
     proc, log = start_runner(db_url, job_id, tmp_path)
     try:
-        wait_for(
-            lambda: (step := job_row(db_url, job_id).global_step) >= 25 and 3 <= step % 10 <= 8,
+        # Most steps lie well between two checkpoints (41 of every 50), so however fast the steps and the
+        # row's updates go, the poll sees one long before the run could end; a runner that ends first
+        # fails here at once, with its log.
+        seen = wait_for(
+            lambda: (
+                "exited"
+                if proc.poll() is not None
+                else (step := job_row(db_url, job_id).global_step) >= 55 and 5 <= step % 50 <= 45
+            ),
             120,
             "a step between two checkpoints",
             log,
         )
+        assert seen is True, f"the runner exited (rc {proc.returncode}) first:\n{log.read_text()[-5000:]}"
         proc.send_signal(signal.SIGKILL)  # e.g. the OOM killer: the steps since the checkpoint are replayed
         proc.wait(10)
     finally:
