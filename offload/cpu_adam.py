@@ -64,8 +64,10 @@ def _cflags() -> list[str]:
 
 
 def _build_tag() -> str:
-    """Short hash of the CPU's feature flags and the ISA flags: -march=native binaries must not be
-    shared across different CPUs through a common extensions directory."""
+    """Short hash of the CPU's feature flags, the ISA flags and where the sources are: -march=native
+    binaries must not be shared across different CPUs through a common extensions directory, and two
+    checkouts (a clone beside a working copy) sharing one would rebuild it in turn at every load, each
+    build of one invalidating the other's (torch's build file names the sources by absolute path)."""
     flags = ""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -75,7 +77,7 @@ def _build_tag() -> str:
                     break
     except OSError:
         pass
-    key = f"{platform.machine()}|{flags}|{' '.join(_arch_flags())}"
+    key = f"{platform.machine()}|{flags}|{' '.join(_arch_flags())}|{_CSRC}"
     return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
