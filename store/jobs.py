@@ -120,6 +120,20 @@ def heartbeat_is_fresh(
     return hb is not None and (now or utcnow()) - hb < timedelta(seconds=timeout_seconds)
 
 
+def beat(session: Session, job_id: str, hostname: str) -> None:
+    """Refresh the heartbeat of a job ``hostname`` runs: never of one re-queued, finished or taken over
+    meanwhile. Beaten by the job's runner (its monitor) and by the worker waiting on that runner."""
+    session.execute(
+        update(FineTuningJob)
+        .where(
+            FineTuningJob.id == job_id,
+            FineTuningJob.worker_hostname == hostname,
+            FineTuningJob.status == JobStatus.running.value,
+        )
+        .values(heartbeat_at=utcnow())
+    )
+
+
 # --- transitions -------------------------------------------------------------------------------------
 
 

@@ -49,7 +49,7 @@ from sqlalchemy import select, update
 
 from store import jobs
 from store.db import session_scope
-from store.orm import FineTuningJob, JobRun, JobStatus, utcnow
+from store.orm import FineTuningJob, JobRun, JobStatus
 from store.settings import Settings, get_settings
 from trainer.run.launch import RankGroup, group_envs
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
@@ -256,19 +256,9 @@ def preempt_current(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
-def _beat(job_id: str, hostname: str, settings: Settings) -> None:
-    """Refresh the heartbeat of the job this worker runs (as :meth:`worker.job.monitor.JobMonitor.beat`:
-    never a job re-queued or taken over meanwhile)."""
+def _beat_job(job_id: str, hostname: str, settings: Settings) -> None:
     with session_scope(settings.resolved_database_url) as s:
-        s.execute(
-            update(FineTuningJob)
-            .where(
-                FineTuningJob.id == job_id,
-                FineTuningJob.worker_hostname == hostname,
-                FineTuningJob.status == JobStatus.running.value,
-            )
-            .values(heartbeat_at=utcnow())
-        )
+        jobs.beat(s, job_id, hostname)
 
 
 def _cancel_requested(job_id: str, settings: Settings) -> bool:
@@ -302,7 +292,7 @@ def run_child(
             if time.monotonic() - last_beat >= settings.heartbeat_interval_seconds:
                 last_beat = time.monotonic()
                 try:
-                    _beat(job_id, hostname, settings)
+                    _beat_job(job_id, hostname, settings)
                 except Exception as e:  # the database is away: the runner's monitor copes with that
                     log.debug("job %s: heartbeat failed: %s", job_id, public_message(e))
             try:

@@ -16,10 +16,11 @@ import threading
 import time
 from typing import NoReturn
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 
+from store import jobs
 from store.db import session_scope
-from store.orm import FineTuningJob, JobStatus, utcnow
+from store.orm import FineTuningJob, JobStatus
 from worker.errors import is_db_unavailable, public_message
 from worker.job.exits import EXIT_LOST
 
@@ -63,15 +64,7 @@ class JobMonitor(threading.Thread):
 
     def beat(self) -> None:
         with session_scope(self.url) as s:
-            s.execute(
-                update(FineTuningJob)
-                .where(
-                    FineTuningJob.id == self.job_id,
-                    FineTuningJob.worker_hostname == self.hostname,
-                    FineTuningJob.status == JobStatus.running.value,
-                )
-                .values(heartbeat_at=utcnow())
-            )
+            jobs.beat(s, self.job_id, self.hostname)
 
     def poll(self) -> None:
         with session_scope(self.url) as s:
