@@ -7,24 +7,11 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
+from tests.trainer.test_plan import LLAMA3_8B
 from trainer.plan.candidates import rank_machine
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.spec import JobSpec
-
-#: The public Llama-3-8B config (as tests/trainer/test_plan.py).
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
 
 
 def _spec(model: str | Path, gpus: int = 1, **kw: object) -> JobSpec:

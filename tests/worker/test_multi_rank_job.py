@@ -18,11 +18,12 @@ import pytest
 from sqlalchemy import select
 
 from store.db import session_scope
-from store.orm import File, FineTuningJob, JobEvent, JobRun, JobStepMetric, RegisteredModel, Team
+from store.orm import JobEvent, JobRun, JobStepMetric, RegisteredModel
 from store.orm import Worker as WorkerRow
 from store.settings import Settings
 from tests.worker.claims import claim_job
 from tests.worker.test_worker import get_job, sums_file
+from tests.worker.test_worker import make_job as make_worker_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,43 +41,11 @@ def make_job(
     engine: dict[str, Any] | None = None,
     **cols: Any,
 ) -> str:
-    with session_scope(url) as s:
-        team = Team(name=f"t-{os.urandom(6).hex()}")
-        s.add(team)
-        s.flush()
-        f = File(
-            team_id=team.id,
-            filename=data.name,
-            purpose="fine-tune",
-            bytes=data.stat().st_size,
-            sha256="0" * 64,
-            storage_path=str(data),
-            num_examples=0,
-        )
-        s.add(f)
-        s.flush()
-        hp = {
-            "n_epochs": 1,
-            "batch_size": 4,
-            "max_seq_length": 64,
-            "checkpoint_every": 5,
-            **(hyperparameters or {}),
-        }
-        job = FineTuningJob(
-            team_id=team.id,
-            model="tiny-llama",
-            training_file_id=f.id,
-            status="queued",
-            hyperparameters=hp,
-            engine=engine or {"mode": "device"},
-            seed=1,
-            queue=queue,
-            resources=None if gpus is None else {"gpus": gpus},
-            **cols,
-        )
-        s.add(job)
-        s.flush()
-        return job.id
+    """A queued job on ``gpus`` ranks (None: no ``resources`` given), as test_worker's make_job."""
+    resources = None if gpus is None else {"gpus": gpus}
+    return make_worker_job(
+        url, data, queue=queue, hyperparameters=hyperparameters, engine=engine, resources=resources, **cols
+    )
 
 
 def messages(url: str, job_id: str) -> list[str]:
