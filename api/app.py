@@ -25,6 +25,7 @@ from api.core.config import ApiSettings, get_api_settings
 from api.core.errors import install_error_handlers
 from api.core.guards import HeaderLimitMiddleware, no_nul_in_ids
 from api.core.metrics import install_metrics
+from api.docs_pages import install_docs
 from api.inference.service import InferenceService
 from api.jobs import checks
 from api.routers import chat, events, files, health, jobs, models, quotas
@@ -82,6 +83,10 @@ def create_app(
         version="0.1.0",
         description="OpenAI-compatible files and fine-tuning jobs, run on the ZenFlow offload engine.",
         lifespan=lifespan,
+        # FastAPI's pages load their scripts from a CDN; ours are vendored, under a CSP (api.docs_pages)
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     engine = make_engine(url)
     app.state.settings = settings
@@ -105,6 +110,7 @@ def create_app(
     app.include_router(quotas.router)
     app.include_router(chat.router)
     install_console(app)  # the static self-serve console at /console (api/console.py)
+    install_docs(app)  # Swagger UI at /docs, vendored (api/docs_pages.py)
     app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
     _install_metrics(app)
     app.add_middleware(

@@ -4,10 +4,12 @@ build step) that call the public API from the browser with the key the user past
 Served by Starlette's ``StaticFiles`` with a strict Content-Security-Policy on every response: scripts,
 styles and requests only from this origin, no inline script or style, no plugins, no framing. The page
 itself renders server text with ``textContent`` only, so the policy is a second line, not the first.
+The API reference pages (``/docs``, api.docs_pages) are served the same way, under their own policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -24,26 +26,37 @@ CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
     "font-src 'self'; object-src 'none'; base-uri 'self'; form-action 'self'; frame-ancestors 'none'"
 )
-SECURITY_HEADERS = {
-    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-    # Revalidate on every load (ETag / Last-Modified make that cheap): a new release is seen at once.
-    "Cache-Control": "no-cache",
-}
 
 
-class ConsoleFiles(StaticFiles):
-    """``StaticFiles`` whose every file (the index included) carries SECURITY_HEADERS; a missing file is
-    the API's usual 404 error object."""
+def security_headers(policy: str) -> dict[str, str]:
+    """What every page of ours carries: its CSP, no MIME sniffing, no referrer, no framing."""
+    return {
+        "Content-Security-Policy": policy,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        # Revalidate on every load (ETag / Last-Modified make that cheap): a new release is seen at once.
+        "Cache-Control": "no-cache",
+    }
+
+
+SECURITY_HEADERS = security_headers(CONTENT_SECURITY_POLICY)
+
+
+class SecureFiles(StaticFiles):
+    """``StaticFiles`` whose every file (the index included) carries ``headers``; a missing file is the
+    API's usual 404 error object."""
+
+    def __init__(self, *, directory: Path, headers: Mapping[str, str], html: bool = True) -> None:
+        super().__init__(directory=directory, html=html)
+        self.extra_headers = dict(headers)
 
     async def get_response(self, path: str, scope: Scope) -> Response:
         response = await super().get_response(path, scope)
-        response.headers.update(SECURITY_HEADERS)
+        response.headers.update(self.extra_headers)
         return response
 
 
 def install_console(app: FastAPI, path: str = CONSOLE_PATH) -> None:
     """Serve the console at ``path``: ``/console/`` is index.html (the router redirects ``/console`` there)."""
-    app.mount(path, ConsoleFiles(directory=CONSOLE_DIR, html=True), name="console")
+    app.mount(path, SecureFiles(directory=CONSOLE_DIR, headers=SECURITY_HEADERS), name="console")

@@ -2,7 +2,8 @@
 
 Responses parse with the official ``openai`` SDK's types; requests accept what the SDK sends.
 Extras live beside the OpenAI fields: ``engine`` (offload.config.EngineConfig settings),
-``resources`` (trainer.spec.ResourceSpec: ``gpus``), ``queue_position``, ``progress`` and ``output_dir`` on jobs, and the per-step metrics list.
+``resources`` (trainer.spec.ResourceSpec: ``gpus``), ``queue_position`` and ``progress`` on jobs, and the per-step
+metrics list. No object shows a path on the server (events: api.jobs.public_paths).
 """
 
 from __future__ import annotations
@@ -231,7 +232,6 @@ class FineTuningJobObject(BaseModel):
     queue_position: int | None = None
     cancel_requested: bool = False
     progress: Progress = Field(default_factory=Progress)
-    output_dir: str | None = None
 
 
 # One event of a job (its row: ``store.orm.JobEvent``).
@@ -266,8 +266,6 @@ class JobCheckpointObject(BaseModel):
     fine_tuning_job_id: str
     step_number: int
     metrics: CheckpointMetrics
-    #: Extra: where the checkpoint lies on the server's storage.
-    path: str | None = None
 
 
 class StepMetric(BaseModel):

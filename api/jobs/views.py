@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, aliased
 
 from api.core.errors import not_found
 from api.core.pagination import after_clause
+from api.jobs.public_paths import PublicPaths
 from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject, StepMetric, unix
 from store.fairshare import fair_order
 from store.jobs import PENDING, lock_job
@@ -207,7 +208,6 @@ def job_dict(job: Any, position: int | None) -> dict[str, Any]:
             "total_steps": job.total_steps,
             "attempts": job.attempts or 0,
         },
-        "output_dir": job.output_dir,
     }
 
 
@@ -221,15 +221,17 @@ def job_out(session: Session, job: FineTuningJob) -> FineTuningJobObject:
     return job_object(job, queue_position(session, job))
 
 
-def event_object(ev: JobEvent) -> JobEventObject:
+def event_object(ev: JobEvent, paths: PublicPaths) -> JobEventObject:
+    """The API object of an event row; server paths in its message and data become public names
+    (api.jobs.public_paths)."""
     level = {"warning": "warn", "critical": "error", "debug": "info"}.get(ev.level, ev.level)
     return JobEventObject(
         id=ev.id,
         created_at=unix(ev.created_at) or 0,
         level=level if level in ("info", "warn", "error") else "info",  # type: ignore[arg-type]
-        message=ev.message,
+        message=paths.text(ev.message),
         type=ev.type if ev.type in ("message", "metrics") else "message",  # type: ignore[arg-type]
-        data=ev.data,
+        data=paths.data(ev.data),
     )
 
 
@@ -243,7 +245,6 @@ def checkpoint_object(ck: JobCheckpoint) -> JobCheckpointObject:
         fine_tuning_job_id=ck.job_id,
         step_number=ck.step_number,
         metrics=metrics,  # type: ignore[arg-type]
-        path=ck.path,
     )
 
 

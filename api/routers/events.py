@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from api.core.deps import TeamDep, run_db
 from api.core.errors import APIError, error_responses
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
+from api.jobs.public_paths import PublicPaths
 from api.jobs.views import event_object, get_team_job
 from api.schemas import JobEventObject, ListObject
 from store.orm import FineTuningJob, JobEvent, JobStatus
@@ -66,7 +67,8 @@ async def list_events(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await run_db(request, _list_events, team.team_id, fine_tuning_job_id, after, limit)
+    paths = PublicPaths.of(request.app.state.settings)
+    return await run_db(request, _list_events, team.team_id, fine_tuning_job_id, after, limit, paths)
 
 
 def _stream_start(session: Session, team_id: str, job_id: str, cursor: str | None) -> tuple[str, int]:
@@ -75,13 +77,13 @@ def _stream_start(session: Session, team_id: str, job_id: str, cursor: str | Non
 
 
 def _list_events(
-    session: Session, team_id: str, job_id: str, after: str | None, limit: int
+    session: Session, team_id: str, job_id: str, after: str | None, limit: int, paths: PublicPaths
 ) -> dict[str, Any]:
     job = get_team_job(session, team_id, job_id)
     stmt = select(JobEvent).where(JobEvent.job_id == job.id)
     cursor_seq = (_event_seq(session, job.id, after, "after"),) if after else None
     rows, has_more = page(session, stmt, (JobEvent.seq,), after=cursor_seq, limit=limit, descending=True)
-    return list_object([event_object(r) for r in rows], has_more)
+    return list_object([event_object(r, paths) for r in rows], has_more)
 
 
 async def _sse(request: Request, job_id: str, after_seq: int) -> AsyncIterator[str]:
@@ -89,6 +91,7 @@ async def _sse(request: Request, job_id: str, after_seq: int) -> AsyncIterator[s
     maker = request.app.state.sessionmaker
     poll = api_settings.stream_poll_seconds
     keepalive = api_settings.stream_keepalive_seconds
+    paths = PublicPaths.of(request.app.state.settings)
 
     def fetch(last: int) -> tuple[str | None, list[JobEventObject], list[int]]:
         with maker() as s:
@@ -101,7 +104,7 @@ async def _sse(request: Request, job_id: str, after_seq: int) -> AsyncIterator[s
                     .limit(500)
                 )
             )
-            return status, [event_object(r) for r in rows], [r.seq for r in rows]
+            return status, [event_object(r, paths) for r in rows], [r.seq for r in rows]
 
     last = after_seq
     idle = 0.0

@@ -5,7 +5,8 @@ fine-tuned models and checkpoints (api.model_names). Another team's id answers e
 unknown one (404 ``model_not_found``). Deleting a base model is refused (403, as OpenAI does);
 deleting one of the team's models removes its files (only under ``jobs_dir``) and its id; a
 checkpoint of a job that is still running cannot be deleted (409: the job may resume from it).
-Downloads: api.model_download (a deterministic tar with ``X-Checksum-SHA256``).
+Downloads: api.model_download (a deterministic tar with ``X-Checksum-SHA256``, the model's files only),
+with ``HEAD`` and single ``Range`` requests (api.byte_ranges) for resumable downloads.
 
 Ids hold ``:`` and base-model names ``/``, so the id is a ``path`` parameter; the ``/content`` route
 comes first.
@@ -20,15 +21,16 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
 from api import model_download as dl
+from api.byte_ranges import RangeNotSatisfiable, http_date, if_range_holds, parse_range
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
 from api.model_names import ModelRef, available_models, resolve_model
-from api.schemas import ListObject, ModelDeleted, ModelObject
+from api.schemas import ErrorResponse, ListObject, ModelDeleted, ModelObject
 from store.model_ids import find_model
 from store.orm import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
 from store.settings import Settings
@@ -40,6 +42,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 #: The checksum of the whole tar, hex (computed before the first download, cached: api.model_download).
 CHECKSUM_HEADER = "X-Checksum-SHA256"
+TAR = "application/x-tar"
 
 
 def model_object(ref: ModelRef) -> dict[str, Any]:
@@ -66,42 +69,82 @@ async def list_models(request: Request, team: TeamDep, settings: SettingsDep) ->
     }
 
 
-@router.get(
-    "/{model:path}/content",
-    response_class=StreamingResponse,
-    responses={
-        **error_responses(400, 404),
-        200: {
-            "content": {"application/x-tar": {}},
-            "description": f"An uncompressed tar; `{CHECKSUM_HEADER}` is its SHA-256",
-        },
+_CONTENT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **error_responses(400, 404),
+    416: {
+        "model": ErrorResponse,
+        "description": "The `Range` starts at or past the end of the download (`range_not_satisfiable`); "
+        "`Content-Range: bytes */LENGTH` gives its length",
     },
+    200: {
+        "content": {"application/x-tar": {}},
+        "description": f"An uncompressed tar; `{CHECKSUM_HEADER}` is its SHA-256",
+    },
+    206: {
+        "content": {"application/x-tar": {}},
+        "description": "The byte range asked for by `Range` (one range; `Content-Range` says which)",
+    },
+}
+_FORMAT_QUERY = Query(
+    alias="format", description="model: merged weights, config, tokenizer; adapter: the LoRA adapter"
 )
+
+
+@router.head("/{model:path}/content", response_class=Response, responses=_CONTENT_RESPONSES)
+@router.get("/{model:path}/content", response_class=StreamingResponse, responses=_CONTENT_RESPONSES)
 async def model_content(
     model: str,
     request: Request,
     team: TeamDep,
     settings: SettingsDep,
-    fmt: Annotated[
-        dl.DownloadFormat,
-        Query(
-            alias="format", description="model: merged weights, config, tokenizer; adapter: the LoRA adapter"
-        ),
-    ] = "model",
-) -> StreamingResponse:
-    """Download a fine-tuned model or checkpoint as a tar (its files at the archive's root)."""
+    fmt: Annotated[dl.DownloadFormat, _FORMAT_QUERY] = "model",
+) -> Response:
+    """Download a fine-tuned model or checkpoint as a tar (its files at the archive's root).
+
+    The tar's bytes are fixed for a model, so a download resumes: ``Range: bytes=START-`` (one range)
+    answers 206 with those bytes, ``If-Range`` with the ``ETag`` (or ``Last-Modified``) of the first
+    answer makes sure they are of the same archive. ``HEAD`` answers the headers alone."""
     ref, digest = await run_db(request, _download_of, team.team_id, model, settings, fmt)
     folder, mtime = _download_folder(ref, fmt), ref.created
     members = await anyio.to_thread.run_sync(dl.model_members, folder, fmt)
     if digest is None:  # first download of this model: one read pass, then cached in its row
         digest = await anyio.to_thread.run_sync(dl.tar_sha256, members, mtime)
         await run_db(request, _cache_digest, team.team_id, ref.id, fmt, digest)
+    layout = dl.TarLayout(members, mtime)
+    etag, modified = await anyio.to_thread.run_sync(_validators, members, mtime, digest)
     headers = {
         CHECKSUM_HEADER: digest,
-        "Content-Length": str(dl.tar_length(members, mtime)),
+        "Accept-Ranges": "bytes",
+        "ETag": etag,
+        "Last-Modified": http_date(modified),
         "Content-Disposition": f'attachment; filename="{dl.archive_name(ref.id, fmt)}"',
     }
-    return StreamingResponse(dl.tar_stream(members, mtime), media_type="application/x-tar", headers=headers)
+    wanted = None
+    if if_range_holds(request.headers.get("if-range"), etag=etag, last_modified=modified):
+        try:
+            wanted = parse_range(request.headers.get("range"), layout.length)
+        except RangeNotSatisfiable as exc:
+            raise APIError(
+                416,
+                f"The range '{request.headers.get('range')}' is not within the {layout.length} bytes of "
+                f"this download",
+                param="Range",
+                code="range_not_satisfiable",
+                headers={**headers, "Content-Range": exc.content_range},
+            ) from exc
+    start, end, status = 0, layout.length, 200
+    if wanted is not None:
+        start, end, status = wanted.start, wanted.end, 206
+        headers["Content-Range"] = wanted.content_range
+    headers["Content-Length"] = str(end - start)
+    if request.method == "HEAD":
+        return Response(status_code=status, headers=headers, media_type=TAR)
+    return StreamingResponse(layout.stream(start, end), status_code=status, media_type=TAR, headers=headers)
+
+
+def _validators(members: list[dl.Member], mtime: int, digest: str) -> tuple[str, int]:
+    """The download's ETag and Last-Modified (Unix seconds)."""
+    return dl.listing_tag(members, mtime, digest), dl.last_modified(members, mtime)
 
 
 def _download_folder(ref: ModelRef, fmt: dl.DownloadFormat) -> Path:

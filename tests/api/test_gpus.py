@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -441,6 +442,8 @@ def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_pa
             events = http.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 30}).json()["data"]
             assert job["status"] == "succeeded", (job, [e["message"] for e in events], tail())
             assert job["progress"]["step"] == 4 and job["resources"] == {"gpus": 2}
+            all_events = http.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()
+            assert str(tmp_path) not in json.dumps(all_events) and "output_dir" not in job  # no server path
             # it ran as two ranks: the run ledger counts 2 GPUs, the checkpoints hold one engine shard per rank
             with session_scope(f"sqlite:///{tmp_path / 'var' / 'zenflow.db'}") as s:
                 gpus = (
@@ -452,14 +455,30 @@ def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_pa
                 )
             assert gpus == [2], gpus
             ckpts = http.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
-            assert ckpts and sorted(p.name for p in Path(ckpts[0]["path"]).glob("engine-rank*.pt")) == [
+            assert ckpts and all("path" not in c for c in ckpts)  # the API shows no server path
+            with session_scope(f"sqlite:///{tmp_path / 'var' / 'zenflow.db'}") as s:
+                ckpt_dir = s.execute(
+                    text(
+                        "SELECT path FROM fine_tuning_job_checkpoints WHERE fine_tuned_model_checkpoint = :m"
+                    ),
+                    {"m": ckpts[0]["fine_tuned_model_checkpoint"]},
+                ).scalar_one()
+            assert sorted(p.name for p in Path(ckpt_dir).glob("engine-rank*.pt")) == [
                 "engine-rank00000-of-00002.pt",
                 "engine-rank00001-of-00002.pt",
             ]
-            tar = http.get(f"/v1/models/{job['fine_tuned_model']}/content", timeout=120)
-            assert tar.status_code == 200, tar.text[:500]
-            with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
-                archive.extractall(tmp_path / "model", filter="data")
+            # Neither the checkpoint's download nor the model's holds the training state.
+            for model in (ckpts[0]["fine_tuned_model_checkpoint"], job["fine_tuned_model"]):
+                tar = http.get(f"/v1/models/{model}/content", timeout=120)
+                assert tar.status_code == 200, tar.text[:500]
+                with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+                    names = archive.getnames()
+                    assert "model.safetensors" in names and "config.json" in names, names
+                    assert not [n for n in names if n.endswith(".pt") or n == "zenflow_checkpoint.json"], (
+                        names
+                    )
+                    if model == job["fine_tuned_model"]:
+                        archive.extractall(tmp_path / "model", filter="data")
     finally:
         stop_process_group(proc)
 

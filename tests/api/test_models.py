@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
+import json
+import os
 import shutil
 import tarfile
 from collections.abc import Iterator
@@ -142,8 +145,12 @@ def test_sdk_lists_and_retrieves_only_the_teams_models(trained: Trained, mapp: F
     )
 
 
-def _download(mclient: TestClient, team: TeamKey, model: str, **params: str) -> Any:
-    return mclient.get(f"/v1/models/{model}/content", headers=team.headers, params=params)
+def _download(
+    mclient: TestClient, team: TeamKey, model: str, headers: dict[str, str] | None = None, **params: str
+) -> Any:
+    return mclient.get(
+        f"/v1/models/{model}/content", headers={**team.headers, **(headers or {})}, params=params
+    )
 
 
 def test_download_extracts_and_loads_with_from_pretrained(
@@ -271,6 +278,135 @@ def test_a_checkpoint_recorded_again_gets_a_fresh_checksum(
     second = _download(mclient, trained.team, ckpt)
     assert second.status_code == 200
     assert second.headers["x-checksum-sha256"] == hashlib.sha256(second.content).hexdigest()
+
+
+def _server_path(mapp: FastAPI, model: str) -> Path:
+    with mapp.state.sessionmaker() as s:
+        row = s.get(RegisteredModel, model)
+        assert row is not None
+        return Path(row.path)
+
+
+def test_download_resumes_with_range_and_head(trained: Trained, mclient: TestClient, tmp_path: Path) -> None:
+    """The tar's bytes are fixed: HEAD gives its headers, Range GETs give its pieces (206), whose
+    concatenation is the whole body; If-Range with the ETag or Last-Modified keeps a range, a stale one
+    gets the whole body; a range past the end is 416; another team's HEAD and Range are 404."""
+    full = _download(mclient, trained.team, trained.model)
+    body, length = full.content, len(full.content)
+    assert full.status_code == 200 and full.headers["accept-ranges"] == "bytes"
+    etag, modified = full.headers["etag"], full.headers["last-modified"]
+
+    head = mclient.head(f"/v1/models/{trained.model}/content", headers=trained.team.headers)
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == length
+    for name in ("x-checksum-sha256", "etag", "last-modified", "accept-ranges", "content-disposition"):
+        assert head.headers[name] == full.headers[name], name
+
+    cuts = [0, 1, 511, 512, 513, 10_000, length // 2, length - 1, length]
+    parts = []
+    for start, end in itertools.pairwise(cuts):
+        r = _download(mclient, trained.team, trained.model, headers={"Range": f"bytes={start}-{end - 1}"})
+        assert r.status_code == 206, r.text
+        assert r.headers["content-range"] == f"bytes {start}-{end - 1}/{length}"
+        assert int(r.headers["content-length"]) == len(r.content) == end - start
+        assert (
+            r.headers["etag"] == etag and r.headers["x-checksum-sha256"] == full.headers["x-checksum-sha256"]
+        )
+        parts.append(r.content)
+    joined = b"".join(parts)
+    assert joined == body and hashlib.sha256(joined).hexdigest() == full.headers["x-checksum-sha256"]
+    with tarfile.open(fileobj=io.BytesIO(joined)) as tar:
+        tar.extractall(tmp_path / "resumed", filter="data")
+    server_side = _server_path(mclient.app, trained.model)  # type: ignore[arg-type]
+    for f in (tmp_path / "resumed").iterdir():
+        assert f.read_bytes() == (server_side / f.name).read_bytes(), f.name
+
+    tail = _download(mclient, trained.team, trained.model, headers={"Range": "bytes=-100"})
+    assert tail.status_code == 206 and tail.content == body[-100:]
+    resumed = _download(mclient, trained.team, trained.model, headers={"Range": "bytes=1000-"})
+    assert resumed.status_code == 206 and resumed.content == body[1000:]
+    for validator in (etag, modified):
+        kept = _download(
+            mclient, trained.team, trained.model, headers={"Range": "bytes=1000-", "If-Range": validator}
+        )
+        assert kept.status_code == 206 and kept.content == body[1000:], validator
+    stale = _download(
+        mclient, trained.team, trained.model, headers={"Range": "bytes=1000-", "If-Range": '"stale"'}
+    )
+    assert stale.status_code == 200 and stale.content == body
+    head_range = mclient.head(
+        f"/v1/models/{trained.model}/content", headers={**trained.team.headers, "Range": "bytes=10-19"}
+    )
+    assert head_range.status_code == 206 and head_range.headers["content-length"] == "10"
+
+    past = _download(mclient, trained.team, trained.model, headers={"Range": f"bytes={length}-"})
+    assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{length}"
+    assert error_of(past)["code"] == "range_not_satisfiable"
+
+    for team_headers in (trained.other.headers, {}):
+        h = mclient.head(f"/v1/models/{trained.model}/content", headers=team_headers)
+        g = mclient.get(
+            f"/v1/models/{trained.model}/content", headers={**team_headers, "Range": "bytes=0-99"}
+        )
+        assert h.status_code == g.status_code == (404 if team_headers else 401)
+        assert h.content == b"" and b"PK" not in g.content and "content-range" not in g.headers
+
+
+def test_a_multi_rank_checkpoint_downloads_the_model_only(
+    trained: Trained, mclient: TestClient, mapp: FastAPI
+) -> None:
+    """A checkpoint of N ranks holds each rank's engine shard (pickles several times the model's size):
+    neither a checkpoint's nor a final model's download carries them, nor the training state."""
+    extra = ["engine-rank00000-of-00002.pt", "engine-rank00001-of-00002.pt", "training_state.pt", "rng.pth"]
+    models = [trained.checkpoints[-1], trained.model]
+    made: list[Path] = []
+    try:
+        for model in models:
+            folder = _server_path(mapp, model)
+            for name in extra:
+                if not (folder / name).exists():
+                    (folder / name).write_bytes(os.urandom(64 * 1024))
+                    made.append(folder / name)
+        for model in models:
+            for fmt in ("model", "adapter"):
+                r = _download(mclient, trained.team, model, format=fmt)
+                assert r.status_code == 200, r.text
+                with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+                    names = tar.getnames()
+                assert names and not set(names) & {*extra, "zenflow_checkpoint.json"}, (model, fmt, names)
+                assert not [n for n in names if n.endswith((".pt", ".pth", ".bin"))]
+    finally:
+        for f in made:
+            f.unlink()
+
+
+def test_events_of_a_finished_job_show_no_server_path(
+    trained: Trained, mclient: TestClient, msettings: Settings
+) -> None:
+    """Events name the data by its file id, checkpoints and the base model by their public names:
+    nothing under the data directory or a model root, in any message or data; no job or checkpoint
+    object shows a path either."""
+    fid = uploaded_id(mclient, trained.team)
+    on_base = _run(
+        mclient,
+        msettings,
+        trained.team,
+        {"model": "org/base-model", "training_file": fid, "hyperparameters": HYPER},
+    )
+    roots = [msettings.data_dir, msettings.data_dir.resolve(), *msettings.model_roots]
+    for job_id in (trained.job_id, on_base["id"]):
+        job = mclient.get(f"{JOBS}/{job_id}", headers=trained.team.headers).json()
+        events = mclient.get(f"{JOBS}/{job_id}/events", headers=trained.team.headers, params={"limit": 100})
+        ckpts = mclient.get(f"{JOBS}/{job_id}/checkpoints", headers=trained.team.headers).json()["data"]
+        shown = json.dumps([job, events.json(), ckpts])
+        assert not [str(r) for r in roots if str(r) in shown], shown
+        assert "output_dir" not in job and ckpts and all("path" not in c for c in ckpts)
+        data = [e["data"] for e in events.json()["data"] if e.get("data")]
+        assert {d["file_id"] for d in data if "file_id" in d} >= {job["training_file"]}
+        saved = [d for d in data if set(d) == {"step", "path"}]
+        assert saved and all(d["path"] == f"{job_id}/checkpoint-{d['step']:06d}" for d in saved), saved
+    base_plan = [e for e in events.json()["data"] if (e.get("data") or {}).get("plan")]
+    assert "org/base-model" in json.dumps(base_plan)
 
 
 def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings: Settings) -> None:

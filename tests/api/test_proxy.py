@@ -186,3 +186,49 @@ def test_requests_pass_and_limits_hold_at_the_proxy(proxied: str, app: FastAPI, 
             lines = s.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
         assert "Created fine-tuning job" in first and time.monotonic() - t0 < 5
+
+
+def test_model_downloads_resume_through_the_proxy(proxied: str, app: FastAPI, client: TestClient) -> None:
+    """A model's tar through nginx: HEAD gives its length, Range GETs come back 206 from the API and
+    join into the whole body; the training state of a 2-rank checkpoint is not in it."""
+    import io
+    import os
+    import tarfile
+
+    from store.model_ids import register_final
+    from store.orm import FineTuningJob
+
+    team: TeamKey = make_team(app)
+    with httpx.Client(base_url=proxied, headers={"Authorization": f"Bearer {team.key}"}, timeout=30) as c:
+        up = c.post(
+            "/v1/files",
+            data={"purpose": "fine-tune"},
+            files={"file": ("t.jsonl", chat_jsonl(4), "application/jsonl")},
+        )
+        job = c.post("/v1/fine_tuning/jobs", json={"model": "tiny-llama", "training_file": up.json()["id"]})
+        assert job.status_code == 200, job.text
+        folder = app.state.settings.resolved_jobs_dir / job.json()["id"] / "final"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(os.urandom(300_000))
+        for rank in range(2):
+            (folder / f"engine-rank{rank:05d}-of-00002.pt").write_bytes(os.urandom(100_000))
+        with app.state.sessionmaker() as s:
+            model = register_final(s, s.get(FineTuningJob, job.json()["id"]), str(folder)).id
+            s.commit()
+        url = f"/v1/models/{model}/content"
+
+        full = c.get(url)
+        assert full.status_code == 200 and full.headers["accept-ranges"] == "bytes"
+        length = len(full.content)
+        head = c.head(url)
+        assert head.status_code == 200 and int(head.headers["content-length"]) == length
+        parts = []
+        for start, end in ((0, 1000), (1000, 200_000), (200_000, length)):
+            r = c.get(url, headers={"Range": f"bytes={start}-{end - 1}", "If-Range": full.headers["etag"]})
+            assert r.status_code == 206 and r.headers["content-range"] == f"bytes {start}-{end - 1}/{length}"
+            parts.append(r.content)
+        assert b"".join(parts) == full.content
+        with tarfile.open(fileobj=io.BytesIO(full.content)) as tar:
+            assert tar.getnames() == ["config.json", "model.safetensors"]
+        assert c.get(url, headers={"Range": f"bytes={length}-"}).status_code == 416

@@ -2,7 +2,8 @@
 Debian Chromium driven by Playwright against ``zenflow serve`` (PostgreSQL, Redis, its in-process Celery
 worker). Through the page: paste a key, a refused upload's errors by line, the sample uploaded, a job
 created and followed to ``succeeded`` (charts, events, checkpoints), the model downloaded, a streamed
-chat answer; a screenshot of the page is written and checked."""
+chat answer; a screenshot of the page is written and checked. The API reference (/docs, the vendored
+Swagger UI) renders under its own policy with no violation and no request to another origin."""
 
 from __future__ import annotations
 
@@ -192,6 +193,41 @@ def _page_problems(page: Page) -> list[str]:
         ),
     )
     return problems
+
+
+def test_api_docs_render_under_their_policy(browser: Browser, tmp_path: Path) -> None:
+    """/docs in Chromium: Swagger UI, vendored, renders the API's operations under the page's CSP
+    with no violation or error, and the page requests nothing from another origin."""
+    from playwright.sync_api import expect
+
+    from api.app import create_app
+    from api.core.config import ApiSettings
+    from store.settings import Settings
+    from tests.api.conftest import ServerThread
+
+    app = create_app(
+        Settings(_env_file=None, data_dir=tmp_path),  # type: ignore[call-arg]
+        ApiSettings(_env_file=None, migrate_on_start=False),  # type: ignore[call-arg]
+    )
+    with ServerThread(app) as server:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        problems = _page_problems(page)
+        requested: list[str] = []
+        page.on("request", lambda r: requested.append(r.url))
+        page.goto(f"{server.base_url}/docs")
+        expect(page.locator(".swagger-ui .info .title")).to_contain_text("ZenFlow fine-tuning API")
+        expect(
+            page.locator(".opblock-summary-path", has_text="/v1/models/{model}/content").first
+        ).to_be_visible()
+        page.get_by_role("button", name="Authorize").first.click()  # the auth dialog opens: the UI works
+        expect(page.locator(".dialog-ux")).to_be_visible()
+        shot = tmp_path / "docs.png"
+        page.screenshot(path=str(shot))
+        assert shot.read_bytes()[:8] == PNG_MAGIC
+        foreign = [u for u in requested if not u.startswith(server.base_url) and not u.startswith("data:")]
+        assert foreign == [], foreign
+        assert problems == [], problems
+        page.close()
 
 
 @pytest.mark.services  # the service on PostgreSQL and Redis, driven by a browser
