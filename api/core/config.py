@@ -63,11 +63,25 @@ class ApiSettings(BaseSettings):
     inference_vllm_url: str = ""
     #: Requests forwarded to vLLM at once (it batches and queues them itself); more: 429.
     inference_vllm_max_requests: int = Field(64, ge=1)
-    #: Generation threads of the built-in backend, and requests that may wait for one; more: 429.
+    #: Decode threads of the built-in backend (models decoding at once; the requests for one model are
+    #: decoded together), and the requests admitted beyond them: ``inference_threads +
+    #: inference_queue_size`` admission slots, of which each of the T teams asking may hold
+    #: ceil(slots / T); more: 429 (api.inference.admission).
     inference_threads: int = Field(1, ge=1, le=64)
     inference_queue_size: int = Field(8, ge=0)
+    #: Choices (rows) decoded together in one forward pass per model; a request's choices beyond the
+    #: room left join as rows finish.
+    inference_batch_rows: int = Field(16, ge=1, le=1024)
     #: ``Retry-After`` of that 429.
     inference_retry_after_seconds: float = Field(2.0, gt=0)
+    #: Per request: prompts in a ``/v1/completions`` list, tokens of one prompt (chat: the rendered
+    #: conversation), tokens of all its prompts, and completion tokens it may ask for, prompts x ``n`` x
+    #: ``max_tokens`` (without ``max_tokens`` its default shrinks to fit). Over one: 400 naming the field,
+    #: the counts checked before admission, the tokens as the prompts are encoded (stopping at the first over).
+    inference_max_prompts: int = Field(64, ge=1)
+    inference_max_prompt_tokens: int = Field(8192, ge=1)
+    inference_max_request_prompt_tokens: int = Field(32768, ge=1)
+    inference_max_request_tokens: int = Field(16384, ge=1)
     #: A request (waiting included) ends with 504 / a stream error after this long, its generation stopped.
     inference_timeout_seconds: float = Field(300.0, gt=0)
     #: Loaded models kept (least recently used dropped first), and their memory budget in bytes.

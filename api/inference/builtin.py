@@ -1,17 +1,20 @@
-"""The built-in backend's job for one request, run in a generation thread (``api.inference.generation_pool``):
-load the model (cache), encode the prompts (the chat template for chat), check them against the
-model's context, generate each prompt's choices, report usage."""
+"""The built-in backend's preparation of one request, run in a preparing thread
+(``api.inference.generation_pool``): load the model (cache), encode the prompts (the chat template for
+chat) one by one against the per-request caps, check them against the model's context, and hand each
+prompt's choices to the decode threads (``api.inference.batcher``) as one :class:`Work`."""
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 
 from api.core.errors import APIError
-from api.inference import metrics
-from api.inference.generation_pool import Completed, Started, Ticket, TimedOut
+from api.inference.batcher import Work
+from api.inference.generation import Choice, Sampler
 from api.inference.model_cache import LoadedModel, ModelCache, ModelTooLarge
 from api.inference.sampling import SamplingParams
+from api.inference.tickets import Started, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +37,17 @@ class BuiltinRequest:
     prompts: tuple[Prompt, ...]
     params: SamplingParams
     #: The limit of new tokens the request gave (None: the model's remaining context, up to
-    #: ``server_max_tokens``), and the parameter it came in.
+    #: ``server_max_tokens``: the server's ``inference_max_tokens``, less when the request's
+    #: choices would pass ``inference_max_request_tokens``), and the parameter it came in.
     max_tokens: int | None
     max_tokens_param: str
     server_max_tokens: int
     endpoint: str  # metrics label
+    team: str = ""
+    #: Tokens of one prompt, and of all of them (``inference_max_prompt_tokens``,
+    #: ``inference_max_request_prompt_tokens``).
+    max_prompt_tokens: int = 1 << 62
+    max_request_prompt_tokens: int = 1 << 62
 
 
 def encode(loaded: LoadedModel, prompt: Prompt) -> list[int]:
@@ -67,6 +76,33 @@ def encode(loaded: LoadedModel, prompt: Prompt) -> list[int]:
             )
         ids = [int(start)]
     return ids
+
+
+def encode_all(loaded: LoadedModel, req: BuiltinRequest) -> list[list[int]]:
+    """Every prompt encoded, one after another, stopping at the first over a per-request cap (400)."""
+    encoded: list[list[int]] = []
+    total = 0
+    for prompt in req.prompts:
+        ids = encode(loaded, prompt)
+        if len(ids) > req.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"{prompt.param}: {len(ids)} tokens, over this server's {req.max_prompt_tokens} per prompt",
+                param=prompt.param,
+                code="invalid_value",
+            )
+        total += len(ids)
+        if total > req.max_request_prompt_tokens:
+            param = prompt.param.split("[")[0]
+            raise APIError(
+                400,
+                f"{param}: over this server's {req.max_request_prompt_tokens} prompt tokens per request "
+                f"(reached at {prompt.param})",
+                param=param,
+                code="invalid_value",
+            )
+        encoded.append(ids)
+    return encoded
 
 
 def new_token_limit(loaded: LoadedModel, prompt: Prompt, prompt_len: int, req: BuiltinRequest) -> int:
@@ -108,37 +144,33 @@ def load_or_fail(cache: ModelCache, source: str) -> LoadedModel:
         ) from e
 
 
-def run(cache: ModelCache, req: BuiltinRequest, ticket: Ticket) -> None:
-    """The whole request in the generation thread; events go to ``ticket``. Tokens are counted in
-    the metrics here, those of a generation stopped early included (they were computed)."""
-    from api.inference.generation import Halted, generate_choices
-
+def prepare(cache: ModelCache, req: BuiltinRequest, ticket: Ticket) -> Work:
+    """Everything before decoding, in a preparing thread; ``Started`` (and an echo's prompts) go to
+    ``ticket``. The work's choices are indexed prompt by prompt, ``n`` each."""
     loaded = load_or_fail(cache, req.source)
-    encoded = [encode(loaded, p) for p in req.prompts]
+    encoded = encode_all(loaded, req)
     limits = [new_token_limit(loaded, p, len(ids), req) for p, ids in zip(req.prompts, encoded, strict=True)]
     prompt_tokens = sum(len(ids) for ids in encoded)
-    ticket.emit(Started(prompt_tokens))
     n = req.params.n
-    texts: dict[int, str] = {}
-    reasons: dict[int, str] = {}
-    completion_tokens = 0
+    choices: list[Choice] = []
+    prefixes: dict[int, str] = {}
     for i, (prompt, ids, limit) in enumerate(zip(req.prompts, encoded, limits, strict=True)):
-        prefix = (prompt.text or "") if prompt.echo else ""
         for j in range(n):
-            if prefix:
-                ticket.delta(i * n + j, prefix)
-        try:
-            results = generate_choices(
-                loaded, ids, req.params, limit, ticket, first_index=i * n, should_stop=ticket.should_stop
-            )
-        except Halted as h:
-            metrics.tokens(req.endpoint, prompt_tokens, completion_tokens + h.completion_tokens)
-            if ticket.timed_out:
-                raise TimedOut() from None
-            return  # cancelled: nobody is waiting for the result
-        for r in results:
-            texts[r.index] = prefix + r.text
-            reasons[r.index] = r.finish_reason
-            completion_tokens += r.completion_tokens
-    metrics.tokens(req.endpoint, prompt_tokens, completion_tokens)
-    ticket.emit(Completed(texts, reasons, prompt_tokens, completion_tokens))
+            choices.append(Choice(i * n + j, tuple(ids), i, limit))
+            if prompt.echo and prompt.text:
+                prefixes[i * n + j] = prompt.text
+    seed = secrets.randbits(63) if req.params.seed is None else req.params.seed % 2**63
+    ticket.emit(Started(prompt_tokens))
+    for index, prefix in prefixes.items():
+        ticket.delta(index, prefix)
+    return Work(
+        ticket,
+        req.team,
+        loaded,
+        Sampler(req.params, seed),
+        req.params.stop,
+        choices,
+        prompt_tokens,
+        req.endpoint,
+        prefixes=prefixes,
+    )

@@ -10,6 +10,8 @@ and an outcome; never a model id (teams create those without limit).
 * ``zenflow_inference_request_duration_seconds{endpoint, backend}``, from admission to the last token.
 * ``zenflow_inference_time_to_first_token_seconds{endpoint}`` and
   ``zenflow_inference_queue_wait_seconds`` (built-in backend).
+* ``zenflow_inference_batch_rows``: the choices each forward pass of the built-in backend decoded
+  together (requests for the same model share them).
 * ``zenflow_inference_slots_in_use`` (admitted requests: running plus waiting),
   ``zenflow_inference_models_loaded`` and ``zenflow_inference_model_bytes`` (the built-in backend's cache).
 """
@@ -24,6 +26,7 @@ from prometheus_client import Counter, Gauge, Histogram
 #: Generations take tenths of a second to minutes.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class _Metrics:
     duration: Histogram
     first_token: Histogram
     queue_wait: Histogram
+    batch_rows: Histogram
     slots: Gauge
     models: Gauge
     model_bytes: Gauge
@@ -73,6 +77,11 @@ def get() -> _Metrics:
                     "zenflow_inference_queue_wait_seconds",
                     "Time an admitted request waited for a generation thread (built-in backend).",
                     buckets=FIRST_TOKEN_BUCKETS,
+                ),
+                Histogram(
+                    "zenflow_inference_batch_rows",
+                    "Choices decoded together in one forward pass of the built-in backend.",
+                    buckets=BATCH_BUCKETS,
                 ),
                 Gauge(
                     "zenflow_inference_slots_in_use",

@@ -23,6 +23,7 @@ from fastapi import Request
 
 from api.core.errors import APIError
 from api.inference import builtin, metrics
+from api.inference.admission import Refusal
 from api.inference.generation_pool import (
     Cancelled,
     Completed,
@@ -53,11 +54,18 @@ DISCONNECT_POLL_SECONDS = 0.25
 BUILTIN = "builtin"
 
 
-def queue_full(retry_after: float) -> APIError:
+def queue_full(retry_after: float, refusal: Refusal | None = None) -> APIError:
     seconds = max(1, math.ceil(retry_after))
+    if refusal is not None and refusal.team_full:
+        message = (
+            f"Your team has {refusal.team_held} inference requests in progress, its share of this "
+            f"server's slots while {refusal.teams} teams use it; retry after {seconds} s"
+        )
+    else:
+        message = f"Too many inference requests in progress; retry after {seconds} s"
     return APIError(
         429,
-        f"Too many inference requests in progress; retry after {seconds} s",
+        message,
         code="rate_limit_exceeded",
         headers={"Retry-After": str(seconds)},
     )
@@ -93,6 +101,7 @@ class InferenceService:
             threads=settings.inference_threads,
             queue_size=settings.inference_queue_size,
             timeout_seconds=settings.inference_timeout_seconds,
+            batch_rows=settings.inference_batch_rows,
         )
         self.vllm = (
             VLLMForwarder(
@@ -110,22 +119,54 @@ class InferenceService:
             await self.vllm.aclose()
         self.cache.clear()
 
-    async def chat(self, request: Request, ref: ModelRef, body: ChatCompletionRequest) -> Any:
+    async def chat(self, request: Request, ref: ModelRef, body: ChatCompletionRequest, team_id: str) -> Any:
         prompt = builtin.Prompt("messages", messages=tuple(m.template_dict() for m in body.messages))
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         return await self._run(
-            request, ref, body, ChatShape(body.model), (prompt,), limit_param, "/v1/chat/completions"
+            request, ref, body, ChatShape(body.model), (prompt,), limit_param, "/v1/chat/completions", team_id
         )
 
-    async def completion(self, request: Request, ref: ModelRef, body: CompletionRequest) -> Any:
+    async def completion(self, request: Request, ref: ModelRef, body: CompletionRequest, team_id: str) -> Any:
+        count = len(body.prompt) if isinstance(body.prompt, list) else 1
+        cap = self.settings.inference_max_prompts
+        if count > cap:  # counted before anything else looks at them
+            raise APIError(
+                400,
+                f"prompt: {count} prompts, over this server's {cap} per request",
+                param="prompt",
+                code="invalid_value",
+            )
         many = isinstance(body.prompt, list)
         prompts = tuple(
             builtin.Prompt(f"prompt[{i}]" if many else "prompt", text=p, echo=body.echo)
             for i, p in enumerate(body.prompts)
         )
         return await self._run(
-            request, ref, body, TextShape(body.model), prompts, "max_tokens", "/v1/completions"
+            request, ref, body, TextShape(body.model), prompts, "max_tokens", "/v1/completions", team_id
         )
+
+    def _completion_budget(self, rows: int, limit: int | None, limit_param: str) -> int:
+        """The default ``max_tokens`` of a request of ``rows`` choices (prompts x n) within
+        ``inference_max_request_tokens``; 400 when the request asks for more."""
+        budget = self.settings.inference_max_request_tokens
+        server_max = self.settings.inference_max_tokens
+        if limit is not None and rows * limit > budget:
+            raise APIError(
+                400,
+                f"{limit_param}: {rows} choices (prompts x n) x {limit} tokens = {rows * limit}, over this "
+                f"server's {budget} completion tokens per request",
+                param=limit_param,
+                code="invalid_value",
+            )
+        default = min(server_max, budget // rows)
+        if default < 1:
+            raise APIError(
+                400,
+                f"n: {rows} choices (prompts x n), over this server's {budget} completion tokens per request",
+                param="n",
+                code="invalid_value",
+            )
+        return default
 
     async def _run(
         self,
@@ -136,6 +177,7 @@ class InferenceService:
         prompts: tuple[builtin.Prompt, ...],
         limit_param: str,
         path: str,
+        team_id: str,
     ) -> Any:
         limit = body.token_limit
         server_max = self.settings.inference_max_tokens
@@ -146,6 +188,7 @@ class InferenceService:
                 param=limit_param,
                 code="invalid_value",
             )
+        default_limit = self._completion_budget(len(prompts) * body.n, limit, limit_param)
         if self.vllm is not None:
             upstream = await self.vllm.route(ref)
             if upstream is not None:
@@ -162,14 +205,17 @@ class InferenceService:
             body.sampling(limit),
             limit,
             limit_param,
-            server_max,
+            default_limit,
             shape.endpoint,
+            team=team_id,
+            max_prompt_tokens=self.settings.inference_max_prompt_tokens,
+            max_request_prompt_tokens=self.settings.inference_max_request_prompt_tokens,
         )
         try:
-            ticket = self.pool.submit(partial(builtin.run, self.cache, req))
-        except QueueFull:
+            ticket = self.pool.submit(team_id, partial(builtin.prepare, self.cache, req))
+        except QueueFull as full:
             metrics.request_done(shape.endpoint, BUILTIN, "rejected")
-            raise queue_full(self.settings.inference_retry_after_seconds) from None
+            raise queue_full(self.settings.inference_retry_after_seconds, full.refusal) from None
         run = _Run(ticket, shape, self.settings.inference_timeout_seconds)
         watcher = asyncio.create_task(_watch_disconnect(request, ticket))
         try:

@@ -45,7 +45,7 @@ async def create_chat_completion(
     """A reply to ``messages`` from a base model or one of the team's fine-tuned models, through the
     model's chat template."""
     ref = await run_db(request, resolve_model, team.team_id, body.model, settings)
-    return await _service(request).chat(request, ref, body)
+    return await _service(request).chat(request, ref, body, team.team_id)
 
 
 @router.post(
@@ -65,4 +65,4 @@ async def create_completion(
 ) -> Any:
     """A continuation of ``prompt`` as it is (no chat template), for prompt-style models."""
     ref = await run_db(request, resolve_model, team.team_id, body.model, settings)
-    return await _service(request).completion(request, ref, body)
+    return await _service(request).completion(request, ref, body, team.team_id)

@@ -349,3 +349,133 @@ def test_request_over_the_time_limit_gets_504(settings: Settings) -> None:
         assert r.status_code == 504, r.text
         assert error_of(r)["code"] == "timeout"
         _wait_for(lambda: app.state.inference.pool.slots_in_use == 0)
+
+
+def test_per_request_caps_are_400s_before_anything_runs(settings: Settings) -> None:
+    """Prompts counted before admission (60,000 of them refused without one being tokenized), tokens of
+    a prompt and of all of them, prompts x n x max_tokens; a request without max_tokens gets a default
+    that fits."""
+    from api.app import create_app
+
+    app = create_app(
+        settings,
+        TEST_API_SETTINGS.model_copy(
+            update={
+                "inference_max_prompts": 3,
+                "inference_max_prompt_tokens": 8,
+                "inference_max_request_prompt_tokens": 12,
+                "inference_max_request_tokens": 20,
+            }
+        ),
+        enqueue=Enqueued(),
+    )
+    team = make_team(app)
+
+    def post(path: str, **body: Any) -> Any:
+        return c.post(f"/v1/{path}", headers=team.headers, json={"model": "tiny-llama", **body})
+
+    with TestClient(app) as c:
+        t0 = time.monotonic()
+        r = post("completions", prompt=["a"] * 60000, n=16)
+        assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
+        assert "60000 prompts" in error_of(r)["message"] and time.monotonic() - t0 < 10
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("completions", {"prompt": ["a", "b", "c", "d"]}, "prompt"),
+            ("completions", {"prompt": "abcdefghij"}, "prompt"),  # 10 byte tokens > 8
+            ("completions", {"prompt": ["ok", "abcdefghij"]}, "prompt[1]"),
+            ("completions", {"prompt": ["abcdefg", "abcdefg"]}, "prompt"),  # 7 + 7 > 12 in all
+            ("completions", {"prompt": "a", "n": 3, "max_tokens": 7}, "max_tokens"),  # 3 x 7 > 20
+            ("completions", {"prompt": ["a", "b"], "n": 2, "max_tokens": 6}, "max_tokens"),  # 2 x 2 x 6
+            (
+                "chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "n": 5, "max_tokens": 5},
+                "max_tokens",
+            ),
+            ("chat/completions", {"messages": [{"role": "user", "content": "a long message"}]}, "messages"),
+        ]
+        for path, body, param in cases:
+            r = post(path, **body)
+            assert r.status_code == 400, (body, r.text)
+            assert error_of(r)["param"] == param, (body, error_of(r))
+        assert app.state.inference.pool.slots_in_use == 0
+        # no max_tokens: 2 prompts x n 3 = 6 choices share the 20 tokens, 3 each at most
+        r = post("completions", prompt=["a", "b"], n=3, temperature=1.0, seed=1)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 6 and r.json()["usage"]["completion_tokens"] <= 18
+        _wait_for(lambda: app.state.inference.pool.slots_in_use == 0)
+
+
+def test_a_flooding_team_gets_429_while_another_team_is_served(
+    server: ServerThread, chat_app: FastAPI, owner: TeamKey
+) -> None:
+    """Two slots (one thread, one waiting place): a team alone may hold both, and a second team asking
+    then is admitted at once and answered while the first team's requests still run."""
+    assert _chat(server, owner, 1).status_code == 200  # the model is loaded before the flood
+    pool = chat_app.state.inference.pool
+    flooder, other = make_team(chat_app), make_team(chat_app)
+    with concurrent.futures.ThreadPoolExecutor(6) as clients:
+        flood = [clients.submit(_chat, server, flooder, 300) for _ in range(6)]
+        _wait_for(lambda: pool.shares.held(flooder.id) == 2 or all(f.done() for f in flood))
+        assert pool.shares.held(flooder.id) == 2, [f.result().status_code for f in flood]
+        r = _chat(server, other, 5)
+        assert r.status_code == 200, r.text
+        assert pool.shares.held(flooder.id) == 2  # served alongside the flood, not after it
+        answers = [f.result() for f in flood]
+    assert sorted(a.status_code for a in answers) == [200, 200, 429, 429, 429, 429]
+    for a in answers:
+        if a.status_code == 429:
+            assert a.headers["Retry-After"] == "3" and error_of(a)["code"] == "rate_limit_exceeded"
+            assert "Your team has 2 inference requests in progress" in error_of(a)["message"]
+    _wait_for(lambda: pool.slots_in_use == 0)
+
+
+def _batch_steps(server: ServerThread) -> tuple[float, float]:
+    """Forward passes of the built-in backend so far, and those that decoded a single choice."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return (
+        metric_value(text, "zenflow_inference_batch_rows_count"),
+        metric_value(text, "zenflow_inference_batch_rows_bucket", le="1.0"),
+    )
+
+
+def test_concurrent_requests_share_forward_passes_and_answer_as_alone(
+    server: ServerThread, chat_app: FastAPI
+) -> None:
+    """Requests of three teams for the same model, sent at once, are decoded in the same forward passes
+    (prompts of different lengths, greedy): each answer is the one it gets alone. A fourth client that
+    goes away mid-stream leaves the batch; the others are unaffected."""
+    teams = [make_team(chat_app) for _ in range(4)]
+    prompts = ["Paris is", "The river runs through the old town and", "x"]
+
+    def complete(team: TeamKey, prompt: str) -> str:
+        r = httpx.post(
+            f"{server.base_url}/v1/completions",
+            headers=team.headers,
+            timeout=120,
+            json={"model": SLOW_MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        text: str = r.json()["choices"][0]["text"]
+        return text
+
+    alone = [complete(t, p) for t, p in zip(teams, prompts, strict=False)]
+    steps, single = _batch_steps(server)
+
+    def leaver() -> None:
+        body = {"model": SLOW_MODEL, "prompt": "going", "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json=body, headers=teams[3].headers, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            for _ in range(5):
+                next(events)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as clients:
+        gone = clients.submit(leaver)
+        together = list(clients.map(complete, teams, prompts))
+        gone.result()
+    assert together == alone
+    steps_after, single_after = _batch_steps(server)
+    assert steps_after - steps > single_after - single  # some forward passes decoded several requests
+    _wait_for(lambda: chat_app.state.inference.pool.slots_in_use == 0)

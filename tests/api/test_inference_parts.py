@@ -75,3 +75,161 @@ def test_cache_loads_a_folder_again_once_its_weights_are_rewritten(tmp_path: Pat
     assert second is not first and cache.loaded() == [str(folder)]
     weight = "model.embed_tokens.weight"
     assert not torch.equal(first.model.state_dict()[weight], second.model.state_dict()[weight])
+
+
+def test_stop_text_append_matches_update_however_the_text_is_cut() -> None:
+    import random
+
+    rng = random.Random(3)
+    text = "ab END cd E\nEN\n\nx END y" * 3
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), 12))
+        whole, pieces = StopText(("END", "\n\n")), StopText(("END", "\n\n"))
+        out_whole, out_pieces = [], []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            out_whole.append(whole.update(text[:b]))
+            out_pieces.append(pieces.append(text[a:b]))
+        assert out_pieces == out_whole and pieces.text == whole.text == "ab "
+
+
+def test_incremental_decoder_adds_up_to_the_whole_decode() -> None:
+    """Byte tokens cut UTF-8 characters: nothing half-made is released, and the pieces join into
+    ``decode`` of all the tokens, also for bytes that never make a valid character."""
+    from api.inference.detokenize import IncrementalDecoder
+    from trainer.model.catalog import load_tokenizer
+
+    tok = load_tokenizer("tiny-llama")
+    for text in ("héllo wörld, 日本語 ok", "plain ascii", "🙂🙂 x"):
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        dec = IncrementalDecoder(tok)
+        pieces = [dec.push(t) for t in ids]
+        pieces.append(dec.flush())
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+        assert not any("\ufffd" in p for p in pieces)
+    broken = [*tok("ab", add_special_tokens=False)["input_ids"], 200, 201]  # lone continuation bytes
+    dec = IncrementalDecoder(tok)
+    joined = "".join(dec.push(t) for t in broken) + dec.flush()
+    assert joined == tok.decode(broken, skip_special_tokens=True)
+
+
+def test_team_shares_give_a_newcomer_a_slot_while_the_first_team_holds_them_all() -> None:
+    from api.inference.admission import TeamShares
+
+    shares = TeamShares(4)
+    assert all(shares.admit("a") is None for _ in range(4))  # alone: every slot
+    refused = shares.admit("a")
+    assert refused is not None and refused.team_full and (refused.share, refused.teams) == (4, 1)
+    assert shares.admit("b") is None  # two teams: 2 each; b holds none, so it gets in (5 of 8)
+    assert shares.admit("b") is None
+    refused = shares.admit("b")
+    assert refused is not None and (refused.team_held, refused.share) == (2, 2)
+    assert shares.admit("c") is None and shares.admit("d") is None  # ceil(4 / 4) = 1 each
+    assert shares.admit("c") is not None
+    for _ in range(4):
+        shares.release("a")
+    assert shares.held("a") == 0 and shares.total == 4
+    assert shares.admit("e") is None  # a left: four teams, 1 each
+
+
+def test_team_shares_never_pass_twice_the_slots() -> None:
+    from api.inference.admission import TeamShares
+
+    shares = TeamShares(2)
+    admitted = sum(shares.admit(f"t{i}") is None for i in range(10))
+    assert admitted == 4 and shares.total == 4  # 2 slots, each newcomer under its share, bound 2 x 2
+    refused = shares.admit("t99")
+    assert refused is not None and not refused.team_full
+
+
+class _Owner:
+    """What a request is to the batch: its sampler, its team, and where its text goes."""
+
+    def __init__(self, temperature: float = 0.0, seed: int = 0, penalty: float = 0.0) -> None:
+        from api.inference.generation import Sampler
+        from api.inference.sampling import SamplingParams
+
+        params = SamplingParams(temperature=temperature, presence_penalty=penalty)
+        self.sampler = Sampler(params, seed)
+        self.team = "t"
+        self.text: dict[int, str] = {}
+        self.reasons: dict[int, str] = {}
+
+    def delta(self, index: int, text: str) -> None:
+        self.text[index] = self.text.get(index, "") + text
+
+    def finished(self, row: object, reason: str) -> None:
+        self.reasons[row.index] = reason  # type: ignore[attr-defined]
+
+
+def _greedy_reference(loaded: object, prompt: list[int], max_new: int) -> str:
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = loaded.model.generate(  # type: ignore[attr-defined]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=sorted(loaded.eos_ids),  # type: ignore[attr-defined]
+            pad_token_id=loaded.pad_id,  # type: ignore[attr-defined]
+        )
+    text: str = loaded.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)  # type: ignore[attr-defined]
+    return text
+
+
+def test_batch_rows_that_join_mid_decode_answer_like_generate_alone() -> None:
+    """Prompts of different lengths join a running batch steps apart (left-padded caches appended);
+    one is cancelled halfway; every other row's greedy text is transformers' own for its prompt."""
+    import torch
+
+    from api.inference.generation import Batch, Choice
+    from api.inference.model_cache import load
+
+    loaded = load("tiny-llama", "cpu", torch.float32)
+    prompts = ["hello there", "a much longer prompt about rivers and foxes", "x", "to be cancelled"]
+    owners = [_Owner() for _ in prompts]
+    batch = Batch(loaded)
+    max_rows = 0
+    with torch.inference_mode():
+        for k, (p, o) in enumerate(zip(prompts, owners, strict=True)):
+            ids = tuple(loaded.tokenizer(p)["input_ids"])
+            batch.add([(o, [Choice(0, ids, 0, 24)], ())])
+            for _ in range(3):
+                batch.step()
+                max_rows = max(max_rows, len(batch.rows))
+            if k == 3:
+                batch.halt(o)
+        for _ in range(100):
+            if batch.empty:
+                break
+            batch.step()
+    assert batch.empty and max_rows >= 3  # decoded together
+    for p, o in zip(prompts[:3], owners[:3], strict=True):
+        assert o.text[0] == _greedy_reference(loaded, list(loaded.tokenizer(p)["input_ids"]), 24)
+        assert o.reasons == {0: "length"}
+    assert owners[3].reasons == {}  # halted: no finish reported
+
+
+def test_batch_sampling_is_seeded_per_request_and_choices_differ() -> None:
+    import torch
+
+    from api.inference.generation import Batch, Choice
+    from api.inference.model_cache import load
+
+    loaded = load("tiny-llama", "cpu", torch.float32)
+    ids = tuple(loaded.tokenizer("hi")["input_ids"])
+
+    def sample(seed: int) -> dict[int, str]:
+        owner = _Owner(temperature=1.0, seed=seed, penalty=0.5)
+        batch = Batch(loaded)
+        with torch.inference_mode():
+            batch.add([(owner, [Choice(i, ids, 0, 16) for i in range(3)], ())])
+            for _ in range(40):
+                if batch.empty:
+                    break
+                batch.step()
+        return owner.text
+
+    first = sample(5)
+    assert sample(5) == first and len(set(first.values())) > 1 and sample(6) != first

@@ -63,8 +63,16 @@ def _nginx() -> str:
     return exe
 
 
-def _write_config(tmp: Path, upstream: str, port: int) -> Path:
-    rendered = render({**proxy_environment(), "PROXY_UPSTREAM": upstream})
+#: The proxy under test allows 3 inference requests per key at once, then one every 2 s.
+RATE_LIMIT = {
+    "PROXY_INFERENCE_RATE": "30r/m",
+    "PROXY_INFERENCE_BURST": "2",
+    "PROXY_INFERENCE_RETRY_AFTER": "2",
+}
+
+
+def _write_config(tmp: Path, upstream: str, port: int, env: dict[str, str] | None = None) -> Path:
+    rendered = render({**proxy_environment(), **(env or {}), "PROXY_UPSTREAM": upstream})
     assert rendered.count("listen 8080 default_server;") == 1
     (tmp / "default.conf").write_text(
         rendered.replace("listen 8080 default_server;", f"listen 127.0.0.1:{port};")
@@ -113,7 +121,7 @@ def proxied(app: FastAPI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    conf = _write_config(tmp, f"127.0.0.1:{api_port}", proxy_port)
+    conf = _write_config(tmp, f"127.0.0.1:{api_port}", proxy_port, RATE_LIMIT)
     proc = subprocess.Popen([_nginx(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{proxy_port}"
     try:
@@ -232,3 +240,27 @@ def test_model_downloads_resume_through_the_proxy(proxied: str, app: FastAPI, cl
         with tarfile.open(fileobj=io.BytesIO(full.content)) as tar:
             assert tar.getnames() == ["config.json", "model.safetensors"]
         assert c.get(url, headers={"Range": f"bytes={length}-"}).status_code == 416
+
+
+def test_inference_is_rate_limited_per_key_at_the_proxy(proxied: str, app: FastAPI) -> None:
+    """One key's inference requests past the rate and burst are refused by nginx with 429, Retry-After
+    and the API's envelope; another key has its own allowance, and other endpoints are not limited."""
+    first, second = make_team(app), make_team(app)
+
+    def chat(team: TeamKey) -> httpx.Response:
+        return httpx.post(
+            f"{proxied}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {team.key}"},
+            json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=30,
+        )
+
+    codes = [chat(first).status_code for _ in range(8)]
+    assert codes[:3] == [404] * 3, codes  # 1 + the burst of 2 reach the API (an unknown model: 404)
+    assert codes.count(429) >= 3, codes  # the rest within seconds: one more every 2 s at most
+    refused = chat(first)
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "2"
+    assert _error(refused)["code"] == "rate_limit_exceeded"
+    assert chat(second).status_code == 404  # another key: its own allowance
+    with httpx.Client(base_url=proxied, headers={"Authorization": f"Bearer {first.key}"}, timeout=30) as c:
+        assert all(c.get("/v1/models").status_code == 200 for _ in range(5))
