@@ -59,7 +59,8 @@ def queue_full(retry_after: float, refusal: Refusal | None = None) -> APIError:
     if refusal is not None and refusal.team_full:
         message = (
             f"Your team has {refusal.team_held} inference requests in progress, its share of this "
-            f"server's slots while {refusal.teams} teams use it; retry after {seconds} s"
+            f"server's slots while {refusal.teams} team{'s' if refusal.teams != 1 else ''} use"
+            f"{'' if refusal.teams != 1 else 's'} it; retry after {seconds} s"
         )
     else:
         message = f"Too many inference requests in progress; retry after {seconds} s"
