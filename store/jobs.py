@@ -23,6 +23,7 @@ and the run ledger: a job leaving ``running`` ends its run, see store.runs).
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from store import quotas
 from store.fairshare import WAITING, fair_order
-from store.orm import FineTuningJob, JobEvent, JobStatus, as_utc, utcnow
+from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, as_utc, utcnow
 from store.runs import end_runs, open_run
 from store.settings import Settings
 
@@ -190,7 +191,16 @@ def claim(
     job.heartbeat_at = utcnow()
     if status is JobStatus.running:
         add_event(session, job.id, "Previous run of this job was lost; taking it over", level="warning")
-    resume = f", resuming from step {job.global_step}" if job.global_step else ""
+    step = resume_step(session, job)
+    resume = (
+        ", resuming from its last checkpoint"
+        if step is None
+        else f", resuming from step {step}"
+        if step
+        else ", restarting from step 0 (no checkpoint yet)"
+        if job.global_step
+        else ""
+    )
     set_status(
         session,
         job,
@@ -277,7 +287,7 @@ def claim_next(
             held = held or job_id
             continue
         job = locked(job_id, skip_locked=True)
-        if job is None or job.status not in PENDING:
+        if job is None or job.status not in PENDING or held_back(job):
             continue
         outcome = run_here(job)
         if outcome is Claim.claimed:
@@ -303,10 +313,40 @@ def requeue(session: Session, job: FineTuningJob, why: str) -> str:
     """
     job.worker_hostname = None
     job.heartbeat_at = None
-    set_status(
-        session, job, JobStatus.queued, message=f"{why}; re-queued to resume from step {job.global_step}"
+    step = resume_step(session, job)
+    where = (
+        "to resume from its last checkpoint"
+        if step is None
+        else f"to resume from step {step}"
+        if step
+        else "to restart from step 0 (no checkpoint yet)"
     )
+    set_status(session, job, JobStatus.queued, message=f"{why}; re-queued {where}")
     return job.queue
+
+
+def resume_step(session: Session, job: FineTuningJob) -> int | None:
+    """The step the job's next run resumes from: its last checkpoint's (its row's step; for one whose
+    row is not written yet, found on disk by the worker, the number its directory's name ends with), 0
+    without a checkpoint, None when that cannot be told. Not ``global_step``: the steps run after the
+    last checkpoint are run again."""
+    path = job.last_checkpoint_path
+    if not path:
+        return 0
+    step = session.scalar(
+        select(JobCheckpoint.step_number).where(JobCheckpoint.job_id == job.id, JobCheckpoint.path == path)
+    )
+    if step is not None:
+        return int(step)
+    digits = re.search(r"(\d+)$", path.rstrip("/"))
+    return int(digits.group(1)) if digits else None
+
+
+def held_back(job: FineTuningJob, now: datetime | None = None) -> bool:
+    """Whether a queued job must still wait before a worker takes it (``not_before``: a job stopped by a
+    full disk waits off the GPU, worker.requeue)."""
+    at = as_utc(job.not_before)
+    return at is not None and at > (now or utcnow())
 
 
 def fail(

@@ -157,6 +157,9 @@ class FineTuningJob(Base):
     #: When the broker accepted this job's message for its current wait in the queue; NULL while no
     #: message was handed over yet (cleared whenever the job becomes queued). See worker.dispatch.
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: A queued job is neither claimed nor dispatched before this time (a job stopped by a full disk
+    #: waits off the GPU, worker.requeue); NULL: as soon as a worker is free. Cleared at dispatch.
+    not_before: Mapped[datetime | None] = mapped_column(default=None)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", cascade="all, delete-orphan", passive_deletes=True

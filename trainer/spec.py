@@ -43,6 +43,9 @@ Auto = Literal["auto"]
 #: The largest step, epoch, batch or length count a job may have: its step counters are 32-bit
 #: integer columns in the database.
 MAX_COUNT = 2**31 - 1
+#: The largest batch size ``"auto"`` resolves to (:meth:`Hyperparameters.resolve`: 1% of the examples,
+#: at least 4 and at most this, never more than the examples there are).
+AUTO_BATCH_MAX = 32
 
 
 class EngineSettings(EngineConfig):
@@ -274,7 +277,7 @@ class Hyperparameters(RuntimeRequest):
         else:
             n_epochs = self.n_epochs
         if self.batch_size == "auto":
-            batch_size = min(num_examples, max(4, min(32, num_examples // 100)))
+            batch_size = min(num_examples, max(4, min(AUTO_BATCH_MAX, num_examples // 100)))
         else:
             batch_size = min(self.batch_size, num_examples)
         base_lr = base_learning_rate if self.learning_rate == "auto" else self.learning_rate

@@ -8,7 +8,9 @@ whenever a job becomes queued (``store.jobs.set_status``). :func:`redispatch_los
 reaper thread of every worker each round, then
 
 1. dispatches queued jobs with no ``dispatched_at`` that were created (or re-queued) longer than
-   ``dispatch_grace_seconds`` ago;
+   ``dispatch_grace_seconds`` ago; a job re-queued to wait off the GPU (a full disk,
+   :mod:`worker.requeue`: its ``not_before``) gets its message here at the first round after its
+   wait is over (``HOLD_OVER_EVENT``; ``not_before`` cleared), never before;
 2. per queue, counts the messages the broker holds (ready ones: a message a worker has taken but not
    acknowledged is not counted) and compares with the queued jobs that have been dispatched; when the
    broker holds fewer, messages were lost, and each of those jobs dispatched more than the grace ago
@@ -31,10 +33,10 @@ import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 
 from store.db import session_scope
-from store.jobs import add_event, mark_dispatched
+from store.jobs import add_event, held_back, mark_dispatched
 from store.orm import FineTuningJob, JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
 from worker.broker import Enqueue, celery_app, enqueue_job
@@ -45,6 +47,7 @@ log = logging.getLogger("zenflow.dispatch")
 CountMessages = Callable[[list[str]], dict[str, int | None]]
 
 NEVER_SENT_EVENT = "Job was never handed to the broker; dispatched now"
+HOLD_OVER_EVENT = "Wait over; dispatched to the workers of its queue"
 LOST_EVENT = "Broker message lost; re-queued"
 
 
@@ -87,9 +90,16 @@ def broker_message_counts(queues: Iterable[str]) -> dict[str, int | None]:
 
 
 def _dispatch_locked(
-    url: str, job_id: str, due: Callable[[FineTuningJob], bool], enqueue: Enqueue, event: str
+    url: str,
+    job_id: str,
+    due: Callable[[FineTuningJob], bool],
+    enqueue: Enqueue,
+    event: str,
+    *,
+    level: str = "warning",
 ) -> bool:
-    """Under the job's row lock: if it is still queued and ``due``, enqueue it, stamp it, log ``event``."""
+    """Under the job's row lock: if it is still queued and ``due``, enqueue it, stamp it (``not_before``
+    cleared), log ``event``."""
     with session_scope(url) as s:
         job = s.execute(
             select(FineTuningJob).where(FineTuningJob.id == job_id).with_for_update(skip_locked=True)
@@ -97,37 +107,46 @@ def _dispatch_locked(
         if job is None or job.status != JobStatus.queued.value or not due(job):
             return False
         enqueue(job.id, job.queue)
-        job.dispatched_at = utcnow()
-        add_event(s, job.id, event, level="warning", data={"status": job.status, "queue": job.queue})
+        job.dispatched_at, job.not_before = utcnow(), None
+        add_event(s, job.id, event, level=level, data={"status": job.status, "queue": job.queue})
     return True
 
 
 def dispatch_undispatched_jobs(
     *, settings: Settings | None = None, now: datetime | None = None, enqueue: Enqueue | None = None
 ) -> list[str]:
-    """Step 1: queued jobs never handed to the broker, older than the grace; the ids dispatched."""
+    """Step 1: queued jobs never handed to the broker, older than the grace, and those whose wait
+    (``not_before``) is over; the ids dispatched."""
     settings = settings or get_settings()
     url, enqueue = settings.resolved_database_url, enqueue or _default_enqueue
-    cutoff = (now or utcnow()) - timedelta(seconds=settings.dispatch_grace_seconds)
+    now = now or utcnow()
+    cutoff = now - timedelta(seconds=settings.dispatch_grace_seconds)
     with session_scope(url) as s:
-        ids = list(
-            s.scalars(
-                select(FineTuningJob.id)
-                .where(
-                    FineTuningJob.status == JobStatus.queued.value,
-                    FineTuningJob.dispatched_at.is_(None),
-                    FineTuningJob.created_at < cutoff,
-                )
-                .order_by(FineTuningJob.created_at)
+        rows = s.execute(
+            select(FineTuningJob.id, FineTuningJob.not_before)
+            .where(
+                FineTuningJob.status == JobStatus.queued.value,
+                FineTuningJob.dispatched_at.is_(None),
+                or_(
+                    and_(FineTuningJob.not_before.is_(None), FineTuningJob.created_at < cutoff),
+                    FineTuningJob.not_before <= now,  # no one else sends it: no grace to give
+                ),
             )
-        )
-    sent = [
-        j
-        for j in ids
-        if _dispatch_locked(url, j, lambda job: job.dispatched_at is None, enqueue, NEVER_SENT_EVENT)
-    ]
-    for j in sent:
-        log.warning("dispatched job %s: it was queued without a broker message", j)
+            .order_by(FineTuningJob.created_at)
+        ).all()
+
+    def due(job: FineTuningJob) -> bool:
+        return job.dispatched_at is None and not held_back(job, now)
+
+    sent: list[str] = []
+    for job_id, not_before in rows:
+        if not_before is not None:  # its wait off the GPU is over
+            if _dispatch_locked(url, job_id, due, enqueue, HOLD_OVER_EVENT, level="info"):
+                sent.append(job_id)
+                log.info("dispatched job %s: its wait is over", job_id)
+        elif _dispatch_locked(url, job_id, due, enqueue, NEVER_SENT_EVENT):
+            sent.append(job_id)
+            log.warning("dispatched job %s: it was queued without a broker message", job_id)
     return sent
 
 

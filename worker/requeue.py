@@ -6,11 +6,18 @@ job is re-queued to resume from its last checkpoint:
 - preempted (exit 75, or SIGTERM from a worker shutting down): the attempt is given back;
 - interrupted (exit 69: the database was unreachable for longer than ``job_db_outage_seconds``): the
   attempt counts, but the job is never failed for it here;
-- stopped by a full disk (exit 74: no space left while writing a checkpoint, the previous one kept):
-  the job is held for a backoff (``disk_full_backoff_seconds``, doubled for each such re-queue in a
-  row, at most 15 minutes; heartbeat kept, a cancel or the worker's shutdown ends it early), then
-  re-queued with the attempt given back; after ``disk_full_max_requeues`` such re-queues in a row
-  without a new checkpoint in between it fails with code ``disk_full``;
+- stopped by a full disk (exit 74: no space left while writing a checkpoint, the previous one kept
+  if there was one): the run ends and the job is re-queued at once, the attempt given back, to wait
+  off the GPU for a backoff (``disk_full_backoff_seconds``, doubled for each such re-queue in a row,
+  at most 15 minutes): its ``not_before``, before which no worker claims it
+  (:func:`store.jobs.held_back`) and after which the reaper's dispatcher sends its message
+  (:mod:`worker.dispatch`). The GPU is free for other jobs meanwhile and the wait is no run, so
+  nothing of it is billed (store.runs); a cancel meanwhile cancels the queued job at once. Its event
+  says which checkpoint the job resumes from ("the previous checkpoint checkpoint-000060 (step 60) is
+  kept", as the disk says), or that none exists and it restarts from step 0. After
+  ``disk_full_max_requeues`` such re-queues in a row without a new checkpoint in between it fails
+  with code ``disk_full``. (The attempt is given back as for a preemption: the job did nothing wrong,
+  and a disk that fills up now and then must not use up its attempts; the streak bounds the loop.)
 - any other exit (a crash, a kill): the attempt counts; with none left the job fails (``worker_lost``).
 
 Each step is one transaction retried across database outages (:func:`worker.retry.retry_db`);
@@ -22,18 +29,18 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
-import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from store import jobs
 from store.db import session_scope
 from store.orm import FineTuningJob, JobEvent, JobStatus, utcnow
+from store.runs import end_runs
 from store.settings import Settings
 from worker.broker import Enqueue
 from worker.dispatch import dispatch_job
@@ -48,7 +55,7 @@ from worker.retry import DatabaseUnavailable, retry_db
 
 log = logging.getLogger("zenflow.worker")
 
-#: The longest backoff before a job stopped by a full disk is re-queued.
+#: The longest wait off the GPU of a job stopped by a full disk.
 MAX_DISK_FULL_BACKOFF_SECONDS = 900.0
 
 
@@ -116,18 +123,25 @@ def _retrying(fn: Callable[[], tuple[str, Any]], job_id: str, settings: Settings
         return "db-unavailable", None
 
 
-def _catch_up_with_disk(job: FineTuningJob) -> None:
+def _catch_up_with_disk(job: FineTuningJob, *, exact: bool = False) -> Path | None:
     """A runner that could not reach the database at its end (interrupted, preempted during an outage)
     left a checkpoint newer than the row knows: the job resumes from there, so say so (the next run
-    registers its row and writes the reports it saved)."""
+    registers its row and writes the reports it saved). ``exact``: the row's checkpoint becomes the
+    newest complete one on disk whatever it was (none: no checkpoint; a full disk's re-queue tells
+    which one the job resumes from). The newest complete checkpoint, None when none (or unreadable)."""
     from trainer.run.checkpoint import latest_checkpoint
 
+    if not job.output_dir or (exact and not Path(job.output_dir).is_dir()):
+        return None
     try:
-        ck = latest_checkpoint(Path(job.output_dir)) if job.output_dir else None
+        ck = latest_checkpoint(Path(job.output_dir))
     except OSError:
-        return
+        return None
+    if exact:
+        job.last_checkpoint_path = str(ck.path) if ck is not None else None
     if ck is not None and ck.step > job.global_step:
         job.global_step, job.last_checkpoint_path = ck.step, str(ck.path)
+    return ck.path if ck is not None else None
 
 
 def _ours(s: Session, job_id: str, hostname: str) -> FineTuningJob | str:
@@ -168,15 +182,16 @@ def _disk_full_streak(s: Session, job: FineTuningJob) -> tuple[int, str]:
 
 
 def _after_disk_full(job_id: str, hostname: str, settings: Settings, enqueue: Enqueue) -> str:
-    """The runner found no space for a checkpoint: wait a backoff holding the job, then re-queue it
-    without counting the attempt; fail it after too many such re-queues in a row."""
+    """The runner found no space for a checkpoint: end the run and re-queue the job at once, to wait
+    off the GPU (``not_before``) without counting the attempt; fail it after too many in a row."""
     url, limit = settings.resolved_database_url, settings.disk_full_max_requeues
 
-    def begin() -> tuple[str, Any]:
+    def settle() -> tuple[str, str | None]:
         with session_scope(url) as s:
             job = _ours(s, job_id, hostname)
             if isinstance(job, str):
                 return job, None
+            kept = _catch_up_with_disk(job, exact=True)
             n, message = _disk_full_streak(s, job)
             if n > limit:
                 jobs.fail(
@@ -188,85 +203,37 @@ def _after_disk_full(job_id: str, hostname: str, settings: Settings, enqueue: En
                 )
                 return "failed", None
             delay = min(settings.disk_full_backoff_seconds * 2 ** (n - 1), MAX_DISK_FULL_BACKOFF_SECONDS)
-            job.heartbeat_at = utcnow()
+            end_runs(s, job.id)  # the run ends now (billed up to here); the wait starts after it
+            not_before = utcnow() + timedelta(seconds=delay)
+            job.not_before = not_before if delay > 0 else None
+            what = f"{message[:1].upper()}{message[1:]}"
             jobs.add_event(
                 s,
                 job.id,
-                f"{message[:1].upper()}{message[1:]}; the previous checkpoint is kept. "
-                f"Retrying in {delay:g} s (disk-full re-queue {n}/{limit}; attempts are not counted)",
+                f"{what}; {_kept_words(s, job, kept)}. The job waits {delay:g} s off the GPU before it "
+                f"runs again (disk-full re-queue {n}/{limit}; attempts are not counted)",
                 level="warning",
                 data={
                     "disk_full_requeues": n,
                     "last_checkpoint": job.last_checkpoint_path,
                     "backoff_seconds": delay,
+                    "not_before": not_before.isoformat(),
                 },
             )
-            return "wait", (delay, f"{message[:1].upper()}{message[1:]} (disk-full re-queue {n}/{limit})")
-
-    outcome, detail = _retrying(begin, job_id, settings)
-    if outcome != "wait":
-        return str(outcome)
-    delay, why = detail
-    if not _hold(job_id, hostname, settings, delay):
-        return "not-ours"
-
-    def settle() -> tuple[str, str | None]:
-        with session_scope(url) as s:
-            job = _ours(s, job_id, hostname)
-            if isinstance(job, str):
-                return job, None
             job.attempts = max(0, job.attempts - 1)  # a full disk is not the job's fault
-            return "requeued", jobs.requeue(s, job, why)
+            queue = jobs.requeue(s, job, f"{what} (disk-full re-queue {n}/{limit})")
+            return "requeued", (queue if delay <= 0 else None)
 
     outcome, queue = _retrying(settle, job_id, settings)
-    if queue is not None:
+    if queue is not None:  # no wait: dispatched now; else worker.dispatch sends it once the wait is over
         dispatch_job(url, job_id, queue, enqueue=enqueue)
     return outcome
 
 
-_backoff_stop = threading.Event()
-_in_backoff = threading.Event()
-
-
-def _hold(job_id: str, hostname: str, settings: Settings, seconds: float) -> bool:
-    """Keep the job's heartbeat fresh for ``seconds`` (or until a cancel, or the worker shutting down);
-    False when the job was taken away meanwhile."""
-    deadline = time.monotonic() + seconds
-    _backoff_stop.clear()
-    _in_backoff.set()
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            if _backoff_stop.wait(min(left, settings.heartbeat_interval_seconds)):
-                return True
-            try:
-                with session_scope(settings.resolved_database_url) as s:
-                    res = s.execute(
-                        update(FineTuningJob)
-                        .where(
-                            FineTuningJob.id == job_id,
-                            FineTuningJob.worker_hostname == hostname,
-                            FineTuningJob.status == JobStatus.running.value,
-                        )
-                        .values(heartbeat_at=utcnow())
-                        .returning(FineTuningJob.cancel_requested)
-                    )
-                    row = res.one_or_none()
-            except Exception:  # the database is away: the settle step after the wait retries
-                log.warning("job %s: heartbeat during the disk-full backoff failed", job_id, exc_info=True)
-                continue
-            if row is None:
-                return False
-            if row.cancel_requested:
-                return True
-        return True
-    finally:
-        _in_backoff.clear()
-
-
-def end_backoff() -> bool:
-    """End the disk-full backoff of the job waiting in this process, if any (the worker is shutting
-    down: it is re-queued at once); whether one was waiting."""
-    if _in_backoff.is_set():
-        _backoff_stop.set()
-        return True
-    return False
+def _kept_words(s: Session, job: FineTuningJob, kept: Path | None) -> str:
+    """What the job resumes from, in words: the checkpoint kept (its directory and step) or none."""
+    step = jobs.resume_step(s, job)
+    if not job.last_checkpoint_path or step == 0:
+        return "no checkpoint exists yet; the job will restart from step 0"
+    name = kept.name if kept is not None else Path(job.last_checkpoint_path).name
+    return f"the previous checkpoint {name}{f' (step {step})' if step else ''} is kept"

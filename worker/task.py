@@ -18,8 +18,8 @@
    one of its size) with the attempt counted, or fails when none are left;
 3. if the subprocess ended without a terminal state (crash, OOM kill, preemption), re-queues the job
    (it resumes from its last checkpoint) while attempts remain, else fails it; a runner interrupted by
-   a database outage is re-queued, never failed for it, and one stopped by a full disk is re-queued
-   after a backoff without counting an attempt (:mod:`worker.requeue`).
+   a database outage is re-queued, never failed for it, and one stopped by a full disk is re-queued at
+   once without counting an attempt, to wait off the GPU before it runs again (:mod:`worker.requeue`).
 
 While it waits, the worker beats the job's heartbeat (every ``heartbeat_interval_seconds``, only while
 the job is still running here), as the runner's monitor does: the claim's heartbeat would otherwise
@@ -58,7 +58,7 @@ from worker.errors import public_message
 from worker.job.runner import HOSTNAME_ENV, JOB_RUNNER_MODULE, job_ranks
 from worker.metrics.nvml import detect_gpus
 from worker.metrics.server import job_process_exited
-from worker.requeue import describe_exit, end_backoff, settle_after_exit
+from worker.requeue import describe_exit, settle_after_exit
 
 log = logging.getLogger("zenflow.worker")
 
@@ -245,12 +245,11 @@ _preempted = threading.Event()
 
 
 def preempt_current(sig: int = signal.SIGTERM) -> bool:
-    """Signal the running job's ranks (SIGTERM: checkpoint and exit 75), or end the disk-full backoff
-    of a job waiting here (it is re-queued at once); False when neither."""
+    """Signal the running job's ranks (SIGTERM: checkpoint and exit 75); False when none runs."""
     with _current_lock:
         group = _current
     if group is None or not group.alive():
-        return end_backoff()
+        return False
     _preempted.set()
     group.kill() if sig == signal.SIGKILL else group.terminate(sig)
     return True

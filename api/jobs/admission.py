@@ -1,7 +1,8 @@
 """Admission by capacity at job create: refuse a job whose plan fits no live worker of its queue.
 
-A job on several ranks (``resources.gpus``) is first refused when no live worker runs jobs that large
-(:func:`check_gpus`); its queue is then the one of its size (``worker.broker.queue_for_gpus``).
+A job on several ranks (``resources.gpus``) is first refused when no worker runs jobs of that size
+(:func:`check_gpus`, the message listing the sizes served); its queue is then the one of its size
+(``worker.broker.queue_for_gpus``).
 The candidates are the queue's live workers (:func:`store.worker_registry.live_workers`, heartbeat within
 ``worker_live_seconds``) with the capacity each measured at start; with none registered, the
 configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`worker.capacity.measure.
@@ -47,36 +48,33 @@ def candidates(session: Session, queue: str, settings: Settings) -> list[tuple[s
         raise APIError(503, f"Admission is misconfigured: {e}", code="server_misconfigured") from e
 
 
+def served_sizes(live: list[int], settings: Settings) -> list[int]:
+    """The job sizes (GPUs per job) this service runs now, ascending: one GPU always (admitted with no
+    worker of that size live, as ever), those the ``live`` workers run (``worker_registry.live_job_sizes``),
+    and while none is live, the size this process's own embedded worker runs (``cpu_ranks`` and
+    ``gpus_per_job``: it may not have registered yet)."""
+    sizes = set(live)
+    if not sizes and settings.cpu_ranks:
+        sizes.add(settings.gpus_per_job)
+    return sorted(sizes | {1})
+
+
 def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
-    """Refuse (400 on ``resources.gpus``, before anything is written) a job on more than one rank that
-    no live worker runs: a worker consumes only the queue of its own job size (``worker_registry.gpus_per_job``),
-    so a size no live worker has would wait forever. With no worker live at all, one GPU is admitted as
-    always, more only where this process's own settings run them (``cpu_ranks`` and ``gpus_per_job``:
-    the embedded server, whose worker may not have registered yet)."""
+    """Refuse (400 on ``resources.gpus``, before anything is written) a job on more than one rank of a
+    size no worker runs: a worker consumes only the queue of its own job size, so such a job would wait
+    forever. The message lists the sizes served (:func:`served_sizes`): "No worker serves 3 GPUs per
+    job; sizes served: 1, 2. ..."."""
     if gpus <= 1:
         return
-    sizes = worker_registry.live_job_sizes(session, live_seconds=settings.worker_live_seconds)
-    if not sizes:
-        if settings.cpu_ranks and settings.gpus_per_job >= gpus:
-            return
-        message = (
-            f"No worker is live to run a job on {gpus} GPUs: start one with --gpus-per-job {gpus} "
-            "or ask for resources.gpus 1"
-        )
-    elif gpus > sizes[-1]:
-        message = (
-            f"The job asks for {gpus} GPUs, more than any live worker runs: the largest jobs live "
-            f"workers serve are {sizes[-1]} GPU{'s' if sizes[-1] > 1 else ''}"
-        )
-    elif gpus not in sizes:
-        message = (
-            f"The job asks for {gpus} GPUs and no live worker runs jobs of that size (a worker runs "
-            f"jobs of exactly its --gpus-per-job): live workers run jobs of "
-            f"{', '.join(map(str, sizes))} GPUs; ask for one of these or start a worker with "
-            f"--gpus-per-job {gpus}"
-        )
-    else:
+    live = worker_registry.live_job_sizes(session, live_seconds=settings.worker_live_seconds)
+    sizes = served_sizes(live, settings)
+    if gpus in sizes:
         return
+    message = (
+        f"No worker serves {gpus} GPUs per job{'' if live else ' (no worker is live)'}; sizes served: "
+        f"{', '.join(map(str, sizes))}. Ask for one of these in resources.gpus, or start a worker with "
+        f"--gpus-per-job {gpus}"
+    )
     raise APIError(400, message, param="resources.gpus", code=CODE)
 
 

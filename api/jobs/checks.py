@@ -23,7 +23,15 @@ from trainer.data.dataset import DatasetValidationError, validate_file
 from trainer.limits import JobLimits, LimitError, limit_errors
 from trainer.model.folder_check import ModelFolderError
 from trainer.model.folder_check import check_model_folder as check_folder
-from trainer.spec import EngineSettings, Hyperparameters, JobSpec, LoraSpec, ResourceSpec, spec_from_job
+from trainer.spec import (
+    AUTO_BATCH_MAX,
+    EngineSettings,
+    Hyperparameters,
+    JobSpec,
+    LoraSpec,
+    ResourceSpec,
+    spec_from_job,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +146,7 @@ def check_job_spec(
         ]
         raise validation_error(errors, fields=fields) from exc
     refused = limit_errors(spec, limits, num_examples=num_examples) if limits is not None else []
-    refused = refused or rank_batch_errors(spec, num_examples)
+    refused = refused or rank_batch_errors(spec, num_examples) or micro_batch_errors(spec, num_examples)
     if refused:
         errors = [
             {"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
@@ -187,6 +195,35 @@ def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitErro
         LimitError(
             ("training_file",),
             f"has {num_examples} examples, so each step's batch is {resolved}; it must be {need}",
+        )
+    ]
+
+
+def micro_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitError]:
+    """An explicit ``micro_batch_size`` over a ``batch_size`` of ``"auto"`` (one over an explicit batch
+    size is the spec's own validation error): refused against what ``auto`` resolves to for the training
+    file's ``num_examples``, else against the most it can resolve to (``AUTO_BATCH_MAX``). The run
+    itself would clamp it to the batch size silently; at create the request is answered instead."""
+    hp = spec.hyperparameters
+    micro = hp.micro_batch_size
+    if micro == "auto" or hp.batch_size != "auto":
+        return []
+    try:
+        resolved = spec.resolve(num_examples).batch_size if num_examples else None
+    except ValueError:  # more steps than a job can run: refused elsewhere
+        return []
+    if resolved is not None:
+        batch, what = resolved, f"'auto' resolves to {resolved} for {num_examples} examples"
+    else:
+        batch, what = AUTO_BATCH_MAX, f"'auto' is at most {AUTO_BATCH_MAX}"
+    if micro <= batch:
+        return []
+    return [
+        LimitError(
+            ("hyperparameters", "micro_batch_size"),
+            f"must be at most batch_size (sequences of one forward/backward, out of the examples of one "
+            f"optimizer step); batch_size {what}: give a batch_size of {micro} or more, or a smaller "
+            "micro_batch_size",
         )
     ]
 

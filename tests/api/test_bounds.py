@@ -252,3 +252,109 @@ def test_local_llama_checkpoint_with_lora(
     )
     assert long.status_code == 400 and "the model's maximum sequence length" in error_of(long)["message"]
     assert team_rows(bounded[0], bteam)[0] == 1
+
+
+# --- issue 25: micro_batch_size over batch_size; the engine windows' documented bound --------------------
+
+
+@pytest.mark.parametrize(
+    ("hp", "param", "said"),
+    [
+        (
+            {"micro_batch_size": 1_000_000},
+            "hyperparameters",
+            "batch_size 'auto' resolves to 4 for 8 examples",
+        ),
+        ({"micro_batch_size": 5}, "hyperparameters", "batch_size 'auto' resolves to 4 for 8 examples"),
+        ({"batch_size": 4, "micro_batch_size": 8}, "hyperparameters", "must be at most batch_size (4)"),
+        (
+            {"micro_batch_size": 1_000_000},
+            "method.supervised.hyperparameters",
+            "batch_size 'auto' resolves to 4",
+        ),
+    ],
+    ids=["auto-huge", "auto-just-over", "explicit", "method"],
+)
+def test_micro_batch_size_over_batch_size_is_refused(
+    bounded: tuple[FastAPI, Enqueued],
+    bclient: TestClient,
+    bteam: TeamKey,
+    hp: dict[str, Any],
+    param: str,
+    said: str,
+) -> None:
+    app, enqueued = bounded
+    fid = uploaded_id(bclient, bteam)  # 8 examples: a batch size of "auto" resolves to 4
+    sent = len(enqueued.calls)
+    extra = _supervised(hp) if param.startswith("method") else {"hyperparameters": hp}
+    r = bclient.post(JOBS, headers=bteam.headers, json={"model": "tiny-llama", "training_file": fid, **extra})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == f"{param}.micro_batch_size" and err["code"] == "invalid_value", err
+    assert said in err["message"], err["message"]
+    assert team_rows(app, bteam) == (0, 0) and len(enqueued.calls) == sent
+
+
+def test_micro_batch_size_within_batch_size_passes(
+    bounded: tuple[FastAPI, Enqueued], bclient: TestClient, bteam: TeamKey
+) -> None:
+    fid = uploaded_id(bclient, bteam)
+    for hp in (
+        {"micro_batch_size": 4},  # what "auto" resolves to for 8 examples
+        {"batch_size": 16, "micro_batch_size": 16},  # the request agrees; 8 examples lower both to 8
+        {"batch_size": 8, "micro_batch_size": 2},
+    ):
+        r = bclient.post(
+            JOBS,
+            headers=bteam.headers,
+            json={"model": "tiny-llama", "training_file": fid, "hyperparameters": hp},
+        )
+        assert r.status_code == 200, (hp, r.text)
+
+
+def test_micro_batch_errors_without_a_file_count_use_the_most_auto_resolves_to() -> None:
+    from api.jobs.checks import micro_batch_errors
+    from trainer.spec import AUTO_BATCH_MAX, JobSpec
+
+    def spec(hp: dict[str, Any]) -> JobSpec:
+        return JobSpec(model="tiny-llama", training_file="t.jsonl", hyperparameters=hp)
+
+    assert micro_batch_errors(spec({"micro_batch_size": AUTO_BATCH_MAX}), None) == []
+    (refused,) = micro_batch_errors(spec({"micro_batch_size": AUTO_BATCH_MAX + 1}), None)
+    assert refused.loc == ("hyperparameters", "micro_batch_size")
+    assert f"batch_size 'auto' is at most {AUTO_BATCH_MAX}" in refused.message
+    assert micro_batch_errors(spec({"micro_batch_size": "auto"}), 8) == []
+    assert micro_batch_errors(spec({"batch_size": 2, "micro_batch_size": 2}), 1) == []  # clamped at run
+
+
+def test_engine_window_bound_is_the_documented_one() -> None:
+    """docs/api.md's bound on the engine windows is offload.config.MAX_INTERVAL_STEPS (10,000,000: longer
+    than any job may run, so a select_interval that long means "never reselect"; clients send it)."""
+    import re
+
+    from offload.config import MAX_INTERVAL_STEPS, EngineConfig
+    from trainer.limits import JobLimits
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    found = re.search(r"`loss_scale_growth_interval` at most ([\d,]+) steps", docs)
+    assert found is not None and int(found.group(1).replace(",", "")) == MAX_INTERVAL_STEPS
+    assert "at most 100,000 steps" not in docs
+    assert JobLimits().max_total_steps <= MAX_INTERVAL_STEPS
+    EngineConfig(select_interval=MAX_INTERVAL_STEPS, max_update_interval=MAX_INTERVAL_STEPS)
+    for field in ("update_interval", "select_interval", "max_update_interval", "select_interval_fallback"):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: MAX_INTERVAL_STEPS + 1})
+
+
+def test_engine_window_over_the_bound_is_refused_at_create(
+    bounded: tuple[FastAPI, Enqueued], bclient: TestClient, bteam: TeamKey
+) -> None:
+    from offload.config import MAX_INTERVAL_STEPS
+
+    fid = uploaded_id(bclient, bteam)
+    body = {"model": "tiny-llama", "training_file": fid}
+    r = bclient.post(
+        JOBS, headers=bteam.headers, json={**body, "engine": {"select_interval": MAX_INTERVAL_STEPS + 1}}
+    )
+    assert r.status_code == 400 and error_of(r)["param"] == "engine.select_interval", r.text
+    assert f"{MAX_INTERVAL_STEPS}" in error_of(r)["message"]

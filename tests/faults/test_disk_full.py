@@ -1,14 +1,16 @@
 """Disk full while checkpointing: the job stops with the reason, keeps its previous checkpoint, and is
-re-queued after a backoff without counting an attempt; with space back it resumes and succeeds.
+re-queued at once without counting an attempt, to wait off the GPU (its run ended: the wait is not
+billed); with space back it resumes and succeeds.
 
 A real small filesystem, not a mock: the jobs directory is a tmpfs mounted for the test (we run as
 root, as CI does; without the privilege to mount the test skips and says so). Once the job's first
 checkpoint is on disk the rest of the filesystem is filled, so the next checkpoint write hits ENOSPC
 for real. Then: the job says "no space left while writing checkpoint N", the partial checkpoint
 directory is gone, the earlier checkpoint is byte-for-byte what it was and still complete (and so
-resumable), and the worker holds the job for its backoff and re-queues it, the attempt not counted.
-Once space is back the job resumes from that checkpoint and succeeds. (The bound on such re-queues in
-a row is tests/worker/test_job_disk_full.py.)
+resumable), and the worker re-queues the job at once, the attempt not counted, its events naming the
+checkpoint it resumes from; no run of the job overlaps its waits. Once space is back the job resumes
+from that checkpoint and succeeds. (The bound on such re-queues in a row, and a job with no checkpoint
+yet, are tests/worker/test_job_disk_full.py.)
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import os
 import subprocess
 import uuid
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import select
 
+from store.orm import JobRun, as_utc
 from tests.faults.harness import Client, job_params, stack, wait_until
 from tests.support import unavailable
 
@@ -85,7 +92,7 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
             prefix="zf_disk",
             ZENFLOW_JOBS_DIR=str(jobs_dir),
             ZENFLOW_DISK_FULL_BACKOFF_SECONDS="3",
-            ZENFLOW_DISK_FULL_MAX_REQUEUES="3",
+            ZENFLOW_DISK_FULL_MAX_REQUEUES="5",
         ) as st,
     ):
         api = st.start_api()
@@ -103,18 +110,25 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
         before = digest(first.path)
         assert st.job(job_id).status == "running"
 
-        def retrying() -> list[str]:
-            return [e.message for e in st.events(job_id) if "Retrying in" in e.message]
+        def waiting() -> list[Any]:
+            return [e for e in st.events(job_id) if "off the GPU before it runs again" in e.message]
 
-        held = wait_until(retrying, 300, "the disk-full backoff", interval=0.2)
-        assert (
-            held[0].startswith("No space left while writing checkpoint ")
-            and "disk-full re-queue 1/3" in held[0]
-        )
-        step = int(held[0].split()[6].rstrip(";"))
+        held = wait_until(waiting, 300, "the disk-full re-queue", interval=0.2)[0]
+        assert held.message.startswith("No space left while writing checkpoint ")
+        assert "(disk-full re-queue 1/5; attempts are not counted)" in held.message
+        assert f"the previous checkpoint {first.path.name} (step {first.step}) is kept" in held.message
+        step = int(held.message.split()[6].rstrip(";"))
         assert step > first.step
-        job = st.job(job_id)  # held for the backoff (or just re-queued, its attempt given back)
-        assert job.status in ("running", "queued") and job.error is None and job.attempts <= 1
+        # queued at once, in the same transaction: not held running while it waits
+        events = st.events(job_id)
+        requeued = events[[e.id for e in events].index(held.id) + 1]
+        assert requeued.message == (
+            f"No space left while writing checkpoint {step} (disk-full re-queue 1/5); re-queued to resume "
+            f"from step {first.step}"
+        )
+        assert requeued.data["status"] == "queued"
+        job = st.job(job_id)
+        assert job.status in ("queued", "running") and job.error is None and job.attempts <= 1
         warning = [
             e for e in st.events(job_id) if e.message == f"no space left while writing checkpoint {step}"
         ]
@@ -136,9 +150,15 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
         msgs = [e.message for e in st.events(job_id)]
         assert job.status == "succeeded", (job.status, job.error, msgs[-8:])
         assert job.attempts == 1 and job.error is None
-        assert any(
-            m.startswith(f"No space left while writing checkpoint {step} (disk-full re-queue 1/3); re-queued")
-            for m in msgs
-        ), msgs
         assert f"Training resumed at step {first.step}" in " | ".join(msgs)
+        # the GPU-seconds billed: the runs only, none of the waits between them
+        with st.session() as s:
+            runs = s.scalars(select(JobRun).where(JobRun.job_id == job_id).order_by(JobRun.started_at)).all()
+            spans = [(as_utc(r.started_at), as_utc(r.ended_at), r.gpu_seconds) for r in runs]
+        assert len(spans) >= 2 and all(end is not None for _, end, _ in spans)
+        assert spans[0][1] <= as_utc(requeued.created_at)  # the first run ended at its re-queue
+        for (_, end, _), (start, _, _) in itertools.pairwise(spans):
+            assert start >= end + timedelta(seconds=3)  # the wait (3 s, then doubled) is no run
+        for start, end, billed in spans:
+            assert billed == pytest.approx((end - start).total_seconds())
         assert not [m for m in msgs if "inline_container" in m or "enforce fail" in m]

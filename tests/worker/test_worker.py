@@ -215,8 +215,15 @@ def test_reaper(settings: Settings, tmp_path: Path) -> None:
 
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
     old = utcnow() - timedelta(seconds=settings.heartbeat_timeout_seconds + 60)
-    stale = make_job(
-        url, data, status="running", worker_hostname="dead@h", heartbeat_at=old, attempts=1, global_step=7
+    stale = make_job(  # 9 steps run, the last checkpoint at step 7: it resumes from 7 (issue 25)
+        url,
+        data,
+        status="running",
+        worker_hostname="dead@h",
+        heartbeat_at=old,
+        attempts=1,
+        global_step=9,
+        last_checkpoint_path="/jobs/stale/checkpoint-000007",
     )
     fresh = make_job(url, data, status="running", worker_hostname="live@h", heartbeat_at=utcnow(), attempts=1)
     worn = make_job(

@@ -21,7 +21,8 @@ its manifest parses and every file listed there has the recorded size, so a half
 (a crash mid-write leaves only the ``.tmp-`` name) is never picked for resume; leftovers are removed
 by :func:`cleanup_partial`. A checkpoint of N ranks lists every rank's shard file in its manifest, so it is
 complete only with all of them (:mod:`trainer.run.outputs` moves them in before the rename). A write that fails for want of space raises :class:`DiskFullError` ("no space left
-while writing checkpoint N"), the partial directory removed and an existing one of the same name kept.
+while writing checkpoint N"), the partial directory removed and an existing one of the same name kept;
+:func:`space_short` tells, before a run, whether one more checkpoint as large as the newest fits.
 """
 
 from __future__ import annotations
@@ -213,6 +214,32 @@ def latest_checkpoint(output_dir: Path) -> CheckpointInfo | None:
     """The newest complete checkpoint, or None."""
     cks = list_checkpoints(output_dir)
     return cks[-1] if cks else None
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def space_short(output_dir: Path) -> str | None:
+    """Why one more checkpoint cannot be written in ``output_dir`` (its filesystem has less free than
+    its newest complete checkpoint takes, plus the 1 MiB a write that fails below counts as full), as
+    a :class:`DiskFullError` would say it; None when there is room, or no checkpoint tells the size."""
+    ck = latest_checkpoint(output_dir)
+    if ck is None:
+        return None
+    files = ck.manifest.get("files")
+    need = sum(v for v in files.values() if isinstance(v, int)) if isinstance(files, dict) else 0
+    try:
+        st = os.statvfs(output_dir)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= need + _FULL_BELOW_BYTES:
+        return None
+    return (
+        f"no space left for another checkpoint: {_mib(free)} free where {ck.path.name} "
+        f"(step {ck.step}) takes {_mib(need)}"
+    )
 
 
 def cleanup_partial(output_dir: Path) -> list[Path]:

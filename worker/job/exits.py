@@ -4,13 +4,14 @@
 running for the worker to re-queue, attempt not counted); 69 interrupted: the database was unreachable
 for longer than the outage window (checkpoint written if the disk allowed, unwritten reports saved in
 the output directory for the next run; the worker re-queues the job, the attempt counted); 74 no space
-left while writing a checkpoint (the previous one kept; the worker re-queues after a backoff, the
-attempt not counted); 3 the job is not ours: already claimed elsewhere, or taken away while running
-(re-queued by the reaper, finished elsewhere), in which case the process exits at once without writing
-more (another process may own the output directory); 64 the job asks for another number of ranks
-than this group has (not claimed); 76 a peer rank failed (its collective broke: the job is left
-running, the group's code is the failed rank's); any other exit (a crash, a signal) leaves the job
-running for the worker or the reaper to re-queue.
+left while writing a checkpoint, or too little left at the start for one more (the previous one kept;
+the worker re-queues the job at once to wait off the GPU, the attempt not counted); 3 the job is not
+ours: already claimed elsewhere, or taken away while running (re-queued by the reaper, finished
+elsewhere), in which case the process exits at once without writing more (another process may own
+the output directory); 64 the job asks for another number of ranks than this group has (not
+claimed); 76 a peer rank failed (its collective broke: the job is left running, the group's code is
+the failed rank's); any other exit (a crash, a signal) leaves the job running for the worker or the
+reaper to re-queue.
 """
 
 from __future__ import annotations

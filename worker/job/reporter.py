@@ -138,7 +138,7 @@ class DBReporter:
         return Write(removed_checkpoint=ev.step)
 
     def _on_error(self, ev: ErrorEvent) -> Write | None:
-        """A full disk is a warning (the job is re-queued after a backoff); any other error ends the job
+        """A full disk is a warning (the job is re-queued to wait off the GPU); any other error ends the job
         as failed, whose one error event the end state writes (job_runner, store.jobs.fail)."""
         message = scrub(ev.message)
         if not (ev.error_type == "DiskFullError" or "No space left on device" in message):

@@ -58,7 +58,7 @@ from worker.job.exits import (
 from worker.job.monitor import JobMonitor, exit_lost
 from worker.job.ranks import Announce, peer_lost, run_peer_rank
 from worker.job.reporter import DBReporter
-from worker.job.writer import SPOOL_NAME, ReportWriter
+from worker.job.writer import SPOOL_NAME, ReportWriter, Write, event_row
 from worker.retry import DatabaseUnavailable, retry_db
 
 log = logging.getLogger("zenflow.job_runner")
@@ -294,12 +294,31 @@ def _supervised(
                 _failed(fit.CODE, refused.message, param=refused.param, event=refused.message),
                 window,
             )
+        if (short := _space_short(spec.output_dir, writer, window)) is not None:
+            monitor.stop()
+            announce(None)
+            return short
         announce(spec)
         return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings, dist).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
         writer.close()
+
+
+def _space_short(output_dir: Path, writer: ReportWriter, window: float) -> int | None:
+    """A job resumed onto a disk still without room for one more checkpoint (the newest one's size,
+    trainer.run.checkpoint.space_short) would train to it and stop again: exit 74 before anything is
+    loaded, with the full disk's warning (worker.requeue re-queues it to wait off the GPU)."""
+    from trainer.run.checkpoint import space_short
+
+    if (message := space_short(Path(output_dir))) is None:
+        return None
+    log.error("%s", message)
+    data = {"error_type": "DiskFullError", "errors": [], "disk_full": message}
+    writer.put(Write(events=[event_row(message, level="warning", data=data)]))
+    writer.flush(window)
+    return EXIT_DISK_FULL
 
 
 class _Run:
