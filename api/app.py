@@ -28,6 +28,7 @@ from api.core.metrics import install_metrics
 from api.docs_pages import install_docs
 from api.inference.service import InferenceService
 from api.jobs import checks
+from api.jobs.check_pool import CheckPool
 from api.routers import chat, events, files, health, jobs, models, quotas
 from api.storage import LocalFileStore
 from store.db import make_engine
@@ -63,6 +64,7 @@ def create_app(
         if swept:
             log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
         await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
+        app.state.data_checks.hook_signals()  # SIGTERM stops running data checks (api.jobs.check_pool)
         if api_settings.gc_freeze:
             freeze_startup_heap(with_broker=enqueue is None)
         retention = (
@@ -76,6 +78,7 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await retention
             await app.state.inference.aclose()
+            app.state.data_checks.close()  # running data checks stop at their next line
             app.state.engine.dispose()
 
     app = FastAPI(
@@ -97,6 +100,7 @@ def create_app(
     app.state.key_cache = KeyCache(api_settings.key_cache_seconds)
     app.state.db_limiter = anyio.CapacityLimiter(api_settings.db_threads or _pool_size(engine))
     app.state.inference = InferenceService(api_settings)  # models load on first use
+    app.state.data_checks = CheckPool(settings.data_check_workers)  # processes start on first use
 
     install_error_handlers(app)
     app.include_router(health.router)

@@ -102,6 +102,9 @@ class File(Base):
     num_examples: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[str] = mapped_column(String(32), default="processed")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: Outcomes of checking the data with a model's tokenizer, by check key (api.jobs.data_check): an
+    #: upload with ``model`` or a job's create keeps it, a later create with the same key reuses it.
+    data_checks: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class FineTuningJob(Base):

@@ -74,6 +74,17 @@ class Settings(BaseSettings):
     #: Largest learning rate (hyperparameters.learning_rate, or the model's rate x learning_rate_multiplier).
     max_learning_rate: float = Field(1.0, gt=0, allow_inf_nan=False)
     max_lora_rank: int = Field(256, ge=1, le=65_536)
+    #: Bounds of one example of a job's data (trainer.limits: messages, characters of its line, tokens
+    #: before truncation); over one, the upload or the create is a 400 naming the line.
+    max_example_messages: int = Field(2048, ge=1, le=2**31 - 1)
+    max_example_chars: int = Field(2_000_000, ge=1, le=2**31 - 1)
+    max_example_tokens: int = Field(262_144, ge=1, le=2**31 - 1)
+    #: A data check with a model's tokenizer (at create, and at upload with ``model``) runs in one of
+    #: this many processes (api.jobs.check_pool) ...
+    data_check_workers: int = Field(2, ge=1, le=64)
+    #: ... and is refused (400 ``data_check_timeout``) when it has not finished this long after it
+    #: started waiting for one (under the proxy's 300 s read timeout).
+    data_check_timeout_seconds: float = Field(240.0, gt=0, allow_inf_nan=False)
     # --- per-team quotas (store.quotas): defaults for teams without their own (None = unlimited) ---
     default_max_running_jobs: int | None = Field(None, ge=0)
     default_max_queued_jobs: int | None = Field(None, ge=0)

@@ -2,7 +2,9 @@
 model's part): :class:`JobLimits`, the configurable maxima, and :func:`limit_errors`, the values over
 them and those that would only fail once the job runs (the learning rate, LoRA target modules, a
 sequence too short for one example, max_seq_length over the model's position limit:
-:func:`model_limit_errors`). Each refusal is a :class:`LimitError` naming the field."""
+:func:`model_limit_errors`). Each refusal is a :class:`LimitError` naming the field. The bounds of one
+example of the data (messages, characters, tokens: :meth:`JobLimits.examples`) are checked with the
+data (trainer.data.dataset.validate_file), each over one a line's error."""
 
 from __future__ import annotations
 
@@ -10,7 +12,17 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer.data.dataset import ExampleLimits
 from trainer.spec import MAX_COUNT, Hyperparameters, JobSpec
+
+#: Messages of one chat example: a longer conversation is refused (its line named), so that no single
+#: line holds a check for long (ZENFLOW_MAX_EXAMPLE_MESSAGES).
+MAX_EXAMPLE_MESSAGES = 2048
+#: Characters of one line of a data file (ZENFLOW_MAX_EXAMPLE_CHARS).
+MAX_EXAMPLE_CHARS = 2_000_000
+#: Tokens of one rendered example before truncation (ZENFLOW_MAX_EXAMPLE_TOKENS): 8 x the longest
+#: max_seq_length this server takes by default; longer examples are cut to max_seq_length anyway.
+MAX_EXAMPLE_TOKENS = 262_144
 
 
 class JobLimits(BaseModel):
@@ -29,6 +41,13 @@ class JobLimits(BaseModel):
     max_total_tokens: int = Field(100_000_000_000, ge=1)
     max_learning_rate: float = Field(1.0, gt=0)
     max_lora_rank: int = Field(256, ge=1, le=65_536)
+    max_example_messages: int = Field(MAX_EXAMPLE_MESSAGES, ge=1, le=MAX_COUNT)
+    max_example_chars: int = Field(MAX_EXAMPLE_CHARS, ge=1, le=MAX_COUNT)
+    max_example_tokens: int = Field(MAX_EXAMPLE_TOKENS, ge=1, le=MAX_COUNT)
+
+    def examples(self) -> ExampleLimits:
+        """The bounds of one example of the job's data (checked with the data, a line's error each)."""
+        return ExampleLimits(self.max_example_messages, self.max_example_chars, self.max_example_tokens)
 
 
 class LimitError(NamedTuple):

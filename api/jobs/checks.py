@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from api.core.errors import APIError, validation_error
 from store.settings import Settings
-from trainer.data.dataset import DatasetValidationError, validate_file
+from trainer.data.dataset import DatasetValidationError, ExampleLimits, validate_file
 from trainer.limits import JobLimits, LimitError, limit_errors
 from trainer.model.folder_check import ModelFolderError
 from trainer.model.folder_check import check_model_folder as check_folder
@@ -46,10 +46,11 @@ def _format_dataset_errors(errors: list[dict[str, Any]], fallback: str) -> str:
     return "; ".join(parts) or fallback
 
 
-def validate_dataset(path: Path, *, param: str = "file") -> int:
-    """Run the trainer's validator on an uploaded file; the number of examples, or a 400 naming the field."""
+def validate_dataset(path: Path, *, param: str = "file", limits: ExampleLimits | None = None) -> int:
+    """Run the trainer's validator on an uploaded file (the bounds of one example that need no tokenizer:
+    messages, characters); the number of examples, or a 400 naming the field."""
     try:
-        report = validate_file(path)
+        report = validate_file(path, limits=limits)
     except DatasetValidationError as exc:
         errors = [dict(e) for e in (getattr(exc, "errors", None) or [])]
         first_field = next((e.get("field") for e in errors if e.get("field")), None)

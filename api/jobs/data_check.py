@@ -2,55 +2,71 @@
 tokenized, as the run will (trainer.data.dataset.validate_file with the model's tokenizer).
 
 At job creation both files are checked with the job's model and data options (``max_seq_length``,
-``truncation``, ``system_message``): a template that refuses an example, a tool list the template
-cannot render, or an over-long example under ``truncation: "error"`` is a 400 naming the file's
-parameter and the lines, before anything is written. At upload the same check runs when the upload
-names a ``model`` (form field), and its counts (truncated, dropped, with line numbers) come back in
-the file object's ``validation``.
+``truncation``, ``system_message``) and the server's bounds of one example (messages, characters,
+tokens): a template that refuses an example, a tool list the template cannot render, an over-long
+example under ``truncation: "error"`` or one over a bound is a 400 naming the file's parameter and the
+lines, before anything is written. At upload the same check runs when the upload names a ``model``
+(form field), and its counts (truncated, dropped, with line numbers) come back in the file object's
+``validation``.
 
-Reports are cached per (file path, size, mtime, model, options) and tokenizers per model, so a file
-checked at upload or by an earlier job is not tokenized again. Loading a tokenizer imports
-transformers (seconds, once per API process).
+A check runs in a check process (api.jobs.check_pool: off the event loop and the database threads,
+bounded, within ``ZENFLOW_DATA_CHECK_TIMEOUT_SECONDS``, stopped when the client goes). Its outcome is
+kept on the file's row (``files.data_checks``), keyed by :func:`check_key` (the model's identity: its
+name and the size and mtime of its folder's files but the weights; the data options; the bounds; the
+file's digest and size): an upload checked with a model, or a file an earlier job checked, is not
+tokenized again by a create with the same model and options.
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import hashlib
+import json
+import logging
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fastapi import Request
+from sqlalchemy.orm import Session
+
+from api.core.deps import run_db
 from api.core.errors import APIError
-from trainer.data.dataset import DataOptions, DatasetReport, DatasetValidationError, validate_file
+from api.jobs.check_pool import CheckCancelled, CheckPool, CheckTimeout
+from api.jobs.check_worker import MAX_REPORTED_ERRORS, CheckRequest
+from store.orm import File
+from store.settings import Settings
+from trainer.data.dataset import DataOptions, DatasetReport, ExampleLimits
 from trainer.spec import Hyperparameters, JobSpec
 
-#: Errors listed in a 400's ``errors`` (the message shows the first five).
-MAX_REPORTED_ERRORS = 20
+log = logging.getLogger(__name__)
+
+#: Part of every key: raise it when the same inputs may check differently (the kept outcomes expire).
+CHECK_VERSION = 2
+#: Outcomes kept per file (the oldest goes first).
+MAX_KEPT = 8
+#: Files of a model folder that do not change what its tokenizer makes of text.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
-def _stamp(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
+@dataclass(frozen=True)
+class FileCheck:
+    """One file to check with one model: where it is, its key, and its kept outcome for that key."""
+
+    param: str
+    #: None at upload (the row does not exist yet).
+    file_id: str | None
+    path: str
+    key: str
+    request: CheckRequest
+    kept: dict[str, Any] | None = None
 
 
-@functools.lru_cache(maxsize=8)
-def _tokenizer(model: str, stamp: tuple[int, int] | None) -> Any:
-    from trainer.model.catalog import load_tokenizer
-
-    return load_tokenizer(model)
-
-
-def _model_stamp(model: str) -> tuple[int, int] | None:
-    config = Path(model) / "config.json"
-    return _stamp(config) if config.is_file() else None
-
-
-@functools.lru_cache(maxsize=64)
-def _report(
-    path: str, stamp: tuple[int, int], model: str, max_len: int, options: DataOptions
-) -> DatasetReport:
-    tokenizer = _tokenizer(model, _model_stamp(model))
-    return validate_file(
-        path, tokenizer=tokenizer, max_seq_length=max_len, options=options, max_errors=MAX_REPORTED_ERRORS
+def example_limits(settings: Settings) -> ExampleLimits:
+    """The server's bounds of one example (``ZENFLOW_MAX_EXAMPLE_*``; trainer.limits)."""
+    return ExampleLimits(
+        settings.max_example_messages, settings.max_example_chars, settings.max_example_tokens
     )
 
 
@@ -64,47 +80,213 @@ def data_max_length(model: str, hyperparameters: Hyperparameters) -> int:
     ).max_seq_length
 
 
-def check_file(
-    path: Path, model: str, hyperparameters: Hyperparameters, *, param: str, code: str
-) -> DatasetReport:
-    """The file's report with ``model``'s tokenizer; a 400 (``param``, ``code``) naming the lines."""
-    options = DataOptions.of(hyperparameters)
-    max_len = data_max_length(model, hyperparameters)
-    try:
-        return _report(str(path), _stamp(path), model, max_len, options)
-    except DatasetValidationError as exc:
-        errors = [dict(e) for e in exc.errors]
-        shown = "; ".join(str(e["message"]) for e in errors[:5]) + (
-            f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
+def model_identity(model: str) -> str:
+    """A built-in model's name; a folder's path with the size and mtime of each file but the weights."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return model
+    parts = [str(folder.resolve())]
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
+            st = f.stat()
+            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    return "\n".join(parts)
+
+
+def check_key(request: CheckRequest, sha256: str, size: int) -> str:
+    """What a kept outcome is valid for (see the module docstring)."""
+    parts = {
+        "version": CHECK_VERSION,
+        "model": model_identity(request.model),
+        "max_seq_length": request.max_seq_length,
+        "options": asdict(request.options),
+        "limits": asdict(request.limits),
+        "file": [sha256, size],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def plan_check(
+    param: str,
+    row: File | None,
+    path: Path,
+    model: str,
+    hyperparameters: Hyperparameters,
+    settings: Settings,
+    *,
+    sha256: str,
+    size: int,
+) -> FileCheck:
+    """The check of one file (a stored ``row``, or an upload not stored yet) with its kept outcome.
+    Reads the model's folder: call it off the event loop."""
+    request = CheckRequest(
+        path=str(path),
+        model=model,
+        max_seq_length=data_max_length(model, hyperparameters),
+        options=DataOptions.of(hyperparameters),
+        limits=example_limits(settings),
+        budget_seconds=settings.data_check_timeout_seconds,
+    )
+    key = check_key(request, sha256, size)
+    kept = (row.data_checks or {}).get(key) if row is not None else None
+    return FileCheck(param, row.id if row is not None else None, str(path), key, request, kept)
+
+
+def plan_job_checks(
+    spec: JobSpec, training: File, validation: File | None, settings: Settings
+) -> list[FileCheck]:
+    """The checks of a job's training and validation files (see :func:`plan_check`)."""
+    files = [("training_file", training), ("validation_file", validation)]
+    return [
+        plan_check(
+            param,
+            row,
+            Path(row.storage_path),
+            spec.model,
+            spec.hyperparameters,
+            settings,
+            sha256=row.sha256,
+            size=row.bytes,
         )
-        first_field = next((e["field"] for e in errors if e.get("field")), None)
+        for param, row in files
+        if row is not None
+    ]
+
+
+def remember(session: Session, file_id: str, key: str, outcome: dict[str, Any]) -> None:
+    """Keep ``outcome`` on the file's row under ``key`` (at most MAX_KEPT, the oldest dropped)."""
+    row = session.get(File, file_id, with_for_update=True)
+    if row is None:
+        return
+    kept = {k: v for k, v in (row.data_checks or {}).items() if k != key}
+    kept[key] = outcome
+    row.data_checks = dict(list(kept.items())[-MAX_KEPT:])
+    session.commit()
+
+
+def kept_outcome(outcome: dict[str, Any]) -> dict[str, Any] | None:
+    """What is kept of a check process's outcome: passes and line errors (not a model that cannot be
+    loaded, which an operator may fix)."""
+    if outcome["outcome"] == "ok":  # the path is the file's place at the time: not kept
+        return {"ok": True, "report": {k: v for k, v in outcome["report"].items() if k != "path"}}
+    if outcome["outcome"] == "invalid":
+        return {"ok": False, "errors": outcome["errors"]}
+    return None
+
+
+async def run_check(
+    request: Request, team_id: str, check: FileCheck, *, deadline: float, model_name: str, advice: str
+) -> dict[str, Any]:
+    """The check's kept form (``{"ok": ...}``): its kept outcome, else a check process's. A model whose
+    tokenizer cannot be loaded is a 400 on ``model``; a check past ``deadline`` (the loop's clock) a 400
+    ``data_check_timeout`` ending with ``advice``; the client gone a 499, the server stopping a 503."""
+    if check.kept is not None:
+        return check.kept
+    pool: CheckPool = request.app.state.data_checks
+    try:
+        outcome = await pool.run(
+            check.request, team=team_id, deadline=deadline, disconnected=request.is_disconnected
+        )
+    except CheckTimeout as exc:
+        limit = request.app.state.settings.data_check_timeout_seconds
         raise APIError(
             400,
-            f"Invalid {param} for model {Path(model).name!r}: {shown}",
-            param=param,
-            code=code,
-            extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
+            f"Checking {check.param} with model {model_name!r} did not finish within this server's "
+            f"limit of {limit:g} seconds (ZENFLOW_DATA_CHECK_TIMEOUT_SECONDS): {advice}",
+            param=check.param,
+            code="data_check_timeout",
         ) from exc
-    except (OSError, ValueError) as exc:  # the model's tokenizer cannot be loaded
+    except CheckCancelled as exc:
+        raise _cancelled(exc.why) from exc
+    except BrokenProcessPool as exc:
+        log.error("a data check process died while checking %s", check.path)
+        raise APIError(
+            503,
+            "The data check failed (its process ended); retry shortly",
+            code="data_check_unavailable",
+            headers={"Retry-After": "2"},
+        ) from exc
+    if outcome["outcome"] == "model_error":
         raise APIError(
             400,
-            f"Model {Path(model).name!r}: its tokenizer cannot be loaded ({exc})",
+            f"Model {model_name!r}: its tokenizer cannot be loaded ({outcome['message']})",
             param="model",
             code="invalid_model",
-        ) from exc
+        )
+    kept = kept_outcome(outcome)
+    assert kept is not None
+    if check.file_id is not None:
+        await run_db(request, remember, check.file_id, check.key, kept)
+    return kept
 
 
-def check_job_data(spec: JobSpec) -> None:
-    """Render and tokenize the job's training and validation files with its model (see the module
-    docstring); a 400 ``invalid_training_file`` / ``invalid_validation_file`` naming the lines."""
-    files = [("training_file", spec.training_file), ("validation_file", spec.validation_file)]
-    for param, path in files:
-        if path is not None:
-            check_file(Path(path), spec.model, spec.hyperparameters, param=param, code=f"invalid_{param}")
+def _cancelled(why: str) -> APIError:
+    if why == "shutdown":
+        return APIError(
+            503,
+            "The server is shutting down; nothing was created. Retry shortly",
+            code="server_shutting_down",
+            headers={"Retry-After": "2"},
+        )
+    return APIError(499, "The client closed the request; nothing was created", code="client_closed_request")
 
 
-def upload_summary(report: DatasetReport, model_id: str) -> dict[str, Any]:
+def invalid(param: str, model_name: str, errors: list[dict[str, Any]], *, code: str) -> APIError:
+    """A 400 ``code`` naming the lines (the message shows the first five)."""
+    shown = "; ".join(str(e["message"]) for e in errors[:5]) + (
+        f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
+    )
+    first_field = next((e["field"] for e in errors if e.get("field")), None)
+    return APIError(
+        400,
+        f"Invalid {param} for model {model_name!r}: {shown}",
+        param=param,
+        code=code,
+        extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
+    )
+
+
+async def check_job_data(request: Request, team_id: str, model_name: str, checks: list[FileCheck]) -> None:
+    """Check the job's files (see the module docstring), the kept outcomes reused; a 400
+    ``invalid_training_file`` / ``invalid_validation_file`` naming the lines. Then, should the client
+    have gone meanwhile, a 499: no job is created for a request nobody waits for."""
+    deadline = asyncio.get_running_loop().time() + request.app.state.settings.data_check_timeout_seconds
+    advice = (
+        "upload it with `model` and the job's data options to have it checked once, before jobs "
+        "use it, or split it into smaller files"
+    )
+    done: dict[str, dict[str, Any]] = {}  # by key: a validation file that is the training file
+    for check in checks:
+        outcome = done.get(check.key) or await run_check(
+            request, team_id, check, deadline=deadline, model_name=model_name, advice=advice
+        )
+        done[check.key] = outcome
+        if not outcome["ok"]:
+            raise invalid(check.param, model_name, outcome["errors"], code=f"invalid_{check.param}")
+    if await request.is_disconnected():
+        raise _cancelled("disconnected")
+
+
+async def check_upload(
+    request: Request, team_id: str, check: FileCheck, model_id: str, model_name: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An upload checked with a model: its ``validation`` object and what its row keeps
+    (``data_checks``); a 400 ``invalid_file_format`` naming the lines."""
+    deadline = asyncio.get_running_loop().time() + request.app.state.settings.data_check_timeout_seconds
+    outcome = await run_check(
+        request,
+        team_id,
+        check,
+        deadline=deadline,
+        model_name=model_name,
+        advice="split it into smaller files",
+    )
+    if not outcome["ok"]:
+        raise invalid("file", model_name, outcome["errors"], code="invalid_file_format")
+    return upload_summary(outcome["report"], model_id), {check.key: outcome}
+
+
+def upload_summary(report: dict[str, Any], model_id: str) -> dict[str, Any]:
     """The ``validation`` object of an upload that named a model."""
-    d = report.as_dict()
-    d.pop("path")
-    return {"model": model_id, **d, "summary": report.cut_summary() or None}
+    d = {k: v for k, v in report.items() if k != "path"}
+    return {"model": model_id, **d, "summary": DatasetReport("", **d).cut_summary() or None}

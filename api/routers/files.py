@@ -16,9 +16,9 @@ from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found, validation_error
 from api.core.pagination import MAX_LIMIT, list_object, page
 from api.jobs import checks, data_check
-from api.model_names import resolve_model, spec_model_name
+from api.model_names import ModelRef, resolve_model, spec_model_name
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
-from api.storage import LocalFileStore, receive_upload
+from api.storage import LocalFileStore, ReceivedUpload, receive_upload
 from store.ids import new_id
 from store.orm import File, FineTuningJob, JobStatus
 from store.results import RESULTS_PURPOSE
@@ -131,17 +131,17 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         if upload.bytes == 0:
             raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
         data_options = _data_options(upload.fields)
-        num_examples = await run_in_threadpool(checks.validate_dataset, upload.tmp_path)
-        validation = None
-        if upload.fields.get("model"):
-            validation = await run_in_threadpool(
-                _check_with_model,
-                request,
-                team.team_id,
-                settings,
-                upload.fields["model"],
-                data_options,
-                upload.tmp_path,
+        num_examples = await run_in_threadpool(
+            checks.validate_dataset, upload.tmp_path, limits=data_check.example_limits(settings)
+        )
+        validation = kept = None
+        if upload.fields.get("model"):  # in a check process (api.jobs.check_pool), kept on the row
+            name = upload.fields["model"]
+            ref, check = await run_in_threadpool(
+                _plan_model_check, request, team.team_id, settings, name, data_options, upload
+            )
+            validation, kept = await data_check.check_upload(
+                request, team.team_id, check, ref.id, Path(check.request.model).name
             )
 
         file_id = new_id("file")
@@ -156,6 +156,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
             storage_path=str(final),
             num_examples=num_examples,
             status="processed",
+            data_checks=kept,
         )
 
         def insert() -> FileObject:
@@ -194,17 +195,30 @@ def _data_options(fields: dict[str, str]) -> Hyperparameters:
         raise validation_error(exc.errors(), fields=DATA_OPTION_FIELDS) from exc
 
 
-def _check_with_model(
-    request: Request, team_id: str, settings: Settings, name: str, options: Hyperparameters, path: Path
-) -> dict[str, Any]:
-    """The upload checked with a model the team may name (api.jobs.data_check); 400/404 naming the cause."""
+def _plan_model_check(
+    request: Request,
+    team_id: str,
+    settings: Settings,
+    name: str,
+    options: Hyperparameters,
+    upload: ReceivedUpload,
+) -> tuple[ModelRef, data_check.FileCheck]:
+    """The check of an upload with a model the team may name (api.jobs.data_check); 400/404 naming the
+    cause."""
     with request.app.state.sessionmaker() as session:
         ref = resolve_model(session, team_id, name, settings)
     checks.check_model_folder(ref.path, name)
-    report = data_check.check_file(
-        path, spec_model_name(ref), options, param="file", code="invalid_file_format"
+    check = data_check.plan_check(
+        "file",
+        None,
+        upload.tmp_path,
+        spec_model_name(ref),
+        options,
+        settings,
+        sha256=upload.sha256,
+        size=upload.bytes,
     )
-    return data_check.upload_summary(report, ref.id)
+    return ref, check
 
 
 @router.get("/files", response_model=ListObject[FileObject], responses=error_responses(400, 404))

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import secrets
+from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
 from typing import Annotated, Any
@@ -34,7 +35,7 @@ from api.jobs.views import (
     list_statement,
     step_metric_object,
 )
-from api.model_names import resolve_model, spec_model_name
+from api.model_names import ModelRef, resolve_model, spec_model_name
 from api.schemas import (
     FineTuningJobObject,
     HyperparametersIn,
@@ -48,6 +49,7 @@ from store.ids import new_id
 from store.jobs import add_event, mark_dispatched, request_cancel
 from store.orm import File, FineTuningJob, JobCheckpoint, JobStatus, JobStepMetric
 from store.settings import Settings
+from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -184,17 +186,41 @@ async def create_job(
     time; the same key with a different body is refused with 409. A value over the server's bounds is
     a 400 naming the field; a create over one of the team's quotas a 429 (or 400) ``quota_exceeded``.
     """
-    return await run_db(request, _create_job, request, body, team, settings, idempotency_key)
+    prepared = await run_db(request, _prepare_job, request, body, team, settings, idempotency_key)
+    if isinstance(prepared, JSONResponse):  # an Idempotency-Key's replay
+        return prepared
+    # Every example rendered with the model's template, in a check process (api.jobs.check_pool), not in a
+    # database thread; an outcome kept on the file's row is reused: 400 naming lines; the client gone: no job
+    model_name = Path(prepared.spec.model).name
+    await data_check.check_job_data(request, team.team_id, model_name, prepared.data_checks)
+    return await run_db(request, _create_job, request, body, team, settings, idempotency_key, prepared)
 
 
-def _create_job(
+@dataclass
+class _Prepared:
+    """What a create's checks before the data hand to its insert after it."""
+
+    digest: str
+    hyperparameters: dict[str, Any]
+    hp_param: str
+    model: ModelRef
+    engine: dict[str, Any]
+    resources: dict[str, Any] | None
+    seed: int
+    job_id: str
+    spec: JobSpec
+    queue: str
+    data_checks: list[data_check.FileCheck]
+
+
+def _prepare_job(
     session: Session,
     request: Request,
     body: JobCreate,
     team: Principal,
     settings: Settings,
     idempotency_key: str | None,
-) -> JSONResponse | FineTuningJobObject:
+) -> JSONResponse | _Prepared:
     digest = _request_hash(body)
     if idempotency_key:
         prior = _replay(session, team.team_id, idempotency_key, digest)
@@ -231,7 +257,26 @@ def _create_job(
     )
     admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
     queue = checks.job_queue(spec.resources.gpus, settings)
-    data_check.check_job_data(spec)  # every example rendered with the model's template: 400 naming lines
+    planned = data_check.plan_job_checks(spec, training, validation, settings)
+    return _Prepared(
+        digest, hyperparameters, hp_param, model, engine, resources, seed, job_id, spec, queue, planned
+    )
+
+
+def _create_job(
+    session: Session,
+    request: Request,
+    body: JobCreate,
+    team: Principal,
+    settings: Settings,
+    idempotency_key: str | None,
+    prepared: _Prepared,
+) -> JSONResponse | FineTuningJobObject:
+    digest, spec, queue, hp_param = prepared.digest, prepared.spec, prepared.queue, prepared.hp_param
+    # The files again, as the data check may have taken a while: still the team's and ready.
+    training = _check_file(session, team.team_id, body.training_file, "training_file")
+    if body.validation_file:
+        _check_file(session, team.team_id, body.validation_file, "validation_file")
     admission.check_capacity(
         session,
         spec,
@@ -250,17 +295,17 @@ def _create_job(
     _admit(session, team.team_id, settings)
 
     job = FineTuningJob(
-        id=job_id,
+        id=prepared.job_id,
         team_id=team.team_id,
-        model=model.id,
+        model=prepared.model.id,
         training_file_id=body.training_file,
         validation_file_id=body.validation_file,
         status=JobStatus.queued.value,
-        hyperparameters=hyperparameters,
-        engine=engine,
-        resources=resources,
+        hyperparameters=prepared.hyperparameters,
+        engine=prepared.engine,
+        resources=prepared.resources,
         suffix=body.suffix or None,
-        seed=seed,
+        seed=prepared.seed,
         user_metadata=body.metadata,
         idempotency_key=idempotency_key,
         request_hash=digest,

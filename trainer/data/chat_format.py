@@ -19,7 +19,8 @@ including it stops agreeing with the whole conversation: its content, its tool c
 template's end-of-turn marker, also when the template puts eos only at the very end (Phi-3). A
 template that marks the end of an assistant turn with no special token (and so would never teach the
 model to stop) gets the eos token appended to each assistant turn's content (not to tool-call turns,
-whose calls such a template renders after the content).
+whose calls such a template renders after the content). The spans are found in time linear in the
+conversation's length, prefixes rendered for the first turns only (:mod:`trainer.data.chat_spans`).
 
 Template failures are :class:`RecordRefused` with the field and a message saying what to do.
 """
@@ -30,6 +31,8 @@ import json
 import reprlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
+
+from trainer.data.chat_spans import loss_spans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -113,8 +116,9 @@ def _check_tool_calls(calls: Any, f: str) -> list[Problem]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except (json.JSONDecodeError, RecursionError):
-                problems.append((f"{cf}.function.arguments", "not valid JSON"))
+            except (ValueError, RecursionError) as exc:  # ValueError: an integer of over 4300 digits
+                why = "" if isinstance(exc, json.JSONDecodeError | RecursionError) else " (a number too long)"
+                problems.append((f"{cf}.function.arguments", f"not valid JSON{why}"))
                 continue
         if not isinstance(args, dict):
             problems.append((f"{cf}.function.arguments", "expected a JSON object (or its JSON text)"))
@@ -278,14 +282,6 @@ def _template_refusal(exc: Exception, messages: list[dict[str, Any]]) -> RecordR
     return RecordRefused(field, detail)
 
 
-def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class ChatRenderer:
     """Renders validated chat records with one tokenizer's chat template (see the module docstring)."""
 
@@ -361,34 +357,6 @@ class ChatRenderer:
     def _spans(
         self, full: str, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> list[tuple[int, int]]:
-        spans: list[tuple[int, int]] = []
-        cursor = 0
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant" or m.get("weight", 1) == 0:
-                continue
-            span: tuple[int, int] | None = None
-            try:
-                before = self._render(msgs[:i], tools, gen=True)
-                upto = self._render(msgs[: i + 1], tools)
-                end = len(upto) if full.startswith(upto) else _common_prefix(upto, full)
-                if full.startswith(before) and len(before) >= cursor and end > len(before):
-                    span = (len(before), end)
-            except Exception:  # templates that refuse partial conversations
-                span = None
-            if span is None:
-                span = self._located(full, m["content"], cursor)
-            if span is not None:
-                spans.append(span)
-                cursor = span[1]
-        return spans
-
-    def _located(self, full: str, content: str, cursor: int) -> tuple[int, int] | None:
-        """Fallback for templates whose prefixes do not nest: the content found in the text, plus eos."""
-        start = full.find(content, cursor) if content else -1
-        if start < 0:
-            return None
-        end = start + len(content)
-        eos = self.tokenizer.eos_token or ""
-        if eos and full.startswith(eos, end):
-            end += len(eos)
-        return start, end
+        return loss_spans(
+            lambda m, gen: self._render(m, tools, gen), full, msgs, self.tokenizer.eos_token or ""
+        )

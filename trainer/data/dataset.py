@@ -16,6 +16,11 @@ example is also rendered with its chat template (a template's refusal is a line'
 chat_format.RecordRefused) and tokenized, and examples over ``max_seq_length`` follow
 :attr:`DataOptions.truncation`: ``truncate`` (keep the first max_seq_length tokens; an example left with
 no learned token is dropped), ``drop`` or ``error``. The report counts and lists what was cut.
+Lines are read and parsed by :mod:`trainer.data.jsonl` (lone surrogates and over-long integers are a
+line's error there). The service bounds each example (:class:`ExampleLimits`: messages, characters,
+tokens; each over it a line's error) and stops a check it no longer wants (``stop``, asked per line).
+The whole check is linear in the file's size: spans by :mod:`trainer.data.chat_spans`, masks in one
+pass.
 
 Loss masks: only the tokens of learned assistant turns (content, tool calls and the template's
 end-of-turn marker) carry loss; prompt/completion examples are ``bos + prompt + completion + eos``
@@ -27,13 +32,15 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.data.chat_format import ChatRenderer, RecordRefused, SystemMessage, check_chat_record
+from trainer.data.jsonl import DataError, parse_line, read_lines
+from trainer.data.jsonl import data_error as _err
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -58,11 +65,19 @@ class DataOptions:
         return cls(hyperparameters.truncation, hyperparameters.system_message)
 
 
-class DataError(TypedDict):
-    line: int | None
-    field: str | None
-    message: str
-    detail: str
+@dataclass(frozen=True)
+class ExampleLimits:
+    """Bounds of one example (None: unbounded), each over it a line's error; the service sets them
+    (trainer.limits.JobLimits) so that no line costs more than they allow to check. Characters are the
+    line's, before parsing; tokens the rendered example's, before truncation."""
+
+    max_messages: int | None = None
+    max_chars: int | None = None
+    max_tokens: int | None = None
+
+
+class CheckStopped(Exception):
+    """:func:`validate_file` stopped because its ``stop`` callback said so (checked once per line)."""
 
 
 class DatasetValidationError(ValueError):
@@ -151,34 +166,8 @@ def _lines_text(lines: list[int], count: int) -> str:
     return f"line{'s' if count > 1 else ''} {shown}{more}"
 
 
-def _err(line: int | None, fld: str | None, detail: str) -> DataError:
-    where = [p for p in (f"line {line}" if line is not None else None, fld) if p]
-    return {
-        "line": line,
-        "field": fld,
-        "message": ": ".join([*where, detail]),
-        "detail": detail,
-    }
-
-
 class _TooMany(Exception):
     pass
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str | None]]:
-    """(1-based line number, text or None when not valid UTF-8), skipping blank lines; a byte order
-    mark at the start of the file is dropped."""
-    with path.open("rb") as fh:
-        for no, raw in enumerate(fh, start=1):
-            if no == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                yield no, None
-                continue
-            if text.strip():
-                yield no, text
 
 
 def _check_prompt_completion(no: int, rec: dict[str, Any]) -> list[DataError]:
@@ -202,28 +191,6 @@ def _record_format(rec: dict[str, Any]) -> Format | None:
 
 
 FORMAT_NAMES = {"chat": "chat (messages)", "prompt_completion": "prompt/completion"}
-
-
-def _parse(no: int, text: str | None) -> tuple[dict[str, Any] | None, list[DataError]]:
-    """One line as a JSON object, or its errors."""
-    if text is None:
-        return None, [_err(no, None, "not valid UTF-8")]
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError as e:
-        return None, [_err(no, None, f"invalid JSON: {e.msg} (column {e.colno})")]
-    except RecursionError:  # the decoder recurses per nesting level: [[[[...]]]] 100,000 deep
-        return None, [
-            _err(
-                no,
-                None,
-                "invalid JSON: nested too deeply (a record is an object of messages, "
-                "or of prompt and completion)",
-            )
-        ]
-    if not isinstance(rec, dict):
-        return None, [_err(no, None, f"expected a JSON object, got {type(rec).__name__}")]
-    return rec, []
 
 
 @dataclass
@@ -263,6 +230,13 @@ class _Lengths:
         return None
 
 
+def _over(what: str, n: int, limit: int, split: str = "it") -> str:
+    return (
+        f"too long: {n:,} {what}, over this server's limit of {limit:,} per example; "
+        f"split {split} into several examples"
+    )
+
+
 def validate_file(
     path: str | Path,
     *,
@@ -271,15 +245,19 @@ def validate_file(
     options: DataOptions | None = None,
     max_errors: int = 20,
     keep_examples: bool = False,
+    limits: ExampleLimits | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> DatasetReport:
     """Check a JSONL file; with a tokenizer also render, tokenize and apply ``options.truncation`` at
-    ``max_seq_length``.
+    ``max_seq_length``. An example over ``limits`` is its line's error.
 
     Returns a DatasetReport (with the tokenized examples when ``keep_examples``); raises
-    DatasetValidationError listing up to ``max_errors`` problems.
+    DatasetValidationError listing up to ``max_errors`` problems, or CheckStopped as soon as
+    ``stop()`` is true (asked before each line).
     """
     path = Path(path)
     opts = options or DataOptions()
+    caps = limits or ExampleLimits()
     errors: list[DataError] = []
 
     def add(new: list[DataError]) -> None:
@@ -297,8 +275,13 @@ def validate_file(
     num_tokens = max_tokens = loss_tokens = 0
     examples: list[Example] = []
     try:
-        for no, text in _lines(path):
-            rec, errs = _parse(no, text)
+        for no, text in read_lines(path):
+            if stop is not None and stop():
+                raise CheckStopped(f"stopped at line {no}")
+            if text is not None and caps.max_chars is not None and len(text.rstrip()) > caps.max_chars:
+                add([_err(no, None, _over("characters", len(text.rstrip()), caps.max_chars))])
+                continue
+            rec, errs = parse_line(no, text)
             if rec is None:
                 add(errs)
                 continue
@@ -321,6 +304,10 @@ def validate_file(
                 )
                 continue
             if rf == "chat":
+                n = len(rec["messages"]) if isinstance(rec["messages"], list) else 0
+                if caps.max_messages is not None and n > caps.max_messages:
+                    add([_err(no, "messages", _over("messages", n, caps.max_messages, "the conversation"))])
+                    continue
                 errs = [_err(no, f, d) for f, d in check_chat_record(rec)]
             else:
                 errs = _check_prompt_completion(no, rec)
@@ -334,6 +321,10 @@ def validate_file(
                 ex = tokenize_record(rec, rf, tokenizer, renderer=renderer)
             except RecordRefused as e:
                 add([_err(no, e.field, e.detail)])
+                continue
+            if caps.max_tokens is not None and len(ex.input_ids) > caps.max_tokens:
+                fld = "messages" if rf == "chat" else "prompt+completion"
+                add([_err(no, fld, _over("tokens", len(ex.input_ids), caps.max_tokens))])
                 continue
             if ex.num_loss_tokens == 0:
                 add([_err(no, "messages" if rf == "chat" else "completion", "no tokens to learn from")])
@@ -397,12 +388,23 @@ def _mask_by_spans(
 ) -> Example:
     """Tokens ending inside a span are learned (a token that starts before the span counts: the span
     starts mid-token only in the prompt's last token; one that ends after it does not: the span's end
-    may fall inside the next turn's marker)."""
+    may fall inside the next turn's marker). One pass over tokens and spans together (both in text
+    order; a token ending before its predecessor finds its span by bisection)."""
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
     labels = [IGNORE_INDEX] * len(ids)
+    spans = sorted(spans)
+    ends = [b for _, b in spans]
+    k, last = 0, 0
     for t, (s, e) in enumerate(enc["offset_mapping"]):
-        if e > s and any(a < e <= b for a, b in spans):
+        if e <= s:
+            continue
+        if e < last:
+            k = bisect_left(ends, e)
+        last = e
+        while k < len(spans) and ends[k] < e:  # the first span ending at or after e
+            k += 1
+        if k < len(spans) and spans[k][0] < e:
             labels[t] = ids[t]
     return Example(ids, labels)
 
