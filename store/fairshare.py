@@ -17,7 +17,8 @@ With one worker and teams A (four jobs) and B (two, submitted after A's) the run
 A, B, A, B, A, A; ``queue_position`` shows that order before any of them starts. The order looks
 only at job rows and the run ledger (``fine_tuning_job_runs``): a team held back by its
 ``max_running_jobs`` quota keeps its place here and is skipped by the claim
-(:func:`store.jobs.claim_next`) until one of its jobs ends.
+(:func:`store.jobs.claim_next`) until one of its jobs ends, and one at its ``gpu_hours`` quota until
+enough of its use has left the rolling window (store.quotas).
 """
 
 from __future__ import annotations

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from store import quotas
 from store.fairshare import WAITING, fair_order
 from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, as_utc, utcnow
-from store.runs import end_runs, open_run
+from store.runs import end_runs, job_gpus, open_run
 from store.settings import Settings
 
 #: Jobs waiting for a worker (they have a queue position).
@@ -147,7 +147,8 @@ class Claim(enum.StrEnum):
     running_elsewhere = "running-elsewhere"
     cancelled = "cancelled"
     failed = "failed"
-    #: claim_next: only jobs of teams at their max_running_jobs quota wait (or teams being claimed for).
+    #: claim_next: only jobs of teams at their max_running_jobs or gpu_hours quota wait (or teams being
+    #: claimed for).
     held = "held"
     #: claim_next: no job waits on the queue.
     idle = "idle"
@@ -160,14 +161,15 @@ def claim(
     *,
     max_attempts: int,
     heartbeat_timeout_seconds: float,
-    gpus: int = 1,
+    gpus: int | None = None,
 ) -> Claim:
     """Decide, under the row lock, whether ``hostname`` runs ``job`` now, and mark it running if so.
 
     A terminal job is left alone; a job running on another node with a fresh heartbeat is left to it
     (a redelivered message never starts a second run); a job marked running by this same node is taken
     over (that run is dead: a node runs one job at a time); a pending cancel cancels it; with
-    ``max_attempts`` used up it fails; else the attempt is counted and the job runs here.
+    ``max_attempts`` used up it fails; else the attempt is counted and the job runs here. The run opened
+    in the ledger holds ``gpus`` GPUs (None: the ranks the job asks for, its ``resources.gpus``).
     """
     if job is None:
         return Claim.missing
@@ -207,7 +209,7 @@ def claim(
         JobStatus.running,
         message=f"Attempt {job.attempts}/{max_attempts} started on {hostname}{resume}",
     )
-    open_run(session, job, hostname, gpus=gpus)
+    open_run(session, job, hostname, gpus=job_gpus(job.resources) if gpus is None else gpus)
     return Claim.claimed
 
 
@@ -229,7 +231,7 @@ def claim_next(
     *,
     message_job_id: str | None,
     queue: str | None = None,
-    gpus: int = 1,
+    gpus: int | None = None,
 ) -> NextClaim:
     """A worker took a message from ``queue``: claim the job fair share puts first (store.fairshare).
 
@@ -240,9 +242,10 @@ def claim_next(
 
     Each candidate is locked with ``SKIP LOCKED`` (a job another worker is claiming, or the API is
     cancelling, is passed over) and re-checked; a team at its ``max_running_jobs`` quota is skipped
-    under its own row lock (also ``SKIP LOCKED``), so racing claims never exceed it. A candidate that
-    turns out cancelled or out of attempts is settled and the next one tried. The queue is the
-    message's job's, else ``queue``.
+    under its own row lock (also ``SKIP LOCKED``), so racing claims never exceed it; a team at or over
+    its ``gpu_hours`` quota (its running jobs counted so far) is skipped too, its waiting jobs on the
+    queue told why once (:func:`_tell_held`). A candidate that turns out cancelled or out of attempts
+    is settled and the next one tried. The queue is the message's job's, else ``queue``.
     """
 
     def run_here(job: FineTuningJob | None) -> Claim:
@@ -282,7 +285,12 @@ def claim_next(
     teams: dict[str, bool] = {}  # team -> may start a job now
     for job_id, team_id in candidates:
         if team_id not in teams:
-            teams[team_id] = _may_start(session, team_id, settings)
+            gpu = quotas.gpu_hours_now(session, team_id, settings)
+            if gpu is not None and gpu.reached:
+                teams[team_id] = False
+                _tell_held(session, team_id, [j for j, t in candidates if t == team_id], gpu, settings)
+            else:
+                teams[team_id] = _may_start(session, team_id, settings)
         if not teams[team_id]:
             held = held or job_id
             continue
@@ -304,6 +312,49 @@ def _may_start(session: Session, team_id: str, settings: Settings) -> bool:
     if not quotas.try_lock_team(session, team_id):
         return False
     return quotas.running_jobs(session, team_id) < limit
+
+
+#: ``data["quota_hold"]`` of the event telling a waiting job that a quota holds it back.
+QUOTA_HOLD = "quota_hold"
+
+
+def _tell_held(
+    session: Session, team_id: str, job_ids: list[str], gpu: quotas.GpuHours, settings: Settings
+) -> None:
+    """Tell each of ``job_ids`` (waiting jobs of a team at its GPU-hour quota) why it waits, once per
+    wait: not a job told so since it last ran (its last ``running`` status event), whatever other events
+    came since (a re-dispatch, a cancel request). Under the team's row lock, not waited for: a claim
+    holding it (another worker's) tells them, or the next claim does."""
+    if not job_ids or not quotas.try_lock_team(session, team_id):
+        return
+    ran = (
+        select(JobEvent.job_id, func.max(JobEvent.seq).label("seq"))
+        .where(JobEvent.job_id.in_(job_ids), JobEvent.data["status"].as_string() == JobStatus.running.value)
+        .group_by(JobEvent.job_id)
+        .subquery()
+    )
+    told = set(
+        session.scalars(
+            select(JobEvent.job_id)
+            .outerjoin(ran, ran.c.job_id == JobEvent.job_id)
+            .where(
+                JobEvent.job_id.in_(job_ids),
+                JobEvent.data[QUOTA_HOLD].as_string() == "gpu_hours",
+                JobEvent.seq > func.coalesce(ran.c.seq, 0),
+            )
+        )
+    )
+    todo = [j for j in job_ids if j not in told]
+    if not todo:
+        return
+    message = quotas.gpu_hold_message(session, team_id, gpu, settings)
+    data = {
+        QUOTA_HOLD: "gpu_hours",
+        "limit_gpu_hours": gpu.limit_seconds / 3600,
+        "used_gpu_hours": gpu.used_seconds / 3600,
+    }
+    for job_id in todo:
+        add_event(session, job_id, message, level="warning", data=data)
 
 
 def requeue(session: Session, job: FineTuningJob, why: str) -> str:

@@ -1,19 +1,30 @@
 """The run ledger: one :class:`~store.orm.JobRun` per attempt of a job on a worker.
 
 A run is opened by the claim (:func:`store.jobs.claim`) and ended when the job leaves ``running``
-(:func:`store.jobs.set_status`, whatever the transition). GPU time is ``gpus`` x run time; a run
-still open counts up to now, so the GPU-hours quota sees a long job while it runs. The last run's
-start per team and queue is what fair share orders teams by (:mod:`store.fairshare`).
+(:func:`store.jobs.set_status`, whatever the transition). GPU time is ``gpus`` x run time, ``gpus``
+being the ranks the job asks for (:func:`job_gpus` of its ``resources``: a job on 4 GPUs counts 4
+GPU-seconds per second, wherever it is claimed); a run still open counts up to now, so the GPU-hours
+quota sees a long job while it runs (the claim and the job's own monitor check it, store.quotas). The
+last run's start per team and queue is what fair share orders teams by (:mod:`store.fairshare`).
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from store.orm import FineTuningJob, JobRun, as_utc, utcnow
+
+
+def job_gpus(resources: dict[str, Any] | None) -> int:
+    """The GPUs (ranks) a job row's ``resources`` asks for: ``gpus``, at least 1 (missing: 1)."""
+    try:
+        return max(1, int((resources or {}).get("gpus", 1)))
+    except (TypeError, ValueError):
+        return 1
 
 
 def open_run(
@@ -63,6 +74,18 @@ def gpu_seconds(session: Session, team_id: str, since: datetime, *, now: datetim
         )
     )
     return float(inside or 0.0) + sum(_seconds_inside(r, since, now) for r in partial)
+
+
+def open_gpus(session: Session, team_id: str) -> int:
+    """GPUs the team's open runs hold: GPU-seconds its usage grows by per second now."""
+    return int(
+        session.scalar(
+            select(func.coalesce(func.sum(JobRun.gpus), 0)).where(
+                JobRun.team_id == team_id, JobRun.ended_at.is_(None)
+            )
+        )
+        or 0
+    )
 
 
 def seconds_until_below(

@@ -94,9 +94,8 @@ def claim_next_job(
 ) -> jobs.NextClaim:
     """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next)."""
     with session_scope(settings.resolved_database_url) as s:
-        return jobs.claim_next(
-            s, hostname, settings, message_job_id=message_job_id, queue=queue, gpus=_queue_ranks(queue)
-        )
+        # the run in the ledger holds the GPUs the claimed job asks for (its resources.gpus)
+        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue)
 
 
 def claim_for_message(
@@ -171,7 +170,7 @@ def worker_ranks(settings: Settings, devices: list[str] | None = None) -> int:
 
 def claimed_ranks(job_id: str, settings: Settings) -> int:
     """The ranks the claimed job asks for (its ``resources``); its run in the ledger counts that many
-    GPUs (the claim assumed the size of the message's queue)."""
+    GPUs (store.jobs.claim opens it so already; a run opened with another count is corrected)."""
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(FineTuningJob, job_id)
         ranks = job_ranks(job.resources if job is not None else None)

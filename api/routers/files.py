@@ -18,7 +18,8 @@ from api.core.pagination import MAX_LIMIT, list_object, page
 from api.jobs import checks, data_check
 from api.model_names import ModelRef, resolve_model, spec_model_name
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
-from api.storage import LocalFileStore, ReceivedUpload, receive_upload
+from api.storage import LocalFileStore, ReceivedUpload
+from api.upload_quota import check_upload_fits, receive_within_quota
 from store.ids import new_id
 from store.orm import File, FineTuningJob, JobStatus
 from store.results import RESULTS_PURPOSE
@@ -104,9 +105,10 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
     """Upload a JSONL training file (multipart ``file`` + ``purpose=fine-tune``). With a ``model`` field
     every example is also rendered and tokenized for that model now (``max_seq_length``, ``truncation``,
     ``system_message`` as the job's): a refusal is a 400 naming the lines, the counts come back in
-    ``validation``."""
+    ``validation``. A file the team's storage quota has no room for is a 400 ``quota_exceeded``, nothing
+    kept (api.upload_quota)."""
     store = LocalFileStore(settings.resolved_files_dir)
-    upload = await receive_upload(request, store.incoming, settings.max_upload_bytes)
+    upload = await receive_within_quota(request, store.incoming, team.team_id, settings)
     final = None
     try:
         purpose = upload.fields.get("purpose")
@@ -161,6 +163,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
 
         def insert() -> FileObject:
             with request.app.state.sessionmaker() as session:
+                check_upload_fits(session, team.team_id, settings, upload.bytes)
                 session.add(row)
                 session.commit()
                 return file_object(row).model_copy(update={"validation": validation})

@@ -1,6 +1,8 @@
 """Per-team quotas at ``POST /v1/fine_tuning/jobs`` (429/400 ``quota_exceeded`` naming the quota, nothing
-written), ``GET /v1/quotas`` (limits and usage), ``zenflow quotas set|show``, and two creates racing
-for a team's last slot (one job, on PostgreSQL through a real server, and on SQLite)."""
+written) and at ``POST /v1/files`` (the storage quota: 400, nothing kept), ``GET /v1/quotas`` (limits
+and usage), ``zenflow quotas set|show``, and creates or uploads racing for a team's last room (on
+PostgreSQL through a real server; creates on SQLite too). The quotas at the claim and while a job runs:
+tests/store/test_quota_claims.py, tests/worker/test_job_quotas.py."""
 
 from __future__ import annotations
 
@@ -24,8 +26,11 @@ from tests.api.conftest import (
     Enqueued,
     ServerThread,
     TeamKey,
+    chat_jsonl,
     error_of,
     make_team,
+    stored_files,
+    upload,
     uploaded_id,
 )
 
@@ -142,6 +147,38 @@ def test_storage_quota_is_400(client: TestClient, app: FastAPI, team: TeamKey) -
     assert _create(client, team, fid).status_code == 200
 
 
+def _team_files(app: FastAPI, team: TeamKey) -> int:
+    with app.state.sessionmaker() as s:
+        return int(s.scalar(select(func.count()).select_from(File).where(File.team_id == team.id)) or 0)
+
+
+def test_upload_over_the_storage_quota_is_refused_and_nothing_kept(
+    client: TestClient, app: FastAPI, team: TeamKey, settings: Settings
+) -> None:
+    """Room for two and a half files: the third is cut off as it streams past the room left, a team
+    with no room is refused before its body is read, and nothing of a refused upload stays on disk."""
+    content = chat_jsonl(8)
+    n = len(content)
+    _set(app, team, storage_bytes=2 * n + n // 2)
+    assert [upload(client, team, content).status_code for _ in range(2)] == [200, 200]
+    kept = stored_files(settings)
+    r = upload(client, team, content)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert (err["code"], err["param"]) == ("quota_exceeded", "storage_bytes")
+    assert err["message"].startswith(
+        f"Quota storage_bytes exceeded: the team stores {2 * n:,} of {2 * n + n // 2:,} bytes and this file is "
+        f"larger than the {n // 2:,} bytes left; nothing was kept"
+    ), err["message"]
+    assert _team_files(app, team) == 2 and stored_files(settings) == kept  # no temp file, no placed file
+    _set(app, team, storage_bytes=2 * n)
+    r = upload(client, team, b"x")
+    assert r.status_code == 400 and "larger than the 0 bytes left" in error_of(r)["message"], r.text
+    assert _team_files(app, team) == 2 and stored_files(settings) == kept
+    _set(app, team, storage_bytes=None)
+    assert upload(client, team, content).status_code == 200 and _team_files(app, team) == 3
+
+
 def test_quota_endpoint_shows_limits_and_usage(
     client: TestClient, app: FastAPI, team: TeamKey, other_team: TeamKey
 ) -> None:
@@ -223,6 +260,38 @@ def test_racing_creates_at_limit_one_give_one_job(server: tuple[FastAPI, ServerT
     codes = _race(srv.base_url, team, fid)
     assert sorted(codes) == [200] + [429] * (RACERS - 1), codes
     assert _jobs(app, team) == 1
+
+
+def test_racing_uploads_fill_the_storage_quota_exactly(server: tuple[FastAPI, ServerThread]) -> None:
+    """Eight uploads at once with room for three: each streams within the room it saw, and the check
+    under the team's row lock before the row is written keeps three."""
+    app, srv = server
+    team = make_team(app)
+    content = _jsonl()
+    _set(app, team, storage_bytes=3 * len(content) + len(content) // 2)
+    barrier = threading.Barrier(RACERS, timeout=30)
+    codes: list[int] = [0] * RACERS
+
+    def call(i: int) -> None:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            barrier.wait()
+            codes[i] = c.post(
+                "/v1/files",
+                headers=team.headers,
+                data={"purpose": "fine-tune"},
+                files={"file": ("t.jsonl", content)},
+            ).status_code
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(RACERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "an upload did not finish"
+    assert sorted(codes) == [200] * 3 + [400] * (RACERS - 3), codes
+    assert _team_files(app, team) == 3
+    with app.state.sessionmaker() as s:
+        assert quotas.storage_bytes(s, team.id) == 3 * len(content)
 
 
 def test_racing_creates_on_sqlite(tmp_path: Path) -> None:

@@ -6,6 +6,10 @@ heartbeat timeout but within the window can end with the job re-queued by the re
 first poll after the outage sees the job is no longer ours and the process exits at once
 (:func:`exit_lost`); the writes waiting in this process are guarded the same way
 (:mod:`worker.job.writer`), so nothing of this run is written into the job's next run.
+
+With a :class:`~worker.job.quota_watch.QuotaWatch` it also checks the team's GPU-hour quota after each
+heartbeat, and again at the moment the team's running jobs are projected to reach it; once a quota is
+reached ``should_stop`` is true (the job stops like a cancel and fails ``quota_exceeded``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from store.db import session_scope
 from store.orm import FineTuningJob, JobStatus
 from worker.errors import is_db_unavailable, public_message
 from worker.job.exits import EXIT_LOST
+from worker.job.quota_watch import QuotaWatch
 
 log = logging.getLogger("zenflow.job_runner")
 
@@ -46,6 +51,7 @@ class JobMonitor(threading.Thread):
         *,
         outage_seconds: float = 300.0,
         interrupted: threading.Event | None = None,
+        quota: QuotaWatch | None = None,
     ):
         super().__init__(name=f"zenflow-monitor-{job_id}", daemon=True)
         self.job_id, self.url, self.hostname = job_id, url, hostname
@@ -57,10 +63,13 @@ class JobMonitor(threading.Thread):
         self.preempted = threading.Event()
         #: Set when the database has been unreachable for longer than outage_seconds.
         self.interrupted = interrupted or threading.Event()
+        #: The team's quotas: GPU-hours checked here, storage at each checkpoint (its guard).
+        self.quota = quota
         self._stop_event = threading.Event()
 
     def should_stop(self) -> bool:
-        return self.cancel.is_set() or self.preempted.is_set() or self.interrupted.is_set()
+        quota = self.quota is not None and self.quota.stop.is_set()
+        return self.cancel.is_set() or self.preempted.is_set() or self.interrupted.is_set() or quota
 
     def beat(self) -> None:
         with session_scope(self.url) as s:
@@ -96,6 +105,10 @@ class JobMonitor(threading.Thread):
                 if now - last_beat >= self.heartbeat_interval:
                     self.beat()
                     last_beat = now
+                    if self.quota is not None:
+                        self.quota.check_gpu_hours()
+                elif self.quota is not None and self.quota.due():
+                    self.quota.check_gpu_hours()
                 self.poll()
             except Exception as e:  # the database is away: keep trying every round
                 if failing_since is None:

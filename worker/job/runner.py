@@ -10,7 +10,8 @@ rows match its output directory, runs :func:`trainer.run.loop.run_training` with
 end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
 registered by :mod:`store.model_ids`,
 ``trained_tokens``, the metrics CSV as a result file), cancelled, or failed with ``error = {code,
-message, param}``; data errors name the file param. Every database write is retried across
+message, param}``; data errors name the file param; a job stopped by its team's GPU-hour or storage
+quota fails ``quota_exceeded`` (:mod:`worker.job.quota_watch`). Every database write is retried across
 connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries
 SQL (:func:`worker.errors.public_message`).
 
@@ -56,6 +57,7 @@ from worker.job.exits import (
     EXIT_WRONG_RANKS,
 )
 from worker.job.monitor import JobMonitor, exit_lost
+from worker.job.quota_watch import QuotaReached, QuotaWatch
 from worker.job.ranks import Announce, peer_lost, run_peer_rank
 from worker.job.reporter import DBReporter
 from worker.job.writer import SPOOL_NAME, ReportWriter, Write, event_row
@@ -262,6 +264,7 @@ def _supervised(
         settings.heartbeat_interval_seconds,
         outage_seconds=window,
         interrupted=interrupted,
+        quota=QuotaWatch(url, job_id, settings),
     )
 
     def on_lost() -> None:
@@ -298,6 +301,10 @@ def _supervised(
             monitor.stop()
             announce(None)
             return short
+        if monitor.quota is not None and monitor.quota.reached is not None:  # reached while it started
+            monitor.stop()
+            announce(None)
+            return _finish(url, job_id, hostname, monitor.quota.end_state(), window)
         announce(spec)
         return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings, dist).run()
     finally:
@@ -351,6 +358,7 @@ class _Run:
         from worker.metrics.telemetry import track_job
 
         reporter = DBReporter(self.writer)
+        on_event = self.monitor.quota.guard(reporter) if self.monitor.quota is not None else reporter
         if n := self.writer.load_spool(self.spool):
             log.info("job %s: writing %d reports a previous run could not", self.job_id, n)
         prune_checkpoints(self.out, self.spec.keep_checkpoints)
@@ -362,7 +370,7 @@ class _Run:
                 # Prometheus telemetry of this run sees every event after the database.
                 with track_job(self.job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
                     result = run_training(
-                        spec, on_event=tj.wrap(reporter), should_cancel=monitor.should_stop, dist=self.dist
+                        spec, on_event=tj.wrap(on_event), should_cancel=monitor.should_stop, dist=self.dist
                     )
             finally:
                 monitor.stop()
@@ -374,6 +382,8 @@ class _Run:
         except ModelFolderError as e:  # the folder changed since the job was created
             msg = f"the model cannot be fine-tuned: {e.problem}"
             end = _failed("invalid_model", msg, param="model", event=f"Invalid model: {e.problem}", error=e)
+        except QuotaReached as e:  # the storage quota at the run's last checkpoint
+            end = e.watch.end_state()
         except Exception as e:
             if isinstance(e, DiskFullError) or is_out_of_space(e):
                 log.error("job %s: %s", self.job_id, e)
@@ -389,6 +399,8 @@ class _Run:
         else:
             if result.cancelled and monitor.cancel.is_set():
                 end = lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")  # noqa: E731
+            elif result.cancelled and monitor.quota is not None and monitor.quota.reached is not None:
+                end = monitor.quota.end_state()
             elif result.cancelled:  # preempted, or the database away for too long (interrupted)
                 self._drain()
                 return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
