@@ -64,6 +64,7 @@ def create_app(
         if swept:
             log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
         await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
+        app.state.data_checks.open()
         app.state.data_checks.hook_signals()  # SIGTERM stops running data checks (api.jobs.check_pool)
         if api_settings.gc_freeze:
             freeze_startup_heap(with_broker=enqueue is None)

@@ -66,6 +66,7 @@ class CheckPool:
         self._free: list[int] = []
         self._teams: Counter[str] = Counter()
         self.closing = False
+        self._users = 0  # lifespans between open() and close()
         #: Checks handed to a process, and how they ended (tests and the probe read them).
         self.submitted = 0
         self.outcomes: Counter[str] = Counter()
@@ -133,6 +134,14 @@ class CheckPool:
 
             signal.signal(sig, handler)
 
+    def open(self) -> None:
+        """Accept checks (the app's start). Each :meth:`open` is paired with a :meth:`close`; the pool
+        closes at the last one, so an app served twice at once (a test's client and a server thread)
+        or started again after a stop keeps its checks."""
+        with self._lock:
+            self._users += 1
+            self.closing = False
+
     def stop_all(self) -> None:
         """Refuse new checks and tell every running one to stop (signal-safe: no lock taken)."""
         self.closing = True
@@ -142,7 +151,11 @@ class CheckPool:
                 flags[i] = 1
 
     def close(self) -> None:
-        """Stop every check and the processes (the app's shutdown)."""
+        """Stop every check and the processes (the app's shutdown; at the last of its :meth:`open`)."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users:
+                return
         self.stop_all()
         with self._lock:
             executor, self._executor = self._executor, None

@@ -140,13 +140,14 @@ def estimated_finish(job: Any) -> int | None:
     return int(started.timestamp() + elapsed * job.total_steps / job.global_step)
 
 
-def _error(job: Any) -> dict[str, Any] | None:
+def _error(job: Any, paths: PublicPaths | None) -> dict[str, Any] | None:
     if not job.error:
         return None
     e = job.error
+    message = str(e.get("message") or "The job failed")
     return {
         "code": str(e.get("code") or "error"),
-        "message": str(e.get("message") or "The job failed"),
+        "message": paths.text(message) if paths is not None else message,
         "param": e.get("param"),
     }
 
@@ -175,9 +176,10 @@ def job_resources(job: Any) -> dict[str, Any]:
     return {**DEFAULT_RESOURCES, **(job.resources or {})}
 
 
-def job_dict(job: Any, position: int | None) -> dict[str, Any]:
+def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -> dict[str, Any]:
     """The job object's fields from a job row (ORM object or a Row of ``JOB_COLUMNS``), as plain data:
-    validated once, as a whole response, by the endpoint's response model."""
+    validated once, as a whole response, by the endpoint's response model. With ``paths``, server paths
+    in the error's message become public names (a job's error may quote its model folder)."""
     hp = job_hyperparameters(job)
     return {
         "id": job.id,
@@ -193,7 +195,7 @@ def job_dict(job: Any, position: int | None) -> dict[str, Any]:
         "validation_file": job.validation_file_id,
         "trained_tokens": job.trained_tokens,
         "result_files": list(job.result_files or []),
-        "error": _error(job),
+        "error": _error(job, paths),
         "seed": job.seed,
         "suffix": job.suffix,
         "user_provided_suffix": job.suffix,
@@ -211,14 +213,14 @@ def job_dict(job: Any, position: int | None) -> dict[str, Any]:
     }
 
 
-def job_object(job: Any, position: int | None) -> FineTuningJobObject:
+def job_object(job: Any, position: int | None, paths: PublicPaths | None = None) -> FineTuningJobObject:
     """The API object of a job row; ``position`` from ``GET_JOB``, a list's ranks or ``queue_position()``."""
-    return FineTuningJobObject.model_validate(job_dict(job, position))
+    return FineTuningJobObject.model_validate(job_dict(job, position, paths))
 
 
-def job_out(session: Session, job: FineTuningJob) -> FineTuningJobObject:
-    """The API object of a job already loaded, with its queue position (create, cancel)."""
-    return job_object(job, queue_position(session, job))
+def job_out(session: Session, job: FineTuningJob, paths: PublicPaths | None = None) -> FineTuningJobObject:
+    """The API object of a job already loaded, with its queue position (create, cancel, replays)."""
+    return job_object(job, queue_position(session, job), paths)
 
 
 def event_object(ev: JobEvent, paths: PublicPaths) -> JobEventObject:

@@ -25,6 +25,7 @@ from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.jobs import admission, checks, data_check
+from api.jobs.public_paths import PublicPaths
 from api.jobs.views import (
     GET_JOB,
     JOB_CURSOR,
@@ -226,7 +227,8 @@ def _prepare_job(
         prior = _replay(session, team.team_id, idempotency_key, digest)
         if prior is not None:
             return JSONResponse(
-                job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"}
+                job_out(session, prior, PublicPaths.of(settings)).model_dump(mode="json"),
+                headers={"Idempotent-Replayed": "true"},
             )
 
     hyperparameters, hp_param = _hyperparameters(body)
@@ -290,7 +292,8 @@ def _create_job(
     if idempotency_key and (prior := _replay(session, team.team_id, idempotency_key, digest)) is not None:
         # a request with this key committed while we waited for the lock: replay it, whatever the quota
         return JSONResponse(
-            job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"}
+            job_out(session, prior, PublicPaths.of(settings)).model_dump(mode="json"),
+            headers={"Idempotent-Replayed": "true"},
         )
     _admit(session, team.team_id, settings)
 
@@ -315,7 +318,8 @@ def _create_job(
     prior = _insert_or_replay(session, job, idempotency_key, digest)
     if prior is not None:  # a concurrent request with the same key won the race
         return JSONResponse(
-            job_out(session, prior).model_dump(mode="json"), headers={"Idempotent-Replayed": "true"}
+            job_out(session, prior, PublicPaths.of(settings)).model_dump(mode="json"),
+            headers={"Idempotent-Replayed": "true"},
         )
 
     try:
@@ -353,11 +357,17 @@ async def list_jobs(
     status: JobStatus | None = None,
 ) -> dict[str, Any]:
     """Newest first; ``after`` is the id of the last job of the previous page."""
-    return await run_db(request, _list_jobs, team.team_id, after, limit, status)
+    paths = PublicPaths.of(request.app.state.settings)
+    return await run_db(request, _list_jobs, team.team_id, after, limit, status, paths)
 
 
 def _list_jobs(
-    session: Session, team_id: str, after: str | None, limit: int, status: JobStatus | None
+    session: Session,
+    team_id: str,
+    after: str | None,
+    limit: int,
+    status: JobStatus | None,
+    paths: PublicPaths,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {"team_id": team_id, "limit": limit + 1}
     if status is not None:
@@ -370,19 +380,20 @@ def _list_jobs(
     rows = session.execute(list_statement(status is not None, bool(after)), params).all()
     has_more = len(rows) > limit
     # Plain dicts, validated once as the whole response by its model (no per-job model instance).
-    return list_object([job_dict(r, r.pos) for r in rows[:limit]], has_more, id_of=itemgetter("id"))
+    return list_object([job_dict(r, r.pos, paths) for r in rows[:limit]], has_more, id_of=itemgetter("id"))
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJobObject, responses=error_responses(404))
 async def retrieve_job(fine_tuning_job_id: str, request: Request, team: TeamDep) -> dict[str, Any]:
-    return await run_db(request, _retrieve_job, team.team_id, fine_tuning_job_id)
+    paths = PublicPaths.of(request.app.state.settings)
+    return await run_db(request, _retrieve_job, team.team_id, fine_tuning_job_id, paths)
 
 
-def _retrieve_job(session: Session, team_id: str, job_id: str) -> dict[str, Any]:
+def _retrieve_job(session: Session, team_id: str, job_id: str, paths: PublicPaths) -> dict[str, Any]:
     row = session.execute(GET_JOB, {"job_id": job_id, "team_id": team_id}).first()
     if row is None:
         raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
-    return job_dict(row, row.queue_position)
+    return job_dict(row, row.queue_position, paths)
 
 
 @router.post(

@@ -292,6 +292,23 @@ def test_cancel_running_job_sets_the_flag(client: TestClient, app, team: TeamKey
     assert client.post(f"{JOBS}/{jid}/cancel", headers=team.headers).status_code == 200
 
 
+def test_a_failed_jobs_error_shows_no_server_path(client: TestClient, app, team: TeamKey, fid: str) -> None:  # type: ignore[no-untyped-def]
+    """The runner's error may quote a server folder (the model's, a file's); the job object names it
+    as the API does (api.jobs.public_paths), in the one job and in the list."""
+    jid = _job(client, team, fid)
+    settings = app.state.settings
+    data_dir = str(settings.data_dir.resolve())
+    upload = f"{settings.resolved_files_dir}/{team.id}/{fid}.jsonl"
+    message = f"model folder {data_dir}/models/acme: config.json is missing; data {upload} ok"
+    _set(app, jid, JobStatus.failed, error={"code": "invalid_model", "message": message})
+    one = client.get(f"{JOBS}/{jid}", headers=team.headers).json()
+    listed = next(j for j in client.get(JOBS, headers=team.headers).json()["data"] if j["id"] == jid)
+    for job in (one, listed):
+        shown = job["error"]["message"]
+        assert data_dir not in shown and str(settings.resolved_files_dir) not in shown, shown
+        assert shown == f"model folder models/acme: config.json is missing; data {fid} ok"
+
+
 def test_events_newest_first_paginated_and_streamed(client: TestClient, app, team: TeamKey, fid: str) -> None:  # type: ignore[no-untyped-def]
     jid = _job(client, team, fid)
     with app.state.sessionmaker() as s:
