@@ -1,0 +1,51 @@
+"""Migration 0010: checksums cached for the old download tar are cleared (the next download computes
+the new tar's), on PostgreSQL and SQLite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from api import migrate
+from store.db import make_engine
+from tests.store.test_migration_0005 import JOB, ROWS
+from tests.support import create_database, drop_database
+
+
+def _check(url: str, outputs: Path) -> None:
+    (outputs / "final").mkdir(parents=True)
+    migrate.upgrade(url, "0004")
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            for sql in ROWS:
+                conn.execute(text(sql))
+            ftm = f"'{outputs / 'final'}'"
+            conn.execute(
+                text(JOB.format(id="ftjob-1", model="tiny-llama", status="succeeded", suffix="NULL", ftm=ftm))
+            )
+        migrate.upgrade(url, "0009")  # 0005 registers the job's final model
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE models SET content_sha256 = 'old', adapter_sha256 = 'old'"))
+        migrate.upgrade(url, "0010")
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT content_sha256, adapter_sha256 FROM models")).all()
+        assert rows and all(tuple(r) == (None, None) for r in rows)
+        migrate.downgrade(url, "0009")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.services
+def test_postgresql(tmp_path: Path) -> None:
+    url = create_database("zf_api_mig10")
+    try:
+        _check(url, tmp_path)
+    finally:
+        drop_database(url)
+
+
+def test_sqlite(tmp_path: Path) -> None:
+    _check(f"sqlite:///{tmp_path / 'zenflow.db'}", tmp_path)
