@@ -11,7 +11,7 @@ root's folder of the same name.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +22,7 @@ from store import model_ids as registry
 from store.orm import RegisteredModel, Team, as_utc
 from store.settings import Settings
 from trainer.model.catalog import BUILTIN_MODELS
+from trainer.model.folder_check import folder_problem
 
 ModelKind = Literal["builtin", "base", "fine-tuned", "checkpoint"]
 #: ``owned_by`` of the models the service offers to every team (OpenAI says "system" for its own).
@@ -42,6 +43,10 @@ class ModelRef:
     owned_by: str
     #: Unix seconds (0 for the built-in configs).
     created: int
+    #: Why a base model's folder cannot be trained on (trainer.model.folder_check: its config, weights
+    #: and their shapes, tokenizer), or None: shown as ``usable``/``unusable_reason`` by ``/v1/models``.
+    #: Filled by :func:`with_usability` (listing, retrieve); None until then.
+    unusable_reason: str | None = None
 
 
 class ModelNotFound(APIError):
@@ -140,12 +145,21 @@ def spec_model_name(ref: ModelRef) -> str:
     return ref.id if ref.path is None else str(ref.path)
 
 
+def with_usability(ref: ModelRef) -> ModelRef:
+    """``ref`` with :attr:`ModelRef.unusable_reason` filled for a base model's folder (the check job
+    create makes, cached per folder until a file of it changes; headers only, no weights read)."""
+    if ref.kind != "base" or ref.path is None:
+        return ref
+    return replace(ref, unusable_reason=folder_problem(ref.path))
+
+
 def available_models(session: Session, team_id: str, settings: Settings) -> list[ModelRef]:
-    """Every model the team may name: built-in configs, base models under the roots, then its own
-    fine-tuned models and checkpoints (oldest first)."""
+    """Every model the team may name: built-in configs, base models under the roots (each with its
+    folder's check: :func:`with_usability`), then its own fine-tuned models and checkpoints (oldest
+    first)."""
     refs = [_builtin_ref(name) for name in BUILTIN_MODELS]
     refs += [
-        _base_ref(name, folder)
+        with_usability(_base_ref(name, folder))
         for name, folder in registry.base_models(settings.model_roots).items()
         if name not in BUILTIN_MODELS
     ]

@@ -378,6 +378,14 @@ class ModelObject(BaseModel):
         description="builtin: a random-init config; base: under the service's model roots; fine-tuned, "
         "checkpoint: the team's own (ft: ids, downloadable at /v1/models/{id}/content)"
     )
+    usable: bool = Field(
+        True,
+        description="Whether a job can train on it: false for a base model whose folder fails the check "
+        "job create makes (config, weights and their shapes, tokenizer); create answers 400 invalid_model",
+    )
+    unusable_reason: str | None = Field(
+        None, description="Why it is not usable (the check's message), null when usable"
+    )
 
 
 class ModelDeleted(BaseModel):

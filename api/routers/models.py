@@ -1,7 +1,10 @@
 """``/v1/models``: the models a team may use (OpenAI's list, retrieve, delete) and downloads of its own.
 
 The list holds the built-in configs, the base models under the model roots, then the team's
-fine-tuned models and checkpoints (api.model_names). Another team's id answers exactly as an
+fine-tuned models and checkpoints (api.model_names). Every entry says whether a job can train on it:
+``usable`` (false for a base folder that fails the check job create makes: config, weights and their
+shapes, tokenizer) and ``unusable_reason`` (that check's message, null when usable); broken folders
+stay listed so that their owner sees why. Another team's id answers exactly as an
 unknown one (404 ``model_not_found``). Deleting a base model is refused (403, as OpenAI does);
 deleting one of the team's models removes its files (only under ``jobs_dir``) and its id; a
 checkpoint of a job that is still running cannot be deleted (409: the job may resume from it).
@@ -29,7 +32,7 @@ from api import model_download as dl
 from api.byte_ranges import RangeNotSatisfiable, http_date, if_range_holds, parse_range
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
-from api.model_names import ModelRef, available_models, resolve_model
+from api.model_names import ModelRef, available_models, resolve_model, with_usability
 from api.schemas import ErrorResponse, ListObject, ModelDeleted, ModelObject
 from store.model_ids import find_model
 from store.orm import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
@@ -52,6 +55,8 @@ def model_object(ref: ModelRef) -> dict[str, Any]:
         "created": ref.created,
         "owned_by": ref.owned_by,
         "kind": ref.kind,
+        "usable": ref.unusable_reason is None,
+        "unusable_reason": ref.unusable_reason,
     }
 
 
@@ -193,7 +198,7 @@ async def retrieve_model(
     model: str, request: Request, team: TeamDep, settings: SettingsDep
 ) -> dict[str, Any]:
     ref = await run_db(request, resolve_model, team.team_id, model, settings)
-    return model_object(ref)
+    return model_object(await anyio.to_thread.run_sync(with_usability, ref))
 
 
 @router.delete("/{model:path}", response_model=ModelDeleted, responses=error_responses(400, 403, 404, 409))

@@ -4,7 +4,8 @@ A folder a user brings must hold a ``config.json`` naming a causal-LM architectu
 weights (``*.safetensors``, or ``pytorch_model*.bin``, sharded through their index), and a tokenizer that
 loads and has a vocabulary. :func:`check_model_folder` checks all three cheaply: the config and the
 tokenizer are loaded, the weights only have their safetensors headers (or index) read, never their
-tensors. What is wrong raises :class:`ModelFolderError`, whose message names the file and the cause.
+tensors, and those headers' shapes must fit the config (trainer.model.weight_shapes: the model the
+config describes is built on the meta device). What is wrong raises :class:`ModelFolderError`, whose message names the file and the cause.
 
 Also here: the folder's position limit (:func:`folder_position_limit`): the config's limit under any of
 its architectures' names for it, else a tokenizer's ``model_max_length`` when it is a real limit.
@@ -150,7 +151,7 @@ def _check_config(folder: Path, raw: dict[str, Any]) -> str:
                 f'config.json\'s model_type "{model_type}" is not an architecture '
                 "this server's transformers knows",
             ) from e
-        raise ModelFolderError(folder, f"config.json does not load: {_first_line(e)}") from e
+        raise ModelFolderError(folder, f"config.json does not load: {first_line(e)}") from e
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelFolderError(
             folder,
@@ -160,25 +161,12 @@ def _check_config(folder: Path, raw: dict[str, Any]) -> str:
     return model_type
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 # --- weights -----------------------------------------------------------------------------------------
-
-
-def _safetensors_parameters(folder: Path, file: Path) -> int:
-    """Elements in one safetensors file, from its header alone."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    except Exception as e:  # safetensors raises its own SafetensorError (an Exception) on a bad header
-        raise ModelFolderError(
-            folder, f"{file.name} is not a readable safetensors file: {_first_line(e)}"
-        ) from e
 
 
 def _indexed_shards(folder: Path, index: Path) -> list[Path]:
@@ -197,13 +185,18 @@ def _indexed_shards(folder: Path, index: Path) -> list[Path]:
 
 
 def _check_weights(folder: Path) -> tuple[tuple[str, ...], int | None]:
-    """The weight files and (for safetensors) their parameter count; ModelFolderError when none are usable."""
+    """The weight files and (for safetensors) their parameter count; ModelFolderError when none are
+    usable or (safetensors) when their shapes do not fit the config (trainer.model.weight_shapes)."""
     if (folder / SAFETENSORS_INDEX).is_file():
         files = _indexed_shards(folder, folder / SAFETENSORS_INDEX)
     else:
         files = sorted(folder.glob("*.safetensors"))
     if files:
-        return tuple(f.name for f in files), sum(_safetensors_parameters(folder, f) for f in files)
+        from trainer.model.weight_shapes import check_weight_shapes, header_shapes
+
+        shapes = header_shapes(folder, files)
+        check_weight_shapes(folder, shapes)  # ModelFolderError naming the tensor that does not fit
+        return tuple(f.name for f in files), sum(math.prod(shape) for shape in shapes.values())
     if (folder / BIN_INDEX).is_file():
         bins = _indexed_shards(folder, folder / BIN_INDEX)
     else:
@@ -243,7 +236,7 @@ def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     except Exception as e:  # tokenizer back ends raise anything from OSError to a Rust panic exception
         raise ModelFolderError(
             folder,
-            f"the tokenizer ({', '.join(present)}) does not load: {type(e).__name__}: {_first_line(e)}",
+            f"the tokenizer ({', '.join(present)}) does not load: {type(e).__name__}: {first_line(e)}",
         ) from e
     special = set(tok.all_special_ids)
     ids = tok(_PROBE, add_special_tokens=False)["input_ids"]
@@ -267,10 +260,12 @@ def _fingerprint(folder: Path) -> tuple[tuple[str, int, int], ...]:
 
 
 def check_model_folder(folder: Path | str) -> ModelFolder:
-    """Check ``folder`` as a base model (config, weights, tokenizer; see the module docstring).
+    """Check ``folder`` as a base model (config, weights and their shapes, tokenizer; see the module
+    docstring).
 
-    Raises ModelFolderError naming the first problem. A folder that passed is remembered until one of
-    its files changes.
+    Raises ModelFolderError naming the first problem. The outcome (passed or the problem) is remembered
+    until one of the folder's files changes (names, sizes, modification times), so a listing of base
+    models checks each folder once.
     """
     path = Path(folder).expanduser().resolve()
     if not path.is_dir():
@@ -279,19 +274,38 @@ def check_model_folder(folder: Path | str) -> ModelFolder:
         fingerprint = _fingerprint(path)
     except OSError as e:
         raise ModelFolderError(path, f"cannot be listed: {e.strerror or e}") from e
-    return _check(path, fingerprint)
+    outcome = _check(path, fingerprint)
+    if isinstance(outcome, str):
+        raise ModelFolderError(path, outcome)
+    return outcome
+
+
+def folder_problem(folder: Path | str) -> str | None:
+    """Why ``folder`` is not a usable base model (:func:`check_model_folder`'s problem, without the
+    folder's path), or None when it is."""
+    try:
+        check_model_folder(folder)
+    except ModelFolderError as e:
+        return e.problem
+    return None
 
 
 @functools.lru_cache(maxsize=64)
-def _check(path: Path, fingerprint: tuple[tuple[str, int, int], ...]) -> ModelFolder:
-    raw = read_config(path)
-    model_type = _check_config(path, raw)
-    files, n_params = _check_weights(path)
-    tok = load_folder_tokenizer(path)
+def _check(path: Path, fingerprint: tuple[tuple[str, int, int], ...]) -> ModelFolder | str:
+    """The folder's check, or the problem it found (kept like a pass: a broken folder is not checked
+    again until it changes)."""
+    try:
+        raw = read_config(path)
+        model_type = _check_config(path, raw)
+        files, n_params = _check_weights(path)
+        tok = load_folder_tokenizer(path)
+        limit = folder_position_limit(path)
+    except ModelFolderError as e:
+        return e.problem
     return ModelFolder(
         path=path,
         model_type=model_type,
-        position_limit=folder_position_limit(path),
+        position_limit=limit,
         weight_files=files,
         num_parameters=n_params,
         vocab_size=len(tok),
