@@ -1,6 +1,8 @@
 """``make run``: the whole service on embedded defaults, end to end, in a few minutes on a laptop.
 
-1. creates a team and an API key with the CLI (SQLite under ./var/demo, migrated on first use);
+1. creates a team and an API key with the CLI, in the data folder every ``zenflow`` command uses
+   (``ZENFLOW_DATA_DIR``, default ./var; the other ``ZENFLOW_*`` settings are kept too), so keys made
+   with ``zenflow keys create`` work against ``--stay``'s server;
 2. starts ``zenflow serve`` (API + in-process Celery worker on kombu's SQLAlchemy transport) on a free
    loopback port;
 3. with the official openai SDK: uploads the sample dataset, creates a job on ``tiny-llama``;
@@ -37,8 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 N_EPOCHS = 12
 
 
+def data_folder(data_dir: Path | None = None) -> Path:
+    """The demo's data folder by the rule of every ``zenflow`` command (:class:`store.settings.Settings`:
+    ``ZENFLOW_DATA_DIR`` or ``.env``, default ``var``), or ``--data-dir``; absolute."""
+    from store.settings import Settings
+
+    return (data_dir if data_dir is not None else Settings().data_dir).resolve()
+
+
 def _env(data_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
+    """Our environment, ``ZENFLOW_*`` included, with the data folder made absolute (the CLI and the
+    server run from the repository root)."""
+    env = dict(os.environ)
     env["ZENFLOW_DATA_DIR"] = str(data_dir)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -136,17 +148,17 @@ def _chat(client: OpenAI, model: str, question: str) -> str:
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
-def run(data_dir: Path, *, timeout: float, keep: bool, stay: bool) -> int:
+def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
     from openai import OpenAI
 
     from trainer.samples import SPEC_FILE, TRAIN_FILE, VALID_FILE
 
     t0 = time.monotonic()
-    if data_dir.exists() and not keep:
+    if data_dir.exists() and fresh:
         shutil.rmtree(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     env = _env(data_dir)
-    print(f"==> ZenFlow demo (embedded: SQLite + Celery on SQLAlchemy transport under {data_dir})")
+    print(f"==> ZenFlow demo (data folder {data_dir}: ZENFLOW_DATA_DIR, as for every zenflow command)")
 
     team = f"demo-{int(time.time())}"
     print(_cli(env, "teams", "create", team))
@@ -283,9 +295,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", type=Path, default=ROOT / "var" / "demo")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="default: ZENFLOW_DATA_DIR (./var), as for every zenflow command",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the job")
-    p.add_argument("--keep", action="store_true", help="keep the data dir of a previous run")
+    p.add_argument(
+        "--fresh", action="store_true", help="delete the data folder first (its teams, keys, jobs)"
+    )
+    p.add_argument(
+        "--keep", action="store_true", help=argparse.SUPPRESS
+    )  # the default now; old scripts pass it
     p.add_argument(
         "--stay",
         action=argparse.BooleanOptionalAction,
@@ -294,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     stay = sys.stdin.isatty() if args.stay is None else args.stay
-    return run(args.data_dir.resolve(), timeout=args.timeout, keep=args.keep, stay=stay)
+    return run(data_folder(args.data_dir), timeout=args.timeout, fresh=args.fresh, stay=stay)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import uvicorn
 
 from api.core.config import ApiSettings, get_api_settings
 from store.settings import Settings, get_settings
@@ -88,8 +91,6 @@ def serve(
     reaper: bool | None = None,
     log_level: str = "info",
 ) -> int:
-    import uvicorn
-
     from api.app import create_app
     from api.migrate import upgrade_with_retry
 
@@ -112,9 +113,7 @@ def serve(
         elif run_reaper:
             stops.append(start_reaper(settings))
         log.info(
-            "ZenFlow API on http://%s:%d (database %s, broker %s, %s)",
-            host,
-            port,
+            "starting the ZenFlow API (database %s, broker %s, %s)",
             _redact(settings.resolved_database_url),
             _redact(settings.resolved_broker_url),
             "embedded worker" if run_worker else "no worker in this process",
@@ -123,7 +122,7 @@ def serve(
             config = uvicorn.Config(
                 app, host=host, port=port, log_level=log_level, lifespan="on", **uvicorn_options(api_settings)
             )
-            uvicorn.Server(config).run()
+            _ReadyServer(config).run()
     finally:
         for stop in reversed(stops):
             try:
@@ -131,6 +130,21 @@ def serve(
             except Exception:  # pragma: no cover - best effort at shutdown
                 log.exception("error while stopping a background service")
     return 0
+
+
+class _ReadyServer(uvicorn.Server):
+    """uvicorn's server that logs ``ZenFlow API ready on URL`` once it accepts connections: after the
+    app's startup (migrations, the worker's capacity, the check pool) and the socket's bind, not before."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            log.info("ZenFlow API ready on %s", ready_url(self.config.host, self.config.port))
+
+
+def ready_url(host: str, port: int) -> str:
+    """The base URL a client uses (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 @contextlib.contextmanager

@@ -46,6 +46,19 @@ def _format_dataset_errors(errors: list[dict[str, Any]], fallback: str) -> str:
     return "; ".join(parts) or fallback
 
 
+def public_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A dataset's errors as a 400 lists them: ``{line, field, message}``, the ``detail`` (the problem
+    alone) left out where ``message`` (``line 3: messages: <detail>``) already says it, so a client that
+    shows both does not print the text twice; at most ``MAX_REPORTED_ERRORS``."""
+    out = []
+    for e in errors[:MAX_REPORTED_ERRORS]:
+        shown = dict(e)
+        if str(shown.get("detail") or "") in str(shown.get("message") or ""):
+            shown.pop("detail", None)
+        out.append(shown)
+    return out
+
+
 def validate_dataset(path: Path, *, param: str = "file", limits: ExampleLimits | None = None) -> int:
     """Run the trainer's validator on an uploaded file (the bounds of one example that need no tokenizer:
     messages, characters); the number of examples, or a 400 naming the field."""
@@ -59,7 +72,7 @@ def validate_dataset(path: Path, *, param: str = "file", limits: ExampleLimits |
             "Invalid fine-tuning file: " + _format_dataset_errors(errors, str(exc)),
             param=param,
             code="invalid_file_format",
-            extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
+            extra={"field": first_field, "errors": public_errors(errors)},
         ) from exc
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError(

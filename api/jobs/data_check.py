@@ -35,6 +35,7 @@ from api.core.deps import run_db
 from api.core.errors import APIError
 from api.jobs.check_pool import CheckCancelled, CheckPool, CheckTimeout
 from api.jobs.check_worker import MAX_REPORTED_ERRORS, CheckRequest
+from api.jobs.checks import public_errors
 from store.orm import File
 from store.settings import Settings
 from trainer.data.dataset import DataOptions, DatasetReport, ExampleLimits
@@ -242,7 +243,7 @@ def invalid(param: str, model_name: str, errors: list[dict[str, Any]], *, code: 
         f"Invalid {param} for model {model_name!r}: {shown}",
         param=param,
         code=code,
-        extra={"field": first_field, "errors": errors[:MAX_REPORTED_ERRORS]},
+        extra={"field": first_field, "errors": public_errors(errors[:MAX_REPORTED_ERRORS])},
     )
 
 

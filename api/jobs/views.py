@@ -5,6 +5,7 @@ routers run."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -207,10 +208,28 @@ def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -
         "cancel_requested": job.cancel_requested,
         "progress": {
             "step": job.global_step or 0,
-            "total_steps": job.total_steps,
+            "total_steps": planned_total_steps(job, hp),
             "attempts": job.attempts or 0,
         },
     }
+
+
+def planned_total_steps(job: Any, hp: dict[str, Any]) -> int | None:
+    """The run's step count once it has started, else the one resolved at create (a queued job's
+    ``hyperparameters.total_steps``); None when neither is known."""
+    if job.total_steps:
+        return int(job.total_steps)
+    planned = hp.get("total_steps")
+    return planned if isinstance(planned, int) and not isinstance(planned, bool) and planned > 0 else None
+
+
+def queued_message(queue: str, capacities: Sequence[Any]) -> str:
+    """The create's queue event: ``Job queued on gpu-default``; where every worker that may run it
+    (the queue's live workers, else the default worker assumed) has no GPU, that it trains on a CPU
+    (the queue's name is a configured label, ``gpu-default`` on a CPU box too)."""
+    if capacities and all(getattr(c, "device_type", None) == "cpu" for c in capacities):
+        return f"Job queued on {queue} (its workers have no GPU: it trains on the CPU)"
+    return f"Job queued on {queue}"
 
 
 def job_object(job: Any, position: int | None, paths: PublicPaths | None = None) -> FineTuningJobObject:

@@ -34,6 +34,7 @@ from api.jobs.views import (
     job_dict,
     job_out,
     list_statement,
+    queued_message,
     step_metric_object,
 )
 from api.model_names import ModelRef, resolve_model, spec_model_name
@@ -128,7 +129,7 @@ _INSERT_ATTEMPTS = 3
 
 
 def _insert_or_replay(
-    session: Session, job: FineTuningJob, idempotency_key: str | None, digest: str
+    session: Session, job: FineTuningJob, idempotency_key: str | None, digest: str, queued: str
 ) -> FineTuningJob | None:
     """Insert and commit ``job`` with its first events; or, when a concurrent request with the same
     ``Idempotency-Key`` got there first, the job that request made (the caller replays it).
@@ -143,9 +144,7 @@ def _insert_or_replay(
         try:
             session.flush()
             add_event(session, job.id, f"Created fine-tuning job: {job.id}", data={"status": job.status})
-            add_event(
-                session, job.id, f"Job queued on {job.queue}", data={"status": job.status, "queue": job.queue}
-            )
+            add_event(session, job.id, queued, data={"status": job.status, "queue": job.queue})
             session.commit()
             return None
         except IntegrityError:
@@ -315,7 +314,8 @@ def _create_job(
         queue=queue,
         resolved_hyperparameters=checks.resolved_hyperparameters(spec, training.num_examples),
     )
-    prior = _insert_or_replay(session, job, idempotency_key, digest)
+    queued = queued_message(queue, [c for _, c in admission.candidates(session, queue, settings)])
+    prior = _insert_or_replay(session, job, idempotency_key, digest, queued)
     if prior is not None:  # a concurrent request with the same key won the race
         return JSONResponse(
             job_out(session, prior, PublicPaths.of(settings)).model_dump(mode="json"),

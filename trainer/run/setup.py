@@ -253,9 +253,7 @@ def build(
         mem = engine.memory()
         emit(
             LogEvent(
-                f"Engine memory: host {mem.host_bytes / 2**30:.2f} GiB ({mem.host_bytes_per_param:.1f} B/param), "
-                f"device state {mem.device_state_bytes / 2**30:.2f} GiB",
-                data=mem.as_dict(),
+                engine_memory_text(mem.host_bytes, mem.params, mem.device_state_bytes), data=mem.as_dict()
             )
         )
         if device.type == "cpu" and engine.mode != "device":
@@ -309,6 +307,18 @@ def build(
         release(built)
         raise
     return built
+
+
+def engine_memory_text(host_bytes: int, params: int, device_state_bytes: int) -> str:
+    """``Engine memory: host 2.4 MiB (19.9 B/param), device state none``: sizes in their unit, and no
+    bytes per parameter where the engine holds nothing on the host (``mode: device``)."""
+    from trainer.plan.gpus import format_bytes
+
+    host = "none" if host_bytes <= 0 else format_bytes(host_bytes)
+    if host_bytes > 0 and params > 0:
+        host += f" ({host_bytes / params:.1f} B/param)"
+    device = "none" if device_state_bytes <= 0 else format_bytes(device_state_bytes)
+    return f"Engine memory: host {host}, device state {device}"
 
 
 def apply_runtime(model: Any, choices: RuntimeChoices, device: torch.device, dtype: torch.dtype) -> str:

@@ -279,10 +279,18 @@ def measure_capacity(*, nvml: Nvml | None = None, adam_seconds: float = ADAM_SEC
     )
 
 
+def kept_capacity() -> WorkerCapacity:
+    """:func:`measure_capacity`, or on a host without a GPU the measurement kept from an earlier start
+    (:mod:`worker.capacity.cache`)."""
+    from worker.capacity.cache import cached_capacity
+
+    return cached_capacity(measure_capacity, gpus_seen=NVML.device_count())
+
+
 @cache
 def local_capacity() -> WorkerCapacity:
     """This process's capacity, measured once (a job process whose worker registered none)."""
-    return measure_capacity()
+    return kept_capacity()
 
 
 def measure_in_subprocess(*, timeout: float = MEASURE_TIMEOUT_SECONDS) -> WorkerCapacity:
@@ -307,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m worker.capacity.measure``: measure this host's capacity and print it as JSON."""
     p = argparse.ArgumentParser(prog="python -m worker.capacity.measure", description=main.__doc__)
     p.add_argument("--indent", type=int, default=None, help="pretty-print the JSON")
+    p.add_argument("--fresh", action="store_true", help="measure again, even where one is kept")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    print(json.dumps(measure_capacity().model_dump(mode="json"), indent=args.indent))
+    capacity = measure_capacity() if args.fresh else kept_capacity()
+    print(json.dumps(capacity.model_dump(mode="json"), indent=args.indent))
     return 0
 
 
