@@ -55,7 +55,7 @@ def test_upload_errors_say_each_problem_once(tmp_path: Path, line: str) -> None:
 
 
 def test_public_errors_keep_a_detail_that_adds_something() -> None:
-    errors = [
+    errors: list[dict[str, object]] = [
         {"line": 2, "field": "messages", "message": "line 2: messages: empty list", "detail": "empty list"},
         {"line": 3, "field": None, "message": "line 3: bad", "detail": "more context here"},
     ]
@@ -79,7 +79,11 @@ def _cap(device: str) -> WorkerCapacity:
     if device == "cpu":
         return WorkerCapacity(device_type="cpu", host_memory_bytes=2**34, cores=2)
     return WorkerCapacity(
-        device_type="cuda", gpu_name="NVIDIA H100", gpu_memory_bytes=80 * 2**30, host_memory_bytes=2**37, cores=16
+        device_type="cuda",
+        gpu_name="NVIDIA H100",
+        gpu_memory_bytes=80 * 2**30,
+        host_memory_bytes=2**37,
+        cores=16,
     )
 
 

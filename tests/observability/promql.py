@@ -24,6 +24,37 @@ BUILTIN_VARS = {"__rate_interval": "15s", "__interval": "5s", "__range": "1m"}
 #: Metrics only a GPU host has (NVML readings at scrape time); without one, expressions reading
 #: them are checked for validity but not for data.
 GPU_ONLY_METRICS = ("zenflow_nvml_gpu_utilization_ratio",)
+#: Series that exist only once something has happened (a chat request, a skipped step, a job's end, a
+#: Redis broker): expressions reading them are checked for validity, and for data where they have any.
+EVENT_METRICS = (
+    "zenflow_inference_",
+    "zenflow_steps_skipped_total",
+    "zenflow_worker_jobs_total",
+    "zenflow_broker_queue_messages",
+)
+#: Where the service defines its metric families (prometheus_client constructors and collectors).
+METRIC_SOURCES = (
+    "api/core/metrics.py",
+    "api/inference/metrics.py",
+    "worker/metrics/telemetry.py",
+    "worker/metrics/server.py",
+)
+_FAMILY = re.compile(
+    r"\b(Counter|Gauge|Histogram|Summary|Info|GaugeMetricFamily|CounterMetricFamily|HistogramMetricFamily)"
+    r"\(\s*\"([a-zA-Z_:][a-zA-Z0-9_:]*)\""
+)
+
+
+def exported_families() -> dict[str, str]:
+    """Every metric family the code defines, as exposed (a counter's ``_total`` added) -> its kind."""
+    found: dict[str, str] = {}
+    for rel in METRIC_SOURCES:
+        for kind, name in _FAMILY.findall((ROOT / rel).read_text()):
+            if kind in ("Counter", "CounterMetricFamily") and not name.endswith("_total"):
+                name += "_total"
+            found[name] = kind
+    return found
+
 
 _VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
 

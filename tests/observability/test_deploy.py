@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -187,3 +188,76 @@ def test_dashboard_covers_the_issue() -> None:
     # the per-job view joins through the info gauge, never a job label on the step series
     job_exprs = [e.expr for e in dashboard_exprs(d) if "$job_id" in e.expr]
     assert job_exprs and all("zenflow_worker_current_job" in e for e in job_exprs)
+
+
+#: Families exported but not charted, each with the reason (empty: every family has a panel).
+NOT_CHARTED: dict[str, str] = {}
+#: Families whose trouble pages someone: each is read by an alert rule.
+PAGING = (
+    "zenflow_db_up",
+    "zenflow_steps_skipped_total",
+    "zenflow_worker_jobs_total",
+    "zenflow_inference_requests_total",
+    "zenflow_stall_seconds_total",
+    "zenflow_jobs",
+)
+
+
+def _reads(expr: str, family: str, kind: str) -> bool:
+    names = (
+        [family]
+        if kind not in ("Histogram", "HistogramMetricFamily")
+        else [
+            f"{family}_bucket",
+            f"{family}_sum",
+            f"{family}_count",
+        ]
+    )
+    return any(re.search(rf"\b{re.escape(n)}\b", expr) for n in names)
+
+
+def test_every_exported_family_is_charted_or_listed() -> None:
+    families = promql.exported_families()
+    # the scan finds the families docs/observability.md documents (a sanity check of the scan itself)
+    assert {
+        "zenflow_inference_requests_total",
+        "zenflow_engine_host_memory_bytes",
+        "zenflow_steps_skipped_total",
+        "zenflow_db_up",
+        "zenflow_worker_jobs_total",
+        "http_request_duration_seconds",
+        "zenflow_step_seconds",
+    } <= set(families), sorted(families)
+    exprs = [e.expr for d in load_dashboards().values() for e in dashboard_exprs(d)]
+    exprs += [v for d in load_dashboards().values() for v in _variable_defs(d)]
+    uncharted = sorted(
+        f
+        for f, kind in families.items()
+        if f not in NOT_CHARTED and not any(_reads(e, f, kind) for e in exprs)
+    )
+    assert not uncharted, f"exported, not charted, not in NOT_CHARTED: {uncharted}"
+    stale = sorted(set(NOT_CHARTED) - set(families))
+    assert not stale, f"NOT_CHARTED names families the code no longer exports: {stale}"
+    docs = (promql.ROOT / "docs" / "observability.md").read_text()
+    undocumented = sorted(f for f in families if f"`{f}`" not in docs)
+    assert not undocumented, f"not in docs/observability.md: {undocumented}"
+
+
+def _variable_defs(d: dict[str, Any]) -> list[str]:
+    return [str(v.get("definition", "")) for v in d.get("templating", {}).get("list", [])]
+
+
+def test_paging_families_have_alerts() -> None:
+    families = promql.exported_families()
+    rules = alert_rules()
+    for family in PAGING:
+        assert family in families, family
+        assert any(_reads(r["expr"], family, families[family]) for r in rules), f"no alert reads {family}"
+    names = {r["alert"] for r in rules}
+    assert {
+        "ZenflowStepsSkipped",
+        "ZenflowWorkerFailingJobs",
+        "ZenflowInferenceErrors",
+        "ZenflowInferenceRejecting",
+        "ZenflowDatabaseUnreachable",
+    } <= names

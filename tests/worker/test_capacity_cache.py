@@ -27,7 +27,9 @@ def test_kept_between_starts_and_measured_again_when_stale(
     again = cache.cached_capacity(lambda: _measure(calls), gpus_seen=0)
     assert first == again and len(calls) == 1
     (kept,) = tmp_path.glob("capacity-*.json")
-    monkeypatch.setattr(cache.time, "time", lambda: kept.stat().st_mtime + cache.MAX_AGE_SECONDS + 1)
+    monkeypatch.setattr(
+        "worker.capacity.cache.time.time", lambda: kept.stat().st_mtime + cache.MAX_AGE_SECONDS + 1
+    )
     cache.cached_capacity(lambda: _measure(calls), gpus_seen=0)
     assert len(calls) == 2
 
