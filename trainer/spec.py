@@ -331,6 +331,10 @@ class JobSpec(BaseModel):
 
     #: A built-in config name (``tiny-llama``, ``small-llama``) or a local Hugging Face directory.
     model: str
+    #: The name others know the base model by (the API's model id, e.g. ``org/base-model``), written
+    #: into the adapter's ``base_model_name_or_path`` and the model card; None: ``model`` itself (a
+    #: folder: its name), never a server path (trainer.run.model_card.base_model_id).
+    model_name: str | None = None
     training_file: Path
     validation_file: Path | None = None
     hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
@@ -448,6 +452,7 @@ def spec_from_job(
     seed: int | None,
     output_dir: str | Path,
     resources: dict[str, Any] | None = None,
+    model_name: str | None = None,
 ) -> JobSpec:
     """A JobSpec from a job row's values (fine_tuning_jobs columns + the files' storage paths).
 
@@ -461,6 +466,7 @@ def spec_from_job(
     return JobSpec.model_validate(
         {
             "model": model,
+            "model_name": model_name,
             "training_file": str(training_file),
             "validation_file": str(validation_file) if validation_file else None,
             "hyperparameters": hp,

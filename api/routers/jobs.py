@@ -74,9 +74,14 @@ def _hyperparameters(body: JobCreate) -> tuple[dict[str, Any], str]:
     top = body.hyperparameters
     nested = body.method.supervised.hyperparameters if body.method and body.method.supervised else None
     if top is not None and nested is not None and top != nested:
+        given = [", ".join(sorted(hp.model_dump(exclude_unset=True))) for hp in (top, nested)]
         raise APIError(
             400,
-            "Give hyperparameters either at the top level or in method.supervised.hyperparameters, not both",
+            f"Hyperparameters are given twice, with different values: at the top level ({given[0]}) "
+            f"and in method.supervised.hyperparameters ({given[1]}). Give them all in "
+            "one place: with the OpenAI SDK, method={'type': 'supervised', 'supervised': "
+            "{'hyperparameters': {'n_epochs': 2, 'lora': {'r': 8}}}} (lora goes inside it, beside the "
+            "others), or without method=, extra_body={'hyperparameters': {'n_epochs': 2, 'lora': {'r': 8}}}",
             param="hyperparameters",
             code="invalid_value",
         )

@@ -8,7 +8,9 @@ stay listed so that their owner sees why. Another team's id answers exactly as a
 unknown one (404 ``model_not_found``). Deleting a base model is refused (403, as OpenAI does);
 deleting one of the team's models removes its files (only under ``jobs_dir``) and its id; a
 checkpoint of a job that is still running cannot be deleted (409: the job may resume from it).
-Downloads: api.model_download (a deterministic tar with ``X-Checksum-SHA256``, the model's files only),
+Downloads: api.model_download (a deterministic tar with ``X-Checksum-SHA256``, the model's files only)
+of the team's models and of the base models every team may train on (folders under the model roots;
+built-in configs at a seed),
 with ``HEAD`` and single ``Range`` requests (api.byte_ranges) for resumable downloads.
 
 Ids hold ``:`` and base-model names ``/``, so the id is a ``path`` parameter; the ``/content`` route
@@ -90,6 +92,14 @@ _CONTENT_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "The byte range asked for by `Range` (one range; `Content-Range` says which)",
     },
 }
+_SEED_QUERY = Query(
+    ge=0,
+    le=2**63 - 1,
+    description="Built-in models only: the seed of the random init (a job's hyperparameters.seed); "
+    "other models ignore it",
+)
+#: Under ``data_dir``: built-in models' weights written for download, one folder per name and seed.
+BUILTIN_DIR = "builtin-models"
 _FORMAT_QUERY = Query(
     alias="format", description="model: merged weights, config, tokenizer; adapter: the LoRA adapter"
 )
@@ -103,16 +113,25 @@ async def model_content(
     team: TeamDep,
     settings: SettingsDep,
     fmt: Annotated[dl.DownloadFormat, _FORMAT_QUERY] = "model",
+    seed: Annotated[int, _SEED_QUERY] = 0,
 ) -> Response:
-    """Download a fine-tuned model or checkpoint as a tar (its files at the archive's root).
+    """Download a model as a tar (its files at the archive's root): a fine-tuned model or checkpoint
+    of the team, or a base model it may train on (a folder of the service's model roots, or a built-in
+    config's weights at ``seed``: the base an adapter trained with that seed goes onto).
 
     The tar's bytes are fixed for a model, so a download resumes: ``Range: bytes=START-`` (one range)
     answers 206 with those bytes, ``If-Range`` with the ``ETag`` (or ``Last-Modified``) of the first
     answer makes sure they are of the same archive. ``HEAD`` answers the headers alone."""
     ref, digest = await run_db(request, _download_of, team.team_id, model, settings, fmt)
     folder, mtime = _download_folder(ref, fmt), ref.created
+    if folder is None:  # a built-in config: its weights at this seed, written once
+        folder = await anyio.to_thread.run_sync(
+            dl.builtin_folder, ref.id, seed, settings.data_dir / BUILTIN_DIR
+        )
     members = await anyio.to_thread.run_sync(dl.model_members, folder, fmt)
-    if digest is None:  # first download of this model: one read pass, then cached in its row
+    if ref.kind in ("builtin", "base"):  # no row to keep the checksum in: remembered in the process
+        digest = await anyio.to_thread.run_sync(dl.base_tar_sha256, members, mtime)
+    elif digest is None:  # first download of this model: one read pass, then cached in its row
         digest = await anyio.to_thread.run_sync(dl.tar_sha256, members, mtime)
         await run_db(request, _cache_digest, team.team_id, ref.id, fmt, digest)
     layout = dl.TarLayout(members, mtime)
@@ -152,14 +171,14 @@ def _validators(members: list[dl.Member], mtime: int, digest: str) -> tuple[str,
     return dl.listing_tag(members, mtime, digest), dl.last_modified(members, mtime)
 
 
-def _download_folder(ref: ModelRef, fmt: dl.DownloadFormat) -> Path:
-    if ref.kind not in ("fine-tuned", "checkpoint") or ref.path is None:
+def _download_folder(ref: ModelRef, fmt: dl.DownloadFormat) -> Path | None:
+    """The folder to send; None for a built-in config (its folder is written for the seed asked)."""
+    if fmt == "adapter" and ref.kind in ("builtin", "base"):
         raise APIError(
             400,
-            f"The model '{ref.id}' is a base model of the service; only fine-tuned models and "
-            "checkpoints can be downloaded",
-            param="model",
-            code="model_not_downloadable",
+            f"The model '{ref.id}' is a base model: it has no LoRA adapter; download format=model",
+            param="format",
+            code="no_adapter",
         )
     if fmt == "adapter" and ref.adapter_path is None:
         raise APIError(
@@ -168,7 +187,7 @@ def _download_folder(ref: ModelRef, fmt: dl.DownloadFormat) -> Path:
             param="format",
             code="no_adapter",
         )
-    return ref.path
+    return ref.path  # a base folder's files go through the same allow-list as a fine-tuned model's
 
 
 def _download_of(

@@ -198,8 +198,8 @@ def test_download_errors(trained: Trained, mclient: TestClient) -> None:
     assert _download(mclient, trained.other, trained.model, format="adapter").status_code == 404
     bad = _download(mclient, trained.team, trained.model, format="zip")
     assert bad.status_code == 400 and error_of(bad)["param"] == "format"
-    base = _download(mclient, trained.team, "tiny-llama")
-    assert base.status_code == 400 and error_of(base)["code"] == "model_not_downloadable"
+    base = _download(mclient, trained.team, "tiny-llama", format="adapter")  # a base has no adapter
+    assert base.status_code == 400 and error_of(base)["code"] == "no_adapter", base.text
 
 
 @pytest.mark.parametrize(

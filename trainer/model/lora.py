@@ -31,7 +31,10 @@ def apply_lora(model: Any, spec: JobSpec, seed: int) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((seed + 1) % 2**63)
         peft_model = get_peft_model(model, cfg)
-    peft_model.peft_config["default"].base_model_name_or_path = spec.model
+    from trainer.run.model_card import base_model_id
+
+    # the API's id of the base (never a server path): what others download and load the adapter onto
+    peft_model.peft_config["default"].base_model_name_or_path = base_model_id(spec)
     return peft_model
 
 

@@ -51,6 +51,7 @@ from trainer.run.checkpoint import (
     write_json_atomic,
 )
 from trainer.run.distributed import DistContext, all_sum, broadcast_object
+from trainer.run.model_card import CARD_FILE, model_card
 from trainer.run.setup import Built, Progress, RunData
 from trainer.spec import JobSpec
 
@@ -211,6 +212,7 @@ class RunOutputs:
 
         def write(tmp: Path) -> None:
             save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+            self._write_card(tmp, figures, adapter=False)
             if adapter is not None:
                 # Explicit save_embedding_layers (never "auto": no Hub lookup of the base config): the
                 # embeddings go into the adapter only when the vocabulary grew, so that the adapter
@@ -218,6 +220,7 @@ class RunOutputs:
                 built.model.save_pretrained(
                     str(tmp / "adapter"), state_dict=adapter, save_embedding_layers=built.added_tokens > 0
                 )
+                self._write_card(tmp / "adapter", figures, adapter=True)  # over peft's empty template
             save_training_state(tmp, tstate)
             if dist is not None:
                 save_rank_state(tmp / engine_shard_name(0, dist.world_size), rank_state)
@@ -238,6 +241,20 @@ class RunOutputs:
             if dist is not None:  # shards not moved in (a failed write) are of no use
                 for r in range(1, dist.world_size):
                     self._staged(progress.step, r).unlink(missing_ok=True)
+
+    def _write_card(self, folder: Path, figures: dict[str, Any], *, adapter: bool) -> None:
+        """The folder's README.md: trainer.run.model_card (base, data sizes, hyperparameters, losses)."""
+        hp = self.data.hp
+        card = model_card(
+            self.spec,
+            adapter=adapter,
+            hyperparameters=hp.model_dump(mode="json"),
+            figures=figures,
+            train_examples=len(self.data.train),
+            valid_examples=len(self.data.valid),
+            total_steps=hp.total_steps,
+        )
+        (folder / CARD_FILE).write_text(card, encoding="utf-8")
 
     def export_final(self, progress: Progress) -> Path:
         """``final/``: the last checkpoint's model files (hard links where possible), no training state

@@ -188,6 +188,7 @@ def _load(
         job.output_dir = str(output_dir)
         fields: dict[str, Any] = dict(
             model=model,
+            model_name=job.model,  # the API's id: the adapter and model card name it, not the folder
             training_file=training.storage_path if training else "",
             validation_file=validation.storage_path if validation else None,
             hyperparameters=job.hyperparameters,
