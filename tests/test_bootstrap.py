@@ -1,0 +1,83 @@
+"""scripts/bootstrap.sh (issue 27 item 6), run in a scratch copy with a stand-in ``.venv/bin/python``:
+one line per stage with its seconds, pip's output in the log and not on the terminal, nothing at all
+once done, and a failing stage's log tail shown."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$(dirname "$0")/../calls"
+if [ "${FAIL_ON:-}" != "" ] && [[ "$*" == *"$FAIL_ON"* ]]; then
+  echo "ERROR: no matching distribution for $FAIL_ON"; exit 1
+fi
+echo "WARNING: Location 'file:///opt/x/simple/pip/' is ignored: noise pip prints"
+"""
+
+
+def _scratch(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "bootstrap.sh", repo / "scripts" / "bootstrap.sh")
+    (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (repo / "offload" / "csrc").mkdir(parents=True)
+    (repo / "offload" / "cpu_adam.py").write_text("# stand-in\n")
+    (repo / "offload" / "csrc" / "cpu_adam.cpp").write_text("// stand-in\n")
+    py = repo / ".venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text(FAKE_PYTHON)
+    py.chmod(0o755)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "id").write_text("#!/bin/sh\necho 1000\n")  # not root: no apt-get stage here
+    (fake_bin / "id").chmod(0o755)
+    return repo
+
+
+def _run(repo: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    full = {**os.environ, "PATH": f"{repo.parent / 'bin'}:{os.environ['PATH']}", **env}
+    t = time.monotonic()
+    done = subprocess.run(
+        ["bash", "scripts/bootstrap.sh"], cwd=repo, env=full, capture_output=True, text=True, timeout=60
+    )
+    return done, time.monotonic() - t
+
+
+def test_quiet_stages_then_nothing_when_done(tmp_path: Path) -> None:
+    repo = _scratch(tmp_path)
+    first, _ = _run(repo)
+    assert first.returncode == 0, first.stderr
+    lines = first.stderr.strip().splitlines()
+    stage = re.compile(r"bootstrap: .+ +\d+\.\d s")
+    assert all(stage.fullmatch(line.split(" (log:")[0]) for line in lines), lines
+    names = " | ".join(lines)
+    for what in ("pip, setuptools, wheel", "torch==", "pip install -e .[dev]", "C++ CPU optimizer"):
+        assert what in names, names
+    assert "WARNING" not in first.stdout + first.stderr  # pip's noise is in the log only
+    log = (repo / ".venv" / "bootstrap.log").read_text()
+    assert "noise pip prints" in log
+    calls = (repo / ".venv" / "calls").read_text().splitlines()
+    assert len(calls) == 4 and "-q" in calls[0] and "load_extension" in calls[3]
+
+    again, seconds = _run(repo)
+    assert again.returncode == 0 and again.stdout == again.stderr == "", again.stderr
+    assert seconds < 5 and len((repo / ".venv" / "calls").read_text().splitlines()) == 4
+
+    (repo / "offload" / "csrc" / "cpu_adam.cpp").write_text("// changed\n")  # only the build again
+    third, _ = _run(repo)
+    assert "C++ CPU optimizer" in third.stderr and "torch" not in third.stderr
+
+
+def test_a_failing_stage_shows_the_log_tail(tmp_path: Path) -> None:
+    repo = _scratch(tmp_path)
+    done, _ = _run(repo, FAIL_ON="torch==")
+    assert done.returncode == 1
+    assert "FAILED" in done.stderr and "no matching distribution for torch==" in done.stderr
+    assert not (repo / ".venv" / ".zenflow-bootstrap").exists()  # tried again next time
