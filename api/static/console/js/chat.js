@@ -1,10 +1,73 @@
 // Chat with a model (POST /v1/chat/completions, stream: true): the reply appears as its chunks arrive;
 // Stop closes the request, which frees the server's generation slot.
 
-import { api, serverEvents } from "./api.js";
+import { api, apiJson, serverEvents } from "./api.js";
 import { $, h, setChildren } from "./dom.js";
 import { showError, showInfo } from "./errors.js";
 import { fillModelSelect } from "./models.js";
+import { go } from "./router.js";
+
+/** Make ``id`` the choice of ``select`` (added as an option when the list does not have it yet). */
+function choose(select, id) {
+  if (!id) return;
+  if (![...select.options].some((o) => o.value === id)) select.append(h("option", { value: id }, id));
+  select.value = id;
+}
+
+/**
+ * Side by side: the same prompt to two models (POST /v1/chat/completions each, not streamed, one after
+ * the other so neither waits on the other's generation slot), answers in two columns.
+ */
+function initSideBySide(bus) {
+  const form = $("#side-form");
+  const status = $("#side-status");
+  const left = $("#side-left");
+  const right = $("#side-right");
+  const panes = [$("#side-left-answer"), $("#side-right-answer")];
+
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const prompt = $("#side-input").value.trim();
+    if (!prompt) return;
+    const send = $("#side-send");
+    send.disabled = true;
+    const models = [left.value, right.value];
+    panes.forEach((pane, i) => {
+      setChildren(pane.querySelector("figcaption"), models[i]);
+      setChildren(pane.querySelector(".text"), "...");
+      pane.dataset.state = "waiting";
+    });
+    showInfo(status, "Asking both models...");
+    const usage = [];
+    for (const [i, model] of models.entries()) {
+      try {
+        const answer = await apiJson("/chat/completions", { method: "POST", json: {
+          model, messages: [{ role: "user", content: prompt }], temperature: 0,
+          max_tokens: Number.parseInt($("#side-max-tokens").value || "64", 10),
+        } });
+        setChildren(panes[i].querySelector(".text"), answer.choices?.[0]?.message?.content ?? "");
+        panes[i].dataset.state = "done";
+        usage.push(`${model}: ${answer.usage?.completion_tokens ?? "?"} tokens`);
+      } catch (err) {
+        panes[i].dataset.state = "error";
+        showError(panes[i].querySelector(".text"), err);
+      }
+    }
+    showInfo(status, `Answered (temperature 0): ${usage.join("; ")}.`);
+    send.disabled = false;
+  });
+  bus.addEventListener("models", (e) => {
+    fillModelSelect(left, e.detail);
+    fillModelSelect(right, e.detail);
+  });
+  bus.addEventListener("side-by-side", (e) => {
+    go("chat");
+    choose(left, e.detail.left);
+    choose(right, e.detail.right);
+    $("#side-section").scrollIntoView({ block: "start" });
+    $("#side-input").focus();
+  });
+}
 
 export function initChat(bus) {
   const form = $("#chat-form");
@@ -92,11 +155,10 @@ export function initChat(bus) {
   });
   bus.addEventListener("models", (e) => fillModelSelect(modelSelect, e.detail));
   bus.addEventListener("chat-model", (e) => {
-    if (![...modelSelect.options].some((o) => o.value === e.detail)) {
-      modelSelect.append(h("option", { value: e.detail }, e.detail));
-    }
-    modelSelect.value = e.detail;
-    $("#chat-section").scrollIntoView({ behavior: "smooth", block: "start" });
+    go("chat");
+    choose(modelSelect, e.detail);
+    $("#chat-section").scrollIntoView({ block: "start" });
     $("#chat-input").focus();
   });
+  initSideBySide(bus);
 }

@@ -53,3 +53,11 @@ export function bytes(n) {
   while (v >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
   return i === 0 ? `${v} B` : `${v.toFixed(1)} ${units[i]}`;
 }
+
+/** Seconds as "1 h 02 min", "3 min 05 s" or "12 s". */
+export function duration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  if (s >= 3600) return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
+  if (s >= 60) return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, "0")} s`;
+  return `${s} s`;
+}
