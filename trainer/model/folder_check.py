@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.model.folder_errors import ModelFolderError as ModelFolderError  # re-exported here
+from trainer.model.folder_errors import first_line
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -54,14 +57,6 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 #: Text every usable tokenizer turns into known tokens.
 _PROBE = "hello"
-
-
-class ModelFolderError(ValueError):
-    """A local model folder a job cannot train on; the message says which file and why."""
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        self.path, self.problem = Path(path), problem
-        super().__init__(f"model folder {path}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -159,11 +154,6 @@ def _check_config(folder: Path, raw: dict[str, Any]) -> str:
             "transformers (AutoModelForCausalLM): it cannot be fine-tuned here",
         )
     return model_type
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 # --- weights -----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ A config that does not match its weights (``hidden_size`` 256 over 128-wide tens
 built on torch's meta device (shapes only, no memory), and each of its parameters is compared with
 the tensor of the same name in the safetensors headers (``safe_open(...).get_slice(name).get_shape()``:
 the header alone; no tensor is read). What differs raises
-:class:`~trainer.model.folder_check.ModelFolderError` naming the tensor and both shapes.
+:class:`~trainer.model.folder_errors.ModelFolderError` naming the tensor and both shapes.
 
 What transformers itself tolerates is tolerated here: tied weights (the output layer shares the
 embedding, so the file holds one of the two), checkpoints saved without the base model's prefix
@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from trainer.model.folder_errors import ModelFolderError, first_line
+
 Shape = tuple[int, ...]
 #: How many missing or unexpected names a message lists before "and N more".
 _SHOWN = 5
@@ -31,8 +33,6 @@ _SHOWN = 5
 def header_shapes(folder: Path, files: Iterable[Path]) -> dict[str, Shape]:
     """Every tensor's shape from the safetensors headers of ``files`` (no tensor data read)."""
     from safetensors import safe_open
-
-    from trainer.model.folder_check import ModelFolderError, first_line
 
     shapes: dict[str, Shape] = {}
     for file in files:
@@ -77,8 +77,6 @@ def check_weight_shapes(folder: Path, found: dict[str, Shape]) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    from trainer.model.folder_check import ModelFolderError, first_line
 
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     try:
