@@ -182,3 +182,21 @@ def test_a_builtin_base_downloads_at_the_jobs_seed(sdk: Sdk, tmp_path: Path) -> 
     assert (got_dir / "tokenizer_config.json").is_file()
     again = _download(sdk, "tiny-llama", tmp_path / "again", seed=7)
     assert (again / "model.safetensors").read_bytes() == (got_dir / "model.safetensors").read_bytes()
+
+
+def test_a_base_download_resumes_with_range_and_head(sdk: Sdk, lapp: FastAPI) -> None:
+    import httpx
+
+    url = f"{sdk.base_url}/v1/models/{BASE}/content"
+    whole = httpx.get(url, headers=sdk.team.headers, timeout=60)
+    head = httpx.head(url, headers=sdk.team.headers, timeout=60)
+    assert head.status_code == 200 and head.headers["content-length"] == str(len(whole.content))
+    assert head.headers["x-checksum-sha256"] == whole.headers["x-checksum-sha256"]
+    part = httpx.get(
+        url,
+        headers={**sdk.team.headers, "Range": "bytes=1000-", "If-Range": whole.headers["etag"]},
+        timeout=60,
+    )
+    assert part.status_code == 206 and part.content == whole.content[1000:]
+    other = httpx.get(url, headers=make_team(lapp).headers, timeout=60)
+    assert other.status_code == 200 and other.content == whole.content  # any team may train on it
