@@ -277,6 +277,8 @@ def folder_problem(folder: Path | str) -> str | None:
         check_model_folder(folder)
     except ModelFolderError as e:
         return e.problem
+    except Exception as e:  # a listing must not fail on one folder a library chokes on
+        return f"the folder could not be checked: {type(e).__name__}: {first_line(e)}"
     return None
 
 
