@@ -5,10 +5,13 @@
    with ``zenflow keys create`` work against ``--stay``'s server;
 2. starts ``zenflow serve`` (API + in-process Celery worker on kombu's SQLAlchemy transport) on a free
    loopback port;
-3. with the official openai SDK: uploads the sample dataset, creates a job on ``tiny-llama``;
+3. with the official openai SDK: uploads the sample dataset, asks the base model (``docs-llama``, a small
+   Llama pretrained on English docstrings, shipped in trainer/samples/models: trainer.samples.demo_base)
+   the demo's questions, and creates a job on it;
 4. follows the job's server-sent event stream to the end, printing each event;
 5. lists the checkpoints and the metrics, and how to download the model;
-6. chats with the fine-tuned model through the openai SDK (``chat.completions.create``, streamed) and
+6. asks the fine-tuned model the same questions through the openai SDK (``chat.completions.create``,
+   streamed), printing each answer before and after fine-tuning, and
    prints the console's URL; on a terminal it keeps serving until Ctrl-C so the console can be opened.
 
 Exits non-zero when any step fails (the server's log tail is printed).
@@ -35,8 +38,15 @@ if TYPE_CHECKING:
     from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
-#: 128 examples / batch 8 = 16 steps an epoch; the tiny model does a few steps a second on 2 cores.
+#: The base the demo fine-tunes (trainer.samples.demo_base: pretrained on English, no geography).
+BASE_MODEL = "docs-llama"
+#: 128 examples / batch 8 = 16 steps an epoch (192 in all); the 1.4M-parameter base: ~2 steps/s on 2 cores.
 N_EPOCHS = 12
+#: Base learning rate of a local base is 1e-5 (trainer.model.catalog); this small one learns at 3e-3.
+LR_MULTIPLIER = 300.0
+#: Asked before and after fine-tuning: the first as in the training file less its system prompt, the
+#: second in the validation file's wording (never trained on).
+QUESTIONS = ("What is the capital of France?", "Name the capital of Japan.")
 
 
 def data_folder(data_dir: Path | None = None) -> Path:
@@ -52,8 +62,18 @@ def _env(data_dir: Path) -> dict[str, str]:
     server run from the repository root)."""
     env = dict(os.environ)
     env["ZENFLOW_DATA_DIR"] = str(data_dir)
+    env["ZENFLOW_MODEL_ROOTS"] = _with_demo_root(env.get("ZENFLOW_MODEL_ROOTS", ""))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def _with_demo_root(roots: str) -> str:
+    """``ZENFLOW_MODEL_ROOTS`` (``:``-separated or a JSON list) with the demo base's root added."""
+    from trainer.samples import MODELS_DIR
+
+    if roots.strip().startswith("["):
+        return json.dumps([*json.loads(roots), str(MODELS_DIR)])
+    return ":".join([*filter(None, roots.split(":")), str(MODELS_DIR)])
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
@@ -141,7 +161,7 @@ def _chat(client: OpenAI, model: str, question: str) -> str:
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": question}],
-        max_tokens=24,
+        max_tokens=48,  # byte-level tokens: one per character
         temperature=0,
         stream=True,
     )
@@ -191,8 +211,13 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
             f"uploaded {train.filename} -> {train.id} ({train.bytes} bytes), {valid.filename} -> {valid.id}"
         )
 
+        print(f"==> asking the base model {BASE_MODEL} before fine-tuning")
+        before = [_chat(client, BASE_MODEL, q) for q in QUESTIONS]
+        for q, a in zip(QUESTIONS, before, strict=True):
+            print(f"  user:  {q}\n  base:  {a}")
+
         job = client.fine_tuning.jobs.create(
-            model="tiny-llama",
+            model=BASE_MODEL,
             training_file=train.id,
             validation_file=valid.id,
             suffix="capitals",
@@ -203,11 +228,12 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
                     "hyperparameters": {
                         "n_epochs": N_EPOCHS,
                         "batch_size": 8,
-                        "learning_rate_multiplier": 1.0,
+                        "learning_rate_multiplier": LR_MULTIPLIER,
                     }
                 },
             },
-            # The sample spec's ZenFlow settings, measured for this random-init model (see its comments).
+            # The sample spec's ZenFlow settings (see its comments), made for short jobs on small models:
+            # the first epoch synchronous, then the top quarter of columns reselected every step.
             extra_body={"engine": yaml.safe_load(SPEC_FILE.read_text())["engine"]},
             extra_headers={"Idempotency-Key": f"demo-{team}"},
         )
@@ -247,10 +273,9 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
         print(
             f"==> download it: curl -H 'Authorization: Bearer <key>' -o model.tar '{base}/v1/models/{model}/content'"
         )
-        question = "What is the capital of France?"
         print(f"==> chatting with {model} (client.chat.completions.create, stream=True)")
-        print(f"  user:  {question}")
-        print(f"  model: {_chat(client, model, question)}")
+        for q, a in zip(QUESTIONS, before, strict=True):
+            print(f"  user:  {q}\n  before fine-tuning: {a}\n  after fine-tuning:  {_chat(client, model, q)}")
         ok = True
         print(f"==> demo finished in {time.monotonic() - t0:.0f} s")
         if stay:
