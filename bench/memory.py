@@ -20,6 +20,11 @@ Measured, per built-in model (fp32 on the CPU, a padded micro-batch of ``--micro
 Speed ratios: :func:`trainer.plan.planner.plan_job` on each GPU with 128 GiB of host memory and 32 cores,
 batch 8 x 2048, engine defaults (and zenflow with ``accumulate_on: device``); the ratio is offload's
 predicted step time over zenflow's (a prediction: ``bench/gpu_check.sh`` measures it on a GPU).
+DeepSpeed: the plan's model-state bytes (weights, gradients, optimizer state; on the host the engine's
+state) of one GPU for the same shapes beside DeepSpeed's published estimators of model-state memory
+(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``, the formulas of
+its "Memory Requirements" docs, reimplemented here: :func:`deepspeed_estimates`), 1 GPU, 1 node,
+their default ``additional_buffer_factor`` 1.5 on the CPU side. Activations are in neither.
 Packing: :func:`bench.packing.compare` on the sample data. ``--run`` (``--device cuda`` on a GPU host):
 a short ``run_training`` per engine mode on long synthetic examples, its plan (from the run's events)
 against the measured step time, peak device memory and the engine's reported host bytes.
@@ -272,6 +277,94 @@ def speed_rows(gpus: list[str], host_gib: int = 128, cores: int = 32) -> list[di
     return rows
 
 
+# --- the plan's model states beside DeepSpeed's estimators ----------------------------------------------------
+
+
+def deepspeed_estimates(
+    total_params: int,
+    largest_layer_params: int,
+    *,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    buffer_factor: float = 1.5,
+) -> dict[str, tuple[int, int]]:
+    """DeepSpeed's model-state estimates ``{setup: (gpu_bytes, cpu_bytes)}`` per GPU, as its docs give
+    them: ZeRO-2 with and without the optimizer offloaded (``cpu_offload``), ZeRO-3 with the optimizer
+    offloaded (params on the GPU, or offloaded too), both without ``zero_init``."""
+    total_gpus = gpus_per_node * nodes
+    largest = 4 * largest_layer_params
+    per_node = 1 / nodes
+    return {
+        "zero2": (
+            4 * total_params + int(16 * total_params / total_gpus),
+            int(total_params * 4 * gpus_per_node * buffer_factor),
+        ),
+        "zero2_offload": (2 * total_params, int(total_params * max(4 * total_gpus, 16) * buffer_factor)),
+        "zero3_offload_optimizer": (
+            largest + int(2 * total_params / total_gpus),
+            int(total_params * max(4 * gpus_per_node, 16 * per_node) * buffer_factor),
+        ),
+        "zero3_offload_all": (
+            largest,
+            int(total_params * max(4 * gpus_per_node, 18 * per_node) * buffer_factor),
+        ),
+    }
+
+
+#: The plan's components that are model states (what DeepSpeed's estimators count).
+_STATE_DEVICE = ("weights", "gradients", "optimizer_state")
+_STATE_HOST = ("engine_state",)
+#: Which DeepSpeed setup each engine mode corresponds to.
+_DS_MATCH = {"device": "zero2", "offload": "zero2_offload", "zenflow": "zero2_offload"}
+
+
+def deepspeed_rows(gpu: str = "h200") -> list[dict[str, Any]]:
+    """Per Llama shape and engine mode: the plan's model-state bytes on ``gpu`` beside DeepSpeed's."""
+    from transformers import LlamaConfig
+
+    from trainer.plan.gpus import Machine
+    from trainer.plan.planner import plan_job
+    from trainer.spec import JobSpec
+
+    rows = []
+    machine = Machine.for_gpu(gpu)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, cfg in LLAMA_SHAPES.items():
+            d = Path(tmp) / name
+            LlamaConfig(max_position_embeddings=8192, **cfg).save_pretrained(d)
+            largest = (
+                cfg["vocab_size"] * cfg["hidden_size"]
+            )  # the embedding (or the head): the largest module
+            for mode in ("device", "offload", "zenflow"):
+                spec = JobSpec(
+                    model=str(d),
+                    training_file=Path(tmp) / "train.jsonl",
+                    hyperparameters={"batch_size": 8, "max_seq_length": 2048},
+                    engine={"mode": mode},
+                )
+                plan = plan_job(spec, machine, num_examples=1000, advise=False)
+                ds = deepspeed_estimates(plan.params, largest)
+                setup = _DS_MATCH[mode]
+                rows.append(
+                    {
+                        "model": name,
+                        "params": plan.params,
+                        "mode": mode,
+                        # device mode's fp32 gradient copies at the step (the plan counts only their excess
+                        # over the activations, which are freed by then): model states at the step
+                        "plan_device_states": sum(plan.device.get(k, 0) for k in _STATE_DEVICE)
+                        + (4 * plan.trainable_params if mode == "device" and plan.dtype == "bfloat16" else 0),
+                        "plan_host_states": sum(plan.host.get(k, 0) for k in _STATE_HOST),
+                        "plan_device_total": plan.device_bytes,
+                        "deepspeed_setup": setup,
+                        "deepspeed_gpu": ds[setup][0],
+                        "deepspeed_cpu": ds[setup][1],
+                        "deepspeed": {k: list(v) for k, v in ds.items()},
+                    }
+                )
+    return rows
+
+
 # --- padded vs packed, and a real run against its plan -------------------------------------------------------
 
 
@@ -392,7 +485,7 @@ def print_report(doc: dict[str, Any]) -> None:
                 f"{r['model']:12s}{r['component']:52s}{_mib(r['planned'])} {_mib(r['measured'])}{r['ratio']:8.3f}"
             )
     if doc.get("speed"):
-        print("\npredicted step seconds, batch 8 x 2048, 128 GiB host, 32 cores")
+        print("\npredicted step seconds, batch 8 x 2048, 128 GiB host (less its reserve), 32 cores")
         print("(n/f: does not fit; zf-dacc: zenflow with accumulate_on device)")
         print(
             f"{'model':10s}{'gpu':6s}{'auto':>9s}{'zenflow':>9s}{'zf-dacc':>9s}{'offload':>9s}{'device':>9s}"
@@ -411,6 +504,26 @@ def print_report(doc: dict[str, Any]) -> None:
                 f"{cell(r['zenflow_dacc_s'], r['zenflow_dacc_fits'])}{r['offload_s']:9.2f}{cell(r['device_s'])}"
                 f"{ratio(r['zenflow_over_offload_speed'], r['zenflow_fits']):>9s}"
                 f"{ratio(r['zenflow_dacc_over_offload_speed'], r['zenflow_dacc_fits']):>10s}  {r['zenflow_bound']}"
+            )
+    if doc.get("deepspeed"):
+        print(
+            "\nmodel states (GiB): the plan on one GPU beside DeepSpeed's estimators (1 GPU, buffer factor 1.5)"
+        )
+        print(
+            "(plan device: weights, gradients, optimizer state, device mode's fp32 gradient copies; plan host: the"
+        )
+        print(
+            " engine's fp32 master and moments; DeepSpeed: zero2 for device mode, zero2_offload for offload/zenflow)"
+        )
+        print(
+            f"{'model':10s}{'mode':9s}{'plan dev':>10s}{'DS gpu':>9s}{'plan host':>11s}{'DS cpu':>9s}  {'DS setup':15s}{'zero3 gpu/cpu (offload all)':>30s}"
+        )
+        for r in doc["deepspeed"]:
+            z3 = r["deepspeed"]["zero3_offload_all"]
+            print(
+                f"{r['model']:10s}{r['mode']:9s}{r['plan_device_states'] / 2**30:10.1f}{r['deepspeed_gpu'] / 2**30:9.1f}"
+                f"{r['plan_host_states'] / 2**30:11.1f}{r['deepspeed_cpu'] / 2**30:9.1f}  {r['deepspeed_setup']:15s}"
+                f"{z3[0] / 2**30:>21.1f} / {z3[1] / 2**30:.1f}"
             )
     if doc.get("packing"):
         pk = doc["packing"]
@@ -448,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--gpus", default="h100,h200", help="GPUs for the predicted speed table ('' skips)")
+    ap.add_argument("--deepspeed-gpu", default="h200", help="GPU for the DeepSpeed comparison ('' skips)")
     ap.add_argument("--packing-steps", type=int, default=6)
     ap.add_argument("--no-packing", action="store_true", help="skip padded vs packed")
     ap.add_argument("--run", action="store_true", help="also a short training run per mode against its plan")
@@ -464,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         r for m in filter(None, args.models.split(",")) for r in memory_rows(m, args.micro_batch, args.seq)
     ]
     doc["speed"] = speed_rows(list(filter(None, args.gpus.split(","))))
+    doc["deepspeed"] = deepspeed_rows(args.deepspeed_gpu) if args.deepspeed_gpu else []
     doc["packing"] = None if args.no_packing else packing_rows(args.packing_steps, args.device)
     doc["run"] = (
         run_rows(

@@ -25,7 +25,8 @@ def test_ranks_shard_the_host_state_and_split_the_batch(tmp_path: Path) -> None:
     hp = {"batch_size": 8, "max_seq_length": 2048}
     one = plan_job(_spec(d, hyperparameters=hp, engine={"mode": "zenflow"}), h100, num_examples=1000)
     four = plan_job(_spec(d, 4, hyperparameters=hp, engine={"mode": "zenflow"}), h100, num_examples=1000)
-    assert not one.fits and one.problems[0].loc == ("engine", "accumulate_on")  # 96 GB of state alone
+    assert not one.fits and one.problems[0].loc == ("resources", "gpus")  # 96 GB of state alone
+    assert "set resources.gpus 4 (planned: fits" in one.problems[0].message
     assert four.fits and four.problems == []
     assert four.host["engine_state"] == -(-one.host["engine_state"] // 4)
     assert four.host["engine_accumulators"] == -(-one.host["engine_accumulators"] // 4)
@@ -43,4 +44,4 @@ def test_cpu_ranks_share_the_host() -> None:
     gpu = Machine.for_gpu("h100", host_memory_bytes=64 * GiB)
     assert rank_machine(gpu, 4) == gpu and rank_machine(cpu, 1) == cpu
     plan = plan_job(_spec("tiny-llama", 2, hyperparameters={"batch_size": 4}), cpu, num_examples=64)
-    assert plan.fits and plan.host_capacity_bytes == 8 * GiB
+    assert plan.fits and plan.host_capacity_bytes == 6 * GiB and plan.host_reserve_bytes == 2 * GiB

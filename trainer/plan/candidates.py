@@ -16,11 +16,14 @@ from trainer.plan.shapes import Activations, ModelShape, activation_bytes
 from trainer.plan.speed import StepTime, step_times
 from trainer.spec import JobSpec
 
-#: Fraction of device memory the plan leaves free.
+#: Fraction of device memory the plan leaves free (the device reserve): the caching allocator's
+#: fragmentation, cuBLAS/NCCL workspaces and kernels' temporaries the components do not list.
 DEVICE_MARGIN = 0.10
-#: ``engine.mode: auto`` runs ``device`` when device mode fits and its optimizer state takes at most this
-#: fraction of the usable device memory (the rest stays for activations and larger micro-batches).
-DEVICE_ROOM = 1 / 3
+#: Host memory the plan leaves to the system (the host reserve): the OS, the NVIDIA driver's own
+#: allocations and a page cache for reading data and writing checkpoints. Pinned memory cannot be
+#: reclaimed, so a plan that fills the host to the byte would push these out: the larger of the two.
+HOST_RESERVE_FRACTION = 0.05
+HOST_RESERVE_MIN_BYTES = 2 * GiB
 #: Device memory outside torch's allocator: the CUDA context and library workspaces.
 CUDA_RUNTIME_BYTES = 3 * GiB // 4
 #: Host memory of the training process apart from the engine and the data (Python, torch, transformers).
@@ -108,6 +111,11 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         **eng.device,
         "activations": act.peak_bytes,
     }
+    if mode == "device" and e < 4:
+        # device AdamW steps fp32 masters on fp32 copies of the gradients (offload.device_mode: 4 B per
+        # trainable parameter, made at the step, after backward has freed the activations): the peak
+        # is the larger of the two, so only the excess over the activations is added
+        device["step_fp32_gradients"] = max(0, 4 * shape.trainable_params - act.peak_bytes)
     if cuda:
         device["runtime"] = CUDA_RUNTIME_BYTES
     tokens = job.num_tokens if job.num_tokens is not None else job.num_examples * job.seq // 2
@@ -120,9 +128,9 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     dev_total, host_total = sum(device.values()), sum(host.values())
     if cuda:
         fits_device = dev_total <= device_capacity(m)
-        fits_host = host_total <= m.host_memory_bytes
+        fits_host = host_total <= host_capacity(m)
     else:
-        fits_device = fits_host = dev_total + host_total <= m.host_memory_bytes
+        fits_device = fits_host = dev_total + host_total <= host_capacity(m)
     pinned = eng.host_total if cuda else 0
     fits_locked = m.locked_memory_bytes is None or pinned <= m.locked_memory_bytes
     interval = spec.engine.update_interval
@@ -141,6 +149,8 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         max_update_interval=spec.engine.max_update_interval,
         cpu_share=spec.engine.cpu_optimizer_cores_ratio,
         overlap_step=spec.engine.overlap_step,
+        topk_ratio=spec.engine.engine_config(1.0).topk_ratio,
+        split_weights=sum(1 for w in shape.trainable if len(w.shape) == 2),
     )
     packing = spec.hyperparameters.packing
     settings = Settings(
@@ -156,9 +166,23 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     )
 
 
+def host_reserve(m: Machine) -> int:
+    """Host bytes left to the OS, driver and page cache (see ``HOST_RESERVE_FRACTION``)."""
+    return min(
+        m.host_memory_bytes // 2,
+        max(HOST_RESERVE_MIN_BYTES, int(m.host_memory_bytes * HOST_RESERVE_FRACTION)),
+    )
+
+
+def host_capacity(m: Machine) -> int:
+    """Host bytes the job may use: the host's memory less :func:`host_reserve`."""
+    return m.host_memory_bytes - host_reserve(m)
+
+
 def device_capacity(m: Machine) -> int:
+    """Device bytes the job may use: the GPU's memory less ``DEVICE_MARGIN`` (a CPU machine's usable host)."""
     if m.device_type == "cpu":
-        return m.host_memory_bytes
+        return host_capacity(m)
     return int(m.gpu_memory_bytes * (1 - DEVICE_MARGIN))
 
 

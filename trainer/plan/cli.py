@@ -1,9 +1,13 @@
 """``zenflow plan SPEC.yaml --gpu h200 --host-memory 128GiB [--json]``: the memory and speed plan of a
 job on a machine, without running it (:mod:`trainer.plan.planner`).
 
-The machine is a known GPU (``--gpu``, see :data:`trainer.plan.gpus.KNOWN_GPUS`; ``cpu`` for a CPU run;
-default this host's) with the host's figures (memory, cores, CPU AdamW and PCIe GB/s, locked-memory
-limit) given or taken from this host. The number of examples is the training file's
+The machine is a known GPU (``--gpu``, see :data:`trainer.plan.gpus.KNOWN_GPUS`; an ambiguous name such
+as ``a100`` is refused with its variants; ``cpu`` for a CPU run; default this host's). Its host figures
+(memory, cores, CPU AdamW and PCIe GB/s, locked-memory limit) are, in order: the flags; a worker's
+measured capacity (``--capacity FILE``: what ``python -m worker.capacity.measure`` prints on that box,
+the figures a registered worker plans its queue's jobs with); for a named GPU its typical host
+(:class:`trainer.plan.gpus.Host`), never this machine's; without ``--gpu`` this host's. The output
+says which figures are assumed, given or measured. The number of examples is the training file's
 line count when the file exists (``--num-examples`` overrides it). Exit codes: 0 the job fits, 3 it
 does not (the problems say what to change), 2 bad input (spec, model or machine).
 """
@@ -14,6 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from trainer.plan.gpus import KNOWN_GPUS, Machine, format_bytes, host_memory_bytes, parse_bytes, usable_cores
 from trainer.plan.planner import Plan, plan_job
@@ -38,9 +43,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help=f"GPU model ({', '.join(KNOWN_GPUS)}) or 'cpu' (default: this host's GPU, else its CPU)",
     )
-    p.add_argument("--host-memory", default=None, help="host memory, e.g. 128GiB (default: this host's)")
     p.add_argument(
-        "--cores", type=int, default=None, help="CPU cores for the job (default: this host's usable cores)"
+        "--host-memory",
+        default=None,
+        help="host memory, e.g. 128GiB (default: the named GPU's typical host, else this host's)",
+    )
+    p.add_argument(
+        "--cores",
+        type=int,
+        default=None,
+        help="CPU cores for the job (default: the named GPU's typical host, else this host's usable cores)",
     )
     p.add_argument(
         "--cpu-adam-gbps",
@@ -59,38 +71,87 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--num-examples", type=int, default=None, help="training examples (default: the file's lines)"
     )
+    p.add_argument(
+        "--capacity",
+        type=Path,
+        default=None,
+        help="a worker's measured capacity (JSON of 'python -m worker.capacity.measure' on the box)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
     return p
 
 
+def _measured(path: Path) -> dict[str, Any]:
+    """The figures of a worker's capacity record (``python -m worker.capacity.measure``), as one GPU's
+    share of its host (its peers train at the same time), keyed like the flags."""
+    cap = json.loads(path.read_text())
+    if not isinstance(cap, dict) or not isinstance(cap.get("host_memory_bytes"), int):
+        raise ValueError(f"{path}: not a worker capacity record (python -m worker.capacity.measure)")
+    share = max(1, int(cap.get("gpus_on_host") or 1)) if cap.get("device_type") == "cuda" else 1
+    adam = cap.get("cpu_adam_gbps")
+    return {
+        "gpu": cap.get("gpu_name") if cap.get("device_type") == "cuda" else "cpu",
+        "gpu_memory_bytes": cap.get("gpu_memory_bytes") or None,
+        "host_memory_bytes": max(1, cap["host_memory_bytes"] // share),
+        "cores": max(1, int(cap["cores"]) // share),
+        "cpu_adam_gbps": float(adam) / share if adam else None,
+        "pcie_gbps": cap.get("pcie_gbps"),
+        "locked_memory_bytes": cap.get("locked_memory_bytes"),
+    }
+
+
 def _machine(args: argparse.Namespace) -> Machine:
-    host = parse_bytes(args.host_memory) if args.host_memory else host_memory_bytes()
-    cores = args.cores or usable_cores()
-    locked = parse_bytes(args.locked_memory) if args.locked_memory else None
-    if args.gpu is None:  # this host's GPU (or its CPU), with the figures given here
+    given: dict[str, Any] = {
+        "host_memory_bytes": parse_bytes(args.host_memory) if args.host_memory else None,
+        "cores": args.cores,
+        "cpu_adam_gbps": args.cpu_adam_gbps,
+        "pcie_gbps": args.pcie_gbps,
+        "locked_memory_bytes": parse_bytes(args.locked_memory) if args.locked_memory else None,
+    }
+    measured = _measured(args.capacity) if args.capacity else {}
+    gpu = args.gpu or measured.get("gpu")
+    figures = {k: v if v is not None else measured.get(k) for k, v in given.items()}
+    labels = {
+        "host_memory": "host_memory_bytes",
+        "cores": "cores",
+        "cpu_adam": "cpu_adam_gbps",
+        "pcie": "pcie_gbps",
+    }
+
+    def label(machine: Machine) -> Machine:  # given by a flag, or measured by the worker
+        sources: dict[str, str] = {}
+        for name, key in labels.items():
+            if given[key] is not None:
+                sources[name] = "given"
+            elif measured.get(key) is not None:
+                sources[name] = "measured (--capacity)"
+        return machine.model_copy(update={"sources": machine.sources.model_copy(update=sources)})
+
+    if gpu is None:  # this host's GPU (or its CPU), with the figures given here
         found = Machine.detect()
-        update = {
-            "host_memory_bytes": host,
-            "cores": cores,
-            "locked_memory_bytes": locked or found.locked_memory_bytes,
-        }
-        if args.cpu_adam_gbps:
-            update["cpu_adam_gbps"] = args.cpu_adam_gbps
-        if args.pcie_gbps:
-            update["pcie_gbps"] = args.pcie_gbps
-        return Machine.model_validate({**found.model_dump(), **update})
-    if args.gpu.lower() == "cpu":
-        return Machine.for_cpu(
-            host_memory_bytes=host, cores=cores, cpu_adam_gbps=args.cpu_adam_gbps, locked_memory_bytes=locked
+        update = {k: v for k, v in figures.items() if v is not None}
+        return label(Machine.model_validate({**found.model_dump(), **update}))
+    if gpu.lower() == "cpu":
+        return label(
+            Machine.for_cpu(
+                host_memory_bytes=figures["host_memory_bytes"] or host_memory_bytes(),
+                cores=figures["cores"] or usable_cores(),
+                cpu_adam_gbps=figures["cpu_adam_gbps"],
+                locked_memory_bytes=figures["locked_memory_bytes"],
+                source="this host's" if figures["cores"] is None else "given",
+            )
         )
-    return Machine.for_gpu(
-        args.gpu,
-        host_memory_bytes=host,
-        cores=cores,
-        cpu_adam_gbps=args.cpu_adam_gbps,
-        pcie_gbps=args.pcie_gbps,
-        locked_memory_bytes=locked,
+    return label(
+        Machine.for_gpu(
+            gpu,
+            host_memory_bytes=figures["host_memory_bytes"],
+            cores=figures["cores"],
+            cpu_adam_gbps=figures["cpu_adam_gbps"],
+            pcie_gbps=figures["pcie_gbps"],
+            locked_memory_bytes=figures["locked_memory_bytes"],
+            gpu_memory_bytes=measured.get("gpu_memory_bytes"),
+        )
     )
 
 
@@ -130,15 +191,18 @@ def format_plan(plan: Plan) -> str:
         f"model        {plan.model}: {plan.params:,} parameters, {plan.trainable_params:,} trainable, {plan.dtype}",
         f"machine      {m.gpu_name}: {_size(m.gpu_memory_bytes).strip()} device, {_size(m.host_memory_bytes).strip()} "
         f"host, {m.cores} cores, PCIe {m.pcie_gbps:g} GB/s, CPU AdamW {m.cpu_adam_gbps:g} GB/s",
+        *(f"  {k:13s}{v}" for k, v in m.sources.items()),
         f"step         batch {plan.batch_size} x {plan.max_seq_length} tokens",
         f"settings     mode {s.mode}, micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
         f"{str(s.gradient_checkpointing).lower()}, packing {str(s.packing).lower()}, accumulate_on {s.accumulate_on}, "
         f"update_interval {s.update_interval}",
         f"fits         {'yes' if plan.fits else 'NO'}",
         "",
-        f"device memory {_size(plan.device_bytes)} of {_size(plan.device_capacity_bytes).strip()} usable",
+        f"device memory {_size(plan.device_bytes)} of {_size(plan.device_capacity_bytes).strip()} usable "
+        f"({format_bytes(plan.device_reserve_bytes)} reserve: allocator fragmentation, workspaces)",
         *(f"  {k:22s}{_size(v)}" for k, v in plan.device.items()),
-        f"host memory   {_size(plan.host_bytes)} of {_size(plan.host_capacity_bytes).strip()}",
+        f"host memory   {_size(plan.host_bytes)} of {_size(plan.host_capacity_bytes).strip()} usable "
+        f"({format_bytes(plan.host_reserve_bytes)} reserve: OS, driver, page cache)",
         *(f"  {k:22s}{_size(v)}" for k, v in plan.host.items()),
         "",
         f"{'mode':9s}{'fits':>5s}{'step s':>10s}{'tokens/s':>12s}{'gpu s':>9s}{'pcie s':>9s}{'cpu s':>9s}  bound",

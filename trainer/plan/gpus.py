@@ -6,6 +6,12 @@ sparsity), the memory ``torch.cuda.get_device_properties(...).total_memory`` rep
 bandwidth, and the host link's PCIe generation. A PCIe generation becomes the *achievable* copy rate
 of page-locked memory over an x16 link (about 80% of the raw rate: 25 GB/s for gen 4, 50 for gen 5).
 
+Each row also names the *typical host* of one such GPU (:class:`Host`): its share of the usual server's
+physical cores, memory and memory bandwidth (a DGX H100/H200 is 2 x 56 cores, 2 TiB of DDR5-4800 on 16
+channels, for 8 GPUs). A plan for a named GPU (``zenflow plan --gpu h200``) uses that host for every
+figure not given (flags) or measured (a registered worker's capacity), and says which were assumed
+(:attr:`Machine.sources`). ``bash bench/gpu_check.sh`` prints a box's measured figures to give instead.
+
 This module does not import torch (the API builds machines when it admits a job);
 :meth:`Machine.detect` does.
 """
@@ -32,6 +38,21 @@ CPU_ADAM_GBPS_PER_CORE = 2.5
 CPU_ADAM_GBPS_CEILING = 60.0
 #: Dense fp32 FLOP/s of one CPU core (AVX-512 / AVX2 FMA at realistic clocks): the "GPU" of CPU runs.
 CPU_FLOPS_PER_CORE = 5e10
+#: Fraction of a host's memory bandwidth CPU AdamW (a streaming, memory-bound kernel) reaches: STREAM
+#: triad on a loaded socket reaches 60-80% of the DDR peak; the AdamW ceiling of a typical host.
+ADAM_BANDWIDTH_SHARE = 0.6
+
+
+class Host(BaseModel):
+    """One GPU's share of the server it usually sits in (the assumed host of a named GPU)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cores: int  # physical cores
+    memory_bytes: int
+    memory_gbps: float  # DDR peak bandwidth
+    #: The server the share is of (for the plan's output).
+    example: str
 
 
 class GPU(BaseModel):
@@ -46,12 +67,19 @@ class GPU(BaseModel):
     memory_bytes: int
     memory_gbps: float  # device memory bandwidth, GB/s
     pcie_gen: int
+    host: Host
 
     @property
     def pcie_gbps(self) -> float:
         return PCIE_GBPS[self.pcie_gen]
 
 
+_DGX_H = Host(
+    cores=14,
+    memory_bytes=256 * GiB,
+    memory_gbps=76.8,
+    example="DGX H100/H200: 2 x 56 cores, 2 TiB DDR5-4800, 8 GPUs",
+)
 KNOWN_GPUS: dict[str, GPU] = {
     g.key: g
     for g in (
@@ -62,6 +90,12 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=40_536 * MiB,
             memory_gbps=1555,
             pcie_gen=4,
+            host=Host(
+                cores=16,
+                memory_bytes=128 * GiB,
+                memory_gbps=51.2,
+                example="DGX A100 320GB: 2 x 64 cores, 1 TiB DDR4-3200, 8 GPUs",
+            ),
         ),
         GPU(
             key="a100-80gb",
@@ -70,9 +104,21 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=81_051 * MiB,
             memory_gbps=2039,
             pcie_gen=4,
+            host=Host(
+                cores=16,
+                memory_bytes=256 * GiB,
+                memory_gbps=51.2,
+                example="DGX A100 640GB: 2 x 64 cores, 2 TiB DDR4-3200, 8 GPUs",
+            ),
         ),
         GPU(
-            key="h100", names=("h100",), flops=989e12, memory_bytes=81_559 * MiB, memory_gbps=3350, pcie_gen=5
+            key="h100",
+            names=("h100",),
+            flops=989e12,
+            memory_bytes=81_559 * MiB,
+            memory_gbps=3350,
+            pcie_gen=5,
+            host=_DGX_H,
         ),
         GPU(
             key="h200",
@@ -81,11 +127,36 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=143_771 * MiB,
             memory_gbps=4800,
             pcie_gen=5,
+            host=_DGX_H,
         ),
         GPU(
-            key="l40s", names=("l40s",), flops=362e12, memory_bytes=46_068 * MiB, memory_gbps=864, pcie_gen=4
+            key="l40s",
+            names=("l40s",),
+            flops=362e12,
+            memory_bytes=46_068 * MiB,
+            memory_gbps=864,
+            pcie_gen=4,
+            host=Host(
+                cores=12,
+                memory_bytes=192 * GiB,
+                memory_gbps=51.2,
+                example="g6e.48xlarge: 96 cores, 1.5 TiB DDR4-3200, 8 GPUs",
+            ),
         ),
-        GPU(key="l4", names=("l4",), flops=121e12, memory_bytes=23_034 * MiB, memory_gbps=300, pcie_gen=4),
+        GPU(
+            key="l4",
+            names=("l4",),
+            flops=121e12,
+            memory_bytes=23_034 * MiB,
+            memory_gbps=300,
+            pcie_gen=4,
+            host=Host(
+                cores=4,
+                memory_bytes=32 * GiB,
+                memory_gbps=25.6,
+                example="g2-standard-8 / g6.2xlarge: 4 cores, 32 GiB, 1 GPU",
+            ),
+        ),
         GPU(
             key="rtx4090",
             names=("rtx 4090", "rtx4090"),
@@ -93,12 +164,19 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=24_564 * MiB,
             memory_gbps=1008,
             pcie_gen=4,
+            host=Host(
+                cores=16,
+                memory_bytes=64 * GiB,
+                memory_gbps=83.2,
+                example="workstation: 16 cores, 64 GiB dual-channel DDR5-5200, 1 GPU",
+            ),
         ),
     )
 }
-#: Aliases accepted by :func:`find_gpu` besides the keys (``--gpu a100`` is the 80 GB one).
+#: Names that stand for several rows: ``--gpu a100`` is refused with the variants listed.
+AMBIGUOUS: dict[str, tuple[str, ...]] = {"a100": ("a100-40gb", "a100-80gb")}
+#: Aliases accepted by :func:`find_gpu` besides the keys.
 _ALIASES = {
-    "a100": "a100-80gb",
     "a100-40": "a100-40gb",
     "a100-80": "a100-80gb",
     "4090": "rtx4090",
@@ -110,8 +188,10 @@ _ALIASES = {
 
 def find_gpu(name: str) -> GPU | None:
     """The table row for a key (``h200``), an alias, or a device name as torch or NVML spell it
-    (``NVIDIA H100 80GB HBM3``); None when unknown."""
+    (``NVIDIA H100 80GB HBM3``); None when unknown or ambiguous (``a100``: :func:`gpu_named`)."""
     key = name.strip().lower()
+    if key in AMBIGUOUS:
+        return None
     if key in KNOWN_GPUS:
         return KNOWN_GPUS[key]
     if key in _ALIASES:
@@ -123,9 +203,39 @@ def find_gpu(name: str) -> GPU | None:
     return None
 
 
-def default_cpu_adam_gbps(cores: int) -> float:
-    """CPU AdamW throughput assumed for ``cores`` physical cores when it was not measured."""
-    return min(CPU_ADAM_GBPS_CEILING, CPU_ADAM_GBPS_PER_CORE * max(1, cores))
+def gpu_named(name: str) -> GPU:
+    """The table row ``name`` names (as :func:`find_gpu`); ValueError naming the variants of an
+    ambiguous name (``a100``) or the known rows of an unknown one."""
+    key = name.strip().lower()
+    if key in AMBIGUOUS:
+        raise ValueError(f"ambiguous GPU {name!r}: say which, one of {', '.join(AMBIGUOUS[key])}")
+    gpu = find_gpu(name)
+    if gpu is None:
+        raise ValueError(f"unknown GPU {name!r}: known are {', '.join(KNOWN_GPUS)}")
+    return gpu
+
+
+def default_cpu_adam_gbps(cores: int, memory_gbps: float | None = None) -> float:
+    """CPU AdamW throughput assumed for ``cores`` physical cores when it was not measured: per core,
+    up to ``ADAM_BANDWIDTH_SHARE`` of the host's memory bandwidth when known, else the ceiling."""
+    ceiling = CPU_ADAM_GBPS_CEILING if memory_gbps is None else ADAM_BANDWIDTH_SHARE * memory_gbps
+    return min(ceiling, CPU_ADAM_GBPS_PER_CORE * max(1, cores))
+
+
+class Sources(BaseModel):
+    """Where each of a machine's figures came from: ``measured``, ``given`` or ``assumed (...)``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host_memory: str | None = None
+    cores: str | None = None
+    cpu_adam: str | None = None
+    pcie: str | None = None
+    gpu_memory: str | None = None
+
+    def items(self) -> list[tuple[str, str]]:
+        """The recorded ones, in field order."""
+        return [(k, v) for k, v in self.model_dump().items() if v is not None]
 
 
 class Machine(BaseModel):
@@ -146,33 +256,47 @@ class Machine(BaseModel):
     cpu_adam_gbps: float = Field(gt=0)
     #: RLIMIT_MEMLOCK in bytes (page-locked host buffers); None = unlimited.
     locked_memory_bytes: int | None = Field(None, ge=0)
+    #: Where each figure came from (None: not recorded).
+    sources: Sources = Field(default_factory=lambda: Sources())
 
     @classmethod
     def for_gpu(
         cls,
         name: str,
         *,
-        host_memory_bytes: int,
-        cores: int = 32,
+        host_memory_bytes: int | None = None,
+        cores: int | None = None,
         cpu_adam_gbps: float | None = None,
         pcie_gbps: float | None = None,
         locked_memory_bytes: int | None = None,
         gpu_memory_bytes: int | None = None,
+        source: str = "given",
     ) -> Machine:
-        """A machine with a known GPU (a table key, alias or device name; ValueError if unknown)."""
-        gpu = find_gpu(name)
-        if gpu is None:
-            raise ValueError(f"unknown GPU {name!r}: known are {', '.join(KNOWN_GPUS)}")
+        """A machine with a known GPU (a table key, alias or device name; ValueError if unknown or
+        ambiguous). Host figures not given are the GPU's typical host's (:class:`Host`), marked
+        ``assumed`` in :attr:`sources`; the given ones are marked ``source``."""
+        gpu = gpu_named(name)
+        host = gpu.host
+        typical = f"assumed (typical {gpu.key} host, {host.example})"
+        sources = Sources(
+            host_memory=source if host_memory_bytes else typical,
+            cores=source if cores else typical,
+            cpu_adam=source if cpu_adam_gbps else f"assumed ({CPU_ADAM_GBPS_PER_CORE:g} GB/s per core)",
+            pcie=source if pcie_gbps else f"assumed (PCIe gen {gpu.pcie_gen} x16)",
+            gpu_memory=source if gpu_memory_bytes else "GPU table",
+        )
+        n = cores or host.cores
         return cls(
             gpu_name=gpu.key,
             gpu_memory_bytes=gpu_memory_bytes or gpu.memory_bytes,
             gpu_flops=gpu.flops,
             gpu_memory_gbps=gpu.memory_gbps,
             pcie_gbps=pcie_gbps or gpu.pcie_gbps,
-            host_memory_bytes=host_memory_bytes,
-            cores=cores,
-            cpu_adam_gbps=cpu_adam_gbps or default_cpu_adam_gbps(cores),
+            host_memory_bytes=host_memory_bytes or host.memory_bytes,
+            cores=n,
+            cpu_adam_gbps=cpu_adam_gbps or default_cpu_adam_gbps(n, None if cores else host.memory_gbps),
             locked_memory_bytes=locked_memory_bytes,
+            sources=sources,
         )
 
     @classmethod
@@ -183,9 +307,15 @@ class Machine(BaseModel):
         cores: int,
         cpu_adam_gbps: float | None = None,
         locked_memory_bytes: int | None = None,
+        source: str = "given",
     ) -> Machine:
         """A CPU-only machine: the model, its gradients and activations live in host memory too."""
         adam = cpu_adam_gbps or default_cpu_adam_gbps(cores)
+        sources = Sources(
+            host_memory=source,
+            cores=source,
+            cpu_adam=source if cpu_adam_gbps else f"assumed ({CPU_ADAM_GBPS_PER_CORE:g} GB/s per core)",
+        )
         return cls(
             device_type="cpu",
             gpu_name="cpu",
@@ -197,6 +327,7 @@ class Machine(BaseModel):
             cores=cores,
             cpu_adam_gbps=adam,
             locked_memory_bytes=locked_memory_bytes,
+            sources=sources,
         )
 
     @classmethod
@@ -216,6 +347,7 @@ class Machine(BaseModel):
                     cores=cores,
                     locked_memory_bytes=locked,
                     gpu_memory_bytes=int(props.total_memory),
+                    source="measured",
                 )
             # an unknown GPU: its memory is known; FLOPs from the SM count at an A100-like rate per SM
             return cls(
@@ -227,8 +359,9 @@ class Machine(BaseModel):
                 cores=cores,
                 cpu_adam_gbps=default_cpu_adam_gbps(cores),
                 locked_memory_bytes=locked,
+                sources=Sources(host_memory="measured", cores="measured", gpu_memory="measured"),
             )
-        return cls.for_cpu(host_memory_bytes=host, cores=cores, locked_memory_bytes=locked)
+        return cls.for_cpu(host_memory_bytes=host, cores=cores, locked_memory_bytes=locked, source="measured")
 
 
 def host_memory_bytes() -> int:

@@ -33,20 +33,28 @@ the numbers.
 
 from __future__ import annotations
 
-from trainer.plan.advice import accumulator_hint, locked_memory_note, problems, setting_reasons
+from trainer.plan.advice import (
+    accumulator_hint,
+    locked_memory_note,
+    planned_fixes,
+    problems,
+    setting_reasons,
+    with_fixes,
+)
 from trainer.plan.candidates import (
     DEFAULT_NUM_EXAMPLES,
-    DEVICE_ROOM,
     Candidate,
     JobShape,
     best,
     candidate,
     device_capacity,
+    host_capacity,
+    host_reserve,
     options,
     rank_machine,
 )
 from trainer.plan.gpus import Machine, format_bytes
-from trainer.plan.records import MODES, ModeEstimate, Plan, Problem, Settings
+from trainer.plan.records import MODES, Mode, ModeEstimate, Plan, Problem, Settings
 from trainer.plan.shapes import model_shape
 from trainer.spec import JobSpec
 
@@ -54,11 +62,19 @@ __all__ = ["Machine", "Plan", "Problem", "Settings", "plan_job"]
 
 
 def plan_job(
-    spec: JobSpec, machine: Machine, *, num_examples: int | None = None, num_tokens: int | None = None
+    spec: JobSpec,
+    machine: Machine,
+    *,
+    num_examples: int | None = None,
+    num_tokens: int | None = None,
+    advise: bool = True,
 ) -> Plan:
     """The plan of ``spec`` on ``machine`` (see the module doc). ``num_examples`` / ``num_tokens``:
     the training file's counts when known (batch size ``auto`` and the data's host memory depend on
-    them). Raises UnknownModelError or ValueError when the model's config cannot be built."""
+    them). ``advise``: when the job does not fit, plan the single changes that could make it fit
+    (:func:`trainer.plan.advice.planned_fixes`) and name those that do in its problems. Raises
+    UnknownModelError or ValueError when the model's config cannot be built."""
+    box = machine
     shape = model_shape(spec.model, spec.lora)
     dtype = (
         spec.dtype if spec.dtype != "auto" else ("bfloat16" if machine.device_type == "cuda" else "float32")
@@ -90,37 +106,8 @@ def plan_job(
         )
     mode = spec.engine.mode
     if mode == "auto":
-        dev = best_by_mode["device"]
-        room = dev.device["optimizer_state"] <= DEVICE_ROOM * device_capacity(machine)
-        if dev.fits and room:
-            mode = "device"
-            reasons.append(
-                f"engine.mode auto -> device: the optimizer state ({format_bytes(dev.device['optimizer_state'])}) fits the "
-                f"device beside the model ({format_bytes(dev.device_total)} of {format_bytes(device_capacity(machine))})"
-            )
-        else:
-            mode = "zenflow"
-            why = (
-                (
-                    f"its optimizer state ({format_bytes(dev.device['optimizer_state'])}) would take over "
-                    f"{DEVICE_ROOM:.0%} of the usable {format_bytes(device_capacity(machine))}"
-                )
-                if dev.fits
-                else (
-                    f"device mode needs {format_bytes(dev.device_total)} of device memory, {format_bytes(device_capacity(machine))} "
-                    "is usable"
-                )
-            )
-            if best_by_mode["zenflow"].fits or not best_by_mode["offload"].fits:
-                reasons.append(
-                    f"engine.mode auto -> zenflow: {why}; zenflow keeps the optimizer state on the host"
-                )
-            else:  # zenflow's device-side columns and buffers do not fit; offload keeps only the model
-                mode = "offload"
-                reasons.append(
-                    f"engine.mode auto -> offload: {why}, and zenflow needs {format_bytes(best_by_mode['zenflow'].device_total)} "
-                    "(its selected columns' state and landing buffers); offload keeps all optimizer state on the host"
-                )
+        mode, why = auto_mode(best_by_mode, machine)
+        reasons.append(why)
     chosen = best_by_mode[mode]
     reasons += setting_reasons(spec, chosen)
     if mode == "zenflow" and spec.engine.accumulate_on != "auto" and machine.device_type == "cuda":
@@ -140,7 +127,11 @@ def plan_job(
         tokens_per_step=batch * seq,
         settings=chosen.settings,
         device_capacity_bytes=device_capacity(machine),
-        host_capacity_bytes=machine.host_memory_bytes,
+        host_capacity_bytes=host_capacity(machine),
+        device_reserve_bytes=(machine.gpu_memory_bytes - device_capacity(machine))
+        if machine.device_type == "cuda"
+        else 0,
+        host_reserve_bytes=host_reserve(machine),
         device_bytes=chosen.device_total,
         host_bytes=chosen.host_total + (chosen.device_total if machine.device_type == "cpu" else 0),
         device=chosen.device,
@@ -154,7 +145,74 @@ def plan_job(
         tokens_per_second=chosen.time.tokens_per_second,
         modes=modes,
         reasons=reasons,
-        problems=[] if chosen.fits else problems(job, chosen, offload_fits=best_by_mode["offload"].fits),
+        problems=[] if chosen.fits else _problems(job, chosen, best_by_mode, box, advise),
+    )
+
+
+def _problems(
+    job: JobShape, chosen: Candidate, by_mode: dict[Mode, Candidate], box: Machine, advise: bool
+) -> list[Problem]:
+    found = problems(job, chosen, offload_fits=by_mode["offload"].fits)
+    if not advise:
+        return found
+
+    def replan(spec: JobSpec) -> Plan:
+        return plan_job(spec, box, num_examples=job.num_examples, num_tokens=job.num_tokens, advise=False)
+
+    fitting, failed = planned_fixes(job.spec, job.seq, replan)
+    return with_fixes(found, fitting, failed)
+
+
+#: ``engine.mode: auto`` takes an engine mode other than ``device`` only when it is predicted at least
+#: this much faster: the step times are estimates (a few percent apart is no evidence), and device mode
+#: is exact AdamW every step with no host state or windows to go wrong.
+AUTO_MIN_GAIN = 0.05
+
+
+def auto_mode(best_by_mode: dict[Mode, Candidate], machine: Machine) -> tuple[Mode, str]:
+    """``engine.mode: auto``: the fastest mode that fits by the plan's own prediction (device unless
+    another is ``AUTO_MIN_GAIN`` faster), and why; when none fits, the one closest to fitting."""
+    times = ", ".join(
+        f"{m} {c.time.step_seconds:.3g}{'' if c.fits else ' (does not fit)'}" for m, c in best_by_mode.items()
+    )
+    fitting = [m for m in MODES if best_by_mode[m].fits]
+    if fitting:
+
+        def key(m: Mode) -> float:
+            t = best_by_mode[m].time.step_seconds
+            return t if m == "device" else t / (1 - AUTO_MIN_GAIN)
+
+        mode = min(fitting, key=key)
+        dev = best_by_mode["device"]
+        if mode == "device":
+            note = "" if len(fitting) == 1 else f"; others count only when {AUTO_MIN_GAIN:.0%} faster"
+            return (
+                mode,
+                f"engine.mode auto -> device: the fastest that fits (predicted s/step: {times}){note}",
+            )
+        why = (
+            f"device mode needs {format_bytes(dev.device_total)} of device memory, {format_bytes(device_capacity(machine))} is usable"
+            if not dev.fits
+            else "it is predicted faster"
+        )
+        what = {
+            "zenflow": "zenflow keeps the optimizer state of the split weights on the host",
+            "offload": "offload keeps all optimizer state on the host (zenflow's selected columns and landing buffers do not fit)"
+            if not best_by_mode["zenflow"].fits
+            else "offload keeps all optimizer state on the host",
+        }[mode]
+        return (
+            mode,
+            f"engine.mode auto -> {mode}: the fastest that fits; {why} (predicted s/step: {times}); {what}",
+        )
+    mode = (
+        "zenflow"
+        if best_by_mode["zenflow"].fits_device or not best_by_mode["offload"].fits_device
+        else "offload"
+    )
+    return (
+        mode,
+        f"engine.mode auto -> {mode}: no mode fits (predicted s/step: {times}); the problems say what to change",
     )
 
 

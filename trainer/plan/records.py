@@ -69,9 +69,15 @@ class Plan(BaseModel):
     max_seq_length: int
     tokens_per_step: int
     settings: Settings
-    #: Device memory the plan may use (the GPU's memory less the margin; host memory on a CPU machine).
+    #: Device memory the plan may use (the GPU's memory less the device reserve; usable host memory on
+    #: a CPU machine).
     device_capacity_bytes: int
+    #: Host memory the plan may use (the host's memory less the host reserve).
     host_capacity_bytes: int
+    #: What the plan leaves free: on the device for the allocator and workspaces, on the host for the
+    #: OS, the driver and the page cache (trainer.plan.candidates: DEVICE_MARGIN, HOST_RESERVE_*).
+    device_reserve_bytes: int = 0
+    host_reserve_bytes: int = 0
     device_bytes: int
     host_bytes: int
     #: Per component: weights, gradients, optimizer_state, landing_buffers, accumulator, engine_scratch,

@@ -15,7 +15,16 @@ AdamW bytes (for :mod:`trainer.plan.planner`).
 Modes combine them differently: ``device`` is the GPU alone; ``offload`` is the serial sum (the device
 waits for the copies and the CPU step every step); ``zenflow`` overlaps: the CPU work and copies of a
 window run while the GPU computes the next one, so a step takes the longest of the three (with
-``overlap_step=False`` the window's CPU AdamW is added instead). These are estimates for choosing
+``overlap_step=False`` the window's CPU AdamW is added instead).
+
+zenflow's own device work is charged to its GPU time (:func:`zenflow_device_bytes`): per step the
+column scores and window norms read the split gradients, the selected columns' gradients and params
+are gathered (``index_select`` over dim 1 of a row-major weight: scattered elements, so whole 32-byte
+sectors are read), AdamW runs on the selected columns in fp32 and scatters them back
+(``index_copy_``: a read-modify-write of the sectors); with ``accumulate_on=host`` the gradient is read
+for its copy to the host; per window the CPU's result is merged from the landing buffer into the
+weights. Strided traffic runs at ``GATHER_EFFICIENCY`` of the device bandwidth, and each split weight
+costs ``ZENFLOW_KERNELS_PER_WEIGHT`` launches a step. These are estimates for choosing
 settings and for admission, not promises: ``bench/gpu_check.sh`` prints planned vs measured.
 """
 
@@ -40,6 +49,28 @@ DEVICE_ADAM_BYTES_PER_PARAM = 32
 #: Host accumulation moves this many parameter-dtype elements per parameter and step: the streamed
 #: gradient read, the window accumulator (kept in the parameter dtype, offload.memory) read and written.
 ACCUMULATE_ELEMENTS_PER_PARAM = 3
+#: Fraction of the device memory bandwidth that zenflow's column gathers and scatters reach (scattered
+#: 2-byte elements in 32-byte sectors, index arithmetic): an estimate, bench/gpu_check.sh measures it.
+GATHER_EFFICIENCY = 0.5
+#: Kernel launches per split weight and step (scores, gradient and param gathers, scatter) and the cost
+#: of one (launch plus a small kernel's tail).
+ZENFLOW_KERNELS_PER_WEIGHT = 4
+KERNEL_SECONDS = 8e-6
+
+
+def zenflow_device_bytes(
+    split: int, *, topk_ratio: float, dtype_bytes: int, interval: int, on_device: bool
+) -> tuple[float, float]:
+    """Device bytes zenflow moves per step for ``split`` split parameters, beyond forward and backward
+    (see the module doc): ``(streamed, strided)``; strided bytes run at ``GATHER_EFFICIENCY``."""
+    e, k = dtype_bytes, topk_ratio
+    scan = split * e  # column scores / window norms read the split gradients
+    stream = 0 if on_device else split * e  # the gradient read for its copy to the host
+    columns = k * split * DEVICE_ADAM_BYTES_PER_PARAM  # fp32 AdamW of the selected columns
+    gathered = k * split * (4 + e)  # written: fp32 gradient columns, param columns
+    merge = 3 * split * e / interval  # landing read, weights read and written (per window)
+    strided = 2 * split * e + 2 * split * e  # gathers read the sectors; the scatter reads and writes them
+    return scan + stream + columns + gathered + merge, strided
 
 
 @dataclass(frozen=True)
@@ -94,6 +125,8 @@ def step_times(
     max_update_interval: int,
     cpu_share: float,
     overlap_step: bool,
+    topk_ratio: float = 0.25,
+    split_weights: int = 0,
 ) -> dict[str, StepTime]:
     """Predicted step time of each mode. ``host_params``: parameters the CPU updates per mode
     (offload: all trainable, zenflow: the split weights); ``update_interval`` None: the shortest
@@ -132,7 +165,13 @@ def step_times(
     on_device = accumulate_on == "device"
 
     def zenflow(interval: int) -> tuple[float, float, float]:
+        streamed, strided = zenflow_device_bytes(
+            split, topk_ratio=topk_ratio, dtype_bytes=dtype_bytes, interval=interval, on_device=on_device
+        )
         g = gpu + full * DEVICE_ADAM_BYTES_PER_PARAM / hbm
+        if split and machine.device_type == "cuda":
+            g += streamed / hbm + strided / (hbm * GATHER_EFFICIENCY)
+            g += split_weights * ZENFLOW_KERNELS_PER_WEIGHT * KERNEL_SECONDS
         if on_device:  # an fp32 add on the device per step; per window the accumulator goes down
             g += split * (dtype_bytes + 8) / hbm  # rounded to the param dtype, the new params come up
             p = split * 2 * dtype_bytes / interval / pcie
