@@ -104,6 +104,23 @@ class LiveServer:
         finally:
             engine.dispose()
 
+    def set_storage_quota(self, team_name: str, storage_bytes: int) -> None:
+        """The team's own storage limit (a row of team_quotas, as ``zenflow quotas set`` writes)."""
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session
+
+        from store.db import make_engine
+        from store.orm import Team, TeamQuota
+
+        engine = make_engine(self.database_url)
+        try:
+            with Session(engine) as s:
+                team = s.scalars(select(Team).where(Team.name == team_name)).one()
+                s.merge(TeamQuota(team_id=team.id, storage_bytes=storage_bytes))
+                s.commit()
+        finally:
+            engine.dispose()
+
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
@@ -546,8 +563,14 @@ def test_console_upload_create_follow_download_chat(
     expect(row).to_have_count(0)
     assert _get(live_server.base_url, key, f"/v1/models/{ckpt4}") == 404
 
-    # Quotas and usage.
+    # Quotas and usage: the team's own storage limit beside the server's defaults.
+    live_server.set_storage_quota(team, 1 << 30)
     nav("Quotas and usage", "quotas")
+    storage = page.locator('#quotas-table tr[data-quota="storage_bytes"]')
+    expect(storage.locator("td").nth(1)).to_have_text("1.0 GiB")
+    expect(storage.locator("td").nth(3)).to_have_text("your team")
+    expect(storage.locator("meter")).to_have_count(1)
+    expect(page.locator('#quotas-table tr[data-quota="gpu_hours"] td').nth(3)).to_have_text("server default")
     quotas = page.locator("#quotas-table tbody tr")
     expect(quotas).to_have_count(4)
     expect(page.locator('#quotas-table tr[data-quota="storage_bytes"] td').first).to_have_text(
