@@ -41,7 +41,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 : >>"$LOG"
 
-pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check --no-input "$@"; }
+# --no-compile: no byte-compiling of every installed module (torch's thousands) at install time;
+# Python compiles the ones a command imports, once, when it first imports them.
+pip_install() { .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check --no-input "$@"; }
 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   stage "pip, setuptools, wheel" pip_install --upgrade pip setuptools wheel
