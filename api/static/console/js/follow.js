@@ -102,6 +102,9 @@ export function initFollow(bus) {
           h("tbody", {}, facts.map(([k, v]) => h("tr", {}, h("th", { scope: "row" }, k),
             h("td", { class: "mono" }, show(v)))))));
     }
+    if (ev.data?.errors?.length) {  // a data error ends the run: its lines' problems
+      showError($("#job-data-errors"), { message: ev.message, errors: ev.data.errors });
+    }
     if (/^Validated (training|validation) file/.test(ev.message)) {
       state.dataCheck = state.dataCheck ? `${state.dataCheck}; ${ev.message}` : ev.message;
       if (state.job) renderJob(state.job);
@@ -230,7 +233,7 @@ export function initFollow(bus) {
     for (const sel of ["#events-log", "#events-status", "#events-count", "#download-status", "#job-error",
       "#checkpoints-table tbody", "#job-hyperparameters tbody", "#job-data tbody", "#job-status",
       "#job-base-model", "#job-result-model", "#job-tokens", "#job-progress-text", "#job-created", "#job-duration",
-      "#job-eta"]) setChildren($(sel));
+      "#job-eta", "#job-data-errors"]) setChildren($(sel));
     for (const sel of ["#download-model", "#download-adapter", "#chat-with-job", "#compare-with-base"]) $(sel).hidden = true;
     setChildren($("#job-plan"), h("p", { class: "hint" }, "No plan recorded yet."));
     setChildren($("#job-id"), id);
