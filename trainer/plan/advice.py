@@ -48,14 +48,16 @@ def setting_reasons(spec: JobSpec, c: Candidate) -> list[str]:
 
 
 def accumulator_hint(job: JobShape, c: Candidate) -> list[str]:
-    """A faster ``accumulate_on`` than the job's own, when one fits (the job's value is kept)."""
-    other: Accumulator = "device" if c.settings.accumulate_on == "host" else "host"
+    """A faster ``accumulate_on`` than the job's own, when zenflow with it fits (the job's value is
+    kept); ``c`` is the chosen candidate (zenflow, or the mode ``auto`` fell back to)."""
+    other: Accumulator = "device" if job.spec.engine.accumulate_on == "host" else "host"
     alt = best([candidate(job, "zenflow", mb, ckpt, other) for mb, ckpt, _ in options(job, "zenflow")])
     if not alt.fits or alt.time.step_seconds > 0.9 * c.time.step_seconds:
         return []
+    what = "" if c.settings.mode == "zenflow" else f" in zenflow mode (vs {c.settings.mode})"
     return [
         f"engine.accumulate_on {other} would fit and run {c.time.step_seconds / alt.time.step_seconds:.1f}x "
-        f"faster here ({alt.time.step_seconds:.3g} s/step; set it, or auto)"
+        f"faster here{what} ({alt.time.step_seconds:.3g} s/step; set it, or auto)"
     ]
 
 

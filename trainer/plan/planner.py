@@ -10,8 +10,8 @@ weights loaded: :mod:`trainer.plan.shapes`), the job's hyperparameters and engin
   the CUDA runtime; host bytes: the engine's pinned state, one weight shard while loading, the
   tokenized data and the process itself;
 - predicted step time and tokens/s per engine mode (:mod:`trainer.plan.speed`);
-- for every ``auto``: the engine mode (``device`` when device mode fits and its optimizer state takes
-  at most ``DEVICE_ROOM`` of the usable device memory, as LoRA's does, else ``zenflow``), micro-batch
+- for every ``auto``: the engine mode (the fastest that fits by the plan's prediction, device mode
+  unless another is ``AUTO_MIN_GAIN`` faster: :func:`auto_mode`), micro-batch
   size, activation checkpointing and ``accumulate_on``, chosen among the candidates that fit to run
   fastest (ties: the least memory). ``update_interval: auto`` stays the engine's own (windows end by
   gradient mass); the plan assumes the shortest window that hides the CPU work. ``packing: auto``
@@ -26,8 +26,9 @@ activations and micro-batches), a full model replica on its device, 1/N of the C
 The candidates and the constants they count with are :mod:`trainer.plan.candidates`, the reasons and
 problems :mod:`trainer.plan.advice`, the returned records :mod:`trainer.plan.records`. Fitting keeps
 ``DEVICE_MARGIN`` (10%) of the device memory free for the allocator's fragmentation
-and kernels' workspaces; the host side needs no margin of its own (``HOST_PROCESS_BYTES`` is the
-process's own use). A plan that does not fit lists :attr:`Plan.problems`: the field to change and
+and kernels' workspaces, and a host reserve (``HOST_RESERVE_*``: 5%, at least 2 GiB) for the OS, the
+driver and the page cache; both are in the plan (``*_reserve_bytes``). A plan that does not fit lists
+:attr:`Plan.problems`: what does not fit, the fixes that were planned and fit, and
 the numbers.
 """
 
@@ -110,7 +111,12 @@ def plan_job(
         reasons.append(why)
     chosen = best_by_mode[mode]
     reasons += setting_reasons(spec, chosen)
-    if mode == "zenflow" and spec.engine.accumulate_on != "auto" and machine.device_type == "cuda":
+    auto_fallback = spec.engine.mode == "auto" and mode == "offload"
+    if (
+        (mode == "zenflow" or auto_fallback)
+        and spec.engine.accumulate_on != "auto"
+        and machine.device_type == "cuda"
+    ):
         reasons += accumulator_hint(job, chosen)
     if not chosen.fits_locked:
         reasons.append(locked_memory_note(chosen, machine))
@@ -183,7 +189,7 @@ def auto_mode(best_by_mode: dict[Mode, Candidate], machine: Machine) -> tuple[Mo
             return t if m == "device" else t / (1 - AUTO_MIN_GAIN)
 
         mode = min(fitting, key=key)
-        dev = best_by_mode["device"]
+        dev, zen = best_by_mode["device"], best_by_mode["zenflow"]
         if mode == "device":
             note = "" if len(fitting) == 1 else f"; others count only when {AUTO_MIN_GAIN:.0%} faster"
             return (
@@ -197,9 +203,14 @@ def auto_mode(best_by_mode: dict[Mode, Candidate], machine: Machine) -> tuple[Mo
         )
         what = {
             "zenflow": "zenflow keeps the optimizer state of the split weights on the host",
-            "offload": "offload keeps all optimizer state on the host (zenflow's selected columns and landing buffers do not fit)"
-            if not best_by_mode["zenflow"].fits
-            else "offload keeps all optimizer state on the host",
+            "offload": "offload keeps all optimizer state on the host"
+            + (
+                " (zenflow's selected columns and landing buffers do not fit the device)"
+                if not zen.fits_device
+                else f" (zenflow needs {format_bytes(zen.host_total)} of host memory, {format_bytes(host_capacity(machine))} is usable)"
+                if not zen.fits_host
+                else ""
+            ),
         }[mode]
         return (
             mode,
