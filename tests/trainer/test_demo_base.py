@@ -26,7 +26,7 @@ def test_the_corpus_is_english_prose_without_the_demo_facts() -> None:
     text = corpus(Recipe().corpus_chars)
     assert len(text) == Recipe().corpus_chars and text.count("\n") > 1000
     assert "the" in text.split()
-    assert not {"France", "Paris", "Japan", "Tokyo"} & set(text.split())  # the fine-tuning job teaches those
+    assert not [w for w in ("France", "Paris", "Japan", "Tokyo") if w in text]  # the job teaches those
 
 
 def test_build_is_reproducible_and_cached(tmp_path: Path) -> None:
