@@ -455,6 +455,16 @@ def test_console_upload_create_follow_download_chat(
     expect(legend.first).to_contain_text(job_id)
     expect(legend.last).to_contain_text(other_id)
     expect(page.locator("#compare-figure canvas")).to_have_count(1)
+    page.get_by_label("Log scale", exact=True).check()  # redrawn at once, on a log scale
+    expect(page.locator("#compare-figure")).to_have_attribute("data-scale", "log")
+    page.locator("#compare-smoothing").fill("0.5")
+    expect(page.locator("#compare-figure")).to_have_attribute("data-smoothing", "0.5")
+    page.get_by_label("Metric", exact=True).select_option("valid_loss")
+    expect(page.locator("#compare-figure")).to_have_attribute("data-metric", "valid_loss")
+    expect(page.locator("#compare-status")).to_contain_text("Validation loss of")
+    expect(page.locator("#compare-figure figcaption")).to_have_text("Validation loss by step")
+    page.get_by_label("Metric", exact=True).select_option("train_loss")
+    expect(page.locator("#compare-figure figcaption")).to_have_text("Train loss by step")
     page.locator("#jobs-table").get_by_role(
         "link", name=other_id, exact=True
     ).click()  # a run's link opens its view

@@ -166,7 +166,8 @@ export function compareChart(container, runs, { metric, smoothing = 0, log = fal
     return ema(col, metric === "valid_loss" ? 0 : smoothing);
   });
   const plotEl = h("div", { class: "plot" });
-  const figure = h("figure", { id: "compare-figure", "data-series": String(runs.length) },
+  const figure = h("figure", { id: "compare-figure", "data-series": String(runs.length), "data-metric": metric,
+    "data-scale": log ? "log" : "linear", "data-smoothing": String(smoothing) },
     h("figcaption", {}, title), plotEl);
   container.append(figure);
   const width = Math.max(320, (container.clientWidth || 800) - 20);
