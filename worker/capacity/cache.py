@@ -22,10 +22,12 @@ import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from worker.capacity.measure import WorkerCapacity
+from pydantic import BaseModel, ValidationError
+
+#: The record kept (worker.capacity.measure.WorkerCapacity, passed in: that module uses this one).
+Record = TypeVar("Record", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +85,19 @@ def cache_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def cached_capacity(measure: Callable[[], WorkerCapacity], *, gpus_seen: int) -> WorkerCapacity:
-    """The kept measurement of this host when there is a fresh one, else ``measure()`` (kept when it
-    found no GPU and NVML saw none: ``gpus_seen``)."""
-    from pydantic import ValidationError
-
-    from worker.capacity.measure import WorkerCapacity
-
+def cached_capacity(measure: Callable[[], Record], kind: type[Record], *, gpus_seen: int) -> Record:
+    """The kept measurement of this host (a ``kind`` record) when there is a fresh one, else
+    ``measure()`` (kept when it found no GPU, ``device_type`` "cpu", and NVML saw none: ``gpus_seen``)."""
     folder = cache_dir()
     path = folder / f"capacity-{cache_key()}.json" if folder is not None and gpus_seen == 0 else None
     if path is not None:
         try:
             if time.time() - path.stat().st_mtime < MAX_AGE_SECONDS:
-                return WorkerCapacity.model_validate_json(path.read_text())
+                return kind.model_validate_json(path.read_text())
         except (OSError, ValidationError, ValueError):
             pass
     capacity = measure()
-    if path is not None and capacity.device_type == "cpu":
+    if path is not None and getattr(capacity, "device_type", None) == "cpu":
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")

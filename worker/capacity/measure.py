@@ -284,7 +284,7 @@ def kept_capacity() -> WorkerCapacity:
     (:mod:`worker.capacity.cache`)."""
     from worker.capacity.cache import cached_capacity
 
-    return cached_capacity(measure_capacity, gpus_seen=NVML.device_count())
+    return cached_capacity(measure_capacity, WorkerCapacity, gpus_seen=NVML.device_count())
 
 
 @cache
