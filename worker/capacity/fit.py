@@ -23,6 +23,7 @@ from store import worker_registry
 from store.db import session_scope
 from store.orm import File, FineTuningJob
 from trainer.plan.gpus import Machine
+from trainer.plan.records import Problem
 from worker.capacity.measure import WorkerCapacity, local_capacity, to_machine
 from worker.retry import DatabaseUnavailable, retry_db
 
@@ -61,7 +62,7 @@ def refusal(
         machine = to_machine(capacity)
         if machine in planned:
             continue
-        plan = plan_job(spec, machine, num_examples=num_examples)
+        plan = plan_job(spec, machine, num_examples=num_examples, advise=False)
         if plan.fits:
             return None
         planned[machine] = (name, capacity, plan)
@@ -69,8 +70,11 @@ def refusal(
     def closeness(machine: Machine) -> tuple[int, int, int]:
         return len(planned[machine][2].problems), -machine.gpu_memory_bytes, -machine.host_memory_bytes
 
-    name, capacity, plan = planned[min(planned, key=closeness)]
-    problems = list(plan.problems) or [((), "the plan does not fit")]
+    closest = min(planned, key=closeness)
+    name, capacity, _ = planned[closest]
+    # The fixes are planned for the closest worker only (each one is a plan: ~10 per machine).
+    plan = plan_job(spec, closest, num_examples=num_examples)
+    problems = list(plan.problems) or [Problem((), "the plan does not fit")]
     reasons = "; ".join(message for _, message in problems)
     who = (
         name
