@@ -16,7 +16,8 @@ from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found, validation_error
 from api.core.pagination import MAX_LIMIT, list_object, page
 from api.jobs import checks, data_check
-from api.model_names import ModelRef, resolve_model, spec_model_name
+from api.jobs import file_preview as file_preview_job
+from api.model_names import ModelNotFound, ModelRef, resolve_model, spec_model_name
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, ReceivedUpload
 from api.upload_quota import check_upload_fits, receive_within_quota
@@ -330,3 +331,55 @@ def _file_content(session: Session, team_id: str, file_id: str) -> FileResponse:
         filename=row.filename,
         headers={"X-Content-SHA256": row.sha256},
     )
+
+
+@router.get("/files/{file_id}/preview", responses=error_responses(400, 404))
+async def file_preview(
+    file_id: str,
+    request: Request,
+    team: TeamDep,
+    settings: SettingsDep,
+    model: str,
+    limit: Annotated[int, Query(ge=1, le=file_preview_job.MAX_PREVIEW_EXAMPLES)] = 5,
+) -> dict[str, Any]:
+    """The file's first ``limit`` examples rendered with ``model``'s chat template and tokenizer, as a
+    job trains on them (pieces of text marked ``learned``), and the token count of each example in its
+    first lines (api.jobs.file_preview). An unknown model is a 400 on ``model``."""
+
+    def plan(session: Session) -> tuple[File, ModelRef]:
+        row = get_team_file(session, team.team_id, file_id)
+        try:
+            ref = resolve_model(session, team.team_id, model, settings)
+        except ModelNotFound as exc:
+            raise APIError(400, exc.message, param="model", code="model_not_found") from exc
+        return row, ref
+
+    row, ref = await run_db(request, plan)
+
+    def build() -> dict[str, Any]:
+        checks.check_model_folder(ref.path, model)
+        if not Path(row.storage_path).is_file():
+            raise APIError(
+                404,
+                f"The content of {file_id} is missing from storage",
+                param="file_id",
+                code="file_content_missing",
+            )
+        name = spec_model_name(ref)
+        options = Hyperparameters()
+        try:
+            return file_preview_job.build_preview(
+                file_preview_job.PreviewRequest(
+                    path=row.storage_path,
+                    model=name,
+                    max_seq_length=data_check.data_max_length(name, options),
+                    system_message=options.system_message,
+                    limits=data_check.example_limits(settings),
+                    limit=limit,
+                )
+            )
+        except (OSError, ValueError) as exc:  # the tokenizer cannot be loaded (ModelFolderError)
+            raise APIError(400, f"Model {model[:200]!r}: {exc}", param="model", code="invalid_model") from exc
+
+    body = await run_in_threadpool(build)
+    return {"object": "file.preview", "model": ref.id, **body}

@@ -535,14 +535,15 @@ def test_console_upload_create_follow_download_chat(
     expect(page.locator("#file-problems")).to_contain_text(
         "No problems found in the whole file (32 examples read)"
     )
-    expect(page.locator("#file-histogram")).to_contain_text("32 examples: characters per example")
+    # Rendered with the view's model (GET /v1/files/{id}/preview): tokens, the learned text marked.
+    expect(page.locator("#file-lengths-heading")).to_contain_text("tokens")
+    expect(page.locator("#file-histogram")).to_contain_text("32 examples: tokens per example")
     expect(page.locator("#file-histogram-table tbody tr")).to_have_count(10)
     examples = page.locator("#file-examples > li")
     expect(examples).to_have_count(5)
     first = json.loads(VALID_FILE.read_text().splitlines()[0])["messages"]
-    expect(examples.first.locator(".turn.learned .text")).to_have_text(first[-1]["content"])
-    expect(examples.first.locator(".turn.role-user .text")).to_have_text(first[0]["content"])
-    expect(examples.first.locator(".turn.role-user .badge")).to_have_count(0)
+    expect(examples.first.locator(".learned-piece").first).to_contain_text(first[-1]["content"])
+    expect(examples.first.locator(".rendered")).to_contain_text(first[0]["content"])
     shot("dataset")
     # Its address, loaded afresh, opens the same view.
     page.goto("about:blank")

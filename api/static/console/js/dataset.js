@@ -1,15 +1,15 @@
 // One dataset's view (#/files/<id>): the file object, the check with a model kept from its upload
 // (GET /v1/files does not return it), problems by line and a length histogram from the file's first
-// lines (GET /v1/files/{id}/content, read up to PREVIEW_BYTES), and its first examples as chat turns
-// with the turns the model learns from marked.
-//
-// The API exposes neither the chat template's rendering nor per-example token counts, so the turns are
-// shown as messages (not as the template's text) and the histogram counts characters.
+// lines (GET /v1/files/{id}/content, read up to PREVIEW_BYTES), and, with the model chosen in the view
+// (GET /v1/files/{id}/preview), its first examples rendered as that model will see them with the learned
+// text marked and a histogram of tokens per example. When the preview fails the view says why and shows
+// the examples as chat turns and a histogram of characters instead.
 
 import { api, apiJson, getKey, seg } from "./api.js";
 import { $, bytes, h, num, setChildren, when } from "./dom.js";
 import { showError } from "./errors.js";
 import { deleteFile, keptValidation } from "./files.js";
+import { BASE_FIRST, fillModelSelect, loadModels } from "./models.js";
 import { go } from "./router.js";
 
 const PREVIEW_BYTES = 2 * 1024 * 1024;
@@ -106,6 +106,14 @@ function histogram(container, values, unit) {
       h("tbody", {}, bars)));
 }
 
+/** One example of GET /v1/files/{id}/preview: the rendered text, learned pieces marked. */
+function rendered(ex) {
+  return h("li", { class: "example", "data-line": ex.line },
+    h("p", { class: "hint" }, `line ${ex.line}: ${ex.tokens} tokens, ${ex.learned_tokens} learned`),
+    h("pre", { class: "rendered" }, ex.pieces.map((p) => h("span",
+      { class: p.learned ? "piece learned-piece" : "piece" }, p.text))));
+}
+
 function example(ex) {
   return h("li", { class: "example", "data-line": ex.line },
     h("p", { class: "hint" }, `line ${ex.line}`),
@@ -116,12 +124,49 @@ function example(ex) {
 
 export function initDataset(bus) {
   const status = $("#file-status");
+  const modelSelect = $("#file-model");
   let file = null;
   let token = 0;
+  let parsed = [];  // the lines read from the file's head (the character view's)
+  let modelsLoaded = false;
+
+  async function ensureModels() {
+    if (modelsLoaded) return;
+    fillModelSelect(modelSelect, await loadModels(), { order: BASE_FIRST });
+    modelsLoaded = true;
+  }
+
+  /** The histogram and examples: with the chosen model's rendering, else the character view (saying why). */
+  async function showExamples(id, mine) {
+    const note = $("#file-preview-note");
+    setChildren(note);
+    try {
+      await ensureModels();
+      if (!modelSelect.value) throw new Error("no usable model to render it with");
+      const model = modelSelect.value;
+      const p = await apiJson(`/files/${seg(id)}/preview`, { query: { model, limit: SHOWN_EXAMPLES } });
+      if (mine !== token) return;
+      setChildren($("#file-lengths-heading"), "Example lengths (tokens)");
+      histogram($("#file-histogram"), p.token_counts, "tokens");
+      if (p.truncated_at) {
+        setChildren(note, `Some examples are longer than ${p.truncated_at} tokens, the max_seq_length a job `
+          + "with this model cuts them at by default.");
+      }
+      setChildren($("#file-examples"), p.examples.map(rendered));
+    } catch (err) {
+      if (mine !== token) return;
+      setChildren(note, `Not rendered with the model (${err.message || err}): showing the messages and `
+        + "character counts instead.");
+      setChildren($("#file-lengths-heading"), "Example lengths (characters)");
+      histogram($("#file-histogram"), parsed.filter((e) => !e.problems.length).map((e) => e.chars), "characters");
+      setChildren($("#file-examples"), parsed.filter((e) => e.turns.length).slice(0, SHOWN_EXAMPLES).map(example));
+    }
+  }
 
   async function open(id) {
     const mine = ++token;
     file = null;
+    parsed = [];
     setChildren($("#file-id"), id);
     for (const sel of ["#file-facts", "#file-validation", "#file-problems", "#file-histogram", "#file-examples"]) {
       setChildren($(sel));
@@ -165,13 +210,18 @@ export function initDataset(bus) {
           h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "Line"), h("th", { scope: "col" }, "Problem"))),
           h("tbody", {}, problems.flatMap((e) => e.problems.map((p) => h("tr", {}, h("td", {}, e.line), h("td", {}, p))))))
         : h("p", { class: "ok" }, `No problems found in ${scope} (${examples.length} examples read).`));
-      histogram($("#file-histogram"), examples.filter((e) => !e.problems.length).map((e) => e.chars), "characters");
-      setChildren($("#file-examples"), examples.filter((e) => e.turns.length).slice(0, SHOWN_EXAMPLES).map(example));
+      parsed = examples;
+      await showExamples(f.id, mine);
     } catch (err) {
       if (mine === token) showError(status, err);
     }
   }
 
+  modelSelect.addEventListener("change", () => { if (file) showExamples(file.id, ++token); });
+  bus.addEventListener("models", (e) => {
+    fillModelSelect(modelSelect, e.detail, { order: BASE_FIRST });
+    modelsLoaded = true;
+  });
   $("#delete-file").addEventListener("click", async () => {
     if (!file) return;
     if (await deleteFile(file, status)) {
