@@ -4,7 +4,8 @@ Each example is rendered and tokenized by the training's own code (trainer.data.
 ChatRenderer, trainer.data.dataset.tokenize_record) with the model's tokenizer
 (trainer.model.catalog.load_tokenizer, cached per model and its config's size and mtime), and cut into
 pieces of text that are learned (carry loss) or not. Token counts come from at most
-:data:`MAX_COUNTED_LINES` lines. Lines that are not valid examples, or are over the server's bounds of
+:data:`MAX_COUNTED_LINES` lines and :data:`MAX_COUNTED_CHARS` characters (a request's work is bounded
+whatever the file: it runs in a thread of the API process). Lines that are not valid examples, or are over the server's bounds of
 one example (trainer.limits), are skipped: the upload and the job's check report those.
 
 This module imports the job library only; its functions are blocking (call them in a thread).
@@ -23,6 +24,8 @@ from trainer.data.jsonl import parse_line, read_lines
 
 #: Lines whose token counts the preview gives (the histogram's).
 MAX_COUNTED_LINES = 2000
+#: Characters of the file's lines read for the counts: the preview stops at the line that passes it.
+MAX_COUNTED_CHARS = 4_000_000
 #: Examples rendered in full (the ``limit`` parameter's bound).
 MAX_PREVIEW_EXAMPLES = 50
 
@@ -98,8 +101,10 @@ def build_preview(req: PreviewRequest) -> dict[str, Any]:
     counts: list[int] = []
     longest = 0
     spans: list[tuple[int, int]]
+    chars = 0
     for seen, (no, text) in enumerate(read_lines(Path(req.path)), start=1):
-        if seen > MAX_COUNTED_LINES:
+        chars += len(text or "")
+        if seen > MAX_COUNTED_LINES or (chars > MAX_COUNTED_CHARS and seen > 1):
             break
         found = _record(no, text, req.limits)
         if found is None:
