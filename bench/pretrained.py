@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -120,11 +119,8 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
     out = cache_root() / f"stdlib-llama-{_key(recipe, text)}"
     if (out / "config.json").is_file() and (out / "pretrain.json").is_file():
         return out
-    import torch
-    from transformers import LlamaForCausalLM
-
     from trainer.data.tokenizer import build_byte_tokenizer
-    from trainer.model.catalog import builtin_config
+    from trainer.samples.pretrain import pretrain_llama
 
     log(
         f"pretraining the base model on {len(text) / 1e6:.1f} MB of the Python standard library "
@@ -132,52 +128,17 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
     )
     ids = encode(text)
     n_valid = min(len(ids) // 20, 200_000)
-    train, valid = ids[:-n_valid], ids[-n_valid:]
-    cfg = builtin_config("tiny-llama")  # the byte vocabulary and special token ids
-    cfg.hidden_size, cfg.intermediate_size = recipe.hidden, recipe.intermediate
-    cfg.num_hidden_layers, cfg.num_attention_heads = recipe.layers, recipe.heads
-    cfg.num_key_value_heads, cfg.max_position_embeddings = recipe.kv_heads, max(512, recipe.seq)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe.seed)
-        model = LlamaForCausalLM(cfg)
-        gen = torch.Generator().manual_seed(recipe.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-
-        def lr_at(step: int) -> float:
-            if step < recipe.warmup:
-                return recipe.lr * (step + 1) / recipe.warmup
-            t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-            return recipe.lr * (
-                recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-            )
-
-        def batch(src: Any, g: Any) -> Any:
-            starts = torch.randint(0, len(src) - recipe.seq - 1, (recipe.batch,), generator=g)
-            return torch.stack([src[s : s + recipe.seq] for s in starts.tolist()])
-
-        @torch.no_grad()
-        def valid_loss() -> float:
-            model.eval()
-            g = torch.Generator().manual_seed(12345)
-            loss = sum(float(model(input_ids=(x := batch(valid, g)), labels=x).loss) for _ in range(8)) / 8
-            model.train()
-            return loss
-
-        t0, first = time.perf_counter(), valid_loss()
-        curve = []
-        for step in range(recipe.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            x = batch(train, gen)
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if (step + 1) % max(1, recipe.steps // 10) == 0:
-                curve.append((step + 1, round(float(loss.detach()), 4)))
-                log(f"  pretrain step {step + 1}/{recipe.steps}: loss {curve[-1][1]:.3f}")
-        last = valid_loss()
+    t0 = time.perf_counter()
+    model, first, last, curve = pretrain_llama(
+        recipe,
+        ids[:-n_valid],
+        ids[-n_valid:],
+        max_positions=max(512, recipe.seq),
+        valid_batches=8,
+        log_points=10,
+        digits=4,
+        log=log,
+    )
     info = {
         "recipe": asdict(recipe),
         "python": sys.version.split()[0],
@@ -192,7 +153,7 @@ def build(recipe: Recipe, *, log: Any = print) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         model.save_pretrained(tmp)
-        build_byte_tokenizer(model_max_length=cfg.max_position_embeddings).save_pretrained(tmp)
+        build_byte_tokenizer(model_max_length=model.config.max_position_embeddings).save_pretrained(tmp)
         (tmp / "pretrain.json").write_text(json.dumps(info, indent=2))
         if out.exists():  # a half-written directory of an interrupted run
             shutil.rmtree(out)

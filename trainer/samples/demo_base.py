@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import re
 import shutil
 import sys
@@ -161,56 +160,28 @@ def build(root: Path, recipe: Recipe | None = None, *, log: Callable[[str], None
 
 
 def _pretrain(recipe: Recipe, text: str, log: Callable[[str], None]) -> tuple[Any, dict[str, Any]]:
-    """A Llama trained from ``recipe.seed`` on ``text`` (last 5% held out); the model and its numbers."""
+    """A Llama trained from ``recipe.seed`` on ``text`` (last 5% held out) with ``recipe.threads``
+    torch threads (trainer.samples.pretrain); the model and its numbers."""
     import torch
-    from transformers import LlamaForCausalLM
 
     from trainer.data.tokenizer import build_byte_tokenizer
-    from trainer.model.catalog import builtin_config
+    from trainer.samples.pretrain import pretrain_llama
 
     ids = torch.tensor(build_byte_tokenizer()(text, add_special_tokens=False)["input_ids"])
     n_valid = len(ids) // 20
-    train, valid = ids[:-n_valid], ids[-n_valid:]
-    cfg = builtin_config("tiny-llama")  # the byte vocabulary and the special tokens' ids
-    cfg.hidden_size, cfg.intermediate_size = recipe.hidden, recipe.intermediate
-    cfg.num_hidden_layers, cfg.num_attention_heads = recipe.layers, recipe.heads
-    cfg.num_key_value_heads, cfg.max_position_embeddings = recipe.kv_heads, 1024
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(recipe.seed)
-            model = LlamaForCausalLM(cfg)
-            gen = torch.Generator().manual_seed(recipe.seed)
-            opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-
-            def batch(src: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-                starts = torch.randint(0, len(src) - recipe.seq - 1, (recipe.batch,), generator=g)
-                return torch.stack([src[s : s + recipe.seq] for s in starts.tolist()])
-
-            @torch.no_grad()
-            def valid_loss() -> float:
-                model.eval()
-                g = torch.Generator().manual_seed(12345)
-                losses = [float(model(input_ids=(x := batch(valid, g)), labels=x).loss) for _ in range(4)]
-                model.train()
-                return sum(losses) / len(losses)
-
-            first = valid_loss()
-            curve: list[tuple[int, float]] = []
-            for step in range(recipe.steps):
-                for group in opt.param_groups:
-                    group["lr"] = _lr_at(recipe, step)
-                x = batch(train, gen)
-                loss = model(input_ids=x, labels=x).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if (step + 1) % max(1, recipe.steps // 4) == 0:
-                    curve.append((step + 1, round(float(loss.detach()), 3)))
-                    log(f"  pretrain step {step + 1}/{recipe.steps}: loss {curve[-1][1]:.2f}")
-            last = valid_loss()
+        model, first, last, curve = pretrain_llama(
+            recipe,
+            ids[:-n_valid],
+            ids[-n_valid:],
+            max_positions=1024,
+            valid_batches=4,
+            log_points=4,
+            digits=3,
+            log=log,
+        )
     finally:
         torch.set_num_threads(threads)
     info = {
@@ -224,14 +195,6 @@ def _pretrain(recipe: Recipe, text: str, log: Callable[[str], None]) -> tuple[An
         "train_curve": curve,
     }
     return model, info
-
-
-def _lr_at(recipe: Recipe, step: int) -> float:
-    """Linear warm-up, then cosine down to ``min_lr_ratio`` of the peak."""
-    if step < recipe.warmup:
-        return recipe.lr * (step + 1) / recipe.warmup
-    t = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def default_root() -> Path:
