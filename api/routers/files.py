@@ -311,6 +311,17 @@ def _drop_from_result_files(session: Session, team_id: str, file_id: str) -> Non
             job.result_files = [f for f in job.result_files or [] if f != file_id]
 
 
+def _require_content(storage_path: str, file_id: str) -> None:
+    """A 404 when the file's bytes are gone from storage (its row is still there)."""
+    if not Path(storage_path).is_file():
+        raise APIError(
+            404,
+            f"The content of {file_id} is missing from storage",
+            param="file_id",
+            code="file_content_missing",
+        )
+
+
 @router.get("/files/{file_id}/content", response_class=FileResponse, responses=error_responses(404))
 async def file_content(file_id: str, request: Request, team: TeamDep) -> FileResponse:
     return await run_db(request, _file_content, team.team_id, file_id)
@@ -318,13 +329,7 @@ async def file_content(file_id: str, request: Request, team: TeamDep) -> FileRes
 
 def _file_content(session: Session, team_id: str, file_id: str) -> FileResponse:
     row = get_team_file(session, team_id, file_id)
-    if not Path(row.storage_path).is_file():
-        raise APIError(
-            404,
-            f"The content of {file_id} is missing from storage",
-            param="file_id",
-            code="file_content_missing",
-        )
+    _require_content(row.storage_path, file_id)
     return FileResponse(
         row.storage_path,
         media_type="application/octet-stream",
@@ -358,13 +363,7 @@ async def file_preview(
 
     def build() -> dict[str, Any]:
         checks.check_model_folder(ref.path, model)
-        if not Path(row.storage_path).is_file():
-            raise APIError(
-                404,
-                f"The content of {file_id} is missing from storage",
-                param="file_id",
-                code="file_content_missing",
-            )
+        _require_content(row.storage_path, file_id)
         name = spec_model_name(ref)
         options = Hyperparameters()
         try:
