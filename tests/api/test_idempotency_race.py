@@ -19,6 +19,8 @@ from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, Enqueued, ServerThread, TeamKey, make_team, uploaded_id
 
 CALLERS = 20
+#: The queue event a create writes with the job (its text is the router's).
+QUEUED = "Job queued on q"
 
 
 @pytest.fixture(scope="module", params=["postgresql", "sqlite"])
@@ -128,12 +130,12 @@ def test_insert_loser_replays_the_winner_or_refuses_another_body(
 
     with race_app.state.sessionmaker() as s:
         winner = job("a" * 64)
-        assert _insert_or_replay(s, winner, "k", "a" * 64) is None
+        assert _insert_or_replay(s, winner, "k", "a" * 64, QUEUED) is None
     with race_app.state.sessionmaker() as s:
-        prior = _insert_or_replay(s, job("a" * 64), "k", "a" * 64)
+        prior = _insert_or_replay(s, job("a" * 64), "k", "a" * 64, QUEUED)
         assert prior is not None and prior.id == winner.id
     with race_app.state.sessionmaker() as s, pytest.raises(APIError) as err:
-        _insert_or_replay(s, job("b" * 64), "k", "b" * 64)
+        _insert_or_replay(s, job("b" * 64), "k", "b" * 64, QUEUED)
     assert err.value.status_code == 409 and err.value.code == "idempotency_key_reused"
     with race_app.state.sessionmaker() as s:
         n = s.scalar(select(func.count()).select_from(FineTuningJob).where(FineTuningJob.team_id == team.id))
