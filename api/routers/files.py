@@ -344,25 +344,33 @@ async def file_preview(
     request: Request,
     team: TeamDep,
     settings: SettingsDep,
-    model: str,
+    model: Annotated[str | None, Query(description="The model whose template and tokenizer render")] = None,
     limit: Annotated[int, Query(ge=1, le=file_preview_job.MAX_PREVIEW_EXAMPLES)] = 5,
 ) -> dict[str, Any]:
     """The file's first ``limit`` examples rendered with ``model``'s chat template and tokenizer, as a
     job trains on them (pieces of text marked ``learned``), and the token count of each example in its
-    first lines (api.jobs.file_preview). An unknown model is a 400 on ``model``."""
+    first lines (api.jobs.file_preview). Another team's file is a 404 before anything else is looked
+    at (``model`` is required, but checked second: no existence leak); an unknown model is a 400."""
 
-    def plan(session: Session) -> tuple[File, ModelRef]:
+    def plan(session: Session) -> tuple[File, ModelRef, str]:
         row = get_team_file(session, team.team_id, file_id)
+        if not model:
+            raise APIError(
+                400,
+                "Invalid request: model: required parameter is missing",
+                param="model",
+                code="missing_required_parameter",
+            )
         try:
             ref = resolve_model(session, team.team_id, model, settings)
         except ModelNotFound as exc:
             raise APIError(400, exc.message, param="model", code="model_not_found") from exc
-        return row, ref
+        return row, ref, model
 
-    row, ref = await run_db(request, plan)
+    row, ref, named = await run_db(request, plan)
 
     def build() -> dict[str, Any]:
-        checks.check_model_folder(ref.path, model)
+        checks.check_model_folder(ref.path, named)
         _require_content(row.storage_path, file_id)
         name = spec_model_name(ref)
         options = Hyperparameters()
@@ -378,7 +386,7 @@ async def file_preview(
                 )
             )
         except (OSError, ValueError) as exc:  # the tokenizer cannot be loaded (ModelFolderError)
-            raise APIError(400, f"Model {model[:200]!r}: {exc}", param="model", code="invalid_model") from exc
+            raise APIError(400, f"Model {named[:200]!r}: {exc}", param="model", code="invalid_model") from exc
 
     body = await run_in_threadpool(build)
     return {"object": "file.preview", "model": ref.id, **body}
