@@ -71,6 +71,12 @@ def _tokenizer(model: str, stamp: tuple[int, int] | None) -> Any:
     return load_tokenizer(model)
 
 
+def tokenizer_for(model: str) -> Any:
+    """``model``'s tokenizer, cached in this process until its ``config.json`` changes (raises OSError or
+    ValueError when it cannot be loaded)."""
+    return _tokenizer(model, _stamp(Path(model) / "config.json"))
+
+
 def run_check(slot: int, request: CheckRequest) -> dict[str, Any]:
     """Check ``request`` (see the module docstring); ``slot`` is this check's stop flag."""
     deadline = time.monotonic() + request.budget_seconds
@@ -81,7 +87,7 @@ def run_check(slot: int, request: CheckRequest) -> dict[str, Any]:
     if stop():
         return _stopped(slot)
     try:
-        tokenizer = _tokenizer(request.model, _stamp(Path(request.model) / "config.json"))
+        tokenizer = tokenizer_for(request.model)
     except (OSError, ValueError) as exc:  # ModelFolderError is a ValueError
         return {"outcome": "model_error", "message": str(exc)}
     try:

@@ -13,11 +13,11 @@ This module imports the job library only; its functions are blocking (call them 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from api.jobs.check_worker import tokenizer_for
 from trainer.data.chat_format import ChatRenderer, RecordRefused, SystemMessage, check_chat_record
 from trainer.data.dataset import ExampleLimits, tokenize_record
 from trainer.data.jsonl import parse_line, read_lines
@@ -39,26 +39,6 @@ class PreviewRequest:
     system_message: SystemMessage
     limits: ExampleLimits
     limit: int
-
-
-def _stamp(model: str) -> tuple[int, int] | None:
-    try:
-        st = (Path(model) / "config.json").stat()
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-
-
-@functools.lru_cache(maxsize=4)
-def _cached_tokenizer(model: str, stamp: tuple[int, int] | None) -> Any:
-    from trainer.model.catalog import load_tokenizer
-
-    return load_tokenizer(model)
-
-
-def tokenizer_for(model: str) -> Any:
-    """The model's tokenizer (raises OSError or ValueError when it cannot be loaded)."""
-    return _cached_tokenizer(model, _stamp(model))
 
 
 def pieces(text: str, spans: list[tuple[int, int]]) -> list[dict[str, Any]]:
