@@ -29,6 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names the flat collectives ``reduce_scatter_single`` / ``all_gather_single`` and deprecates
+# the older ``reduce_scatter_tensor`` / ``all_gather_into_tensor``, the only names up to 2.12 (the lent
+# GPU machines run 2.11): the new name where it exists, else the old one (the same operation).
+_reduce_scatter_flat_op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat_op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 #: Elements per all-reduce bucket (per dtype): large enough to amortise the launch, small enough that
 #: the flat copy stays a modest transient on the device.
 BUCKET_ELEMENTS = 32 * 1024 * 1024
@@ -147,7 +153,7 @@ def global_norm(local_sq: torch.Tensor, ranks: Ranks) -> torch.Tensor:
 
 def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: Ranks) -> None:
     """``out`` (``size`` elements) := this rank's shard of the mean of ``flat`` (``world * size``)."""
-    dist.reduce_scatter_single(out, flat, group=ranks.group)
+    _reduce_scatter_flat_op(out, flat, group=ranks.group)
     out.div_(ranks.world)
 
 
@@ -185,7 +191,7 @@ class ShardGather:
 
     def gather(self, group: Any) -> int:
         """All-gather every rank's ``mine`` into ``full`` (on ``group``); the bytes sent (:func:`wire_bytes`)."""
-        dist.all_gather_single(self.full, self.mine, group=group)
+        _all_gather_flat_op(self.full, self.mine, group=group)
         world = self.full.numel() // self.size
         return wire_bytes("all_gather", self.full.numel() * self.full.element_size(), world)
 
