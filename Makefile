@@ -1,7 +1,8 @@
 # The two commands: `make run` (the main job on embedded defaults) and `make test` (the test suite, what CI
 # runs). Both bootstrap .venv, the pinned CPU torch, the package and the C++ optimizer build, idempotently.
-# `make lint` is every static check `make test` runs; `make test-fast` the inner loop.
-.PHONY: bootstrap run test lint test-fast
+# `make lint` is every static check `make test` runs; `make test-fast` the inner loop; `make test-floor` the
+# engine's tests on the lowest torch pyproject.toml allows (CI runs it after `make test`).
+.PHONY: bootstrap run test lint test-fast test-floor
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -17,3 +18,6 @@ lint: bootstrap
 
 test-fast: bootstrap
 	@bash scripts/test-fast.sh
+
+test-floor: bootstrap
+	@bash scripts/test-floor.sh

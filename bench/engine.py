@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from bench.gpu_util import UtilSampler, cuda_index
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
 
@@ -123,6 +124,10 @@ class Result:
     worker_gil_ms_per_step: float = 0.0
     worker_gil_fraction: float = 0.0
     worker_busy_ms_per_step: float = 0.0
+    #: Mean GPU utilization over the timed steps (NVML, percent; None off CUDA or without NVML, with
+    #: the reason): the share of time a kernel ran, so host waits the stall figure misses show here.
+    gpu_util_percent: float | None = None
+    gpu_util_note: str = ""
     #: The engine's core placement (offload.placement.Placement.as_dict()).
     placement: dict[str, Any] = field(default_factory=dict)
     #: Every timed step: wall, stall and CPU optimizer seconds, whether a window update landed.
@@ -218,11 +223,14 @@ def run_variant(
     epoch = args.epoch_steps or max(1, steps // 2)
     reselected: list[bool] = []
     c0: dict[str, float] = {}
+    sampler = UtilSampler(cuda_index(device))
+    device_losses: list[torch.Tensor] = []
     try:
         engine.new_epoch()
         for i in range(args.warmup + steps):
             if i == args.warmup:
                 c0 = engine.counters()
+                sampler.__enter__()
             j = i - args.warmup
             if j > 0 and j % epoch == 0:
                 engine.new_epoch()
@@ -232,17 +240,19 @@ def run_variant(
             before = engine.counters()["reselections"]
             m = engine.step()
             engine.zero_grad()
-            losses.append(loss.item())
+            device_losses.append(loss.detach())  # read after the loop: no host sync per step
             if i >= args.warmup:
                 metrics.append(m)
                 reselected.append(engine.counters()["reselections"] > before)
             if args.verbose:
                 print(
-                    f"  {variant} step {i + 1}: loss {losses[-1]:.4f} wall {m.wall_seconds:.3f}s "
+                    f"  {variant} step {i + 1}: loss {device_losses[-1].item():.4f} wall {m.wall_seconds:.3f}s "
                     f"stall {m.stall_seconds:.3f}s",
                     file=sys.stderr,
                     flush=True,
                 )
+        sampler.__exit__(None, None, None)
+        losses = [float(v) for v in torch.stack(device_losses).float().cpu()]
         c1 = engine.counters()
         placement = engine.placement.as_dict()
         engine.flush()
@@ -254,6 +264,7 @@ def run_variant(
         state_bytes = engine.device_optimizer_state_bytes
         buffer_bytes = metrics[-1].device_buffer_bytes if metrics else 0
     finally:
+        sampler.__exit__(None, None, None)
         engine.close()
         torch.set_num_threads(prev_threads)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -286,6 +297,8 @@ def run_variant(
         worker_gil_fraction=gil_ms / 1e3 / (wall / n) if wall > 0 else 0.0,
         worker_busy_ms_per_step=busy_ms,
         skipped_steps=sum(m.skipped for m in metrics),
+        gpu_util_percent=sampler.mean,
+        gpu_util_note=sampler.reason,
         per_step=[
             {
                 "wall_s": round(m.wall_seconds, 6),

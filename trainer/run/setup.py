@@ -330,8 +330,19 @@ def apply_runtime(model: Any, choices: RuntimeChoices, device: torch.device, dty
         use_packing_attention(model, device, dtype) if choices.packing else model.config._attn_implementation
     )
     if choices.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return str(attention)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing under either transformers name: recent releases call it
+    ``activation_checkpointing_enable`` (the old name warns), earlier ones (5.17 on the GPU image, the
+    4.x floor) only ``gradient_checkpointing_enable``."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def release(built: Built) -> None:
