@@ -18,16 +18,18 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from setuptools import setup
-from setuptools.command.build_ext import build_ext
-from setuptools.dist import Distribution
+from setuptools import setup  # type: ignore[import-untyped]  # no py.typed, no stubs in the venv
+from setuptools.command.build_ext import build_ext  # type: ignore[import-untyped]
+from setuptools.dist import Distribution  # type: ignore[import-untyped]
 
 ROOT = Path(__file__).resolve().parent
 
 
 def _builder() -> ModuleType:
     """offload/cpu_adam_build.py by file path (importing the package would need its dependencies)."""
-    spec = importlib.util.spec_from_file_location("_zenflow_cpu_adam_build", ROOT / "offload" / "cpu_adam_build.py")
+    spec = importlib.util.spec_from_file_location(
+        "_zenflow_cpu_adam_build", ROOT / "offload" / "cpu_adam_build.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -35,7 +37,7 @@ def _builder() -> ModuleType:
     return mod
 
 
-class BuildCpuAdam(build_ext):
+class BuildCpuAdam(build_ext):  # type: ignore[misc]
     """Puts offload/_ext/zenflow_cpu_adam.so (+ manifest) into the build, or the source tree when editable."""
 
     def run(self) -> None:
@@ -51,7 +53,9 @@ class BuildCpuAdam(build_ext):
         inplace = bool(self.editable_mode or self.inplace)
         dest = (ROOT if inplace else Path(self.build_lib)) / "offload" / "_ext"
         try:
-            built = b.build_installed(dest, [ROOT / "offload" / "csrc" / "cpu_adam.cpp"], [ROOT / "offload" / "csrc"])
+            built = b.build_installed(
+                dest, [ROOT / "offload" / "csrc" / "cpu_adam.cpp"], [ROOT / "offload" / "csrc"]
+            )
         except b.CpuAdamToolchainMissing as exc:
             self._skip(mode, str(exc))
             return
@@ -73,7 +77,7 @@ class BuildCpuAdam(build_ext):
         return {}
 
 
-class BinaryDistribution(Distribution):
+class BinaryDistribution(Distribution):  # type: ignore[misc]
     """The wheel carries a platform-specific .so: not a py3-none-any wheel."""
 
     def has_ext_modules(self) -> bool:

@@ -113,7 +113,9 @@ def _sources_digest(sources: Sequence[Path], include_dirs: Sequence[Path]) -> st
     return h.hexdigest()
 
 
-def runtime_inputs(sources: Sequence[Path] = SOURCES, include_dirs: Sequence[Path] = (CSRC,)) -> dict[str, str]:
+def runtime_inputs(
+    sources: Sequence[Path] = SOURCES, include_dirs: Sequence[Path] = (CSRC,)
+) -> dict[str, str]:
     """What decides whether a built ``.so`` fits this process, computed without running anything."""
     import torch
 
@@ -367,7 +369,9 @@ def load(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=_BUILD_HINT, description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog=_BUILD_HINT, description=__doc__.split("\n")[0] if __doc__ else None
+    )
     parser.add_argument("--dest", type=Path, default=INSTALL_DIR, help="where to put the build")
     parser.add_argument("--check", action="store_true", help="only say whether it is up to date")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")

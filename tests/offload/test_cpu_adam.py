@@ -599,7 +599,12 @@ def test_param_out_vector_path_special_values():
 @pytest.mark.parametrize("arch", ["-march=haswell", "-mavx2 -mfma -mno-f16c", "-march=x86-64"])
 def test_other_isa_builds(arch):
     """Re-run the exactness tests against the AVX2 (with/without F16C) and scalar builds."""
-    env = {**os.environ, "ZENFLOW_CPU_ADAM_ARCH": arch, "ZENFLOW_TEST_ALL_ISAS": "", "ZENFLOW_CPU_ADAM_JIT": "1"}
+    env = {
+        **os.environ,
+        "ZENFLOW_CPU_ADAM_ARCH": arch,
+        "ZENFLOW_TEST_ALL_ISAS": "",
+        "ZENFLOW_CPU_ADAM_JIT": "1",
+    }
     cmd = [
         sys.executable,
         "-m",
