@@ -97,6 +97,20 @@ def _cpu_flags() -> str:
     return ""
 
 
+#: /proc/cpuinfo flags that decide which instructions a -march=native build may use (x86, then ARM);
+#: the others (mitigations, virtualisation, new kernel features) change with a kernel update and must
+#: not make an installed build stale.
+_ISA_PREFIXES = (
+    *("sse", "ssse", "avx", "fma", "f16c", "bmi", "popcnt", "movbe", "abm", "lzcnt", "adx", "aes"),
+    *("pclmul", "vpclmul", "vaes", "gfni", "sha", "amx", "cx16", "xsave"),
+    *("fp", "asimd", "sve", "bf16", "i8mm"),
+)
+
+
+def _isa_flags() -> str:
+    return " ".join(sorted({f for f in _cpu_flags().split() if f.startswith(_ISA_PREFIXES)}))
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -130,7 +144,7 @@ def runtime_inputs(
         "python": str(sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag),
         "machine": platform.machine(),
         # a -march=native binary must not run on another CPU (illegal instruction)
-        "cpu": _digest(_cpu_flags())[:16] if native else "",
+        "cpu": _digest(_isa_flags())[:16] if native else "",
     }
 
 

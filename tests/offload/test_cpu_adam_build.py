@@ -87,6 +87,18 @@ def test_cpu_features_enter_only_a_native_build(monkeypatch: pytest.MonkeyPatch)
     assert cb.runtime_inputs() == portable  # a portable build runs on any CPU of its ISA
 
 
+def test_only_isa_flags_decide_a_native_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel update that shows one more non-ISA flag must not make the installed build stale."""
+    monkeypatch.delenv(cb.ARCH_ENV, raising=False)
+    flags = "fpu sse2 avx2 fma f16c avx512f pti md_clear"
+    monkeypatch.setattr(cb, "_cpu_flags", lambda: flags)
+    before = cb.runtime_inputs()["cpu"]
+    monkeypatch.setattr(cb, "_cpu_flags", lambda: flags + " user_shstk ibpb")
+    assert cb.runtime_inputs()["cpu"] == before
+    monkeypatch.setattr(cb, "_cpu_flags", lambda: flags.replace(" avx512f", ""))
+    assert cb.runtime_inputs()["cpu"] != before  # a CPU without AVX-512
+
+
 def _hold_lock(directory: Path, ready: Path) -> subprocess.Popen[str]:
     """A process that holds the build lock of ``directory`` until killed (a live or hung builder)."""
     code = textwrap.dedent(
