@@ -301,3 +301,37 @@ def test_a_stale_or_missing_build_fails_fast_with_how_to_build(
     monkeypatch.setattr(cb, "load_jit", lambda *a, **k: sentinel)
     monkeypatch.setenv(cb.JIT_ENV, "1")
     assert cb.load(stale) is sentinel
+
+
+@pytest.mark.slow
+def test_installing_the_package_builds_it(tmp_path: Path) -> None:
+    """``pip wheel --no-build-isolation`` (what an install runs): setup.py's build_ext puts the build and
+    its manifest into the wheel, for this torch, without the lock file, in a platform wheel."""
+    import zipfile
+
+    try:
+        cb.check_toolchain()
+    except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
+        unavailable(f"no toolchain: {exc}")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(ROOT / f, src / f)
+    skip = shutil.ignore_patterns("__pycache__", "_ext", "*.egg-info")
+    for pkg in ("api", "worker", "trainer", "offload", "store", "migrations", "bench"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=skip)
+    env = {**os.environ, "ZENFLOW_CPU_ADAM_BUILD": "require", "PIP_NO_INDEX": "1"}
+    env.pop(cb.ARCH_ENV, None)
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps"]
+    done = subprocess.run(
+        [*cmd, "-w", str(tmp_path / "out"), str(src)], env=env, capture_output=True, text=True, timeout=800
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = (tmp_path / "out").glob("zenflow-*.whl")
+    assert "-none-any" not in wheel.name, wheel.name
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        manifest = json.loads(z.read("offload/_ext/zenflow_cpu_adam.json"))
+    assert "offload/_ext/zenflow_cpu_adam.so" in names
+    assert f"offload/_ext/{cb.LOCK_FILE}" not in names
+    assert manifest["runtime"] == cb.runtime_inputs()
