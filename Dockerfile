@@ -14,26 +14,34 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     ZENFLOW_DATA_DIR=/data \
     ZENFLOW_API_HOST=0.0.0.0 \
-    ZENFLOW_API_PORT=8000 \
-    TORCH_EXTENSIONS_DIR=/opt/torch_extensions
+    ZENFLOW_API_PORT=8000
 
-# g++/ninja build the C++ CPU optimizer (torch cpp_extension) once, at image build time below.
+# g++ builds the C++ CPU optimizer once, at `pip install` below (setup.py); jobs load that build and
+# never compile (offload/cpu_adam_build.py).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends build-essential curl \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-# torch first, from the chosen index, so that the dependency resolution below never swaps it.
-RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
+# torch first, from the chosen index, so that the dependency resolution below never swaps it; the
+# build tools too, because the install below builds against that torch without build isolation.
+RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" \
+    && pip install "setuptools>=68" wheel "ninja>=1.11"
 COPY . .
-RUN pip install .
-# Pre-build the C++ optimizer into the image's extension cache (the worker falls back to a JIT build).
-RUN python -c "from offload.cpu_adam import load_extension; load_extension()" \
-    || echo "C++ optimizer not pre-built; it is compiled on first use"
+# The C++ optimizer is compiled for the CPU of the machine that builds the image (-march=native): a
+# host with another CPU refuses that build at job start; for a mixed fleet build with e.g.
+# --build-arg CPU_ADAM_ARCH=-march=x86-64-v3 (kept in the image's environment: an input of the build).
+ARG CPU_ADAM_ARCH=-march=native
+ENV ZENFLOW_CPU_ADAM_ARCH=${CPU_ADAM_ARCH}
+# Editable, so that the one copy of the code in /app, which the job processes import (`python -m`
+# from the working directory /app puts it first on sys.path), is the installed one and carries the
+# build (offload/_ext/); --check fails the image if it cannot be loaded.
+RUN ZENFLOW_CPU_ADAM_BUILD=require pip install --no-build-isolation -e . \
+    && python -m offload.cpu_adam_build --check
 
 RUN useradd --create-home --uid 1000 zenflow \
-    && mkdir -p /data "${TORCH_EXTENSIONS_DIR}" \
-    && chown -R zenflow /data "${TORCH_EXTENSIONS_DIR}"
+    && mkdir -p /data \
+    && chown -R zenflow /data
 USER zenflow
 VOLUME ["/data"]
 EXPOSE 8000

@@ -1,10 +1,10 @@
 """Fused C++ Adam/AdamW for CPU-resident fp32 optimizer state.
 
-The kernel (``offload/csrc/cpu_adam.cpp``) is JIT-built on first use with
-``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp -ffp-contract=off``) and cached in
-torch's extension directory (``TORCH_EXTENSIONS_DIR`` if set).  One pass per element updates the
-fp32 parameter and both fp32 moments, reading an fp32/bf16/fp16 gradient and optionally writing the
-new parameter as bf16/fp16 into a second buffer.  The elementwise math follows
+The kernel (``offload/csrc/cpu_adam.cpp``, ``-O3 -march=native -fopenmp -ffp-contract=off``) is
+built when the package is installed and loaded by its path; a job never compiles it (see
+:mod:`offload.cpu_adam_build`, and its ``ZENFLOW_CPU_ADAM_JIT=1`` development fallback).  One pass
+per element updates the fp32 parameter and both fp32 moments, reading an fp32/bf16/fp16 gradient and
+optionally writing the new parameter as bf16/fp16 into a second buffer.  The elementwise math follows
 ``torch.optim.AdamW``/``Adam`` (single-tensor CPU path) operation by operation and is bitwise equal
 to those torch ops except for sqrt, which is correctly rounded here while torch's CPU ``sqrt`` (MKL
 VML) may be 1 ulp off; after many steps ours stays within rtol=1e-6/atol=1e-7 of torch.optim.
@@ -17,17 +17,15 @@ to ATen's ``acc.add_(g.float(), alpha=alpha)``), SIMD and OpenMP like the step.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from types import ModuleType
 from typing import Any, overload
 
 import torch
+
+from offload import cpu_adam_build
+from offload.cpu_adam_build import CpuAdamBuildError
 
 __all__ = [
     "CPUAdamW",
@@ -40,92 +38,26 @@ __all__ = [
     "simd_width",
 ]
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "cpu_adam.cpp"]
-_LDFLAGS = ["-fopenmp"]
-# Target ISA flags; override e.g. with ZENFLOW_CPU_ADAM_ARCH="-march=haswell" for a binary that runs
-# on a mixed fleet (or to test the AVX2 / scalar paths).  Part of the cache key.
-_ARCH_ENV = "ZENFLOW_CPU_ADAM_ARCH"
+_CSRC = cpu_adam_build.CSRC
+_SOURCES = list(cpu_adam_build.SOURCES)
+_INSTALL_DIR = cpu_adam_build.INSTALL_DIR
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 
 
-class CpuAdamBuildError(RuntimeError):
-    """The C++ CPU Adam extension could not be built or loaded."""
-
-
-def _arch_flags() -> list[str]:
-    return os.environ.get(_ARCH_ENV, "-march=native").split()
-
-
-def _cflags() -> list[str]:
-    return ["-O3", *_arch_flags(), "-fopenmp", "-ffp-contract=off"]
-
-
-def _build_tag() -> str:
-    """Short hash of the CPU's feature flags, the ISA flags and where the sources are: -march=native
-    binaries must not be shared across different CPUs through a common extensions directory, and two
-    checkouts (a clone beside a working copy) sharing one would rebuild it in turn at every load, each
-    build of one invalidating the other's (torch's build file names the sources by absolute path)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    key = f"{platform.machine()}|{flags}|{' '.join(_arch_flags())}|{_CSRC}"
-    return hashlib.sha1(key.encode()).hexdigest()[:8]
-
-
-def _compiler() -> str:
-    from torch.utils import cpp_extension
-
-    cxx: str = cpp_extension.get_cxx_compiler()
-    return cxx
-
-
 def load_extension(verbose: bool = False) -> ModuleType:
-    """Build (first time) and load the extension once per process; thread-safe.
+    """Load the installed extension once per process; thread-safe.
 
-    Raises :class:`CpuAdamBuildError` when no compiler or ninja is available or the build fails.
+    Raises :class:`CpuAdamBuildError` when it is missing or stale (and JIT is not allowed), or when the
+    JIT fallback finds no compiler or ninja or its build fails.
     """
     global _ext
     if _ext is not None:
         return _ext
     with _lock:
-        if _ext is not None:
-            return _ext
-        cxx = _compiler()
-        if not cxx.split() or shutil.which(cxx.split()[0]) is None:
-            raise CpuAdamBuildError(
-                f"no C++ compiler found: {cxx!r} is not on PATH (set CXX or install g++, "
-                "e.g. `apt-get install g++`) - needed to build the zenflow CPU Adam extension"
-            )
-        from torch.utils import cpp_extension
-
-        if not cpp_extension.is_ninja_available():
-            raise CpuAdamBuildError(
-                "ninja not found: `pip install ninja` (needed to build the CPU Adam extension)"
-            )
-        try:
-            _ext = cpp_extension.load(
-                name=f"zenflow_cpu_adam_{_build_tag()}",
-                sources=[str(s) for s in _SOURCES],
-                extra_include_paths=[str(_CSRC)],
-                extra_cflags=_cflags(),
-                extra_ldflags=_LDFLAGS,
-                verbose=verbose,
-            )
-        except Exception as exc:  # build or import failure
-            log = str(exc).strip().splitlines()
-            tail = "\n".join(log[-40:])
-            raise CpuAdamBuildError(
-                f"building the zenflow CPU Adam extension failed; build log tail:\n{tail}"
-            ) from exc
+        if _ext is None:
+            _ext = cpu_adam_build.load(_INSTALL_DIR, _SOURCES, [_CSRC], verbose=verbose)
         return _ext
 
 

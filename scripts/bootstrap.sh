@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: .venv, the pinned CPU torch first (a bare torch pulls a CUDA build), then the
-# package with its dev extras, then the C++ CPU optimizer build (cached by torch's extension cache).
+# package with its dev extras, which builds the C++ CPU optimizer into offload/_ext/ (setup.py; the
+# jobs load that build and never compile, offload/cpu_adam_build.py).
 # Quiet: one progress line per stage that does work, with its time; what pip, the compiler and
 # apt-get print goes to .venv/bootstrap.log, shown (its tail) when a stage fails. Already done, it
 # prints nothing and takes well under a second (stamps in .venv).
@@ -44,21 +45,23 @@ fi
 # --no-compile: no byte-compiling of every installed module (torch's thousands) at install time;
 # Python compiles the ones a command imports, once, when it first imports them.
 pip_install() { .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check --no-input "$@"; }
+# --no-build-isolation: setup.py builds the C++ optimizer against this venv's torch (an isolated build
+# has no torch); "require": a missing compiler or ninja fails the stage instead of skipping the build.
+pip_install_project() { ZENFLOW_CPU_ADAM_BUILD=require pip_install --no-build-isolation "$@"; }
 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  stage "pip, setuptools, wheel" pip_install --upgrade pip setuptools wheel
+  stage "pip, setuptools, wheel, ninja" pip_install --upgrade pip setuptools wheel ninja
   stage "$TORCH_SPEC (CPU build)" pip_install "$TORCH_SPEC"
-  stage "zenflow and its dev extras (pip install -e .[dev])" pip_install -e '.[dev]'
+  stage "zenflow, dev extras, C++ optimizer (pip install -e .[dev])" pip_install_project -e '.[dev]'
   echo "$want" >"$stamp"
 fi
 
-# Build (or load from cache) the C++ optimizer once so the first job does not pay for it; skipped
-# while its sources, the torch build and the stamp's extension are unchanged.
-if [ -f offload/cpu_adam.py ]; then
-  ext_want="$(cat offload/cpu_adam.py offload/csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1) $want $(pwd)"
+# Rebuild the C++ optimizer when its sources or build code changed since (a no-op when the build in
+# offload/_ext/ is up to date); skipped, without starting Python, while they and the stamp are unchanged.
+if [ -f offload/cpu_adam_build.py ]; then
+  ext_want="$(cat offload/cpu_adam_build.py setup.py offload/csrc/* 2>/dev/null | sha256sum | cut -d' ' -f1) $want $(pwd)"
   if [ "$(cat "$ext_stamp" 2>/dev/null)" != "$ext_want" ]; then
-    stage "C++ CPU optimizer (build or load)" \
-      .venv/bin/python -c "from offload.cpu_adam import load_extension; load_extension()"
+    stage "C++ CPU optimizer (build if stale)" .venv/bin/python -m offload.cpu_adam_build
     echo "$ext_want" >"$ext_stamp"
   fi
 fi

@@ -599,7 +599,12 @@ def test_param_out_vector_path_special_values():
 @pytest.mark.parametrize("arch", ["-march=haswell", "-mavx2 -mfma -mno-f16c", "-march=x86-64"])
 def test_other_isa_builds(arch):
     """Re-run the exactness tests against the AVX2 (with/without F16C) and scalar builds."""
-    env = {**os.environ, "ZENFLOW_CPU_ADAM_ARCH": arch, "ZENFLOW_TEST_ALL_ISAS": ""}
+    env = {
+        **os.environ,
+        "ZENFLOW_CPU_ADAM_ARCH": arch,
+        "ZENFLOW_TEST_ALL_ISAS": "",
+        "ZENFLOW_CPU_ADAM_JIT": "1",
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -617,6 +622,8 @@ def test_other_isa_builds(arch):
 
 def test_build_errors_are_clear(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_adam, "_ext", None)
+    monkeypatch.setattr(cpu_adam, "_INSTALL_DIR", tmp_path / "not-installed")  # the JIT fallback
+    monkeypatch.setenv("ZENFLOW_CPU_ADAM_JIT", "1")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     with pytest.raises(CpuAdamBuildError, match=r"no C\+\+ compiler found"):
         cpu_adam.load_extension()
