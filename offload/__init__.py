@@ -1,7 +1,7 @@
 """The ZenFlow offload engine (a library on its own: imports nothing from trainer/, api/ or store/).
 
-Importing ``offload`` is cheap: the names below load on first use, and the C++ CPU optimizer is
-built (or loaded from torch's extension cache) only when a CPU step first runs.
+Importing ``offload`` is cheap: the names below load on first use, and the C++ CPU optimizer (built
+when the package is installed, :mod:`offload.cpu_adam_build`) is loaded only when a CPU step first runs.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     (its traceback) or the deadline passes (every rank is then killed)."""
     from offload.cpu_adam import load_extension
 
-    load_extension()  # built once here: ranks killed at the deadline mid-build would leave its lock behind
+    load_extension()  # loaded (or, with ZENFLOW_CPU_ADAM_JIT=1, built) once here, before any rank starts
     results = mp.get_context("spawn").Queue()
     ctx = mp.start_processes(
         _entry, args=(fn, world, free_port(), args, results), nprocs=world, join=False, start_method="spawn"
