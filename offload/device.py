@@ -226,9 +226,19 @@ class DeviceOps:
         return torch.cuda.current_stream(self.device)
 
     def sync_compute(self) -> None:
-        """Block until the work queued on the compute stream (the backward pass) has run."""
+        """Block until the work queued on the compute stream has run (``flush()``; never in a plain
+        step, where it would drain the device)."""
         if self.is_cuda:
             self.compute_stream().synchronize()
+
+    def timing_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the compute stream now (None on CPU): stall accounting
+        (:class:`offload.timing.IdleClock`)."""
+        if not self.is_cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.compute_stream())
+        return ev
 
     def record(self) -> torch.cuda.Event | None:
         """An event on the compute stream (None on CPU)."""
