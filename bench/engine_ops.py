@@ -17,8 +17,10 @@ Host syncs per step: the ops that make the host wait for the device (``_local_sc
 copies between host and device memory that are not ``non_blocking`` or whose host side is pageable
 memory, which CUDA copies synchronously even when asked not to), unless every tensor they touch
 is host memory (a read of a copy that has landed costs nothing: ``engine.is_host_memory``); plus the
-engine's own counted reads (``engine.counters()``: ``host_syncs``, its deliberate blocking reads, and
-``host_waits``, reads of a step's scalars whose copy had not landed). On a CPU-only run ``.cpu()`` of a
+engine's deliberate blocking reads (``engine.counters()["host_syncs"]``). Reported apart
+(``host_waits_per_step``): reads of a step's scalars whose copy had not landed (``host_waits``; on CUDA
+the step's verdict, which waits for the backward pass while the step's kernels are queued behind it,
+so the device is not drained). On a CPU-only run ``.cpu()`` of a
 CPU tensor dispatches nothing, so the engine routes every read of device data through its counted
 paths; on CUDA (``bench/gpu_check.sh``) the dispatch-level counts see every real device-to-host copy.
 
@@ -78,6 +80,7 @@ class _Step:
     reselected: bool
     after_reselection: bool
     skipped: bool = False
+    waits: int = 0  # reads of a landing still in flight (the device busy with this step's work)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -221,9 +224,8 @@ def measure(
                     with OpCounter(engine.is_host_memory) as c:
                         m = engine.step()
                 after = engine.counters()
-                own = int(after["host_syncs"] - before["host_syncs"]) + int(
-                    after["host_waits"] - before["host_waits"]
-                )
+                own = int(after["host_syncs"] - before["host_syncs"])
+                waits = int(after["host_waits"] - before["host_waits"])
                 steps.append(
                     _Step(
                         c.total,
@@ -233,6 +235,7 @@ def measure(
                         after["reselections"] > before["reselections"],
                         before["reselections"] > 0,
                         m.skipped,
+                        waits,
                     )
                 )
                 if label:
@@ -240,7 +243,7 @@ def measure(
                 ops.update(c.ops)
                 syncs.update(c.syncs)
                 if own:
-                    syncs["engine.to_host/late landing"] += own
+                    syncs["engine.to_host"] += own
             else:
                 m = engine.step()
             if poisoned:
@@ -272,6 +275,7 @@ def measure(
             ops_per_step=statistics.fmean(s.ops for s in steps),
             kernels_per_step=statistics.fmean(s.kernels for s in steps),
             host_syncs_per_step=statistics.fmean(s.syncs for s in steps),
+            host_waits_per_step=statistics.fmean(s.waits for s in steps),
             **summarize(steps),
             reselections=reselections,
             bad_steps=sorted(bad_at),

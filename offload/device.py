@@ -14,8 +14,9 @@ Host reads. The engine never reads a device tensor's value on the training threa
 device scalars it needs (the gradient norm, whether the step is finite, "auto" window masses) go
 through :meth:`DeviceOps.read_later` (one stacked non-blocking copy into page-locked memory, queued
 before the step's optimizer kernels) and are read with :meth:`Landing.values` once the step's work is
-queued, by which time the copy has landed; a read that would have to wait is counted
-(``DeviceOps.host_waits``). The deliberate blocking reads (one per reselection at most) go through
+queued. A plain step does not synchronize the device first, so on CUDA that read may still wait for
+the backward pass and clipping to finish (counted in ``DeviceOps.host_waits``), but never drains the
+device: the step's optimizer kernels are already queued behind the copy. The deliberate blocking reads (one per reselection at most) go through
 :meth:`DeviceOps.to_host` and are counted in ``DeviceOps.host_syncs``.
 """
 
