@@ -26,12 +26,20 @@ class FakeEvent:
         return self.done
 
     def elapsed_time(self, end: Any) -> float:
-        return (end.t - self.t) * 1e3
+        return float(end.t - self.t) * 1e3
 
 
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+
+def _spy(real: Any, name: str, calls: list[str]) -> Any:
+    def spy() -> None:
+        calls.append(name)
+        real()
+
+    return spy
 
 
 def _backward(model: torch.nn.Module, i: int) -> None:
@@ -72,7 +80,7 @@ def test_blocked_sections_are_bracketed_by_marks_only_when_there_are_events() ->
 
 
 @pytest.mark.parametrize("mode", ["device", "offload", "zenflow"])
-def test_a_plain_step_never_synchronizes_the_device(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plain_step_never_synchronizes_the_device(mode: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     for name in ("synchronize", "current_stream"):  # what a CUDA run would reach, if anything did
         monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name, **k: calls.append(_n))
@@ -83,8 +91,7 @@ def test_a_plain_step_never_synchronizes_the_device(mode: str, monkeypatch: pyte
     with ZenFlowEngine(model, cfg) as eng:
         ops = eng._ops
         for name in ("sync_compute", "synchronize"):
-            real = getattr(ops, name)
-            monkeypatch.setattr(ops, name, lambda _r=real, _n=name: (calls.append(_n), _r())[1])
+            monkeypatch.setattr(ops, name, _spy(getattr(ops, name), name, calls))
         for i in range(6):
             _backward(model, i)
             eng.step()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import trainer.data.batching as batching
 import trainer.run.loop as loop
 import trainer.run.step as step_mod
 from trainer.events import Event, StepEvent
@@ -55,7 +56,7 @@ def test_the_loss_reported_for_step_n_is_the_loss_computed_at_step_n(
     """Each step's summed micro-batch losses, recorded where they are computed, against the StepEvents
     (and the mean of the last ones, the result's train loss)."""
     computed: list[float] = []  # per step: the loss where optimizer_step computed it
-    real_loss_sum, real_late = step_mod.loss_sum, step_mod.LateLoss
+    real_loss_sum, real_late = batching.loss_sum, step_mod.LateLoss
     calls = {"mb": 0}
 
     def loss_sum(model: Any, batch: Any) -> Any:
