@@ -8,7 +8,8 @@ init; bf16 parameters on CUDA, fp32 on CPU), trains ``--warmup`` untimed steps a
 timed ones on a fixed synthetic next-token task (a fixed permutation of the previous token with
 probability 0.8, else uniform), flushes the engine and evaluates the held-out loss. It prints per
 variant: steps/s, stall fraction (total stall / total wall over the timed steps, and the mean of the
-per-step fractions), device optimizer-state bytes per parameter (and transfer-buffer bytes per
+per-step fractions; ``StepMetrics.stall_seconds``: on CUDA the time the GPU sat idle, from CUDA
+timing events, on CPU the time ``step()`` blocked), device optimizer-state bytes per parameter (and transfer-buffer bytes per
 parameter), CPU optimizer seconds and transfer bytes per step, final training and held-out loss;
 then zenflow's ratios against offload and device. ``--json`` prints the same as one JSON object.
 
@@ -215,7 +216,8 @@ def run_variant(
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    metrics, losses = [], []
+    metrics: list[Any] = []
+    pending: list[torch.Tensor] = []  # the losses, copied to the host without a host sync
     engine = ZenFlowEngine(model, cfg)
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":  # same forward/backward resources in every variant
@@ -224,7 +226,6 @@ def run_variant(
     reselected: list[bool] = []
     c0: dict[str, float] = {}
     sampler = UtilSampler(cuda_index(device))
-    device_losses: list[torch.Tensor] = []
     try:
         engine.new_epoch()
         for i in range(args.warmup + steps):
@@ -234,28 +235,30 @@ def run_variant(
             j = i - args.warmup
             if j > 0 and j % epoch == 0:
                 engine.new_epoch()
-            x = batches[i % len(batches)].to(device, non_blocking=True)
+            x = batches[i % len(batches)].to(device, non_blocking=True)  # page-locked on CUDA: async
             loss = model(input_ids=x, labels=x).loss
+            pending.append(loss.detach().to("cpu", non_blocking=True))  # CUDA: pinned, read after the loop
             engine.scale_loss(loss).backward()
             before = engine.counters()["reselections"]
             m = engine.step()
             engine.zero_grad()
-            device_losses.append(loss.detach())  # read after the loop: no host sync per step
             if i >= args.warmup:
                 metrics.append(m)
                 reselected.append(engine.counters()["reselections"] > before)
             if args.verbose:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # debugging output: the loss must have landed
                 print(
-                    f"  {variant} step {i + 1}: loss {device_losses[-1].item():.4f} wall {m.wall_seconds:.3f}s "
+                    f"  {variant} step {i + 1}: loss {float(pending[-1]):.4f} wall {m.wall_seconds:.3f}s "
                     f"stall {m.stall_seconds:.3f}s",
                     file=sys.stderr,
                     flush=True,
                 )
         sampler.__exit__(None, None, None)
-        losses = [float(v) for v in torch.stack(device_losses).float().cpu()]
         c1 = engine.counters()
         placement = engine.placement.as_dict()
-        engine.flush()
+        engine.flush()  # waits for the device: every late loss has landed
+        losses = [float(t) for t in pending]
         model.eval()
         with torch.no_grad():
             final = statistics.fmean(
@@ -449,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     n_batches = args.warmup + max(args.steps, args.offload_steps)
     batches = make_batches(n_batches, preset["vocab"], preset["batch"], preset["seq"], seed=1)
+    if device.type == "cuda":  # page-locked: each step's input copy is asynchronous
+        batches = [b.pin_memory() for b in batches]
     held_out = make_batches(2, preset["vocab"], preset["batch"], preset["seq"], seed=99)
 
     results: dict[str, Result] = {}

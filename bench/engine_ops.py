@@ -14,10 +14,13 @@ thread are not counted (the mode is thread-local).
 
 Host syncs per step: the ops that make the host wait for the device (``_local_scalar_dense``/``item``,
 ``equal``, ``nonzero``, ``is_nonzero``, ``unique``, ``masked_select``, boolean-mask indexing, and
-copies between host and device memory that are not ``non_blocking``), unless every tensor they touch
+copies between host and device memory that are not ``non_blocking`` or whose host side is pageable
+memory, which CUDA copies synchronously even when asked not to), unless every tensor they touch
 is host memory (a read of a copy that has landed costs nothing: ``engine.is_host_memory``); plus the
-engine's own counted reads (``engine.counters()``: ``host_syncs``, its deliberate blocking reads, and
-``host_waits``, reads of a step's scalars whose copy had not landed). On a CPU-only run ``.cpu()`` of a
+engine's deliberate blocking reads (``engine.counters()["host_syncs"]``). Reported apart
+(``host_waits_per_step``): reads of a step's scalars whose copy had not landed (``host_waits``; on CUDA
+the step's verdict, which waits for the backward pass while the step's kernels are queued behind it,
+so the device is not drained). On a CPU-only run ``.cpu()`` of a
 CPU tensor dispatches nothing, so the engine routes every read of device data through its counted
 paths; on CUDA (``bench/gpu_check.sh``) the dispatch-level counts see every real device-to-host copy.
 
@@ -37,9 +40,10 @@ then reports whether each was skipped and left every trainable parameter exactly
 loss scaling. On CUDA (``--device cuda``, what ``bench/gpu_check.sh`` runs) ``--profile-steps N``
 also profiles N counted steps with ``torch.profiler`` and reports, per kind of step, the CUDA kernel
 launches and the CUDA runtime calls that block the host (stream/event/device synchronizations,
-synchronous copies): the ground truth behind the dispatch-level counts. ``step()`` begins with one
-stream synchronization by design (it waits for the queued backward pass, so that the compute/stall
-split of its metrics is exact); it is reported apart (``sync_compute``).
+synchronous copies) and the milliseconds spent in them: the ground truth behind the dispatch-level
+counts. Only the training thread's events count (those of the thread that recorded the step's label:
+the CPU optimizer thread's copies and synchronizations overlap the step, they do not stall it), and
+every kind of step is reported, reselections included.
 
 The default ``deep`` preset (bench.engine's ``PRESETS``) is a narrow Llama with many layers, i.e.
 many small parameters, where the per-op dispatch overhead dominates the optimizer's time on CPU.
@@ -53,118 +57,18 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
-import weakref
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from bench.engine import PRESETS, VARIANTS, build_model, engine_config, make_batches
+from bench.sync_count import OpCounter, profile_counts
 from offload.engine import ZenFlowEngine
 
-#: Ops that make the host wait for the device when they read device memory.
-SYNC_OPS = frozenset(
-    {
-        "_local_scalar_dense",
-        "item",
-        "equal",
-        "nonzero",
-        "nonzero_static",
-        "is_nonzero",
-        "_unique",
-        "_unique2",
-        "unique_dim",
-        "unique_consecutive",
-        "unique_dim_consecutive",
-        "masked_select",
-        "allclose",
-        "_assert_async",
-    }
-)
-COPY_OPS = frozenset({"copy_", "_to_copy", "_foreach_copy_", "_copy_from"})
-
-
-def _is_bool_index(func_name: str, args: tuple[Any, ...]) -> bool:
-    if func_name not in ("index", "index_put_", "index_put", "_index_put_impl_"):
-        return False
-    indices = args[1] if len(args) > 1 else []
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or [])
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ATen ops, and the host syncs among them, dispatched by the thread that entered it.
-
-    ``is_host``: whether a tensor is host memory (a sync op touching only host memory is no sync).
-    """
-
-    def __init__(self, is_host: Callable[[torch.Tensor], bool] | None = None) -> None:
-        super().__init__()
-        self.thread = threading.get_ident()
-        self.ops: Counter[str] = Counter()
-        self.syncs: Counter[str] = Counter()
-        self.views = 0
-        self.host_ops = 0
-        self._is_host = is_host or (lambda t: False)
-        # outputs of host-only ops are host memory too (tracked by object: addresses get reused)
-        self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
-
-    def is_host(self, t: torch.Tensor) -> bool:
-        ref = self._derived.get(id(t))
-        return (ref is not None and ref() is t) or self._is_host(t)
-
-    def _sync(self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if name in SYNC_OPS or _is_bool_index(name, args):
-            return not all(self.is_host(t) for t in tensors)
-        if name in COPY_OPS and not kwargs.get("non_blocking", False):
-            if name == "_to_copy":
-                dev = kwargs.get("device")
-                return dev is not None and torch.device(dev) != args[0].device
-            if name == "_foreach_copy_":
-                nb = args[2] if len(args) > 2 else False
-                return not nb and any(d.device != s.device for d, s in zip(args[0], args[1], strict=False))
-            nb = args[2] if len(args) > 2 else False
-            return not nb and len(args) > 1 and args[0].device != args[1].device
-        return False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if threading.get_ident() != self.thread:
-            return func(*args, **kwargs)
-        name = str(func.overloadpacket.__name__)
-        self.ops[name] += 1
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        host_only = bool(tensors) and all(self.is_host(t) for t in tensors)
-        if func.is_view:
-            self.views += 1
-        elif host_only:
-            self.host_ops += 1
-        if self._sync(name, func, tuple(args), kwargs):
-            self.syncs[name] += 1
-        out = func(*args, **kwargs)
-        if host_only:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._derived[id(t)] = weakref.ref(t)
-        return out
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    @property
-    def kernels(self) -> int:
-        return self.total - self.views - self.host_ops
-
-    @property
-    def total_syncs(self) -> int:
-        return sum(self.syncs.values())
+__all__ = ["OpCounter", "main", "measure", "profile_counts", "summarize", "targets"]
 
 
 @dataclass
@@ -176,6 +80,7 @@ class _Step:
     reselected: bool
     after_reselection: bool
     skipped: bool = False
+    waits: int = 0  # reads of a landing still in flight (the device busy with this step's work)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -249,53 +154,12 @@ def summarize(steps: list[_Step]) -> dict[str, Any]:
     return out
 
 
-_SYNC_CALLS = (
-    "cudaStreamSynchronize",
-    "cudaEventSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaMemcpy",
-    "cudaMemcpy2D",
-    "cudaMemcpyFromSymbol",
-    "cudaMemcpyToSymbol",
-)
-
-
 def _kind(s: _Step) -> str:
     if s.skipped:
         return "skipped"
     if s.reselected:
         return "reselection"
     return ("boundary" if s.boundary else "plain") + ("_after_reselection" if s.after_reselection else "")
-
-
-def profile_counts(prof: Any, kinds: dict[str, str]) -> dict[str, Any]:
-    """Per kind of step: mean CUDA kernel launches and blocking runtime calls inside ``engine.step()``.
-
-    ``kinds`` maps each profiled step's record_function label to its kind. The first blocking call of
-    a step is its sync_compute (reported apart)."""
-    events = list(prof.events())
-    labels = [e for e in events if e.name in kinds]
-    acc: dict[str, dict[str, list[int]]] = {}
-    for lab in labels:
-        lo, hi = lab.time_range.start, lab.time_range.end
-        inside = sorted(
-            (
-                e
-                for e in events
-                if e is not lab and lo <= e.time_range.start <= hi and e.name.startswith("cuda")
-            ),
-            key=lambda e: e.time_range.start,
-        )
-        launches = sum(e.name.startswith(("cudaLaunchKernel", "cuLaunchKernel")) for e in inside)
-        blocking = [e.name for e in inside if e.name in _SYNC_CALLS]
-        d = acc.setdefault(kinds[lab.name], {"launches": [], "sync_compute": [], "blocking_calls": []})
-        d["launches"].append(launches)
-        d["sync_compute"].append(1 if blocking[:1] == ["cudaStreamSynchronize"] else 0)
-        d["blocking_calls"].append(len(blocking) - d["sync_compute"][-1])
-    return {
-        k: {m: statistics.fmean(v) for m, v in d.items()} | {"steps": len(d["launches"])}
-        for k, d in acc.items()
-    }
 
 
 def measure(
@@ -341,7 +205,8 @@ def measure(
             engine.scale_loss(model(input_ids=x, labels=x).loss).backward()
             poisoned = j in bad_at
             if poisoned:
-                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+                grad = next(p.grad for p in model.parameters() if p.grad is not None)
+                grad.view(-1)[0] = float("nan")
                 snapshot = [p.detach().clone() for p in model.parameters()]
             ts = time.perf_counter()
             before = engine.counters()
@@ -359,9 +224,8 @@ def measure(
                     with OpCounter(engine.is_host_memory) as c:
                         m = engine.step()
                 after = engine.counters()
-                own = int(after["host_syncs"] - before["host_syncs"]) + int(
-                    after["host_waits"] - before["host_waits"]
-                )
+                own = int(after["host_syncs"] - before["host_syncs"])
+                waits = int(after["host_waits"] - before["host_waits"])
                 steps.append(
                     _Step(
                         c.total,
@@ -371,6 +235,7 @@ def measure(
                         after["reselections"] > before["reselections"],
                         before["reselections"] > 0,
                         m.skipped,
+                        waits,
                     )
                 )
                 if label:
@@ -378,7 +243,7 @@ def measure(
                 ops.update(c.ops)
                 syncs.update(c.syncs)
                 if own:
-                    syncs["engine.to_host/late landing"] += own
+                    syncs["engine.to_host"] += own
             else:
                 m = engine.step()
             if poisoned:
@@ -410,6 +275,7 @@ def measure(
             ops_per_step=statistics.fmean(s.ops for s in steps),
             kernels_per_step=statistics.fmean(s.kernels for s in steps),
             host_syncs_per_step=statistics.fmean(s.syncs for s in steps),
+            host_waits_per_step=statistics.fmean(s.waits for s in steps),
             **summarize(steps),
             reselections=reselections,
             bad_steps=sorted(bad_at),
@@ -419,7 +285,7 @@ def measure(
             top_ops=ops.most_common(args.top) if args.top else [],
         )
         if prof is not None and prof_kinds:
-            out["profile"] = profile_counts(prof, prof_kinds)
+            out["profile"] = profile_counts(list(prof.events()), prof_kinds)
     else:
         out.update(
             steps_per_s=args.steps / wall,

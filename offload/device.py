@@ -14,8 +14,9 @@ Host reads. The engine never reads a device tensor's value on the training threa
 device scalars it needs (the gradient norm, whether the step is finite, "auto" window masses) go
 through :meth:`DeviceOps.read_later` (one stacked non-blocking copy into page-locked memory, queued
 before the step's optimizer kernels) and are read with :meth:`Landing.values` once the step's work is
-queued, by which time the copy has landed; a read that would have to wait is counted
-(``DeviceOps.host_waits``). The deliberate blocking reads (one per reselection at most) go through
+queued. A plain step does not synchronize the device first, so on CUDA that read may still wait for
+the backward pass and clipping to finish (counted in ``DeviceOps.host_waits``), but never drains the
+device: the step's optimizer kernels are already queued behind the copy. The deliberate blocking reads (one per reselection at most) go through
 :meth:`DeviceOps.to_host` and are counted in ``DeviceOps.host_syncs``.
 """
 
@@ -226,9 +227,19 @@ class DeviceOps:
         return torch.cuda.current_stream(self.device)
 
     def sync_compute(self) -> None:
-        """Block until the work queued on the compute stream (the backward pass) has run."""
+        """Block until the work queued on the compute stream has run (``flush()``; never in a plain
+        step, where it would drain the device)."""
         if self.is_cuda:
             self.compute_stream().synchronize()
+
+    def timing_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the compute stream now (None on CPU): stall accounting
+        (:class:`offload.timing.IdleClock`)."""
+        if not self.is_cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.compute_stream())
+        return ev
 
     def record(self) -> torch.cuda.Event | None:
         """An event on the compute stream (None on CPU)."""

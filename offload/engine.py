@@ -26,10 +26,16 @@ is part of ``state_dict()``. Neither needs a host sync: the verdict is applied o
 by the host from a copy that has landed by the time it is needed.
 
 Timing (:class:`~offload.metrics.StepMetrics`): ``wall_seconds`` runs from the end of the previous
-``step()`` (the engine's construction for the first) to the end of this one; ``stall_seconds`` is
-the time ``step()`` spent blocked on the CPU optimizer or on transfers; ``compute_seconds`` is the
-rest. On CUDA, ``step()`` first waits for the queued backward pass (counted as compute), so that
-every later wait is time the device has nothing to do.
+``step()`` (the engine's construction for the first) to the end of this one; ``compute_seconds`` is
+``wall - stall``. ``stall_seconds``: on a CPU-only run, the time ``step()`` spent blocked on the CPU
+optimizer or on transfers; on CUDA, the time the device waited, from CUDA timing events
+(:mod:`offload.timing`): the gap from the end of the previous step's queued work to the start of this
+step's (``begin_step()``: a forward pre-hook on a module given to the engine, or the training loop),
+plus every section where ``step()`` blocks the training thread. No plain ``step()`` synchronizes
+the device: its one host read, the gradient norm and verdict, waits at most for the backward pass
+and clipping while the mode's kernels are queued behind them. Idle time is read once its closing
+event has run, never waited for (an interval still in flight is counted in the next step; a step's
+stall is capped at its wall time and the excess carried on, so a run's sum is exact).
 
 CPU cores (:mod:`offload.cores`): of the ``cpu_threads`` (default: the cores this process may use)
 the CPU optimizer thread gets ``round(cpu_optimizer_cores_ratio * n)`` (at least 1, and at most
@@ -82,7 +88,7 @@ from offload.metrics import StepMetrics
 from offload.mode_base import Mode, NamedParams
 from offload.offload_mode import OffloadMode
 from offload.placement import Placement
-from offload.timing import StepStats
+from offload.timing import IdleClock, StepStats, TimingEvent, begin_step_hook
 from offload.zenflow.mode import ZenFlowMode
 
 __all__ = ["CPUThreadError", "ZenFlowEngine"]
@@ -143,6 +149,14 @@ class ZenFlowEngine:
         #: Host bytes the mode allocated (fixed for the engine's life; reported in every StepMetrics).
         self._host_bytes = self._mode.memory().host_bytes
         self._cores.pin(self._mode.cpu_thread)
+        #: CUDA stall accounting: the device's idle intervals, the end of the last step's queued work,
+        #: idle time beyond a step's wall carried to the next.
+        self._idle = IdleClock()
+        self._end_ev: TimingEvent | None = None
+        self._carry = 0.0
+        self._hook: Any = None
+        if self._ops.is_cuda and isinstance(model, torch.nn.Module):
+            self._hook = model.register_forward_pre_hook(begin_step_hook(self))
         self._t_last = time.perf_counter()
 
     @property
@@ -201,12 +215,24 @@ class ZenFlowEngine:
         if self._closed:
             raise RuntimeError("the engine is closed")
 
+    def begin_step(self) -> None:
+        """Mark the start of a training step's device work: call before queuing its first device work
+        (forward pass, input copies). Only stall accounting on CUDA uses it (the device's idle gap since
+        the last ``step()``); idempotent within a step, and called by the model's forward pre-hook when
+        the engine was built from a module."""
+        if self._end_ev is None or self._closed:
+            return
+        start = self._ops.timing_event()
+        if start is not None:
+            self._idle.add(self._end_ev, start)
+        self._end_ev = None
+
     def step(self) -> StepMetrics:
         """Clip and update after ``loss.backward()``; zeroes nothing. Returns this step's metrics."""
         self._check_open()
         self._mode.check()
-        self._ops.sync_compute()
-        stats = StepStats()
+        self._end_ev = None  # begin_step() was not called: this step's leading gap is not measured
+        stats = StepStats(mark=self._ops.timing_event)  # CUDA; on CPU it marks nothing
         ranks = self._ranks
         if ranks.distributed:
             fill_missing_gradients(self._params, ranks)
@@ -233,10 +259,18 @@ class ZenFlowEngine:
         self._step += 1
         vals = landing.values()
         grad_norm = vals[0] if grads or sharded else None
+        for a, b in stats.marks:
+            self._idle.add(a, b)
+        self._end_ev = self._ops.timing_event()
         end = time.perf_counter()
         wall = end - self._t_last
         self._t_last = end
-        stall = min(stats.stall_seconds, wall)
+        if self._end_ev is not None:  # device idle time from timing events (CUDA)
+            idle = self._carry + self._idle.harvest()
+            stall = min(idle, wall)
+            self._carry = idle - stall
+        else:
+            stall = min(stats.stall_seconds, wall)
         m = StepMetrics(
             step=self._step,
             wall_seconds=wall,
@@ -290,6 +324,13 @@ class ZenFlowEngine:
         self._mode.check()
         self._ops.sync_compute()
         self._mode.flush(StepStats(), self._lr)
+        self._after_pause()
+
+    def _after_pause(self) -> None:
+        """After work outside any step (flush, load): the device idle gap until the next step's work
+        is not a step's stall; intervals of the last step still in flight go to the next one."""
+        self._end_ev = None
+        self._carry += self._idle.harvest()
         self._t_last = time.perf_counter()
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -367,7 +408,7 @@ class ZenFlowEngine:
             self._scaler.load_state_dict(first["loss_scale"])
         self._step = int(first["step"])
         self._lr = float(first["lr"])
-        self._t_last = time.perf_counter()
+        self._after_pause()
 
     # --- inspection -----------------------------------------------------------------------------
     @property
@@ -383,7 +424,9 @@ class ZenFlowEngine:
     def counters(self) -> dict[str, float]:
         """Running totals (benchmarks): ``host_syncs``, the engine's deliberate blocking reads of device
         data (at most one per reselection); ``host_waits``, reads of a step's landed scalars that had
-        to wait for the copy; ``reselections`` (zenflow, after the first selection) and ``windows``
+        to wait for the copy (on CUDA typically the step's verdict, once per step: it waits for the
+        backward pass and clipping, with the mode's kernels queued behind, so the device stays busy);
+        ``reselections`` (zenflow, after the first selection) and ``windows``
         (zenflow: windows ended); ``worker_busy_seconds`` and ``worker_gil_seconds``, the CPU optimizer
         thread's time running tasks and, of that, outside GIL-free calls (an upper bound of its GIL
         hold; the names predate the thread's rename, benchmarks read them)."""
@@ -415,6 +458,9 @@ class ZenFlowEngine:
         if self._closed:
             return
         self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        self._idle.clear()
         self._mode.close()
         self._cores.restore()
 

@@ -8,11 +8,19 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True, slots=True)
 class StepMetrics:
     step: int
-    #: Wall time of the whole training step, from the end of the previous engine.step() to the end of this one.
+    #: Host wall time of the whole training step, from the end of the previous engine.step() (the
+    #: engine's construction, or a flush or load) to the end of this one.
     wall_seconds: float
-    #: Forward + backward + on-device optimizer work (wall minus stall).
+    #: wall minus stall: the time the device (a CPU-only run: the training thread) was working.
     compute_seconds: float
-    #: Time the training thread was blocked waiting on the CPU optimizer or on transfers.
+    #: Time the device waited. CUDA: its idle time measured with CUDA timing events, namely the gap
+    #: from the end of the previous step's queued work to the start of this step's device work
+    #: (``engine.begin_step()``) plus every section in which step() blocked the training thread
+    #: (on the CPU optimizer, transfers, a window's merge or reselection; device work queued inside
+    #: such a section counts too). An interval still running on the device when step() returns is
+    #: counted in the next step, and at most ``wall_seconds`` is counted per step (the rest carries
+    #: over), so sums over a run are exact. CPU-only run: the time step() blocked the training
+    #: thread on the CPU optimizer or on transfers.
     stall_seconds: float
     #: Time the CPU optimizer spent on the update that finished (or ran) during this step.
     cpu_optimizer_seconds: float
@@ -50,11 +58,12 @@ class StepMetrics:
 
     @property
     def stall_fraction(self) -> float:
+        """stall / wall: on CUDA the share of the step the device sat idle."""
         return self.stall_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
     def utilization(self) -> float:
-        """Share of the step the device spent computing rather than waiting."""
+        """Share of the step the device spent working rather than waiting (1 - stall_fraction)."""
         return 1.0 - self.stall_fraction
 
     def as_dict(self) -> dict[str, float | int | bool | None]:

@@ -16,7 +16,8 @@ from trainer.spec import JobSpec
 @dataclass(frozen=True)
 class Job:
     spec: JobSpec
-    #: Ask to cancel once this many steps ran in this call (on the ranks in ``cancel_ranks``).
+    #: Ask to cancel once this many steps ran in this call (on the ranks in ``cancel_ranks``). Counted
+    #: by polls (the loop asks once before each step): with ranks a step's event comes a step late.
     cancel_after: int | None = None
     cancel_ranks: tuple[int, ...] = (0,)
 
@@ -28,13 +29,16 @@ class RankOutcome:
     #: (event type, step or None, loss or None, the StepEvent's engine rank or None), in order.
     events: list[tuple[str, int | None, float | None, int | None]] = field(default_factory=list)
     error: str | None = None
+    #: All-reduces of the training loop: "step" (one per step, trainer.run.step) and "loop" (the
+    #: loss at an evaluation, checkpoint or the end, and the validation sums).
+    reductions: dict[str, int] = field(default_factory=dict)
 
 
 class _Watch:
     """on_event and should_cancel of one run on one rank."""
 
     def __init__(self, job: Job, rank: int) -> None:
-        self.job, self.rank, self.steps = job, rank, 0
+        self.job, self.rank, self.steps, self.polls = job, rank, 0, 0
         self.events: list[tuple[str, int | None, float | None, int | None]] = []
 
     def __call__(self, ev: Event) -> None:
@@ -52,19 +56,35 @@ class _Watch:
 
     def cancel(self) -> bool:
         j = self.job
-        return j.cancel_after is not None and self.rank in j.cancel_ranks and self.steps >= j.cancel_after
+        ran, self.polls = self.polls, self.polls + 1
+        return j.cancel_after is not None and self.rank in j.cancel_ranks and ran >= j.cancel_after
 
 
 def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
     """One rank: each job through ``run_training`` in the process group the harness joined."""
+    import trainer.run.loop
+    import trainer.run.step
     from trainer.run.distributed import init_from_env
     from trainer.run.loop import run_training
+
+    counts: dict[str, int] = {}
+
+    def counting(where: str, real: Any) -> Any:
+        def all_sum(*a: Any, **k: Any) -> Any:
+            counts[where] = counts.get(where, 0) + 1
+            return real(*a, **k)
+
+        return all_sum
+
+    trainer.run.step.all_sum = counting("step", trainer.run.step.all_sum)  # type: ignore[attr-defined]
+    trainer.run.loop.all_sum = counting("loop", trainer.run.loop.all_sum)  # type: ignore[attr-defined]
 
     ctx = init_from_env(device="cpu", timeout_seconds=120)  # the harness's group, as a DistContext
     outcomes = []
     for job in jobs:
         w = _Watch(job, rank)
         o = RankOutcome(rank)
+        counts.clear()
         try:
             o.result = run_training(
                 job.spec, on_event=w, should_cancel=w.cancel, dist=ctx, progress=False
@@ -72,6 +92,7 @@ def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
         except Exception as e:
             o.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         o.events = w.events
+        o.reductions = dict(counts)
         outcomes.append(o)
     return outcomes
 

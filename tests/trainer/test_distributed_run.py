@@ -188,6 +188,22 @@ def test_events_step_per_rank_the_rest_from_rank_0(two_ranks: dict[str, list[Ran
     assert {rk for t, _, _, rk in r1.events if t == "step"} == {1}
 
 
+def test_one_host_all_reduce_per_step_and_the_loss_only_at_boundaries(
+    two_ranks: dict[str, list[RankOutcome]],
+) -> None:
+    """Counts, cancel vote and the previous loss ride one all-reduce per step; the loss alone is reduced
+    only where it is due (checkpoints at 3, 6, 9, validation at 5, the end at 10) and the validation
+    sums twice: 5 + 2. A step's event still comes before that step's eval and checkpoint events."""
+    for r in two_ranks["full-device"]:
+        assert r.reductions == {"step": STEPS, "loop": 5 + 2}
+    events = [
+        (t, s) for t, s, *_ in two_ranks["full-device"][0].events if t in ("step", "eval", "checkpoint")
+    ]
+    for t, s in events:
+        if t != "step":
+            assert events.index(("step", s)) < events.index((t, s))
+
+
 def test_checkpoint_is_complete_only_with_every_shard(
     files: tuple[Path, Path, Path], two_ranks: dict[str, list[RankOutcome]], tmp_path: Path
 ) -> None:

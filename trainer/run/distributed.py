@@ -8,6 +8,9 @@ the group uses NCCL and the collectives take tensors on the rank's device; elsew
 
 Every rank must call the collectives here at the same points, in the same order (they block until all
 ranks arrive); the loop therefore makes the same decisions on every rank (cancel, eval, checkpoint).
+The loop's numbers (token counts, losses, the cancel vote) are host values and travel over a gloo
+group of the same ranks (``DistContext.cpu_group``; the default group itself when that is gloo), so no
+collective of the loop touches the device or waits for it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class DistContext:
     local_rank: int
     backend: str  # "nccl" | "gloo"
     group: ProcessGroup  # the default (WORLD) group
+    #: A gloo group of the same ranks for host values (None: ``group``, when it is gloo).
+    cpu_group: ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -126,7 +131,15 @@ def init_from_env(*, device: str = "auto", timeout_seconds: float = 1800) -> Dis
         )
     group = tdist.group.WORLD
     assert group is not None
-    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, group=group)
+    cpu_group = tdist.new_group(backend="gloo") if backend != "gloo" else None  # collective: every rank
+    return DistContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        backend=backend,
+        group=group,
+        cpu_group=cpu_group,
+    )
 
 
 def rank_device(ctx: DistContext | None, pref: str) -> torch.device:
@@ -177,14 +190,19 @@ def broadcast_object(ctx: DistContext, obj: Any) -> Any:
 
 
 def all_sum(ctx: DistContext | None, values: Sequence[float]) -> list[float]:
-    """Element-wise sums across ranks, in float64 (the values themselves without a group)."""
+    """Element-wise sums across ranks, in float64 (the values themselves without a group).
+
+    One all-reduce, over the host group when there is one (no device work, no device sync)."""
     if ctx is None:
         return [float(v) for v in values]
     import torch
     import torch.distributed as tdist
 
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_tensor_device(ctx))
-    tdist.all_reduce(t, op=tdist.ReduceOp.SUM, group=ctx.group)
+    host = ctx.cpu_group is not None or ctx.backend == "gloo"
+    group = ctx.cpu_group if ctx.cpu_group is not None else ctx.group
+    device = torch.device("cpu") if host else _tensor_device(ctx)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.SUM, group=group)
     return [float(v) for v in t.cpu().tolist()]
 
 

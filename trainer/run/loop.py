@@ -42,7 +42,11 @@ least N), rank r taking part r in its own micro-batches, so the data position is
 and a checkpoint resumes on any N. The loss is normalized by the step's learned tokens summed over all
 ranks (:mod:`trainer.run.step`); the step's loss and tokens, the validation loss (its examples split the same
 way) and the cancel decision (``should_cancel()`` is asked on every rank; any rank's yes stops all at
-the same step) are combined across ranks, so every rank takes the same branches. Events: EVERY rank
+the same step) are combined across ranks, so every rank takes the same branches. A step costs one
+host all-reduce (:func:`trainer.run.step.step_totals`): its token counts, the cancel vote and the
+previous step's loss, so a step's StepEvent comes once the next step's counts are in, or at an
+evaluation, a checkpoint or the end (then with one all-reduce of the loss alone); ``should_cancel()``
+is asked before each step, and with ranks it has then seen the events up to the step before last. Events: EVERY rank
 emits its own :class:`~trainer.events.StepEvent` (the global loss and tokens, its own engine
 ``StepMetrics`` with ``rank``) and, on a failure, its own ErrorEvent; everything else (logs, RunStarted,
 EvalEvent, checkpoint events, RunFinished) comes from rank 0 only. Rank 0 writes the checkpoints' shared
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -82,10 +87,10 @@ from trainer.run.checkpoint import (
     is_complete,
     remove_outputs,
 )
-from trainer.run.distributed import DistContext, all_sum, any_rank, barrier, broadcast_object
+from trainer.run.distributed import DistContext, all_sum, barrier, broadcast_object
 from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
 from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
-from trainer.run.step import optimizer_step
+from trainer.run.step import LateLoss, StepOutcome, optimizer_step, step_totals
 from trainer.spec import JobSpec
 
 __all__ = ["ResumeMismatchError", "TrainResult", "run_training"]
@@ -192,6 +197,27 @@ def run_training(
         raise
 
 
+@dataclass
+class _Done:
+    """A finished optimizer step whose StepEvent waits for its loss."""
+
+    step: int
+    epoch: int
+    lr: float
+    seconds: float
+    outcome: StepOutcome
+
+    @property
+    def loss(self) -> LateLoss:
+        return self.outcome.loss
+
+
+def _check_loss(loss: float, step: int) -> None:
+    """A non-finite loss ends the run (on every rank alike: the loss is global)."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step}")
+
+
 class _Run:
     """The step loop over a built run: steps, evaluation, checkpoints, cancellation, the result."""
 
@@ -244,24 +270,34 @@ class _Run:
         cancelled = False
         order: list[int] = []
         order_epoch = -1
+        pending: _Done | None = None  # with ranks: the last step, its event waiting for the global loss
         try:
             while state.step < hp.total_steps:
-                if any_rank(self.dist, self.should_cancel()):
-                    cancelled = True
-                    break
                 epoch, b = divmod(state.step, hp.steps_per_epoch)
                 if epoch != order_epoch:
                     order, order_epoch = epoch_order(len(data.train), hp.seed, epoch), epoch
-                if b == 0:
-                    engine.new_epoch()
+                engine.begin_step()  # the step's device work starts here (stall accounting)
                 t0 = time.perf_counter()
                 idx = order[b * hp.batch_size : (b + 1) * hp.batch_size]
                 if self.dist is not None:
                     idx = rank_part(idx, self.dist.rank, self.dist.world_size)
                 micro = list(self._micro_batches([data.train[i] for i in idx]))
+                prev = pending.loss if pending is not None else None
+                totals = step_totals(self.dist, micro, cancel=self.should_cancel(), prev_loss=prev)
+                if pending is not None:
+                    assert totals.prev_loss is not None
+                    self._report(pending, totals.prev_loss, bar)
+                    pending = None
+                if totals.cancel:
+                    cancelled = True
+                    break
+                if b == 0:
+                    engine.new_epoch()
                 lr = hp.lr_at(state.step)
-                done = optimizer_step(model, engine, micro, lr, state.step + 1, dist=self.dist)
+                done = optimizer_step(model, engine, micro, lr, totals, dist=self.dist)
                 m = done.metrics
+                if self.dist is None:
+                    _check_loss(done.loss.value(), state.step + 1)
                 self.skipped_in_a_row = self.skipped_in_a_row + 1 if m.skipped else 0
                 if m.skipped:  # gradient norm not finite: nothing was updated
                     self.emit(skipped_step_warning(m, state.step + 1))
@@ -271,36 +307,24 @@ class _Run:
                     )
                 dt = time.perf_counter() - t0
                 state.step += 1
-                state.losses = [*state.losses[-(LOSS_WINDOW - 1) :], done.loss]
                 state.trained_tokens += done.tokens
-                wall = m.wall_seconds if m.wall_seconds > 0 else dt
-                self.emit(
-                    StepEvent(
-                        step=state.step,
-                        total_steps=hp.total_steps,
-                        epoch=epoch,
-                        loss=done.loss,
-                        lr=lr,
-                        tokens=done.tokens,
-                        tokens_per_second=done.tokens / dt if dt > 0 else 0.0,
-                        step_seconds=wall,
-                        stall_seconds=m.stall_seconds,
-                        stall_fraction=m.stall_fraction,
-                        engine=m,
-                        rank_tokens=done.rank_tokens,
-                    )
-                )
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{done.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{done.tokens / dt:.0f}")
-                if (
+                pending = _Done(state.step, epoch, lr, dt, done)
+                eval_due = bool(
                     data.valid
                     and hp.eval_every
                     and state.step % hp.eval_every == 0
                     and state.step < hp.total_steps
-                ):
+                )
+                save_due = state.step % hp.checkpoint_every == 0 and state.step < hp.total_steps
+                if self.dist is None or eval_due or save_due or state.step >= hp.total_steps:
+                    loss = done.loss.value()  # landed: no wait
+                    if self.dist is not None:
+                        loss = all_sum(self.dist, [loss])[0]
+                    self._report(pending, loss, bar)
+                    pending = None
+                if eval_due:
                     self._eval()
-                if state.step % hp.checkpoint_every == 0 and state.step < hp.total_steps:
+                if save_due:
                     self.outputs.save_checkpoint(state)
             if cancelled:
                 if state.step > 0 and state.last_saved != state.step:
@@ -333,6 +357,31 @@ class _Run:
         )
         barrier(self.dist)  # no rank leaves while another still works on the outputs
         return result
+
+    def _report(self, p: _Done, loss: float, bar: Any) -> None:
+        """Step ``p``'s loss is in: keep it and emit its StepEvent."""
+        _check_loss(loss, p.step)
+        state, m, tokens, dt = self.state, p.outcome.metrics, p.outcome.tokens, p.seconds
+        state.losses = [*state.losses[-(LOSS_WINDOW - 1) :], loss]
+        self.emit(
+            StepEvent(
+                step=p.step,
+                total_steps=self.hp.total_steps,
+                epoch=p.epoch,
+                loss=loss,
+                lr=p.lr,
+                tokens=tokens,
+                tokens_per_second=tokens / dt if dt > 0 else 0.0,
+                step_seconds=m.wall_seconds if m.wall_seconds > 0 else dt,
+                stall_seconds=m.stall_seconds,
+                stall_fraction=m.stall_fraction,
+                engine=m,
+                rank_tokens=p.outcome.rank_tokens,
+            )
+        )
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{p.lr:.2e}", tok_s=f"{tokens / dt:.0f}")
 
     def _micro_batches(self, examples: list[Example]) -> Iterator[Batch]:
         hp = self.hp

@@ -10,13 +10,21 @@ backward passes, and each rank backpropagates its token-loss sum / that global c
 AVERAGES the ranks' gradients, so the update is the gradient of the global step's mean token loss, the
 same as one process taking all N parts. The reported loss and tokens are the global ones (identical on
 every rank).
+
+Nothing here waits for the device. The step's loss stays on the device: a copy into page-locked host
+memory is queued behind the last micro-batch's forward (before its backward), so it has landed by the
+time ``engine.step()`` returns (the engine's own read of the gradient norm comes after it on the
+stream) and :meth:`LateLoss.value` reads it without waiting. The ranks' token counts, the cancel vote
+and the previous step's loss travel in ONE host all-reduce per step (:func:`step_totals`), before
+the backward passes that need the global learned-token count.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from trainer.data.batching import Batch, loss_sum
 from trainer.run.distributed import DistContext, all_sum
@@ -26,10 +34,80 @@ if TYPE_CHECKING:
     from offload.metrics import StepMetrics
 
 
+class LateLoss:
+    """A step's loss (this rank's part of the global mean) on its way to host memory.
+
+    On CUDA: one non-blocking copy into page-locked memory and an event; ``value()`` waits only if
+    the copy has not landed (``landed()``). On CPU the value is read directly.
+    """
+
+    __slots__ = ("_event", "_host", "_value")
+
+    def __init__(self, loss: torch.Tensor | None) -> None:
+        self._value: float | None = None if loss is not None else 0.0
+        self._event: torch.cuda.Event | None = None
+        self._host = loss
+        if loss is not None and loss.device.type == "cuda":
+            self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._host.copy_(loss.detach().to(torch.float32), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(loss.device))
+
+    def landed(self) -> bool:
+        return self._value is not None or self._event is None or bool(self._event.query())
+
+    def value(self) -> float:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()  # a no-op once landed
+            assert self._host is not None
+            self._value = float(self._host)
+            self._host = self._event = None
+        return self._value
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What the step's one host all-reduce carried (the local values in a single process)."""
+
+    #: Learned (loss-bearing) and non-padding tokens of the whole optimizer step (all ranks).
+    learned: int
+    tokens: int
+    #: Some rank asked to cancel before this step: the loop stops here, every rank alike.
+    cancel: bool
+    #: The previous step's global loss when one was passed in (else None).
+    prev_loss: float | None
+
+
+def step_totals(
+    dist: DistContext | None,
+    micro_batches: list[Batch],
+    *,
+    cancel: bool,
+    prev_loss: LateLoss | None = None,
+) -> StepTotals:
+    """The step's token counts over all ranks, the cancel vote and the previous step's loss, in one
+    all-reduce (none in a single process). ``prev_loss`` must be given on every rank or on none."""
+    learned_here = sum(b.num_learned for b in micro_batches)
+    tokens_here = sum(b.num_tokens for b in micro_batches)
+    vals = [float(learned_here), float(tokens_here), 1.0 if cancel else 0.0]
+    if prev_loss is not None:
+        vals.append(prev_loss.value())
+    if dist is not None:
+        vals = all_sum(dist, vals)
+    return StepTotals(
+        learned=int(vals[0]),
+        tokens=int(vals[1]),
+        cancel=vals[2] > 0,
+        prev_loss=vals[3] if prev_loss is not None else None,
+    )
+
+
 @dataclass(frozen=True)
 class StepOutcome:
-    #: Mean token loss over the learned tokens of the whole optimizer step (all ranks).
-    loss: float
+    #: This rank's part of the mean token loss over the learned tokens of the whole optimizer step
+    #: (the loss itself in a single process; summed over ranks it is the step's loss).
+    loss: LateLoss
     #: Non-padding tokens of the whole optimizer step (all ranks).
     tokens: int
     metrics: StepMetrics
@@ -42,39 +120,27 @@ def optimizer_step(
     engine: ZenFlowEngine,
     micro_batches: list[Batch],
     lr: float,
-    step: int,
+    totals: StepTotals,
     *,
     dist: DistContext | None = None,
 ) -> StepOutcome:
-    """Run one optimizer step (``step`` is its 1-based number, for messages) at learning rate ``lr``;
-    ``micro_batches`` are this rank's part of the step.
-
-    Raises FloatingPointError when the loss is not finite (on every rank alike: the loss is global).
-    """
+    """Run one optimizer step at learning rate ``lr``; ``micro_batches`` are this rank's part of the
+    step and ``totals`` its counts over all ranks (:func:`step_totals`)."""
     engine.set_lr(lr)
-    learned_here = sum(b.num_learned for b in micro_batches)
-    tokens_here = sum(b.num_tokens for b in micro_batches)
-    scale = 1.0
-    if dist is None:
-        learned, tokens = learned_here, tokens_here
-    else:
-        g_learned, g_tokens = all_sum(dist, [learned_here, tokens_here])
-        learned, tokens = int(g_learned), int(g_tokens)
-        scale = float(dist.world_size)
-    learned = max(1, learned)
+    scale = float(dist.world_size) if dist is not None else 1.0
+    learned = max(1, totals.learned)
     loss_total = None
-    for mb in micro_batches:
+    late = LateLoss(None)
+    for i, mb in enumerate(micro_batches):
         ls, _ = loss_sum(model, mb)
         loss = ls / learned
+        loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
+        if i == len(micro_batches) - 1:  # the copy runs behind this forward, before the backward
+            late = LateLoss(loss_total)
         engine.scale_loss(
             loss * scale if dist is not None else loss
         ).backward()  # scaled only with fp16 loss scaling
-        loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
     m = engine.step()
     engine.zero_grad()
-    loss_value = float(loss_total) if loss_total is not None else 0.0
-    if dist is not None:
-        loss_value = all_sum(dist, [loss_value])[0]
-    if not math.isfinite(loss_value):
-        raise FloatingPointError(f"loss is {loss_value} at step {step}")
-    return StepOutcome(loss_value, tokens, m, tokens_here if dist is not None else None)
+    tokens_here = sum(b.num_tokens for b in micro_batches)
+    return StepOutcome(late, totals.tokens, m, tokens_here if dist is not None else None)
