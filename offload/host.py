@@ -243,9 +243,9 @@ class HostStore:
         step_fn = _adam_step()
         # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
         out = self.low and grad.dtype == self.dtype
-        # fp16 parameters, fp32 gradient buffer: each finished range's results go into the buffer's
-        # fp16 view; range [lo, hi) of that view overlays fp32 elements below hi, already read
-        # (ranges run in ascending order)
+        # fp16 parameters, fp32 gradient buffer: the results go into the buffer's fp16 view. Its range
+        # [lo, hi) overlays the fp32 elements [lo / 2, hi / 2): written by the step itself where those
+        # lie below lo (hi <= 2 lo), else right after it (they have been read; ranges run ascending).
         mine = self.low and grad.dtype == torch.float32 and any(b is grad for b in self.bufs)
         narrow_out = grad.view(self.dtype).narrow(0, 0, self.numel) if mine else None
         factor = None if grad_factor is None or grad_factor == 1.0 else float(grad_factor)
@@ -266,17 +266,18 @@ class HostStore:
         }
 
         def run(lo: int, hi: int, step: int) -> None:
-            if factor is not None:  # in cache-sized pieces: the scaled gradient is transient
-                for a in range(lo, hi, _ACC_CHUNK):
-                    step_range(a, min(hi, a + _ACC_CHUNK), step)
-            else:
-                step_range(lo, hi, step)
-            if narrow_out is not None:
-                narrow_out[lo:hi].copy_(self.master[lo:hi])
+            piece = _ACC_CHUNK if factor is not None else hi - lo  # the scaled gradient is transient
+            for a in range(lo, hi, max(1, piece)):
+                step_range(a, min(hi, a + piece), step)
 
         def step_range(lo: int, hi: int, step: int) -> None:
             g = grad[lo:hi]
             src = g
+            po = g if out else None
+            direct = narrow_out is not None and hi <= 2 * lo
+            if direct:
+                assert narrow_out is not None
+                po = narrow_out[lo:hi]
             with gil_released():
                 if factor is not None and scratch is not None:
                     src = scratch[: hi - lo]
@@ -289,9 +290,11 @@ class HostStore:
                     self.exp_avg[lo:hi],
                     self.exp_avg_sq[lo:hi],
                     step=step,
-                    param_out=g if out else None,
+                    param_out=po,
                     **hyper,
                 )
+                if narrow_out is not None and not direct:
+                    narrow_out[lo:hi].copy_(self.master[lo:hi])
 
         if only is None and len(set(self.steps)) == 1:
             self.steps = [s + 1 for s in self.steps]

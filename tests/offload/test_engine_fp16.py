@@ -205,3 +205,48 @@ def test_clipping_builds_no_index_tensor_per_step(tmp_path: Any, monkeypatch: py
         assert float(total) == pytest.approx(float(ref), rel=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 1000, 1024 + 7])
+def test_host_step_writes_fp16_result_into_its_fp32_accumulator(chunk: int) -> None:
+    """The CPU step over an fp32 window accumulator of fp16 parameters leaves the master, moments and
+    result exactly as a step over a separate gradient does, the result (the first half of the
+    accumulator) being the master rounded to fp16, whether a chunk's results are written by the step
+    itself (no unread gradient under them) or right after it."""
+    from offload.cpu_adam import adam_step
+    from offload.device import HostAllocator
+    from offload.host import HostStore
+
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(40, 60, generator=gen).half(), torch.randn(2500, generator=gen).half()]
+    store = HostStore(params, HostAllocator(pin=False), buffers=2, role="accumulators")
+    assert store.bufs[0].dtype == torch.float32
+    master, m, v = store.master.clone(), store.exp_avg.clone(), store.exp_avg_sq.clone()
+    for step in (1, 2):
+        g = 1e-3 * torch.randn(store.numel, generator=gen)
+        store.bufs[0].copy_(g)
+        kw = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+        for _ in store.adam(store.bufs[0], num_threads=2, chunk=chunk, **kw):  # type: ignore[arg-type]
+            pass
+        adam_step(master, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+        assert torch.equal(store.master, master) and torch.equal(store.exp_avg, m)
+        assert torch.equal(store.exp_avg_sq, v)
+        assert torch.equal(store.result(0), master.half())
+
+
+@pytest.mark.parametrize(
+    ("mode", "accumulate_on"), [("offload", "host"), ("zenflow", "host"), ("zenflow", "device")]
+)
+def test_fp16_host_memory_matches_the_formula(mode: str, accumulate_on: str) -> None:
+    """fp16 window accumulators are fp32 (4 B/element each), as offload.memory counts them."""
+    from offload.memory import engine_memory
+
+    named = _params()
+    cfg = {"mode": mode, "topk_ratio": 0.25, "accumulate_on": accumulate_on}
+    with _engine(named, **cfg) as eng:
+        measured = eng.memory().host
+        formula = engine_memory([p.shape for _, p in named], torch.float16, eng.config, device_type="cpu")
+        assert measured == formula.host
+        if mode == "zenflow":
+            n_split = sum(p.numel() for _, p in named if p.dim() == 2)
+            assert measured["accumulators"] == (1 if accumulate_on == "device" else 2) * 4 * n_split
