@@ -183,8 +183,11 @@ class HostStore:
         """The buffer the device copies its new values from after a CPU step that read ``bufs[index]``:
         that buffer (bf16/fp16: the step wrote the rounded parameters over the gradient; an fp32 buffer
         of fp16 parameters: into its first half), else master."""
-        if not self.low:
-            return self.master
+        return self.grad_buffer(index) if self.low else self.master
+
+    def grad_buffer(self, index: int) -> torch.Tensor:
+        """``bufs[index]`` in the parameters' dtype, where a gradient lands as it is (an fp32 buffer of
+        fp16 parameters: its first half, where :meth:`result` lies too)."""
         buf = self.bufs[index]
         return buf if buf.dtype == self.dtype else buf.view(self.dtype).narrow(0, 0, self.numel)
 

@@ -193,7 +193,7 @@ class WindowUpdate:
         with stats.blocked():
             for si, store in enumerate(lay.stores):
                 members = [s for s in lay.members(store) if s.param.grad is not None]
-                staging = store.bufs[0]  # no window is open during the warm-up
+                staging = store.grad_buffer(0)  # no window is open during the warm-up
                 if shards is not None:  # this rank's shard of the mean
                     pairs = [(staging, shards[si])]
                 else:  # members have a gradient
@@ -215,7 +215,12 @@ class WindowUpdate:
                     with gil_released():
                         t.wait()
                     return store.adam_now(
-                        store.bufs[0], config=cfg, lr=lr, num_threads=self.threads, only=only, grad_factor=f
+                        store.grad_buffer(0),
+                        config=cfg,
+                        lr=lr,
+                        num_threads=self.threads,
+                        only=only,
+                        grad_factor=f,
                     )
 
                 stats.cpu_optimizer_seconds += float(thread.wait(thread.submit(run)))

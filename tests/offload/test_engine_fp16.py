@@ -250,3 +250,40 @@ def test_fp16_host_memory_matches_the_formula(mode: str, accumulate_on: str) -> 
         if mode == "zenflow":
             n_split = sum(p.numel() for _, p in named if p.dim() == 2)
             assert measured["accumulators"] == (1 if accumulate_on == "device" else 2) * 4 * n_split
+
+
+def _fp16_run(mode: str, cfg_kw: dict[str, Any], group: Any = None) -> dict[str, torch.Tensor]:
+    from tests.offload.test_engine_distributed import STEPS, _config, _data, _model, _weights
+
+    model = _model(torch.float16)
+    with ZenFlowEngine(model, _config(mode, **cfg_kw), process_group=group) as eng:
+        for x, y in _data(STEPS, torch.float16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            eng.scale_loss(loss).backward()
+            eng.step()
+            eng.zero_grad()
+        return _weights(eng)
+
+
+def _fp16_rank(rank: int, world: int, out: str, mode: str, cfg_kw: dict[str, Any]) -> None:
+    from pathlib import Path
+
+    torch.save(_fp16_run(mode, cfg_kw, dist.group.WORLD), Path(out) / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize(
+    ("mode", "cfg_kw"), [("zenflow", {}), ("zenflow", {"accumulate_on": "device"}), ("offload", {})]
+)
+def test_fp16_sharded_is_exactly_the_single_process(tmp_path: Any, mode: str, cfg_kw: dict[str, Any]) -> None:
+    """2 gloo ranks on the same data (the mean is the local gradient) with loss-scaled fp16 gradients:
+    the reduce-scatter, the sharded norm with 1/scale folded in, the warm-up and window host steps
+    with the landed factor change no bit against one process."""
+    from tests.dist_ranks import pinned_numerics, run_ranks
+
+    kw = {**cfg_kw, "max_grad_norm": None}
+    run_ranks(_fp16_rank, 2, str(tmp_path), mode, kw)
+    with pinned_numerics():
+        single = _fp16_run(mode, kw)
+    got = torch.load(tmp_path / "rank0.pt")
+    for k in single:
+        assert torch.equal(got[k], single[k]), k
