@@ -287,3 +287,28 @@ def test_fp16_sharded_is_exactly_the_single_process(tmp_path: Any, mode: str, cf
     got = torch.load(tmp_path / "rank0.pt")
     for k in single:
         assert torch.equal(got[k], single[k]), k
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"mode": "zenflow"},
+        {"mode": "zenflow", "accumulate_on": "device"},
+        {"mode": "zenflow", "update_interval": "auto", "max_update_interval": 3},
+        {"mode": "device"},
+        {"mode": "offload"},
+    ],
+    ids=["host-acc", "device-acc", "auto", "device", "offload"],
+)
+def test_fp16_loss_scaling_adds_no_host_sync(kw: dict[str, Any]) -> None:
+    """The folded factor reaches the host through the step's landing: as with bf16, no dispatch-level
+    sync on any step and the engine's own reads only where a selection needs fp32 master values."""
+    from tests.offload.test_engine_syncs import _count_steps
+
+    base: dict[str, Any] = {"lr": 1e-2, "topk_ratio": 0.25, "update_interval": 2, "select_interval": "auto"}
+    rows = _count_steps(EngineConfig(**{**base, **kw}), torch.float16, 12, epochs=(5,))
+    for i, r in enumerate(rows):
+        assert r["syncs"] == 0, (i, r["sync_ops"])
+        assert r["waits"] == 0
+        want = 1 if kw["mode"] == "zenflow" and (r["reselected"] or i == 0) else 0
+        assert r["engine_syncs"] == want, i
