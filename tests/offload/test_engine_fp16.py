@@ -35,14 +35,15 @@ def _params(seed: int = 0) -> list[tuple[str, torch.nn.Parameter]]:
 def _set_grads(
     named: list[tuple[str, torch.nn.Parameter]], scale: float, step: int
 ) -> dict[str, torch.Tensor]:
-    """``.grad := fp16(scale * g)``; returns the fp32 gradients the engine was given (exact: scale is a
-    power of two and every ``scale * g`` a normal fp16 number)."""
+    """``.grad := fp16(scale * g)`` (params of other dtypes: that divided by ``scale``); returns the fp32
+    gradients the engine was given (exact: scale is a power of two and every ``scale * g`` a normal
+    fp16 number)."""
     gen = torch.Generator().manual_seed(100 + step)
     seen = {}
     for n, p in named:
-        g = SIGMA * torch.randn(p.shape, generator=gen)
-        p.grad = (g * scale).half()
-        seen[n] = p.grad.float() / scale
+        scaled = (SIGMA * torch.randn(p.shape, generator=gen) * scale).half()
+        seen[n] = scaled.float() / scale
+        p.grad = scaled if p.dtype == torch.float16 else seen[n].to(p.dtype)  # others: unscaled
     return seen
 
 
@@ -312,3 +313,25 @@ def test_fp16_loss_scaling_adds_no_host_sync(kw: dict[str, Any]) -> None:
         assert r["waits"] == 0
         want = 1 if kw["mode"] == "zenflow" and (r["reselected"] or i == 0) else 0
         assert r["engine_syncs"] == want, i
+
+
+def test_fp16_auto_windows_end_where_fp32_ones_do() -> None:
+    """update_interval="auto" weighs selected against unselected gradient mass: with loss-scaled fp16
+    gradients both are taken in the same (unscaled) units, so the windows end at the steps an fp32
+    engine given the same gradients ends them."""
+    cfg = {"mode": "zenflow", "topk_ratio": 0.25, "update_interval": "auto", "max_update_interval": 6}
+    ends: dict[torch.dtype, list[float]] = {}
+    for dtype in (torch.float16, torch.float32):
+        named = [(n, torch.nn.Parameter(p.detach().to(dtype))) for n, p in _params()]
+        with _engine(named, **cfg) as eng:
+            ends[dtype] = []
+            for step in range(16):
+                _set_grads(named, 2.0**16, step)
+                for _, p in named:  # a quarter of the columns carry more (exact: a power of two)
+                    if p.dim() == 2:
+                        p.grad[:, : p.shape[1] // 4] *= 2  # type: ignore[index]
+                eng.step()
+                eng.zero_grad()
+                ends[dtype].append(eng.counters()["windows"])
+    assert ends[torch.float16] == ends[torch.float32]
+    assert 2 <= ends[torch.float32][-1] < 16  # windows of several steps, not one per step
