@@ -5,7 +5,8 @@ step through its ``found_inf`` (as ``torch.amp.GradScaler`` does), so a skipped 
 nothing without a host sync. In a process group it is plain data parallelism (DDP's arithmetic): the
 engine averages the gradients across ranks first and every rank runs the same update. bf16/fp16 parameters get an fp32 master copy on the device (mixed precision: the
 optimizer updates the master, the model sees it rounded), so device optimizer state is 8 bytes per
-parameter for fp32 models and 12 for bf16/fp16 ones.
+parameter for fp32 models and 12 for bf16/fp16 ones. Loss-scaled fp16 gradients (:mod:`offload.guard`)
+are unscaled and clipped in their fp32 copies, never in fp16.
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ class DeviceMode(Mode):
             g["lr"] = lr
         self.opt.found_inf = gate.bad_f  # type: ignore[attr-defined]  # read by the fused step
         low = [(p, self.masters[n]) for n, p in self.named if n in self.masters]
+        scaled: list[torch.Tensor] = []  # fp32 copies of loss-scaled fp16 gradients (offload.guard)
         for p, m in low:
             m.grad = None if p.grad is None else p.grad.float()
+            if m.grad is not None and gate.factor_for(p.dtype) is not None:
+                scaled.append(m.grad)
+        if scaled:
+            assert gate.grad_factor is not None
+            torch._foreach_mul_(scaled, gate.grad_factor)  # 1/scale and the clip, in fp32
         self.opt.step()
         if low:
             torch._foreach_copy_([p for p, _ in low], [m for _, m in low])

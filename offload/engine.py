@@ -238,21 +238,25 @@ class ZenFlowEngine:
             fill_missing_gradients(self._params, ranks)
         grads = [p.grad for p in self._params if p.grad is not None]
         scaler = self._scaler
-        if scaler is not None:
-            scaler.unscale_(grads)
+        # fp16 gradients stay loss-scaled (offload.guard): `inv` folds into the norm and the factor
+        inv = scaler.unscale_(grads) if scaler is not None else None
         sharded = False
         if ranks.distributed:  # the mean over ranks, as far as the mode needs it (offload: its shard)
             reduced = self._mode.reduce(stats)
             sharded = bool(reduced.shards)
-            total_norm, _ = clip_reduced_(reduced, self.config.max_grad_norm, self.device, ranks)
+            total_norm, coef = clip_reduced_(reduced, self.config.max_grad_norm, self.device, ranks, inv=inv)
         else:
-            total_norm, _ = clip_(grads, self.config.max_grad_norm, self.device)
+            total_norm, coef = clip_(grads, self.config.max_grad_norm, self.device, inv=inv)
         ok = torch.isfinite(total_norm)
         # The verdict and the norm leave the device now, before the mode queues its kernels, so reading
         # them once those are queued waits for nothing.
-        scalars = [total_norm, ok] if scaler is None else [total_norm, ok, scaler.scale]
+        scalars = [total_norm, ok]
+        factor = None
+        if scaler is not None and inv is not None:
+            factor = scaler.grad_factor(coef, inv, ok)
+            scalars += [scaler.scale, factor]
         landing = self._ops.read_later(scalars)
-        gate = Gate(ok, landing, at=1)
+        gate = Gate(ok, landing, at=1, grad_factor=factor, factor_at=3)
         self._mode.step(stats, self._lr, gate)
         if scaler is not None:
             scaler.update(gate)

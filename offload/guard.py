@@ -10,9 +10,15 @@ landed copy (:class:`~offload.device.Landing`) once the step's device work is qu
 own bookkeeping (windows, accumulation, warm-up rounds).
 
 fp16 parameters get dynamic loss scaling (:class:`LossScaler`) with ``torch.amp.GradScaler``'s
-semantics: the caller backpropagates ``engine.scale_loss(loss)``; the step unscales the gradients
-before clipping; a skipped step multiplies the scale by ``backoff_factor``, and ``growth_interval``
-finite steps in a row multiply it by ``growth_factor``.
+semantics: the caller backpropagates ``engine.scale_loss(loss)``; a skipped step multiplies the scale
+by ``backoff_factor``, and ``growth_interval`` finite steps in a row multiply it by ``growth_factor``.
+fp16 gradients stay scaled: dividing them in place would make small ones subnormal or zero before
+any fp32 stage sees them. ``1 / scale`` and the clipping coefficient are folded instead into one
+device factor (:attr:`Gate.grad_factor`) that every fp32 stage consuming an fp16 gradient applies:
+the norm (:mod:`offload.clipping`), the device AdamW's fp32 gradient copies, the window
+accumulation's ``alpha`` and the host step's input (the host reads the factor from the landed copy,
+:meth:`Gate.host_factor`, with the verdict: no host sync). Gradients of other dtypes are unscaled and
+clipped in place as without loss scaling (fp32 range: nothing underflows).
 """
 
 from __future__ import annotations
@@ -32,10 +38,22 @@ class Gate:
     the verdict, read from ``landing`` (position ``at``) when the engine attached one.
     """
 
-    def __init__(self, ok: torch.Tensor, landing: Landing | None = None, at: int = 0) -> None:
+    def __init__(
+        self,
+        ok: torch.Tensor,
+        landing: Landing | None = None,
+        at: int = 0,
+        *,
+        grad_factor: torch.Tensor | None = None,
+        factor_at: int | None = None,
+    ) -> None:
         self.ok = ok
         self.landing = landing
         self.at = at
+        #: fp32 device scalar every fp16 gradient is to be multiplied by (``coef / scale``; 0 on a
+        #: skipped step), or None when the gradients are final (no loss scaling, or no fp16 ones).
+        self.grad_factor = grad_factor
+        self.factor_at = factor_at
         self._as: dict[torch.dtype, torch.Tensor] = {}
         self._bad: torch.Tensor | None = None
         self._bad_f: torch.Tensor | None = None
@@ -76,6 +94,18 @@ class Gate:
             self._host = self.landing.values()[self.at] != 0.0
         return self._host
 
+    def host_factor(self) -> float | None:
+        """:attr:`grad_factor` on the host (from the landing, position ``factor_at``), or None."""
+        if self.grad_factor is None:
+            return None
+        if self.landing is None or self.factor_at is None:
+            raise RuntimeError("this gate has no host copy of its gradient factor")
+        return self.landing.values()[self.factor_at]
+
+    def factor_for(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The device factor a gradient of ``dtype`` still needs (fp16 only), or None."""
+        return self.grad_factor if dtype == torch.float16 else None
+
 
 def zero_if_bad_(tensors: Sequence[torch.Tensor], gate: Gate) -> None:
     """``t := 0`` for every tensor when the step is bad, else unchanged, in one multi-tensor op per
@@ -114,18 +144,25 @@ class LossScaler:
         return loss * self.scale.to(loss.device)
 
     @torch.no_grad()
-    def unscale_(self, grads: Sequence[torch.Tensor]) -> None:
-        """Divide the gradients by the scale (GradScaler.unscale_'s kernel; its inf flag is not needed:
-        the gate reads the norm of the unscaled gradients, which is not finite exactly then)."""
-        if not grads:
-            return
+    def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Divide the gradients other than fp16 by the scale, in place (GradScaler.unscale_'s kernel;
+        its inf flag is not needed: the gate reads the norm, which is not finite exactly then), and
+        return ``1 / scale`` (fp32 device scalar) for the fp16 ones, which stay scaled (module doc)."""
         inv = self.scale.double().reciprocal().float()
         found = torch.zeros((), dtype=torch.float32, device=self.scale.device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
+            if g.dtype != torch.float16:
+                by_dtype.setdefault(g.dtype, []).append(g)
         for gs in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(gs, found, inv)
+        return inv
+
+    @staticmethod
+    def grad_factor(coef: torch.Tensor, inv: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """``coef * inv`` where the step is finite, else 0 (a skipped step's zeroed gradients times a
+        NaN coefficient must stay zeros)."""
+        return torch.where(ok, coef * inv, 0.0)
 
     @torch.no_grad()
     def update(self, gate: Gate) -> None:

@@ -139,7 +139,10 @@ class HostStore:
             self.flat(self.master, i).copy_(self.piece(p.detach(), i))
         self.exp_avg = alloc.zeros(n, torch.float32)
         self.exp_avg_sq = alloc.zeros(n, torch.float32)
-        self.bufs = [alloc.zeros(n, self.dtype) for _ in range(buffers)]
+        #: fp16 window accumulators are fp32 (an fp16 mean of unscaled gradients underflows); the
+        #: step's fp16 result then goes into the first half of the fp32 buffer it read (:meth:`result`)
+        wide = self.dtype == torch.float16 and role == "accumulators"
+        self.bufs = [alloc.zeros(n, torch.float32 if wide else self.dtype) for _ in range(buffers)]
         #: Adam step count per parameter (the C++ step takes it explicitly).
         self.steps = [0] * len(params)
 
@@ -178,8 +181,15 @@ class HostStore:
 
     def result(self, index: int) -> torch.Tensor:
         """The buffer the device copies its new values from after a CPU step that read ``bufs[index]``:
-        that buffer (bf16/fp16: the step wrote the rounded parameters over the gradient), else master."""
-        return self.bufs[index] if self.low else self.master
+        that buffer (bf16/fp16: the step wrote the rounded parameters over the gradient; an fp32 buffer
+        of fp16 parameters: into its first half), else master."""
+        return self.grad_buffer(index) if self.low else self.master
+
+    def grad_buffer(self, index: int) -> torch.Tensor:
+        """``bufs[index]`` in the parameters' dtype, where a gradient lands as it is (an fp32 buffer of
+        fp16 parameters: its first half, where :meth:`result` lies too)."""
+        buf = self.bufs[index]
+        return buf if buf.dtype == self.dtype else buf.view(self.dtype).narrow(0, 0, self.numel)
 
     def parts(self) -> dict[str, int]:
         """Bytes by component (the names of :mod:`offload.memory`)."""
@@ -220,6 +230,7 @@ class HostStore:
         num_threads: int,
         chunk: int,
         only: Sequence[int] | None = None,
+        grad_factor: float | None = None,
     ) -> Iterator[list[int]]:
         """AdamW on the params (all, or the indices in ``only``) with gradient buffer ``grad`` (one of
         ``bufs``: bf16/fp16 parameters are written over it, see :meth:`result`).
@@ -230,10 +241,22 @@ class HostStore:
         Each updated parameter's step count goes up by one. When all the params are updated and share
         one step count (zenflow's windows), the chunks run over the flat buffers across parameter
         boundaries: one C++ call per chunk, not per parameter (same numbers: the update is elementwise).
+        ``grad_factor``: multiply the gradient by it first, in fp32 (a loss-scaled fp16 gradient).
         """
         step_fn = _adam_step()
         # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
         out = self.low and grad.dtype == self.dtype
+        # fp16 parameters, fp32 gradient buffer: the results go into the buffer's fp16 view. Its range
+        # [lo, hi) overlays the fp32 elements [lo / 2, hi / 2): written by the step itself where those
+        # lie below lo (hi <= 2 lo), else right after it (they have been read; ranges run ascending).
+        mine = self.low and grad.dtype == torch.float32 and any(b is grad for b in self.bufs)
+        narrow_out = grad.view(self.dtype).narrow(0, 0, self.numel) if mine else None
+        factor = None if grad_factor is None or grad_factor == 1.0 else float(grad_factor)
+        scratch = (
+            torch.empty(min(self.numel, _ACC_CHUNK), dtype=torch.float32)
+            if factor is not None and grad.dtype != torch.float32
+            else None
+        )
         b1, b2 = betas
         hyper = {
             "lr": lr,
@@ -246,17 +269,35 @@ class HostStore:
         }
 
         def run(lo: int, hi: int, step: int) -> None:
+            piece = _ACC_CHUNK if factor is not None else hi - lo  # the scaled gradient is transient
+            for a in range(lo, hi, max(1, piece)):
+                step_range(a, min(hi, a + piece), step)
+
+        def step_range(lo: int, hi: int, step: int) -> None:
             g = grad[lo:hi]
+            src = g
+            po = g if out else None
+            direct = narrow_out is not None and hi <= 2 * lo
+            if direct:
+                assert narrow_out is not None
+                po = narrow_out[lo:hi]
             with gil_released():
+                if factor is not None and scratch is not None:
+                    src = scratch[: hi - lo]
+                    _accumulate()(src, g, alpha=factor, first=True, num_threads=num_threads)
+                elif factor is not None:
+                    g.mul_(factor)
                 step_fn(
                     self.master[lo:hi],
-                    g,
+                    src,
                     self.exp_avg[lo:hi],
                     self.exp_avg_sq[lo:hi],
                     step=step,
-                    param_out=g if out else None,
+                    param_out=po,
                     **hyper,
                 )
+                if narrow_out is not None and not direct:
+                    narrow_out[lo:hi].copy_(self.master[lo:hi])
 
         if only is None and len(set(self.steps)) == 1:
             self.steps = [s + 1 for s in self.steps]
@@ -270,7 +311,7 @@ class HostStore:
                     done += 1
                 yield finished
             return
-        for i in range(len(self.numels)) if only is None else only:
+        for i in range(len(self.numels)) if only is None else sorted(only):
             self.steps[i] += 1
             base, n = self.offsets[i], self.numels[i]
             for lo in range(0, n, chunk):
@@ -286,6 +327,7 @@ class HostStore:
         lr: float,
         num_threads: int,
         only: Sequence[int] | None = None,
+        grad_factor: float | None = None,
     ) -> float:
         """Run :meth:`adam` to the end in one go with the engine config's betas, eps and weight
         decay; the seconds it took."""
@@ -299,6 +341,7 @@ class HostStore:
             num_threads=num_threads,
             chunk=1 << 62,
             only=only,
+            grad_factor=grad_factor,
         ):
             pass
         return time.perf_counter() - t0
@@ -357,4 +400,4 @@ class HostStore:
         """Rebuild a CPU step's result in ``bufs[index]`` from the master (bf16/fp16): the step wrote
         exactly the master rounded to nearest even, and nothing changes the master before it is used."""
         if self.low:
-            self.bufs[index].copy_(self.master)
+            self.result(index).copy_(self.master)

@@ -12,18 +12,21 @@ Host (page-locked on CUDA), bytes per offloaded element:
 - ``gradient`` (``offload``): ``g``. The gradient lands here; the CPU step reads it and writes the new
   bf16/fp16 parameter over it in the same pass (for fp32 parameters the master itself goes back), so
   one buffer is both the gradient landing and the parameter staging.
-- ``accumulators`` (``zenflow``): window-mean gradients in the parameter dtype (summed in fp32, rounded
-  once per step), two with ``accumulate_on="host"`` (the CPU step reads window ``v``'s while ``v + 1``
+- ``accumulators`` (``zenflow``): window-mean gradients in the parameter dtype, fp32 (4) for fp16
+  parameters, whose loss-unscaled means would underflow in fp16 (summed in fp32, rounded once per
+  step), two with ``accumulate_on="host"`` (the CPU step reads window ``v``'s while ``v + 1``
   fills the other), one with ``"device"`` (filled from the device's fp32 accumulator once per window).
-  The CPU step writes the new bf16/fp16 parameters over the accumulator it consumed; the warm-up's
+  The CPU step writes the new bf16/fp16 parameters over (fp16: into the first half of) the
+  accumulator it consumed; the warm-up's
   synchronous steps land their gradients in accumulator 0.
 - ``transfer`` (``zenflow``, ``accumulate_on="host"`` on CUDA only): a ring of two slots of
   ``min(split elements, cpu_chunk_elements)`` elements in the parameter dtype, through which the CPU
   optimizer thread streams each step's gradient into the accumulator (a fixed 32 MiB with bf16 by
   default, whatever the model's size). On a CPU device the thread reads the gradients where they are.
 
-So with bf16/fp16 parameters: ``offload`` 14 B, ``zenflow`` 16 B (host accumulation, plus the fixed
-ring on CUDA) or 14 B (device accumulation) per offloaded element; with fp32 parameters 16, 20 and 16.
+So with bf16 parameters: ``offload`` 14 B, ``zenflow`` 16 B (host accumulation, plus the fixed ring
+on CUDA) or 14 B (device accumulation) per offloaded element; with fp16 14, 20 and 16; with fp32
+parameters 16, 20 and 16.
 
 Device, beyond the model's weights and gradients:
 
@@ -149,7 +152,7 @@ def engine_memory(
     if split:
         ring = 0 if on_device or not cuda else 2 * min(n_split, config.cpu_chunk_elements) * g
         host = _host_state(n_split) | {
-            "accumulators": (1 if on_device else 2) * g * n_split,
+            "accumulators": (1 if on_device else 2) * (4 if dtype == torch.float16 else g) * n_split,
             "transfer": ring,
         }
     state = _dense_state(full_numel, len(shapes) - len(split), low)

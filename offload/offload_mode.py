@@ -8,7 +8,8 @@ so the whole update is stall. In a process group (ZeRO-2 style) the gradients ar
 each rank receives the mean gradient of its 1/N shard of every dtype group's flat layout, updates
 that shard's master and moments, and the new values are all-gathered into every replica. The optimizer runs in the training thread on all the engine's cores
 (nothing else runs meanwhile). Device optimizer state: none. A skipped step (:mod:`offload.guard`)
-moves nothing: the host reads the step's verdict first (synchronous anyway).
+moves nothing: the host reads the step's verdict first (synchronous anyway). Loss-scaled fp16
+gradients (:mod:`offload.guard`) land scaled; the host step multiplies them by the landed factor in fp32.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class OffloadMode(Mode):
         with stats.blocked():
             if not gate.finite():
                 return
+            factor = gate.host_factor()  # loss-scaled fp16 gradients: 1/scale and the clip (offload.guard)
             for gi, (store, group) in enumerate(self.groups):
                 have = [i for i, (_, p) in enumerate(group) if p.grad is not None]
                 staging = store.bufs[0]
@@ -93,7 +95,12 @@ class OffloadMode(Mode):
                 t.wait()
                 stats.bytes_d2h += t.nbytes
                 stats.cpu_optimizer_seconds += store.adam_now(
-                    staging, config=cfg, lr=lr, num_threads=self.threads, only=have
+                    staging,
+                    config=cfg,
+                    lr=lr,
+                    num_threads=self.threads,
+                    only=have,
+                    grad_factor=factor if store.dtype == torch.float16 else None,
                 )
                 if self.ranks.distributed:
                     self._gather(gi, store, group, have, stats)

@@ -1,9 +1,11 @@
 """zenflow's window accumulation of the split weights' gradients (the part the CPU steps on).
 
 Host accumulation (default): every step the CPU thread adds the split weights' whole gradients into
-the window's host accumulator (``bufs[acc_i]`` of each store, in the parameters' dtype: summed in
-fp32, rounded once per step; each gradient times ``1/update_interval``, so the accumulator holds the
-window *mean*; for "auto" the boundary divides the sum by the window length). On CUDA the gradients
+the window's host accumulator (``bufs[acc_i]`` of each store, in the parameters' dtype, fp32 for fp16
+parameters: summed in fp32, rounded once per step; each gradient times ``1/update_interval``, so the
+accumulator holds the window *mean*; for "auto" the boundary divides the sum by the window length).
+Loss-scaled fp16 gradients (:mod:`offload.guard`) are added times ``alpha`` and the step's landed
+gradient factor in one fp32 multiply, so nothing underflows on the way. On CUDA the gradients
 stream off the device through a two-slot page-locked ring of ``cpu_chunk_elements`` (D2H stream,
 after an event recorded once the step's gradients are final); on a CPU device they are read in place.
 Up to two steps' gradients are in flight (:meth:`Accumulation.stage` waits for the step before last);
@@ -11,8 +13,8 @@ they stay referenced until read, and :meth:`Accumulation.wait_reads` waits for t
 caller zeroes gradients in place.
 
 Device accumulation (``accumulate_on="device"``): the gradients are added into an fp32 accumulator on
-the device, copied, rounded to the parameters' dtype, into ``bufs[0]`` once, at the boundary
-(:meth:`Accumulation.to_host`).
+the device (fp16 ones times the device gradient factor, in fp32), copied, rounded to the host
+accumulator's dtype, into ``bufs[0]`` once, at the boundary (:meth:`Accumulation.to_host`).
 """
 
 from __future__ import annotations
@@ -111,18 +113,24 @@ class Accumulation:
         self.slot ^= 1
         return Staged(slot, grads, self.ops.record())
 
-    def queue(self, staged: Staged, ok: bool, *, first: bool, acc_i: int) -> None:
+    def queue(
+        self, staged: Staged, ok: bool, *, first: bool, acc_i: int, factor: float | None = None
+    ) -> None:
         """Have the CPU thread add the staged gradient into accumulator ``acc_i`` (overwriting it if
-        ``first`` of the window); not if the step is skipped (``ok`` false)."""
+        ``first`` of the window); not if the step is skipped (``ok`` false). ``factor``: what the
+        loss-scaled fp16 gradients are still to be multiplied by (:meth:`Gate.host_factor`)."""
         assert self.thread is not None
         if not ok:
             return
-        grads, ready, pieces, alpha = staged.grads, staged.ready, staged.pieces, self.alpha
+        grads, ready, pieces = staged.grads, staged.ready, staged.pieces
 
         def accumulate() -> None:
             try:
                 for si, gs in grads:
                     store, ring = self.layout.stores[si], self.rings[si]
+                    alpha = self.alpha
+                    if factor is not None and store.dtype == torch.float16:
+                        alpha *= factor
                     if ring is None:
                         self._in_place(store, gs, acc_i, alpha, first, pieces)
                     else:
@@ -236,18 +244,35 @@ class Accumulation:
         if not accs:
             return
         zero_if_bad_(grads, gate)  # a skipped step adds exact zeros
+        # loss-scaled fp16 gradients: times the device factor as well (0 on a skipped step)
+        scaled = [gate.factor_for(g.dtype) is not None for g in grads]
         if first:
             torch._foreach_copy_(
                 accs, grads
             )  # then scale in fp32 (a multiply would round in the grad's dtype)
-            if alpha != 1.0:
-                torch._foreach_mul_(accs, alpha)
-        else:
+            plain = [a for a, sc in zip(accs, scaled, strict=True) if not sc]
+            if alpha != 1.0 and plain:
+                torch._foreach_mul_(plain, alpha)
+            if any(scaled):
+                assert gate.grad_factor is not None
+                fa = gate.grad_factor * alpha
+                torch._foreach_mul_([a for a, sc in zip(accs, scaled, strict=True) if sc], fa)
+            return
+        if not any(scaled):
             torch._foreach_add_(accs, grads, alpha=alpha)
+            return
+        assert gate.grad_factor is not None
+        fa = gate.grad_factor * alpha
+        pairs = [(a, g) for a, g, sc in zip(accs, grads, scaled, strict=True) if not sc]
+        if pairs:
+            torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs], alpha=alpha)
+        for a, g, sc in zip(accs, grads, scaled, strict=True):
+            if sc:
+                a.addcmul_(g, fa)  # computed in fp32 (the accumulator's dtype)
 
     def to_host(self, acc_i: int, stats: StepStats) -> list[Transfer]:
         """The window's device-accumulated gradient into host accumulator ``acc_i`` (asynchronous, one
-        copy per store, rounded to the parameters' dtype on the way in transient device memory)."""
+        copy per store, rounded to the accumulator's dtype on the way in transient device memory)."""
         copies = []
         for store in self.layout.stores:
             pairs = [

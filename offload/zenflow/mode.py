@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from offload.clipping import grad_norms
 from offload.collectives import Ranks, Reduced
 from offload.config import EngineConfig
 from offload.cpu_thread import CPUThread
@@ -113,7 +114,7 @@ class ZenFlowMode(Mode):
             self.dev.step(lr, gate)
             stats.synchronous = True
             if gate.finite():  # a synchronous step: the host waits for its verdict anyway
-                self.window_update.synchronous(stats, lr, self.reduction.shards)
+                self.window_update.synchronous(stats, lr, self.reduction.shards, gate.host_factor())
                 self.warm_left -= 1
             return
         if not self.splits:
@@ -130,14 +131,16 @@ class ZenFlowMode(Mode):
             # device optimizer's kernels, not after them.
             staged = self.accumulation.stage(stats, self.reduction.shards)
         sq = self.dev.prepare(gate, want_sq=auto)
-        masses = self._masses(sq) if sq is not None else None
+        masses = self._masses(sq, gate) if sq is not None else None
         self.dev.update(lr)
         if self.on_device:
             self.accumulation.add_on_device(gate, first=self.win_len == 0)
         # 2. host bookkeeping, from the verdict (landed by now: no wait)
         ok = gate.finite()
         if staged is not None:
-            self.accumulation.queue(staged, ok, first=self.win_len == 0, acc_i=self._acc_index())
+            self.accumulation.queue(
+                staged, ok, first=self.win_len == 0, acc_i=self._acc_index(), factor=gate.host_factor()
+            )
         if not ok:
             if starting:  # nothing was updated: select afresh from the next step's gradient
                 self.dev.reset_columns()
@@ -153,14 +156,18 @@ class ZenFlowMode(Mode):
         if ends:
             self._boundary(stats, lr, sync=not self.cfg.overlap_step, reselect=True)
 
-    def _masses(self, sq: tuple[torch.Tensor, torch.Tensor]) -> Landing:
-        """Start copying this step's selected and unselected gradient masses to the host ("auto")."""
+    def _masses(self, sq: tuple[torch.Tensor, torch.Tensor], gate: Gate) -> Landing:
+        """Start copying this step's selected and unselected gradient masses to the host ("auto"; fp16
+        gradients times the gate's factor, as the device optimizer sees them)."""
         full_sq, cols_sq = sq  # the device's gradient parts: whole tensors, selected columns
         grads = [g for g in (s.param.grad for s in self.splits) if g is not None]
         if self.reduction.shards is not None:  # .grad holds the mean in the selected columns only
             total_split = self.reduction.split_sq()
+            f = gate.grad_factor
+            if f is not None and all(st.dtype == torch.float16 for st in self.stores):
+                total_split = total_split * f.square()
         elif grads:
-            total_split = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+            total_split = grad_norms(grads, gate.grad_factor).square().sum()
         else:
             total_split = torch.zeros((), device=cols_sq.device)
         return self.ops.read_later([full_sq + cols_sq, (total_split - cols_sq).clamp(min=0)])

@@ -16,6 +16,10 @@ its own step count on CPU (on CUDA up to the kernels' FMA contraction). Per step
 ops are one gather of the gradient's selected columns (plus one of the param's, for fp32 params) and
 one scatter back.
 
+Loss scaling (:mod:`offload.guard`): fp16 gradients arrive loss-scaled and unclipped; the gate's
+gradient factor is applied to their fp32 copies (the gathered columns, a whole tensor's fp32 copy),
+never in fp16.
+
 Skipping (:mod:`offload.guard`): every update is gated on the device by the step's :class:`Gate`:
 the gathered gradient is zeroed and the decay, moment weights and step size become neutral, so a
 skipped step changes nothing, with no host sync. Reselection (:meth:`SelectiveAdamW.reselect`) is
@@ -32,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from offload.clipping import grad_norms
 from offload.guard import Gate
 from offload.mode_base import nbytes
 from offload.selection import remap
@@ -202,15 +207,15 @@ class SelectiveAdamW:
         gate = self._gate = self._gate_for(gate)
         for grp in self._groups:
             grp.gather(gate)
+        scaled = [grp.grad for grp in self._groups if gate.factor_for(grp.params[0].dtype) is not None]
+        if scaled:  # loss-scaled fp16 columns: 1/scale and the clip, in fp32
+            assert gate.grad_factor is not None
+            torch._foreach_mul_(scaled, gate.grad_factor)
         if not want_sq:
             return None
         dev = self._device
         fulls = [e.param.grad for e in self._full.values() if e.param.grad is not None]
-        full_sq = (
-            torch.stack(torch._foreach_norm(fulls, 2, dtype=torch.float32)).square().sum()
-            if fulls
-            else torch.zeros((), device=dev)
-        )
+        full_sq = grad_norms(fulls, gate.grad_factor).square().sum() if fulls else torch.zeros((), device=dev)
         grads = [grp.grad for grp in self._groups]
         cols_sq = (
             torch.stack(torch._foreach_norm(grads, 2)).square().sum()
@@ -238,7 +243,7 @@ class SelectiveAdamW:
 
     def _update_full(self, h: AdamWHyper, gate: Gate) -> None:
         params, grads, ms, vs, steps = [], [], [], [], []
-        low_p, low_m = [], []
+        low_p, low_m, scaled = [], [], []
         for e in self._full.values():
             g = e.param.grad
             if g is None:
@@ -247,6 +252,8 @@ class SelectiveAdamW:
                 p, g = e.master, g.float()
                 low_p.append(e.param)
                 low_m.append(e.master)
+                if gate.factor_for(e.param.dtype) is not None:
+                    scaled.append(g)
             else:
                 p = e.param
             params.append(p)
@@ -256,6 +263,9 @@ class SelectiveAdamW:
             steps.append(e.step)
         if not params:
             return
+        if scaled:  # fp32 copies of loss-scaled fp16 gradients
+            assert gate.grad_factor is not None
+            torch._foreach_mul_(scaled, gate.grad_factor)
         fused_adamw_(params, grads, ms, vs, steps, h, gate)
         if low_p:
             torch._foreach_copy_(low_p, low_m)

@@ -179,9 +179,12 @@ class WindowUpdate:
             out[s.name][:, cols] = res.index_select(1, cols).to(out[s.name].dtype)
 
     # --- warm-up --------------------------------------------------------------------------------
-    def synchronous(self, stats: StepStats, lr: float, shards: list[torch.Tensor] | None) -> None:
+    def synchronous(
+        self, stats: StepStats, lr: float, shards: list[torch.Tensor] | None, factor: float | None = None
+    ) -> None:
         """Offload-style synchronous CPU update of the split params (warm-up rounds; ``shards``: this
-        rank's reduced gradient shard per store, else ``.grad``)."""
+        rank's reduced gradient shard per store, else ``.grad``; ``factor``: the loss-scaled fp16
+        gradients' :meth:`~offload.guard.Gate.host_factor`)."""
         lay = self.layout
         if not lay.splits:
             return
@@ -190,7 +193,7 @@ class WindowUpdate:
         with stats.blocked():
             for si, store in enumerate(lay.stores):
                 members = [s for s in lay.members(store) if s.param.grad is not None]
-                staging = store.bufs[0]  # no window is open during the warm-up
+                staging = store.grad_buffer(0)  # no window is open during the warm-up
                 if shards is not None:  # this rank's shard of the mean
                     pairs = [(staging, shards[si])]
                 else:  # members have a gradient
@@ -204,12 +207,20 @@ class WindowUpdate:
                 t = self.ops.d2h(pairs)
                 stats.bytes_d2h += t.nbytes
                 only = [s.index for s in members]
+                f = factor if store.dtype == torch.float16 else None
 
-                def run(store: HostStore = store, t: Any = t, only: list[int] = only) -> float:
+                def run(
+                    store: HostStore = store, t: Any = t, only: list[int] = only, f: float | None = f
+                ) -> float:
                     with gil_released():
                         t.wait()
                     return store.adam_now(
-                        store.bufs[0], config=cfg, lr=lr, num_threads=self.threads, only=only
+                        store.grad_buffer(0),
+                        config=cfg,
+                        lr=lr,
+                        num_threads=self.threads,
+                        only=only,
+                        grad_factor=f,
                     )
 
                 stats.cpu_optimizer_seconds += float(thread.wait(thread.submit(run)))

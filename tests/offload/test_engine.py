@@ -360,20 +360,21 @@ def test_device_accumulation_matches_host_accumulation():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_host_accumulation_is_the_fp32_sum_rounded_once_per_step(dtype):
-    """The window accumulator is in the parameters' dtype (offload.memory): each step adds in fp32 and
-    rounds once, so fp32 parameters get the fp32 sum exactly."""
+    """The window accumulator is in the parameters' dtype, fp32 for fp16 (offload.memory): each step
+    adds in fp32 and rounds once, so fp32 and fp16 parameters get the fp32 sum exactly."""
     import offload.host as host
     from offload.device import HostAllocator
 
     params = [torch.zeros(5, 4, dtype=dtype), torch.zeros(3, dtype=dtype)]
     store = host.HostStore(params, HostAllocator(pin=False), buffers=1, role="accumulators")
-    assert store.bufs[0].dtype == dtype
+    acc_dtype = torch.float32 if dtype == torch.float16 else dtype
+    assert store.bufs[0].dtype == acc_dtype
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(store.numel, generator=gen).to(dtype) for _ in range(3)]
     ref = torch.zeros(store.numel)
     for i, g in enumerate(grads):
         store.accumulate(store.bufs[0], g, alpha=1 / 3, first=i == 0)
-        ref = (g.float() * (1 / 3) if i == 0 else ref.add(g.float(), alpha=1 / 3)).to(dtype).float()
+        ref = (g.float() * (1 / 3) if i == 0 else ref.add(g.float(), alpha=1 / 3)).to(acc_dtype).float()
     assert torch.equal(store.bufs[0].float(), ref)
 
 
