@@ -98,7 +98,6 @@ inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf vsqrt(vf a) { return _mm512_sqrt_ps(a); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstream(float* p, vf x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned
 
 template <GradKind GK>
 inline vf vload_grad(const void* g, int64_t i) {
@@ -153,7 +152,6 @@ inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf vsqrt(vf a) { return _mm256_sqrt_ps(a); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline void vstream(float* p, vf x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
 
 template <GradKind GK>
 inline vf vload_grad(const void* g, int64_t i) {
@@ -275,11 +273,9 @@ using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, in
 
 // Window accumulation over [begin, end): acc = x * alpha on a window's first step (without SCALE,
 // alpha == 1: a plain copy / upcast, as torch's acc.copy_(src)), else acc = fma(x, alpha, acc).
-// NT (first step only: acc is write-only there): streaming stores, which skip the read-for-ownership
-// of acc's lines (a third of the traffic of an fp32 copy); used for large calls, whose acc lines would
-// leave the cache before the next step reads them anyway.  Four vectors per iteration keep more
-// cache-line misses in flight than one.
-template <GradKind GK, bool FIRST, bool SCALE, bool NT>
+// Plain stores: streaming ones for the write-only acc of a first step measured 2-7% slower than
+// these (bench.cpu_adam, 1-2 threads, 50M elements).
+template <GradKind GK, bool FIRST, bool SCALE>
 void acc_range(float* acc, const void* src, int64_t begin, int64_t end, float alpha) {
   auto one = [&](int64_t k) {
     const float x = load_grad_scalar<GK>(src, k);
@@ -293,24 +289,15 @@ void acc_range(float* acc, const void* src, int64_t begin, int64_t end, float al
   };
   int64_t i = begin;
 #if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
-  if constexpr (NT) {  // peel until acc's vector stores are aligned
-    for (; i < end && reinterpret_cast<uintptr_t>(acc + i) % (kWidth * sizeof(float)) != 0; ++i) one(i);
-  }
   const vf a = vset(alpha);
   auto vec = [&](int64_t k) {
     const vf x = vload_grad<GK>(src, k);
-    vf y;
     if constexpr (!FIRST) {
-      y = vfma(x, a, vload(acc + k));
+      vstore(acc + k, vfma(x, a, vload(acc + k)));
     } else if constexpr (SCALE) {
-      y = vmul(x, a);
+      vstore(acc + k, vmul(x, a));
     } else {
-      y = x;
-    }
-    if constexpr (NT) {
-      vstream(acc + k, y);
-    } else {
-      vstore(acc + k, y);
+      vstore(acc + k, x);
     }
   };
   for (; i + 4 * kWidth <= end; i += 4 * kWidth) {
@@ -322,9 +309,6 @@ void acc_range(float* acc, const void* src, int64_t begin, int64_t end, float al
   for (; i + kWidth <= end; i += kWidth) vec(i);
 #endif
   for (; i < end; ++i) one(i);
-#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
-  if constexpr (NT) _mm_sfence();  // order the streaming stores before the caller proceeds
-#endif
 }
 
 using AccFn = void (*)(float*, const void*, int64_t, int64_t, float);
@@ -332,7 +316,7 @@ using AccFn = void (*)(float*, const void*, int64_t, int64_t, float);
 // The same with the accumulator in src's low-precision dtype: the sum is formed in fp32 exactly as
 // above and rounded to nearest even once per call (alpha == 1 multiplies too: torch's path rounds
 // the fp32 product, which turns every NaN into the canonical one, as the rounding here does).
-template <GradKind GK, OutKind OK, bool FIRST, bool NT>
+template <GradKind GK, OutKind OK, bool FIRST>
 void acc_range_low(void* acc, const void* src, int64_t begin, int64_t end, float alpha) {
   auto one = [&](int64_t k) {
     const float x = load_grad_scalar<GK>(src, k);
@@ -344,14 +328,11 @@ void acc_range_low(void* acc, const void* src, int64_t begin, int64_t end, float
   };
   int64_t i = begin;
 #if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
-  if constexpr (NT) {  // peel until acc's vector stores are aligned
-    for (; i < end && reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(acc) + i) % kOutVecBytes != 0; ++i) one(i);
-  }
   const vf a = vset(alpha);
   auto vec = [&](int64_t k) {
     const vf x = vload_grad<GK>(src, k);
     if constexpr (FIRST) {
-      vstore_out<OK, NT>(acc, k, vmul(x, a));
+      vstore_out<OK, false>(acc, k, vmul(x, a));
     } else {
       vstore_out<OK, false>(acc, k, vfma(x, a, vload_grad<GK>(acc, k)));
     }
@@ -365,36 +346,28 @@ void acc_range_low(void* acc, const void* src, int64_t begin, int64_t end, float
   for (; i + kWidth <= end; i += kWidth) vec(i);
 #endif
   for (; i < end; ++i) one(i);
-#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
-  if constexpr (NT) _mm_sfence();
-#endif
 }
 
 using AccLowFn = void (*)(void*, const void*, int64_t, int64_t, float);
 
-template <GradKind GK, OutKind OK>
-AccLowFn pick_acc_low_kind(bool first, bool nt) {
-  if (!first) return &acc_range_low<GK, OK, false, false>;
-  return nt ? &acc_range_low<GK, OK, true, true> : &acc_range_low<GK, OK, true, false>;
-}
-
-AccLowFn pick_acc_low(GradKind gk, bool first, bool nt) {
-  if (gk == GradKind::BF16) return pick_acc_low_kind<GradKind::BF16, OutKind::BF16>(first, nt);
-  return pick_acc_low_kind<GradKind::F16, OutKind::F16>(first, nt);
+AccLowFn pick_acc_low(GradKind gk, bool first) {
+  if (gk == GradKind::BF16) {
+    return first ? &acc_range_low<GradKind::BF16, OutKind::BF16, true> : &acc_range_low<GradKind::BF16, OutKind::BF16, false>;
+  }
+  return first ? &acc_range_low<GradKind::F16, OutKind::F16, true> : &acc_range_low<GradKind::F16, OutKind::F16, false>;
 }
 
 template <GradKind GK>
-AccFn pick_acc_kind(bool first, bool scale, bool nt) {
-  if (!first) return &acc_range<GK, false, true, false>;
-  if (scale) return nt ? &acc_range<GK, true, true, true> : &acc_range<GK, true, true, false>;
-  return nt ? &acc_range<GK, true, false, true> : &acc_range<GK, true, false, false>;
+AccFn pick_acc_kind(bool first, bool scale) {
+  if (!first) return &acc_range<GK, false, true>;
+  return scale ? &acc_range<GK, true, true> : &acc_range<GK, true, false>;
 }
 
-AccFn pick_acc(GradKind gk, bool first, bool scale, bool nt) {
+AccFn pick_acc(GradKind gk, bool first, bool scale) {
   switch (gk) {
-    case GradKind::BF16: return pick_acc_kind<GradKind::BF16>(first, scale, nt);
-    case GradKind::F16: return pick_acc_kind<GradKind::F16>(first, scale, nt);
-    default: return pick_acc_kind<GradKind::F32>(first, scale, nt);
+    case GradKind::BF16: return pick_acc_kind<GradKind::BF16>(first, scale);
+    case GradKind::F16: return pick_acc_kind<GradKind::F16>(first, scale);
+    default: return pick_acc_kind<GradKind::F32>(first, scale);
   }
 }
 
@@ -419,7 +392,6 @@ constexpr int64_t kLineFloats = 16;         // 64-byte cache line of fp32
 constexpr int64_t kChunkAlign = 32;         // chunk granularity: 128 B of fp32, 64 B of bf16/fp16
 constexpr int64_t kMinPerThread = 1 << 15;  // below this a thread costs more than it brings
 constexpr int64_t kStreamOutMin = 1 << 16;  // param_out of >= 128 KiB is written with streaming stores
-constexpr int64_t kStreamAccMin = 1 << 20;  // a first step's acc of >= 1 Mi elements: streaming stores
 
 }  // namespace
 
@@ -500,13 +472,13 @@ void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void*
 
 void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads) {
   if (n <= 0) return;
-  const AccFn fn = pick_acc(gk, first, alpha != 1.0f, n >= kStreamAccMin);
+  const AccFn fn = pick_acc(gk, first, alpha != 1.0f);
   for_chunks(n, acc, num_threads, [&](int64_t b, int64_t e) { fn(acc, src, b, e, alpha); });
 }
 
 void accumulate_low(void* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads) {
   if (n <= 0) return;
-  const AccLowFn fn = pick_acc_low(gk, first, n >= kStreamAccMin);
+  const AccLowFn fn = pick_acc_low(gk, first);
   for_chunks(n, acc, num_threads, [&](int64_t b, int64_t e) { fn(acc, src, b, e, alpha); });
 }
 
