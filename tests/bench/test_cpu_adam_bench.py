@@ -5,6 +5,7 @@ being torch's time over C++'s. No speed is asserted."""
 from __future__ import annotations
 
 import json
+from types import ModuleType
 
 import pytest
 
@@ -17,14 +18,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ext():
+def ext() -> ModuleType:
     try:
         return cpu_adam.load_extension()
     except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
         unavailable(f"CPU Adam extension unavailable: {exc}")
 
 
-def test_quick_json_has_every_pair_and_step(capsys):
+def test_quick_json_has_every_pair_and_step(capsys: pytest.CaptureFixture[str]) -> None:
     res = bench.main(["--quick", "--params", "5000", "--threads", "1", "--steps", "2", "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(json.dumps(res))
@@ -39,7 +40,7 @@ def test_quick_json_has_every_pair_and_step(capsys):
     assert res["ours_ms"] > 0 and res["torch_foreach_ms"] is None  # --quick skips torch foreach
 
 
-def test_table_prints_the_ratio_per_pair(capsys):
+def test_table_prints_the_ratio_per_pair(capsys: pytest.CaptureFixture[str]) -> None:
     bench.main(["--no-adam", "--params", "3000", "--threads", "1", "--steps", "1", "--warmup", "0"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("window accumulation: ")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import ModuleType
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ BIG = (1 << 20) + 37  # several threads' ranges, each with a ragged end
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ext():
+def ext() -> ModuleType:
     try:
         return cpu_adam.load_extension()
     except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
@@ -64,7 +65,9 @@ def _grads(n: int, dtype: torch.dtype, seed: int, specials: bool) -> list[torch.
 @pytest.mark.parametrize("n", [1, 15, 67, 1000, BIG])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("skip", [0, 3])
-def test_every_pair_equals_the_torch_path_bitwise(gd, ad, n, threads, skip, monkeypatch):
+def test_every_pair_equals_the_torch_path_bitwise(
+    gd: torch.dtype, ad: torch.dtype, n: int, threads: int, skip: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A window of three steps (first, add, add), with alpha 1, 1/4 and 1/3; ``skip`` elements cut
     off the front of both buffers so that neither is vector-aligned."""
     monkeypatch.setattr(host, "_ACC_CHUNK", 4096)  # several torch chunks and a ragged one
@@ -80,7 +83,7 @@ def test_every_pair_equals_the_torch_path_bitwise(gd, ad, n, threads, skip, monk
 
 @pytest.mark.parametrize(("gd", "ad"), PAIRS, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("first", [True, False])
-def test_thread_counts_give_identical_bits(gd, ad, first):
+def test_thread_counts_give_identical_bits(gd: torch.dtype, ad: torch.dtype, first: bool) -> None:
     n = 3 * BIG
     (g,) = _grads(n, gd, seed=1, specials=False)[:1]
     base = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(ad)
@@ -94,7 +97,7 @@ def test_thread_counts_give_identical_bits(gd, ad, first):
 
 
 @pytest.mark.parametrize("n", [40, BIG])
-def test_first_step_with_alpha_one_is_a_bit_exact_copy(n):
+def test_first_step_with_alpha_one_is_a_bit_exact_copy(n: int) -> None:
     """alpha == 1 on a window's first step is torch's ``acc.copy_(src)``: every fp32 bit pattern
     comes through, signalling NaNs too (a multiplication by 1 would quiet them)."""
     src = torch.randn(n, generator=torch.Generator().manual_seed(3))
@@ -111,7 +114,7 @@ def test_first_step_with_alpha_one_is_a_bit_exact_copy(n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bf16_and_fp16_upcast_copy_keeps_every_bit_pattern(dtype):
+def test_bf16_and_fp16_upcast_copy_keeps_every_bit_pattern(dtype: torch.dtype) -> None:
     """alpha == 1, first step, a bf16/fp16 gradient into fp32: the plain upcast, equal to ATen's
     conversion for every one of the 65536 bit patterns (NaNs: as NaN)."""
     src = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).clone()
@@ -127,7 +130,7 @@ def test_bf16_and_fp16_upcast_copy_keeps_every_bit_pattern(dtype):
     not os.environ.get("ZENFLOW_TEST_ALL_ISAS"), reason="set ZENFLOW_TEST_ALL_ISAS=1 (builds 3 more)"
 )
 @pytest.mark.parametrize("arch", ["-march=haswell", "-mavx2 -mfma -mno-f16c", "-march=x86-64"])
-def test_other_isa_builds(arch):
+def test_other_isa_builds(arch: str) -> None:
     """This file again against the AVX2 (with/without F16C) and scalar builds."""
     env = {**os.environ, "ZENFLOW_CPU_ADAM_ARCH": arch, "ZENFLOW_TEST_ALL_ISAS": ""}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
