@@ -11,13 +11,17 @@ Bandwidth references (GB/s = 1e9 B/s):
   rmw:   torch a.add_(b), 12 B/elem
 The bound is the largest of the three; bandwidth_fraction = ours' effective GB/s / bound.
 
-Window accumulation (zenflow, accumulate_on="host": every step's gradient added into an fp32 window
-accumulator, ``acc += alpha * g``): the C++ pass (``offload.cpu_adam.accumulate``: SIMD, OpenMP, GIL
-released) against the engine's previous torch path (``offload.host.accumulate_torch``: one ATen op
-for fp32 gradients, 1M-element chunks through fp32 scratch for bf16/fp16 ones, the GIL held between
-chunks), on the same buffers in the same rounds. Byte model: read acc and g, write acc = 12 B/elem
-(10 with bf16/fp16 gradients); acc_bandwidth_fraction = its effective GB/s / the same bound.
+Window accumulation (zenflow, accumulate_on="host": every step's gradient added into the window
+accumulator, ``acc = alpha * g`` on a window's first step, ``acc += alpha * g`` after): the C++ pass
+(``offload.cpu_adam.accumulate``: SIMD, OpenMP, GIL released) against the torch path
+(``offload.host.accumulate_torch``: one ATen op for fp32, 1M-element chunks through fp32 scratch for
+bf16/fp16, the GIL held between chunks), per (gradient dtype -> accumulator dtype) pair and for both
+the first and the add step, on the same buffers, the two alternating within each round. Printed as
+``C++/torch`` = torch's median time / C++'s (>1: C++ faster). Byte model: read g, write acc, and read
+acc when adding.
 
+    python -m bench.cpu_adam --params 50000000 --threads 2 --steps 10 --grad-dtype bf16 --json
+    python -m bench.cpu_adam --quick          # ~10 s on 16 cores: small Adam run + the accumulation table
     python -m bench.cpu_adam --params 50000000 --threads 2 --steps 10 --grad-dtype bf16 --json
 """
 
@@ -64,7 +68,6 @@ def run(
     param_out: str,
     with_torch: bool = True,
     with_foreach: bool = True,
-    with_accumulate: bool = True,
 ) -> dict[str, Any]:
     """Time all variants for ``n`` params; returns the result dict (see module docstring)."""
     torch.set_num_threads(threads)
@@ -105,13 +108,6 @@ def run(
         fns["torch_fused"] = torch.optim.AdamW([param], **_HP, fused=True).step
         if with_foreach:
             fns["torch_foreach"] = torch.optim.AdamW([param], **_HP, foreach=True).step
-    if with_accumulate:
-        from offload.host import accumulate_torch
-
-        acc = torch.zeros(n)
-        tmp = torch.empty(min(n, 1 << 20))
-        fns["acc_ours"] = lambda: cpu_adam.accumulate(acc, g, alpha=0.25, first=False, num_threads=threads)
-        fns["acc_torch"] = lambda: accumulate_torch(acc, g, alpha=0.25, first=False, tmp=tmp)
     # probe on the same buffers as ours (only the timing matters; values stay finite)
     fns["probe"] = lambda: ext._stream_probe(p, g32, m, v, threads)
     nb = min(n, 32_000_000)
@@ -160,18 +156,85 @@ def run(
         if kind in med:
             res[f"{kind}_GBps"] = 28 * n / med[kind] / 1e9
             res[f"speedup_vs_{kind}"] = med[kind] / med["ours"]
-    if "acc_ours" in med:
-        acc_bpp = 8 + (4 if grad_dtype == "fp32" else 2)
-        res.update(
-            acc_bytes_per_param=acc_bpp,
-            acc_ours_ms=med["acc_ours"] * 1e3,
-            acc_torch_ms=med["acc_torch"] * 1e3,
-            acc_speedup_vs_torch=med["acc_torch"] / med["acc_ours"],
-            acc_ours_GBps=acc_bpp * n / med["acc_ours"] / 1e9,
-            acc_torch_GBps=acc_bpp * n / med["acc_torch"] / 1e9,
-            acc_bandwidth_fraction=acc_bpp * n / med["acc_ours"] / 1e9 / bound,
-        )
     return res
+
+
+#: (gradient dtype, accumulator dtype) pairs the engine can ask for: an fp32 accumulator for any
+#: gradient, or the gradient's own bf16/fp16.
+ACC_PAIRS = (("fp32", "fp32"), ("bf16", "fp32"), ("fp16", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"))
+
+
+def run_accumulate(
+    n: int, threads: int, rounds: int, warmup: int, alpha: float = 0.25
+) -> list[dict[str, Any]]:
+    """Time C++ against torch window accumulation for every pair in :data:`ACC_PAIRS`, first and
+    add steps; one row per (pair, step) with both medians and ``ratio`` = torch / C++."""
+    torch.set_num_threads(threads)
+    cpu_adam.set_num_threads(threads)
+    rows: list[dict[str, Any]] = []
+    for gd, ad in ACC_PAIRS:  # one pair's buffers at a time
+        rows += _time_pair(n, gd, ad, threads, rounds, warmup, alpha)
+    return rows
+
+
+def _time_pair(
+    n: int, gd: str, ad: str, threads: int, rounds: int, warmup: int, alpha: float
+) -> list[dict[str, Any]]:
+    from offload.host import accumulate_torch
+
+    gen = torch.Generator().manual_seed(0)
+    g = (torch.randn(n, generator=gen) * 1e-3).to(_DTYPES[gd])
+    acc = torch.randn(n, generator=gen).to(_DTYPES[ad])
+    tmp = torch.empty(min(n, 1 << 20))
+
+    def cpp(first: bool) -> None:
+        cpu_adam.accumulate(acc, g, alpha=alpha, first=first, num_threads=threads)
+
+    def ref(first: bool) -> None:
+        accumulate_torch(acc, g, alpha=alpha, first=first, tmp=tmp)
+
+    times: dict[tuple[bool, str], list[float]] = {}
+    for r in range(warmup + rounds):
+        for first in (True, False):
+            impls = [("cpp", cpp), ("torch", ref)]
+            for name, fn in impls if r % 2 == 0 else impls[::-1]:  # alternate who goes first
+                t0 = time.perf_counter()
+                fn(first)
+                if r >= warmup:
+                    times.setdefault((first, name), []).append(time.perf_counter() - t0)
+    rows = []
+    for first in (True, False):
+        t_cpp, t_ref = statistics.median(times[first, "cpp"]), statistics.median(times[first, "torch"])
+        nbytes = n * (g.element_size() + acc.element_size() * (1 if first else 2))
+        rows.append(
+            {
+                "grad": gd,
+                "acc": ad,
+                "step": "first" if first else "add",
+                "cpp_ms": t_cpp * 1e3,
+                "torch_ms": t_ref * 1e3,
+                "ratio": t_ref / t_cpp,
+                "cpp_GBps": nbytes / t_cpp / 1e9,
+                "torch_GBps": nbytes / t_ref / 1e9,
+            }
+        )
+    return rows
+
+
+def _print_accumulate(rows: list[dict[str, Any]], n: int, threads: int, rounds: int) -> None:
+    print(
+        f"window accumulation: {n / 1e6:.1f}M elements, {threads} threads, median of {rounds} rounds "
+        "(C++/torch = torch time / C++ time, >1: C++ faster)"
+    )
+    print(
+        f"  {'grad -> acc':14s} {'step':5s} {'C++ ms':>8s} {'torch ms':>9s} {'C++ GB/s':>9s} {'C++/torch':>10s}"
+    )
+    for r in rows:
+        print(
+            f"  {r['grad'] + ' -> ' + r['acc']:14s} {r['step']:5s} {r['cpp_ms']:8.2f} {r['torch_ms']:9.2f} "
+            f"{r['cpp_GBps']:9.1f} {r['ratio']:9.2f}x"
+        )
+    print(f"  lowest C++/torch ratio: {min(r['ratio'] for r in rows):.2f}x")
 
 
 def _print_table(res: dict[str, Any]) -> None:
@@ -202,44 +265,51 @@ def _print_table(res: dict[str, Any]) -> None:
     if res.get("speedup_vs_torch_foreach") is not None:
         print(f", {res['speedup_vs_torch_foreach']:.2f}x torch foreach", end="")
     print()
-    if "acc_ours_ms" in res:
-        b = res["acc_bytes_per_param"]
-        print(
-            f"  window accumulation acc += alpha * g ({b} B/param): C++ {res['acc_ours_ms']:.2f} ms "
-            f"({res['acc_ours_GBps']:.1f} GB/s, {res['acc_bandwidth_fraction'] * 100:.1f}% of the bound), "
-            f"torch path {res['acc_torch_ms']:.2f} ms ({res['acc_torch_GBps']:.1f} GB/s): "
-            f"{res['acc_speedup_vs_torch']:.2f}x"
-        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=int, default=50_000_000)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10, help="timed rounds (median reported)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--params", type=int, default=None, help="elements (default 50M, --quick 32M)")
+    ap.add_argument("--threads", type=int, default=None, help="default: torch.get_num_threads()")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed rounds, median reported (default 10, --quick 5)"
+    )
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 3, --quick 1)")
     ap.add_argument("--grad-dtype", choices=sorted(_DTYPES), default="fp32")
     ap.add_argument("--param-out", choices=["none", "bf16", "fp16"], default="none")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch optimizers")
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow on CPU)")
+    ap.add_argument("--no-adam", action="store_true", help="only the window-accumulation comparison")
     ap.add_argument("--no-accumulate", action="store_true", help="skip the window-accumulation comparison")
+    ap.add_argument("--quick", action="store_true", help="32M elements, 5 rounds, no torch foreach")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
-    res = run(
-        args.params,
-        args.threads,
-        args.steps,
-        args.warmup,
-        args.grad_dtype,
-        args.param_out,
-        with_torch=not args.no_torch,
-        with_foreach=not args.no_foreach,
-        with_accumulate=not args.no_accumulate,
-    )
+    n = args.params or (32_000_000 if args.quick else 50_000_000)
+    threads = args.threads or torch.get_num_threads()
+    steps = args.steps or (5 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    res: dict[str, Any] = {"params": n, "threads": threads}
+    if not args.no_adam:
+        res = run(
+            n,
+            threads,
+            steps,
+            warmup,
+            args.grad_dtype,
+            args.param_out,
+            with_torch=not args.no_torch,
+            with_foreach=not (args.no_foreach or args.quick),
+        )
+        if not args.json:
+            _print_table(res)
+    if not args.no_accumulate:
+        rows = run_accumulate(n, threads, steps, warmup)
+        res["accumulate"] = rows
+        res["accumulate_min_ratio"] = min(r["ratio"] for r in rows)
+        if not args.json:
+            _print_accumulate(rows, n, threads, steps)
     if args.json:
         print(json.dumps(res))
-    else:
-        _print_table(res)
     return res
 
 

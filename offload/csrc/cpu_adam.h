@@ -46,9 +46,10 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
 void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void* out, OutKind ok,
                  int64_t n, const AdamScalars& s, int num_threads);
 
-// Window accumulation (zenflow, accumulate_on="host"): acc = src * alpha when first, else
-// acc = fma(src, alpha, acc), i.e. ATen's `acc.add_(src, alpha=alpha)` (vectorised with a fused
-// multiply-add) on src upcast to fp32; src is float / bf16 / fp16 (gk). num_threads <= 0: default.
+// Window accumulation (zenflow, accumulate_on="host"): acc = src * alpha when first (alpha == 1: a
+// plain copy / upcast, every bit pattern kept, as ATen's acc.copy_(src)), else acc = fma(src, alpha,
+// acc), i.e. ATen's `acc.add_(src, alpha=alpha)` (vectorised with a fused multiply-add) on src upcast
+// to fp32; src is float / bf16 / fp16 (gk). num_threads <= 0: default.
 void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads);
 
 // The same with acc in src's low-precision dtype (gk BF16 or F16): the fp32 result of each element is

@@ -1,0 +1,52 @@
+"""bench/cpu_adam.py's window-accumulation table, as ``bench/gpu_check.sh`` calls it (``--quick
+--json``), on a tiny size: one row per (gradient dtype -> accumulator dtype) pair and step, the ratio
+being torch's time over C++'s. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+from types import ModuleType
+
+import pytest
+
+from bench import cpu_adam as bench
+from offload import cpu_adam
+from offload.cpu_adam import CpuAdamBuildError
+from tests.support import unavailable
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext() -> ModuleType:
+    try:
+        return cpu_adam.load_extension()
+    except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
+        unavailable(f"CPU Adam extension unavailable: {exc}")
+
+
+def test_quick_json_has_every_pair_and_step(capsys: pytest.CaptureFixture[str]) -> None:
+    res = bench.main(["--quick", "--params", "5000", "--threads", "1", "--steps", "2", "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(res))
+    rows = res["accumulate"]
+    assert [(r["grad"], r["acc"], r["step"]) for r in rows] == [
+        (g, a, s) for g, a in bench.ACC_PAIRS for s in ("first", "add")
+    ]
+    for r in rows:
+        assert r["cpp_ms"] > 0 and r["torch_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["torch_ms"] / r["cpp_ms"])
+    assert res["accumulate_min_ratio"] == min(r["ratio"] for r in rows)
+    assert res["ours_ms"] > 0 and res["torch_foreach_ms"] is None  # --quick skips torch foreach
+
+
+def test_table_prints_the_ratio_per_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    bench.main(["--no-adam", "--params", "3000", "--threads", "1", "--steps", "1", "--warmup", "0"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("window accumulation: ")
+    body = [line.split() for line in out[2:-1]]
+    assert [(b[0], b[2], b[3]) for b in body] == [
+        (g, a, s) for g, a in bench.ACC_PAIRS for s in ("first", "add")
+    ]
+    assert all(b[-1].endswith("x") and float(b[-1][:-1]) > 0 for b in body)
+    assert out[-1].startswith("  lowest C++/torch ratio: ")
