@@ -78,7 +78,7 @@ OPS_STEPS=${OPS_STEPS:-24}
 OPS_PROFILE_STEPS=${OPS_PROFILE_STEPS:-16}
 GIL_MODEL_SIZE=${GIL_MODEL_SIZE:-small}
 GIL_STEPS=${GIL_STEPS:-30}
-ADAM_PARAMS=${ADAM_PARAMS:-100000000}
+ADAM_PARAMS=${ADAM_PARAMS:-64000000}
 DIST_MODEL=${DIST_MODEL:-medium}
 DIST_STEPS=${DIST_STEPS:-20}
 DIST_TIMEOUT=${DIST_TIMEOUT:-180}
@@ -252,8 +252,8 @@ if [ "$CPP_OK" = 1 ]; then
     --steps "$GIL_STEPS" --warmup 2 --cores-ratio "$CORES_RATIO" --json
   adam_threads=$(( $("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))') * 3 / 4 ))
   section "bench/cpu_adam.py: C++ AdamW and accumulation vs torch ($ADAM_PARAMS params, $adam_threads threads)" 60 \
-    cpu_adam.json -- "$PY" -m bench.cpu_adam --params "$ADAM_PARAMS" --threads "$(( adam_threads > 0 ? adam_threads : 1 ))" \
-    --steps 5 --warmup 2 --no-foreach --json
+    cpu_adam.json -- "$PY" -m bench.cpu_adam --quick --params "$ADAM_PARAMS" \
+    --threads "$(( adam_threads > 0 ? adam_threads : 1 ))" --json
 else
   echo "== engine_ops, GIL, cpu_adam: skipped (no C++ optimizer)"
 fi
