@@ -6,8 +6,10 @@ thread: one AdamW step per host store, at the given learning rate, in ``cpu_chun
 accumulator it read (fp32: the master is the result). On CUDA the thread then prefetches the finished
 params' results into the device landing buffers (H2D stream, after the last merge), so the merge is a
 device-to-device copy; in a process group every rank's updated shard is all-gathered into the replica
-the landing buffers view (by the CPU thread on its own group over gloo; by the training thread at the
-merge over NCCL, whose collectives must keep one order on every rank).
+the landing buffers view (by the CPU thread on its own group over gloo; by the training thread over
+NCCL, whose collectives must keep one order on every rank: at the merge, or earlier when
+:meth:`WindowUpdate.gather_pending` is called collectively, by ``state_dict()`` or ``consolidated()``,
+so that a checkpoint or an export includes the last window).
 
 :meth:`WindowUpdate.collect` waits for that result (the only possible stall) and merges it into the
 device weights, except the columns selected when it was submitted or now, where the device's values
@@ -43,6 +45,8 @@ class Pending:
     h2d_bytes: int
     #: The host buffer the CPU step read its gradient from and wrote its bf16/fp16 result into.
     acc_index: int
+    #: The result is in the replica (its all-gather has run; a gather on the worker counts once it resolved).
+    gathered: bool = False
 
 
 class WindowUpdate:
@@ -117,14 +121,27 @@ class WindowUpdate:
                 with gil_released():
                     last.wait()
             gathered = 0
-            if lay.gathers and not ops.is_cuda:
+            if lay.gathers and not lay.training_thread_gathers:
                 gathered = lay.gather_results(acc_i)
-            elif lay.gathers:  # NCCL: the training thread gathers at the boundary (see collect)
+            elif lay.gathers:  # NCCL: the training thread gathers (gather_pending)
                 for si in range(len(lay.stores)):
-                    lay.upload_shard(si, acc_i)
+                    lay.upload_shard(si, acc_i, after=after)
             return busy, gathered
 
-        return Pending(self.thread.submit(run), sel, h2d_bytes, acc_i)
+        return Pending(
+            self.thread.submit(run), sel, h2d_bytes, acc_i, gathered=not lay.training_thread_gathers
+        )
+
+    def gather_pending(self, pending: Pending) -> int:
+        """NCCL: wait for ``pending`` and all-gather its result into the replica on the training thread,
+        once (collective: every rank calls it at the same point); the bytes sent (0 when done already)."""
+        assert self.thread is not None
+        if pending.gathered:
+            return 0
+        self.thread.wait(pending.future)
+        pending.gathered = True
+        lay = self.layout
+        return sum(lay.all_gather(si, self.ranks.group) for si in range(len(lay.stores)))
 
     def collect(self, pending: Pending, stats: StepStats, columns: Columns) -> None:
         """Wait for ``pending`` and merge it into the device weights (``columns``: the current selection)."""
@@ -132,11 +149,11 @@ class WindowUpdate:
         lay = self.layout
         with stats.blocked():
             seconds, gathered = self.thread.wait(pending.future)
-            if lay.gathers and self.ops.is_cuda:
-                # NCCL: on the training thread, in step order. Two threads issuing collectives on two
-                # communicators could launch them in different orders on different ranks, and NCCL
-                # kernels waiting on each other deadlock; a device all-gather is fast anyway.
-                gathered += sum(lay.all_gather(si, self.ranks.group) for si in range(len(lay.stores)))
+            # NCCL: on the training thread, in step order. Two threads issuing collectives on two
+            # communicators could launch them in different orders on different ranks, and NCCL
+            # kernels waiting on each other deadlock; a device all-gather is fast anyway.
+            gathered += self.gather_pending(pending)
+            lay.replica_ready()
             for s in lay.splits:
                 cur = columns(s.name)
                 assert cur is not None
@@ -164,6 +181,8 @@ class WindowUpdate:
         merge now would take, without changing anything (waits for the result)."""
         assert self.thread is not None
         self.thread.wait(pending.future)
+        self.gather_pending(pending)
+        self.layout.replica_ready()
         for s in self.layout.splits:
             cur = columns(s.name)
             assert cur is not None
@@ -215,6 +234,7 @@ class WindowUpdate:
                 stats.cpu_optimizer_seconds += float(thread.wait(thread.submit(run)))
                 if lay.gathers:  # every rank's updated shard into the replica (no window is in flight)
                     stats.bytes_gathered += lay.gather_store(si, 0, self.ranks.group)
+                    lay.replica_ready()
                     for s in members:
                         assert s.landing is not None
                         s.param.data.copy_(s.landing)
@@ -247,9 +267,10 @@ class WindowUpdate:
             store.restore_result(acc_index)
         if lay.gathers:  # every rank's shard of the result into the replica again
             lay.gather_results(acc_index, group=self.ranks.group)
+            lay.replica_ready()
         elif self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
             pairs = [(s.landing, s.store.flat(s.store.result(acc_index), s.index)) for s in lay.splits]
             t = self.ops.h2d(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # CUDA: landing set
             t.wait()
             h2d_bytes = t.nbytes
-        return Pending(fut, sel, h2d_bytes, acc_index)
+        return Pending(fut, sel, h2d_bytes, acc_index, gathered=True)
