@@ -73,8 +73,8 @@ class HostLayout:
                 like = p.detach()
                 if gather is not None:  # the landing buffers are views of the gathered replica
                     landing: torch.Tensor | None = gather.view(store.full_offsets[i], like.shape)
-                else:
-                    landing = torch.empty_like(like) if ops.is_cuda else None
+                else:  # CUDA: prefetched into (unless the job has no room for them: landing_buffers)
+                    landing = torch.empty_like(like) if ops.is_cuda and cfg.landing_buffers else None
                 dacc = torch.zeros(like.shape, dtype=torch.float32, device=like.device) if on_device else None
                 k = num_selected(p.shape[1], cfg.topk_ratio)
                 self.splits.append(Split(n, p, store, i, k, landing, dacc))

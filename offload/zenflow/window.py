@@ -82,7 +82,8 @@ class WindowUpdate:
         cfg, lay, ops = self.cfg, self.layout, self.ops
         by_store = {id(st): {s.index: s for s in lay.members(st)} for st in lay.stores}
         after = self.merge_done
-        h2d_bytes = sum(s.param.numel() * s.param.element_size() for s in lay.splits) if ops.is_cuda else 0
+        prefetch = ops.is_cuda and not lay.gathers and all(s.landing is not None for s in lay.splits)
+        h2d_bytes = sum(s.param.numel() * s.param.element_size() for s in lay.splits) if prefetch else 0
 
         def run() -> Any:
             busy = 0.0
@@ -91,6 +92,8 @@ class WindowUpdate:
             with gil_released():
                 for t_acc in acc_copies:
                     t_acc.wait()
+                if after is not None and not prefetch and not lay.gathers:
+                    after.synchronize()  # the last merge uploaded from the buffers this step writes
             t = time.perf_counter()
             for store in lay.stores:
                 acc = store.bufs[acc_i]
@@ -105,7 +108,7 @@ class WindowUpdate:
                     num_threads=self.threads,
                     chunk=cfg.cpu_chunk_elements,
                 ):
-                    if done and ops.is_cuda and not lay.gathers:  # prefetch finished params' results, batched
+                    if done and prefetch:  # prefetch finished params' results, batched
                         pairs = []
                         for i in done:
                             landing = by_store[id(store)][i].landing
@@ -164,9 +167,9 @@ class WindowUpdate:
                 saved = [p.index_select(1, keep) for keep in keeps]
                 if s.landing is not None:
                     p.copy_(s.landing)
-                else:
+                else:  # CPU, or no landing buffers: from (page-locked) host memory, on the compute stream
                     src = s.store.shaped(s.store.result(pending.acc_index), s.index)
-                    p.copy_(src)
+                    p.copy_(src, non_blocking=self.ops.is_cuda)
                     stats.bytes_h2d += src.numel() * src.element_size()
                 for keep, vals in zip(keeps, saved, strict=True):
                     p.index_copy_(1, keep, vals)
@@ -268,7 +271,7 @@ class WindowUpdate:
         if lay.gathers:  # every rank's shard of the result into the replica again
             lay.gather_results(acc_index, group=self.ranks.group)
             lay.replica_ready()
-        elif self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
+        elif lay.splits and all(s.landing is not None for s in lay.splits):  # re-issue the saved prefetch
             pairs = [(s.landing, s.store.flat(s.store.result(acc_index), s.index)) for s in lay.splits]
             t = self.ops.h2d(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # CUDA: landing set
             t.wait()

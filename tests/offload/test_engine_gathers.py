@@ -145,3 +145,77 @@ def test_a_rank_with_an_empty_shard_trains_like_one_process(world: int) -> None:
                 r,
                 k,
             )
+
+
+def _presence(rank: int, world: int) -> dict[str, Any]:
+    """fill_missing_gradients: three calls where rank 0 has both gradients and rank 1 lacks p1's (reads
+    counted), then one with a third parameter no rank has a gradient for."""
+    import torch.distributed as dist
+
+    from offload.collectives import Ranks, fill_missing_gradients
+
+    ranks = Ranks.of(dist.group.WORLD)
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    reads = 0
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> Any:
+        nonlocal reads
+        reads += 1
+        return tolist(self)
+
+    def grads(n: int) -> None:
+        for p in params:
+            p.grad = None
+        params[0].grad = torch.ones(3)
+        if rank == 0:
+            params[1].grad = torch.full((3,), 2.0)
+        fill_missing_gradients(params[:n], ranks)
+
+    torch.Tensor.tolist = counted  # type: ignore[method-assign,assignment]
+    try:
+        for _ in range(3):
+            grads(2)
+        two = reads
+        grads(3)
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    return {"reads": two, "grads": [None if p.grad is None else p.grad.tolist() for p in params]}
+
+
+def test_fill_missing_gradients_reads_back_only_where_a_gradient_is_missing() -> None:
+    """A rank with every gradient makes no host read (the flags' result is not looked at: no sync per
+    step on a GPU); the rank without p1's reads and gets a zero one; no rank gets one for p2."""
+    r0, r1 = run_ranks(_presence, 2)
+    assert r0["reads"] == 0
+    assert r1["reads"] == 3  # one per call, there only
+    assert r0["grads"] == [[1.0] * 3, [2.0] * 3, None]
+    assert r1["grads"] == [[1.0] * 3, [0.0] * 3, None]
+
+
+def _scatter(rank: int, world: int) -> list[list[float]]:
+    """reduce_scatter_flat with a reused flat input against a fresh one, a gradient going missing."""
+    import torch.distributed as dist
+
+    from offload.collectives import FlatBuffer, Ranks, reduce_scatter_flat
+
+    ranks = Ranks.of(dist.group.WORLD)
+    numels, offsets, size = [5, 4], [0, 5], 5  # 9 elements, padded to 10
+    buf = FlatBuffer(numels, size, world, torch.float32, torch.device("cpu"))
+    out: list[list[float]] = []
+    for step in range(3):
+        grads: list[torch.Tensor | None] = [
+            torch.arange(5.0) + 10 * rank + step,
+            None if step == 1 else torch.full((2, 2), float(rank + step)),
+        ]
+        a, b = torch.empty(size), torch.empty(size)
+        reduce_scatter_flat(grads, offsets, a, ranks, buf)
+        reduce_scatter_flat(grads, offsets, b, ranks)
+        out += [a.tolist(), b.tolist()]
+    return out
+
+
+def test_reduce_scatter_flat_with_a_reused_input_equals_a_fresh_one() -> None:
+    for got in run_ranks(_scatter, 2):
+        for i in range(0, len(got), 2):
+            assert got[i] == got[i + 1], i
