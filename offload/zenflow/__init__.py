@@ -40,7 +40,8 @@ d. submits AdamW on the window's mean gradient to the CPU thread: one CPU step p
    it converges worse, see ``EngineConfig.scale_cpu_lr``).
    The CPU step writes the new bf16/fp16 parameters over the accumulator it read (fp32: the master
    is the result). On CUDA the CPU thread then prefetches the result into device landing buffers on
-   the H2D stream, so (a) at the next boundary is a device-to-device copy. Host bytes per split
+   the H2D stream, so (a) at the next boundary is a device-to-device copy (``landing_buffers=False``:
+   no such device copy; (a) uploads from host memory then). Host bytes per split
    element: 12 + 2 accumulators (or 1 with device accumulation) in the parameters' dtype, see
    :mod:`offload.memory`.
 

@@ -3,8 +3,8 @@
 A *split* weight (2-D, not every column selected) is held whole on the host too: one
 :class:`~offload.host.HostStore` per parameter dtype (fp32 master, fp32 moments, the window
 accumulators in the parameters' dtype; in a process group this rank's 1/N shard of it). On the device
-each split weight may have a *landing* buffer the CPU result is prefetched into (CUDA), which in a
-process group is a view of the replica every rank's updated shard is all-gathered into
+each split weight may have a *landing* buffer the CPU result is prefetched into (CUDA, with
+``landing_buffers``), which in a process group is a view of the replica every rank's updated shard is all-gathered into
 (:class:`~offload.collectives.ShardGather`), and with ``accumulate_on="device"`` an fp32 accumulator.
 """
 
