@@ -119,9 +119,11 @@ class HostLayout:
 
     def upload_shard(self, si: int, acc_i: int, after: torch.cuda.Event | None = None) -> None:
         """This rank's updated shard into its slot of the replica (H2D stream, after ``after``: the
-        last merge, which read the slot through the all-gather); returns once it has landed."""
+        last merge, recorded after the all-gather that read the slot; default that all-gather itself,
+        which is queued, not finished, when the gathering thread returns); returns once it has landed."""
         store, gather = self.stores[si], self.gathers[si]
-        t = self.ops.h2d([(gather.mine.narrow(0, 0, store.numel), store.result(acc_i))], after=after)
+        ev = after if after is not None else self.gathered[si]
+        t = self.ops.h2d([(gather.mine.narrow(0, 0, store.numel), store.result(acc_i))], after=ev)
         with gil_released():
             t.wait()
 
