@@ -12,7 +12,10 @@ Two groups (gloo). The training thread's collectives run on the caller's group; 
 thread's all-gathers run on a second group over the same ranks (:class:`Ranks.side`), created
 collectively with the engine, so the two threads never interleave operations on one group. With NCCL
 every collective stays on the training thread (the CPU thread only uploads its shard), since NCCL kernels
-of two communicators launched in different orders on different ranks can deadlock.
+of two communicators launched in different orders on different ranks can deadlock: there the pending
+all-gather is completed by the next collect, or earlier by ``state_dict()`` / ``consolidated()``
+(collective then). ``OFFLOAD_TRAINING_THREAD_GATHERS=1`` (read when the engine is built) makes a gloo
+group take that path too, so CPU tests cover it.
 
 Collectives on gloo take CPU tensors, on NCCL CUDA tensors on the rank's device; the engine's device
 tensors are on that device in both cases. Reductions are summed and then divided by ``world``
@@ -22,6 +25,7 @@ tensors are on that device in both cases. Reductions are summed and then divided
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +43,9 @@ _all_gather_flat_op = getattr(dist, "all_gather_single", None) or dist.all_gathe
 #: the flat copy stays a modest transient on the device.
 BUCKET_ELEMENTS = 32 * 1024 * 1024
 
+#: Environment switch (tests): a gloo group gathers on the training thread, as with NCCL.
+TRAINING_THREAD_GATHERS_ENV = "OFFLOAD_TRAINING_THREAD_GATHERS"
+
 
 @dataclass(frozen=True)
 class Ranks:
@@ -52,6 +59,12 @@ class Ranks:
     @property
     def distributed(self) -> bool:
         return self.world > 1
+
+    @property
+    def training_thread_gathers(self) -> bool:
+        """No side group (NCCL, or the test switch): every collective, the CPU result's all-gather
+        included, runs on the training thread."""
+        return self.distributed and self.side is None
 
     @classmethod
     def of(cls, group: Any) -> Ranks:
@@ -67,7 +80,8 @@ class Ranks:
         ranks = dist.get_process_group_ranks(group)
         backend = dist.get_backend(group)
         # gloo only: with NCCL every collective stays on the training thread (offload.zenflow.mode)
-        side = dist.new_group(ranks=ranks, backend=backend) if backend == "gloo" else None
+        side_group = backend == "gloo" and os.environ.get(TRAINING_THREAD_GATHERS_ENV) != "1"
+        side = dist.new_group(ranks=ranks, backend=backend) if side_group else None
         return cls(group=group, side=side, world=world, rank=dist.get_rank(group))
 
 
@@ -105,17 +119,30 @@ def shard_range(numel: int, world: int, rank: int) -> tuple[int, int, int]:
     return lo, min(numel, lo + size), size
 
 
-def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: Ranks) -> list[bool]:
+#: Device copies of local gradient-presence patterns (few distinct ones per job), by device and pattern.
+_PRESENCE: dict[tuple[torch.device, tuple[bool, ...]], torch.Tensor] = {}
+
+
+def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: Ranks) -> None:
     """Give a zero gradient to every parameter some other rank has a gradient for (a rank whose batch
-    did not reach it); which parameters have one anywhere, in order. One small all-reduce."""
+    did not reach it). One small all-reduce of the presence flags (every rank takes part); only a rank
+    that lacks some gradient reads the result back (a host sync): the usual rank, with every gradient,
+    learns nothing from it and does not wait for it. The flags are uploaded once per pattern."""
     device = params[0].device
-    have = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8, device=device)
+    local = tuple(p.grad is not None for p in params)
+    key = (device, local)
+    src = _PRESENCE.get(key)
+    if src is None:
+        if len(_PRESENCE) >= 64:
+            _PRESENCE.clear()
+        src = _PRESENCE[key] = torch.tensor(local, dtype=torch.uint8).to(device)
+    have = src.clone()
     dist.all_reduce(have, op=dist.ReduceOp.MAX, group=ranks.group)
-    anywhere = [bool(x) for x in have.tolist()]
-    for p, any_rank in zip(params, anywhere, strict=True):
+    if all(local):
+        return
+    for p, any_rank in zip(params, have.tolist(), strict=True):
         if any_rank and p.grad is None:
             p.grad = torch.zeros_like(p)
-    return anywhere
 
 
 @torch.no_grad()
@@ -159,17 +186,41 @@ def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: Ranks) -> 
 
 @torch.no_grad()
 def reduce_scatter_flat(
-    grads: Sequence[torch.Tensor | None], offsets: Sequence[int], out: torch.Tensor, ranks: Ranks
+    grads: Sequence[torch.Tensor | None],
+    offsets: Sequence[int],
+    out: torch.Tensor,
+    ranks: Ranks,
+    buf: FlatBuffer | None = None,
 ) -> int:
     """``out`` := this rank's shard of the mean of gradients laid out flat (gradient ``i`` at
     ``offsets[i]``, zeros where None; padded to ``world * out.numel()``: a host store's layout); the
-    bytes this rank sent."""
-    flat = torch.zeros(ranks.world * out.numel(), dtype=out.dtype, device=out.device)
-    for g, off in zip(grads, offsets, strict=True):
+    bytes this rank sent. ``buf``: a persistent flat input reused every step (else a transient one)."""
+    if buf is None:
+        flat = torch.zeros(ranks.world * out.numel(), dtype=out.dtype, device=out.device)
+    else:
+        flat = buf.flat
+    for i, (g, off) in enumerate(zip(grads, offsets, strict=True)):
         if g is not None:
             flat.narrow(0, off, g.numel()).copy_(g.reshape(-1))
+        elif buf is not None:  # last step's values may lie there
+            flat.narrow(0, off, buf.numels[i]).zero_()
     reduce_scatter_mean(out, flat, ranks)
     return wire_bytes("reduce_scatter", flat.numel() * flat.element_size(), ranks.world)
+
+
+class FlatBuffer:
+    """The flat input of :func:`reduce_scatter_flat` kept across steps: the split gradients are copied
+    into it instead of into a fresh gradient-sized allocation every step. The padding is zeroed once;
+    ``numels`` (each gradient's length) lets a missing gradient's range be zeroed."""
+
+    def __init__(
+        self, numels: Sequence[int], size: int, world: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.numels = list(numels)
+        self.flat = torch.zeros(world * size, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
 
 
 class ShardGather:

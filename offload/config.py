@@ -83,6 +83,11 @@ class EngineConfig(BaseModel):
     """Where zenflow sums a window's unselected gradient: "host" (streamed off the device every step, no
     device memory) or "device" (an fp32 accumulator on the device, copied to the host once per window:
     less CPU work per step for 4 device bytes per parameter); bytes per mode in docs/engine-tuning.md."""
+    landing_buffers: bool = True
+    """zenflow on CUDA, one process: prefetch each window's CPU result into a device copy of the split
+    weights, so the merge is a device copy (True; 2 B per split element in bf16). False, for jobs whose
+    device memory cannot hold that copy: the merge uploads the result from page-locked host memory at the
+    window's end, the GPU waiting for the upload. In a process group the gathered replica is kept anyway."""
     cpu_chunk_elements: int = Field(1 << 23, ge=1024, le=MAX_CHUNK_ELEMENTS)
     """Largest slice the CPU step updates before waiting gradient copies run (2**23: a 32 MiB bf16 ring)."""
     loss_scaling: Literal["auto", "dynamic", "off"] = "auto"

@@ -34,8 +34,9 @@ Device, beyond the model's weights and gradients:
   4-byte step count per tensor. ``zenflow``: the same for the params it owns whole, and for the split
   weights per selected element 8 (+4 fp32 master for bf16/fp16) plus 16 B per selected column (its
   index and step count, int64).
-- ``device_buffers`` (``zenflow``): ``landing`` (CUDA: the CPU result is prefetched into one buffer per
-  split weight, ``g`` B/element), ``accumulator`` (``accumulate_on="device"``: fp32, 4 B/element),
+- ``device_buffers`` (``zenflow``): ``landing`` (CUDA with ``landing_buffers``: the CPU result is
+  prefetched into one buffer per split weight, ``g`` B/element; without, the merge uploads it from host
+  memory), ``accumulator`` (``accumulate_on="device"``: fp32, 4 B/element),
   ``stash`` (from a reselection to the next window end: the dropped columns' fp32 values, 4 B per
   selected element) and ``column_scratch`` (gathered selected-column gradients in fp32 plus a buffer in
   the parameter dtype, or an fp32 work copy for fp32 weights: 4 + g or 8 B per selected element).
@@ -161,7 +162,7 @@ def engine_memory(
     state["master"] += 4 * selected if low else 0
     state["columns"] = 16 * columns
     buffers = {
-        "landing": g * n_split if cuda else 0,
+        "landing": g * n_split if cuda and config.landing_buffers else 0,
         "accumulator": 4 * n_split if on_device else 0,
         "stash": 4 * selected,
         "column_scratch": (4 + g if low else 8) * selected,

@@ -40,10 +40,11 @@ d. submits AdamW on the window's mean gradient to the CPU thread: one CPU step p
    it converges worse, see ``EngineConfig.scale_cpu_lr``).
    The CPU step writes the new bf16/fp16 parameters over the accumulator it read (fp32: the master
    is the result). On CUDA the CPU thread then prefetches the result into device landing buffers on
-   the H2D stream, so (a) at the next boundary is a device-to-device copy. Host bytes per split
-   element: 12 + 2 accumulators (or 1 with device accumulation), in bf16 for bf16 parameters and in
-   fp32 for fp16 ones (fp16 gradients stay loss-scaled, and a window's sum of them would lose its
-   small entries in fp16), see :mod:`offload.memory`.
+   the H2D stream, so (a) at the next boundary is a device-to-device copy (``landing_buffers=False``:
+   no such device copy; (a) uploads from host memory then). Host bytes per split element: 12 + 2
+   accumulators (or 1 with device accumulation), in bf16 for bf16 parameters and in fp32 for fp16
+   ones (fp16 gradients stay loss-scaled, and a window's sum of them would lose its small entries in
+   fp16), see :mod:`offload.memory`.
 
 So the unimportant weights are exactly one window stale: the update from window ``v``'s gradients
 reaches the model at the end of window ``v + 1``. With ``overlap_step=False`` the boundary instead

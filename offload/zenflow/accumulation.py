@@ -177,6 +177,8 @@ class Accumulation:
         copying chunk ``c + 1`` into one slot while chunk ``c`` is added from the other."""
         acc, size = store.bufs[acc_i], ring[0].numel()
         chunks = [(lo, min(store.numel, lo + size)) for lo in range(0, store.numel, size)]
+        if not chunks:  # this rank's shard of the store is empty (more ranks than elements)
+            return
 
         def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
             """(param, start, end) in the param's flat index of the chunk's parts."""

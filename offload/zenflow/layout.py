@@ -3,8 +3,8 @@
 A *split* weight (2-D, not every column selected) is held whole on the host too: one
 :class:`~offload.host.HostStore` per parameter dtype (fp32 master, fp32 moments, the window
 accumulators in the parameters' dtype; in a process group this rank's 1/N shard of it). On the device
-each split weight may have a *landing* buffer the CPU result is prefetched into (CUDA), which in a
-process group is a view of the replica every rank's updated shard is all-gathered into
+each split weight may have a *landing* buffer the CPU result is prefetched into (CUDA, with
+``landing_buffers``), which in a process group is a view of the replica every rank's updated shard is all-gathered into
 (:class:`~offload.collectives.ShardGather`), and with ``accumulate_on="device"`` an fp32 accumulator.
 """
 
@@ -73,12 +73,14 @@ class HostLayout:
                 like = p.detach()
                 if gather is not None:  # the landing buffers are views of the gathered replica
                     landing: torch.Tensor | None = gather.view(store.full_offsets[i], like.shape)
-                else:
-                    landing = torch.empty_like(like) if ops.is_cuda else None
+                else:  # CUDA: prefetched into (unless the job has no room for them: landing_buffers)
+                    landing = torch.empty_like(like) if ops.is_cuda and cfg.landing_buffers else None
                 dacc = torch.zeros(like.shape, dtype=torch.float32, device=like.device) if on_device else None
                 k = num_selected(p.shape[1], cfg.topk_ratio)
                 self.splits.append(Split(n, p, store, i, k, landing, dacc))
         self.by_name = {s.name: s for s in self.splits}
+        #: per gathered store: recorded after its last all-gather (on the stream of the thread that ran it)
+        self.gathered: list[torch.cuda.Event | None] = [None] * len(self.gathers)
         #: some split weight is bf16/fp16 (its device columns then get an fp32 master)
         self.low = any(s.param.dtype != torch.float32 for s in self.splits)
 
@@ -105,14 +107,23 @@ class HostLayout:
         return {"landing": landing, "accumulator": sum(nbytes(s.dacc) for s in self.splits)}
 
     # --- the replica (process group) --------------------------------------------------------------
+    @property
+    def training_thread_gathers(self) -> bool:
+        """The all-gathers run on the training thread (NCCL; see :class:`~offload.collectives.Ranks`)."""
+        return bool(self.gathers) and self.ranks.training_thread_gathers
+
     def gather_results(self, acc_i: int, group: Any = None) -> int:
         """Upload this rank's updated shard of every store and all-gather every rank's into the
         replica the landing buffers view (on the CPU thread's own group unless ``group``)."""
         return sum(self.gather_store(si, acc_i, group) for si in range(len(self.stores)))
 
-    def upload_shard(self, si: int, acc_i: int) -> None:
+    def upload_shard(self, si: int, acc_i: int, after: torch.cuda.Event | None = None) -> None:
+        """This rank's updated shard into its slot of the replica (H2D stream, after ``after``: the
+        last merge, recorded after the all-gather that read the slot; default that all-gather itself,
+        which is queued, not finished, when the gathering thread returns); returns once it has landed."""
         store, gather = self.stores[si], self.gathers[si]
-        t = self.ops.h2d([(gather.mine.narrow(0, 0, store.numel), store.result(acc_i))])
+        ev = after if after is not None else self.gathered[si]
+        t = self.ops.h2d([(gather.mine.narrow(0, 0, store.numel), store.result(acc_i))], after=ev)
         with gil_released():
             t.wait()
 
@@ -121,8 +132,14 @@ class HostLayout:
         return self.all_gather(si, group)
 
     def all_gather(self, si: int, group: Any = None) -> int:
+        """All-gather store ``si``'s replica on the calling thread's stream (on ``group``, default the
+        side group). The training thread's compute stream waits for it before reading the replica
+        (:meth:`replica_ready`): an event, not a host sync."""
         n = self.gathers[si].gather(self.ranks.side if group is None else group)
-        if self.ops.is_cuda:  # the gathered values are final before another stream reads them
-            with gil_released():
-                torch.cuda.current_stream(self.ops.device).synchronize()
+        self.gathered[si] = self.ops.record()
         return n
+
+    def replica_ready(self) -> None:
+        """Order the compute stream after the last all-gather of every store (CUDA; no host wait)."""
+        for ev in self.gathered:
+            self.ops.compute_wait(ev)

@@ -287,10 +287,19 @@ class ZenFlowMode(Mode):
 
     @torch.no_grad()
     def consolidated(self) -> dict[str, torch.Tensor]:
+        """The weights with the pending CPU result merged in. NCCL: collective while that result's
+        all-gather is still to run (:meth:`_gather_pending`; ``state_dict()`` runs it, so a rank-0-only
+        export after a checkpoint's ``state_dict()`` on every rank needs no collective)."""
         out = {n: p.detach().to("cpu", copy=True) for n, p in self.named}
         if self.pending is not None and self.cpu_thread is not None:
             self.window_update.merged(self.pending, out, self.dev.columns)
         return out
+
+    def _gather_pending(self) -> None:
+        """NCCL: the pending CPU result into every rank's replica now, on the training thread (no-op
+        otherwise), so the state saved and the weights exported next include the last window."""
+        if self.pending is not None and self.cpu_thread is not None:
+            self.window_update.gather_pending(self.pending)
 
     # --- sizes ----------------------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -319,6 +328,7 @@ class ZenFlowMode(Mode):
 
     def state_dict(self) -> dict[str, Any]:
         self._drain()
+        self._gather_pending()
         open_window = self.win_len > 0
         return {
             "mode": self.name,

@@ -22,7 +22,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from offload.collectives import Ranks, Reduced, average_gradients, reduce_scatter_flat, wire_bytes
+from offload.collectives import (
+    FlatBuffer,
+    Ranks,
+    Reduced,
+    average_gradients,
+    reduce_scatter_flat,
+    wire_bytes,
+)
 from offload.device import DeviceOps
 from offload.mode_base import NamedParams
 from offload.timing import StepStats
@@ -39,6 +46,8 @@ class ShardReduction:
         self.named, self.layout, self.ops, self.ranks = named, layout, ops, ranks
         self.on_device = on_device
         self.shards: list[torch.Tensor] | None = None
+        #: per store, the reduce-scatter's flat input, reused every step (made on first use)
+        self.flat: list[FlatBuffer] = []
 
     @torch.no_grad()
     def reduce(self, stats: StepStats, columns: Columns | None, *, warming: bool) -> Reduced | None:
@@ -55,12 +64,17 @@ class ShardReduction:
         if full:
             stats.bytes_reduced += average_gradients(full, ranks)
         shards = []
-        for store in lay.stores:
+        if not self.flat:
+            self.flat = [
+                FlatBuffer(st.full_numels, st.shard_size, ranks.world, st.dtype, self.ops.device)
+                for st in lay.stores
+            ]
+        for store, buf in zip(lay.stores, self.flat, strict=True):
             in_order = [s.param.grad for s in lay.members(store)]  # the store's parameter order
             out = torch.empty(
                 store.shard_size, dtype=store.dtype, device=self.ops.device
             )  # fresh: read later
-            stats.bytes_reduced += reduce_scatter_flat(in_order, store.full_offsets, out, ranks)
+            stats.bytes_reduced += reduce_scatter_flat(in_order, store.full_offsets, out, ranks, buf)
             shards.append(out.narrow(0, 0, store.numel))
         also = []
         if columns is not None:  # the device's columns: their mean, written back where the device reads it

@@ -6,8 +6,10 @@ thread: one AdamW step per host store, at the given learning rate, in ``cpu_chun
 accumulator it read (fp32: the master is the result). On CUDA the thread then prefetches the finished
 params' results into the device landing buffers (H2D stream, after the last merge), so the merge is a
 device-to-device copy; in a process group every rank's updated shard is all-gathered into the replica
-the landing buffers view (by the CPU thread on its own group over gloo; by the training thread at the
-merge over NCCL, whose collectives must keep one order on every rank).
+the landing buffers view (by the CPU thread on its own group over gloo; by the training thread over
+NCCL, whose collectives must keep one order on every rank: at the merge, or earlier when
+:meth:`WindowUpdate.gather_pending` is called collectively, by ``state_dict()`` or ``consolidated()``,
+so that a checkpoint or an export includes the last window).
 
 :meth:`WindowUpdate.collect` waits for that result (the only possible stall) and merges it into the
 device weights, except the columns selected when it was submitted or now, where the device's values
@@ -43,6 +45,8 @@ class Pending:
     h2d_bytes: int
     #: The host buffer the CPU step read its gradient from and wrote its bf16/fp16 result into.
     acc_index: int
+    #: The result is in the replica (its all-gather has run; a gather on the worker counts once it resolved).
+    gathered: bool = False
 
 
 class WindowUpdate:
@@ -78,7 +82,8 @@ class WindowUpdate:
         cfg, lay, ops = self.cfg, self.layout, self.ops
         by_store = {id(st): {s.index: s for s in lay.members(st)} for st in lay.stores}
         after = self.merge_done
-        h2d_bytes = sum(s.param.numel() * s.param.element_size() for s in lay.splits) if ops.is_cuda else 0
+        prefetch = ops.is_cuda and not lay.gathers and all(s.landing is not None for s in lay.splits)
+        h2d_bytes = sum(s.param.numel() * s.param.element_size() for s in lay.splits) if prefetch else 0
 
         def run() -> Any:
             busy = 0.0
@@ -87,6 +92,8 @@ class WindowUpdate:
             with gil_released():
                 for t_acc in acc_copies:
                     t_acc.wait()
+                if after is not None and not prefetch and not lay.gathers:
+                    after.synchronize()  # the last merge uploaded from the buffers this step writes
             t = time.perf_counter()
             for store in lay.stores:
                 acc = store.bufs[acc_i]
@@ -101,7 +108,7 @@ class WindowUpdate:
                     num_threads=self.threads,
                     chunk=cfg.cpu_chunk_elements,
                 ):
-                    if done and ops.is_cuda and not lay.gathers:  # prefetch finished params' results, batched
+                    if done and prefetch:  # prefetch finished params' results, batched
                         pairs = []
                         for i in done:
                             landing = by_store[id(store)][i].landing
@@ -117,14 +124,27 @@ class WindowUpdate:
                 with gil_released():
                     last.wait()
             gathered = 0
-            if lay.gathers and not ops.is_cuda:
+            if lay.gathers and not lay.training_thread_gathers:
                 gathered = lay.gather_results(acc_i)
-            elif lay.gathers:  # NCCL: the training thread gathers at the boundary (see collect)
+            elif lay.gathers:  # NCCL: the training thread gathers (gather_pending)
                 for si in range(len(lay.stores)):
-                    lay.upload_shard(si, acc_i)
+                    lay.upload_shard(si, acc_i, after=after)
             return busy, gathered
 
-        return Pending(self.thread.submit(run), sel, h2d_bytes, acc_i)
+        return Pending(
+            self.thread.submit(run), sel, h2d_bytes, acc_i, gathered=not lay.training_thread_gathers
+        )
+
+    def gather_pending(self, pending: Pending) -> int:
+        """NCCL: wait for ``pending`` and all-gather its result into the replica on the training thread,
+        once (collective: every rank calls it at the same point); the bytes sent (0 when done already)."""
+        assert self.thread is not None
+        if pending.gathered:
+            return 0
+        self.thread.wait(pending.future)
+        pending.gathered = True
+        lay = self.layout
+        return sum(lay.all_gather(si, self.ranks.group) for si in range(len(lay.stores)))
 
     def collect(self, pending: Pending, stats: StepStats, columns: Columns) -> None:
         """Wait for ``pending`` and merge it into the device weights (``columns``: the current selection)."""
@@ -132,11 +152,11 @@ class WindowUpdate:
         lay = self.layout
         with stats.blocked():
             seconds, gathered = self.thread.wait(pending.future)
-            if lay.gathers and self.ops.is_cuda:
-                # NCCL: on the training thread, in step order. Two threads issuing collectives on two
-                # communicators could launch them in different orders on different ranks, and NCCL
-                # kernels waiting on each other deadlock; a device all-gather is fast anyway.
-                gathered += sum(lay.all_gather(si, self.ranks.group) for si in range(len(lay.stores)))
+            # NCCL: on the training thread, in step order. Two threads issuing collectives on two
+            # communicators could launch them in different orders on different ranks, and NCCL
+            # kernels waiting on each other deadlock; a device all-gather is fast anyway.
+            gathered += self.gather_pending(pending)
+            lay.replica_ready()
             for s in lay.splits:
                 cur = columns(s.name)
                 assert cur is not None
@@ -147,9 +167,9 @@ class WindowUpdate:
                 saved = [p.index_select(1, keep) for keep in keeps]
                 if s.landing is not None:
                     p.copy_(s.landing)
-                else:
+                else:  # CPU, or no landing buffers: from (page-locked) host memory, on the compute stream
                     src = s.store.shaped(s.store.result(pending.acc_index), s.index)
-                    p.copy_(src)
+                    p.copy_(src, non_blocking=self.ops.is_cuda)
                     stats.bytes_h2d += src.numel() * src.element_size()
                 for keep, vals in zip(keeps, saved, strict=True):
                     p.index_copy_(1, keep, vals)
@@ -164,6 +184,8 @@ class WindowUpdate:
         merge now would take, without changing anything (waits for the result)."""
         assert self.thread is not None
         self.thread.wait(pending.future)
+        self.gather_pending(pending)
+        self.layout.replica_ready()
         for s in self.layout.splits:
             cur = columns(s.name)
             assert cur is not None
@@ -226,6 +248,7 @@ class WindowUpdate:
                 stats.cpu_optimizer_seconds += float(thread.wait(thread.submit(run)))
                 if lay.gathers:  # every rank's updated shard into the replica (no window is in flight)
                     stats.bytes_gathered += lay.gather_store(si, 0, self.ranks.group)
+                    lay.replica_ready()
                     for s in members:
                         assert s.landing is not None
                         s.param.data.copy_(s.landing)
@@ -258,9 +281,10 @@ class WindowUpdate:
             store.restore_result(acc_index)
         if lay.gathers:  # every rank's shard of the result into the replica again
             lay.gather_results(acc_index, group=self.ranks.group)
-        elif self.ops.is_cuda:  # re-issue the prefetch the saved run had already made
+            lay.replica_ready()
+        elif lay.splits and all(s.landing is not None for s in lay.splits):  # re-issue the saved prefetch
             pairs = [(s.landing, s.store.flat(s.store.result(acc_index), s.index)) for s in lay.splits]
             t = self.ops.h2d(cast("list[tuple[torch.Tensor, torch.Tensor]]", pairs))  # CUDA: landing set
             t.wait()
             h2d_bytes = t.nbytes
-        return Pending(fut, sel, h2d_bytes, acc_index)
+        return Pending(fut, sel, h2d_bytes, acc_index, gathered=True)

@@ -186,6 +186,17 @@ def fix_groups(spec: JobSpec, seq: int) -> list[list[Fix]]:
                 )
             ]
         )
+    if eng.landing_buffers and eng.mode in ("zenflow", "auto") and spec.resources.gpus == 1:
+        # zenflow's device copy of the split weights (offload.config.EngineConfig.landing_buffers)
+        groups.append(
+            [
+                Fix(
+                    ("engine", "landing_buffers"),
+                    "set engine.landing_buffers false",
+                    _engine(spec, landing_buffers=False),
+                )
+            ]
+        )
     if eng.mode != "auto":
         groups += [
             [Fix(("engine", "mode"), f"set engine.mode {m}", _engine(spec, mode=m))]

@@ -77,7 +77,10 @@ SHARDED_HOST = ("engine_state", "engine_accumulators")
 def engine_bytes_on_rank(job: JobShape, mode: Mode, acc: Accumulator) -> EngineBytes:
     """The engine's bytes on one rank with the job's settings in ``mode`` with accumulator ``acc`` (the
     job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state."""
-    config = job.spec.engine.engine_config(1.0).model_copy(update={"mode": mode, "accumulate_on": acc})
+    update: dict[str, object] = {"mode": mode, "accumulate_on": acc}
+    if job.ranks > 1:  # the gathered replica the landing buffers view is kept in a process group
+        update["landing_buffers"] = True
+    config = job.spec.engine.engine_config(1.0).model_copy(update=update)
     eng = engine_bytes(config, job.shape.trainable, job.dtype_bytes, cuda=job.machine.device_type == "cuda")
     if job.ranks == 1:
         return eng
