@@ -53,8 +53,9 @@ runs the CPU AdamW on it alone; the new values are all-gathered into every repli
 CPU thread on a second group, overlapped with the next window as the single-GPU prefetch is).
 ``step()``, ``flush()`` and ``load_state_dict()`` are collective. ``state_dict()`` is this rank's
 shard; ``load_state_dict`` takes it back on the same rank of a group of the same size, or the list of
-every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` is local: every
-rank holds the full weights. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
+every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` reads every
+rank's full replica; with NCCL (zenflow gathers on the training thread) it first completes the pending
+all-gather, so it is collective there unless ``state_dict()`` ran first on every rank. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
 ``bytes_gathered`` (what the rank sent, ring algorithms); host bytes are the rank's own. zenflow with
 host accumulation reduce-scatters the split weights' gradients and all-reduces only their selected
 columns (:mod:`offload.zenflow.reduction`).
