@@ -22,6 +22,7 @@ from offload.device import DeviceOps, Landing
 from offload.guard import Gate
 from offload.memory import EngineMemory, is_split
 from offload.mode_base import Mode, NamedParams, add_parts, nbytes
+from offload.selection import union
 from offload.timing import StepStats
 from offload.zenflow.accumulation import Accumulation
 from offload.zenflow.adamw import AdamWHyper
@@ -306,24 +307,52 @@ class ZenFlowMode(Mode):
         return EngineMemory(self.name, self.params(), host=host, device_state=state, device_buffers=buffers)
 
     # --- persistence ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def consolidated_one(self, name: str) -> torch.Tensor:
+        """:meth:`consolidated`'s value of parameter ``name`` alone: what ``WindowUpdate.merged`` does
+        for every split weight at once, for this one (a streamed export holds one copy at a time)."""
+        out = super().consolidated_one(name)
+        s = next((s for s in self.splits if s.name == name), None)
+        pending = self.pending if self.cpu_thread is not None else None
+        if s is None or pending is None:
+            return out
+        assert self.cpu_thread is not None
+        self.cpu_thread.wait(pending.future)
+        cur = self.dev.columns(s.name)
+        assert cur is not None
+        take = torch.ones(s.param.shape[1], dtype=torch.bool)
+        take[union(pending.sel[s.name], cur).cpu()] = False
+        cols = take.nonzero().squeeze(1)
+        if self.layout.gathers:  # the gathered replica (this rank holds only a shard of the result)
+            assert s.landing is not None
+            res = s.landing.cpu()
+        else:
+            res = s.store.shaped(s.store.result(pending.acc_index), s.index)
+        out[:, cols] = res.index_select(1, cols).to(out.dtype)
+        return out
+
     def _drain(self) -> None:
         if self.cpu_thread is not None:
             self.cpu_thread.drain()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         self._drain()
         open_window = self.win_len > 0
+        acc = self._acc_index() if open_window and not self.on_device else None
+        # copy=False: the host stores, parameters and device accumulators themselves (the rest is small)
+        device_acc = (
+            self.accumulation.device_state()
+            if copy
+            else {s.name: s.dacc for s in self.layout.splits if s.dacc is not None}
+        )
         return {
             "mode": self.name,
-            "device_params": self.device_params_state(),
+            "device_params": self.device_params_state(copy),
             "device_optimizer": self.dev.state_dict(),
-            "host": [
-                st.state_dict(self._acc_index() if open_window and not self.on_device else None)
-                for st in self.stores
-            ],
+            "host": [st.state_dict(acc, copy=copy) for st in self.stores],
             "pending": WindowUpdate.pending_state(self.pending),
             "stash": self.handover.state_dict(),
-            "device_acc": self.accumulation.device_state() if open_window else {},
+            "device_acc": device_acc if open_window else {},
             "schedule": {key: getattr(self, key) for key in _SCHEDULE},
         }
 
