@@ -445,12 +445,15 @@ class ZenFlowEngine:
         work in flight; both are valid until the next ``step()``/``flush()``/``load_state_dict()``."""
         self._check_open()
         self._mode.check()
+        mode_state = self._mode.state_dict(copy=False)  # drains the CPU thread
+        # every stream's work done (transfers into the host buffers too): the writer reads them as they are
+        self._ops.synchronize()
         sd: dict[str, Any] = {
             "version": _STATE_VERSION,
             "mode": self.config.mode,
             "step": self._step,
             "lr": self._lr,
-            "mode_state": self._mode.state_dict(copy=False),
+            "mode_state": mode_state,
             "shard": {"rank": self._ranks.rank, "world_size": self._ranks.world},
         }
         if self._scaler is not None:
