@@ -309,26 +309,25 @@ class ZenFlowMode(Mode):
     # --- persistence ----------------------------------------------------------------------------
     @torch.no_grad()
     def consolidated_one(self, name: str) -> torch.Tensor:
-        """:meth:`consolidated`'s value of parameter ``name`` alone: what ``WindowUpdate.merged`` does
-        for every split weight at once, for this one (a streamed export holds one copy at a time)."""
-        out = super().consolidated_one(name)
+        """:meth:`consolidated`'s value of parameter ``name`` alone, as ``WindowUpdate.merged`` makes
+        it (the pending CPU result outside the device's columns), built from one copy of the result
+        with the kept columns put back: a streamed export holds about one weight at a time."""
         s = next((s for s in self.splits if s.name == name), None)
         pending = self.pending if self.cpu_thread is not None else None
         if s is None or pending is None:
-            return out
+            return super().consolidated_one(name)
         assert self.cpu_thread is not None
         self.cpu_thread.wait(pending.future)
         cur = self.dev.columns(s.name)
         assert cur is not None
-        take = torch.ones(s.param.shape[1], dtype=torch.bool)
-        take[union(pending.sel[s.name], cur).cpu()] = False
-        cols = take.nonzero().squeeze(1)
+        keep = union(pending.sel[s.name], cur)
         if self.layout.gathers:  # the gathered replica (this rank holds only a shard of the result)
             assert s.landing is not None
-            res = s.landing.cpu()
+            out = s.landing.to("cpu", dtype=s.param.dtype, copy=True)
         else:
             res = s.store.shaped(s.store.result(pending.acc_index), s.index)
-        out[:, cols] = res.index_select(1, cols).to(out.dtype)
+            out = res.to("cpu", dtype=s.param.dtype, copy=True)
+        out[:, keep.cpu()] = s.param.detach().index_select(1, keep).cpu()
         return out
 
     def _drain(self) -> None:

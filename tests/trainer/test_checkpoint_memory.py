@@ -21,9 +21,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
-#: Allowance beyond the largest tensor: the pickled skeleton, RNG states, the tokenizer-free config
-#: files, Python objects made while writing.
-SLACK = 8 * MiB
+#: Allowance beyond the largest tensor and the device optimizer state: the pickled skeleton, RNG
+#: states, the config files, modules imported and Python objects made while writing.
+SLACK = 4 * MiB
 
 
 def _status(key: str) -> int:
@@ -33,6 +33,7 @@ def _status(key: str) -> int:
 
 
 def _child(kind: str, out: Path) -> dict[str, int]:
+    import ctypes
     import gc
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,11 +44,11 @@ def _child(kind: str, out: Path) -> dict[str, int]:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    config = LlamaConfig(
-        vocab_size=4096,
+    config = LlamaConfig(  # the largest tensor ~2% of the state (7B: ~0.5%)
+        vocab_size=1024,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=8,
         num_attention_heads=4,
         num_key_value_heads=4,
         tie_word_embeddings=False,
@@ -64,8 +65,12 @@ def _child(kind: str, out: Path) -> dict[str, int]:
         engine.step()
         engine.zero_grad()
     host = engine.memory().host_bytes
+    # zenflow's device optimizer state (selected columns, small weights) comes out as one CPU copy
+    device_state = engine.device_optimizer_state_bytes
     biggest = max(max(p.numel() for p in model.parameters()) * 4, 0)
+    engine.state_views()  # the CPU thread drained (what either save waits for first), nothing copied
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system: the baseline is what is held
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
     if kind == "copy":  # what a checkpoint did: a full CPU copy of the state and of the weights
@@ -79,7 +84,7 @@ def _child(kind: str, out: Path) -> dict[str, int]:
         save_model_files(out, refs, config, None, fetch=weight_of)
     peak = _status("VmHWM")
     engine.close()
-    return {"extra": peak - before, "host": host, "largest": biggest}
+    return {"extra": peak - before, "host": host, "largest": biggest, "device_state": device_state}
 
 
 def _measure(kind: str, tmp: Path) -> dict[str, int]:
@@ -108,8 +113,8 @@ def test_streamed_checkpoint_holds_about_the_largest_tensor_where_a_copy_held_th
     assert host > 50 * MiB  # the model is large enough for the figures to mean something
     # the measurement sees a copy of the state (the check can fail) ...
     assert old["extra"] >= 0.9 * host, old
-    # ... and the streamed save holds about one tensor beyond the engine's state
-    assert new["extra"] <= new["largest"] + SLACK, new
+    # ... and the streamed save holds about one tensor (and the device state's copy) beyond the state
+    assert new["extra"] <= new["largest"] + new["device_state"] + SLACK, new
     # the whole checkpoint's peak: within 1.1x of the engine's state
     assert host + new["extra"] <= 1.1 * host
     # both wrote the same weights

@@ -125,7 +125,10 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     host = {
         **eng.host,
         "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
-        "checkpoint": checkpoint_bytes(shape, e),
+        # zenflow's device optimizer state (selected columns, small weights) is copied out whole
+        "checkpoint": checkpoint_bytes(
+            shape, e, copied=eng.device.get("optimizer_state", 0) if mode == "zenflow" else 0
+        ),
         "data": tokens * DATA_BYTES_PER_TOKEN,
         "process": HOST_PROCESS_BYTES,
     }
@@ -170,13 +173,14 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     )
 
 
-def checkpoint_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+def checkpoint_bytes(shape: ModelShape, dtype_bytes: int, *, copied: int = 0) -> int:
     """The host bytes a checkpoint holds beyond the engine's state while it is written
     (trainer.run.outputs): the engine's state and a full fine-tune's weights are streamed tensor by
-    tensor, so about the largest tensor (the embedding or the widest trainable weight, fp32); LoRA
+    tensor, so about the largest tensor (the embedding or the widest trainable weight, fp32), plus
+    ``copied``, state the engine hands out as one CPU copy (zenflow's device optimizer state); LoRA
     exports from a CPU copy of the whole model's weights, with the adapted ones merged."""
     widest = max([w.numel for w in shape.trainable] + [shape.vocab * shape.hidden])
-    largest = widest * CHECKPOINT_TENSOR_ELEMENT_BYTES
+    largest = widest * CHECKPOINT_TENSOR_ELEMENT_BYTES + copied
     if shape.lora_rank is not None:
         return shape.params * dtype_bytes + largest
     return largest
