@@ -94,7 +94,14 @@ class DeviceMode(Mode):
                     total += t.numel() * t.element_size()
         return total
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        if not copy:  # the optimizer's state_dict() holds its state tensors themselves
+            return {
+                "mode": self.name,
+                "device_params": self.device_params_state(copy=False),
+                "masters": dict(self.masters),
+                "optimizer": self.opt.state_dict(),
+            }
         return {
             "mode": self.name,
             "device_params": self.device_params_state(),

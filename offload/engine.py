@@ -71,6 +71,7 @@ what was done, or why nothing was.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -486,3 +487,26 @@ class ZenFlowEngine:
                 self.close()
         except Exception:
             pass
+
+    # --- streamed checkpoints (offload.state_io) --------------------------------------------------
+    def state_views(self) -> tuple[dict[str, Any], Callable[[str], torch.Tensor]]:
+        """For a checkpoint written without a copy of the state: :meth:`state_dict` holding the
+        engine's own tensors (host buffers, device tensors) where it holds CPU copies, and
+        :meth:`consolidated_state_dict`'s value of one parameter by name (a CPU copy of it alone). Waits for the CPU
+        work in flight; both are valid until the next ``step()``/``flush()``/``load_state_dict()``."""
+        self._check_open()
+        self._mode.check()
+        mode_state = self._mode.state_dict(copy=False)  # drains the CPU thread
+        # every stream's work done (transfers into the host buffers too): the writer reads them as they are
+        self._ops.synchronize()
+        sd: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "mode": self.config.mode,
+            "step": self._step,
+            "lr": self._lr,
+            "mode_state": mode_state,
+            "shard": {"rank": self._ranks.rank, "world_size": self._ranks.world},
+        }
+        if self._scaler is not None:
+            sd["loss_scale"] = self._scaler.state_dict()
+        return sd, self._mode.consolidated_one

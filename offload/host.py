@@ -347,13 +347,19 @@ class HostStore:
         return time.perf_counter() - t0
 
     # --- persistence ----------------------------------------------------------------------------
-    def state_dict(self, acc_index: int | None) -> dict[str, object]:
-        """``acc_index``: the buffer holding a partial window sum to keep (None: none)."""
+    def state_dict(self, acc_index: int | None, *, copy: bool = True) -> dict[str, object]:
+        """``acc_index``: the buffer holding a partial window sum to keep (None: none). ``copy=False``:
+        the buffers themselves, not clones (a streamed checkpoint writes them from where they are;
+        valid until the store changes again)."""
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if copy else t
+
         return {
-            "master": self.master.clone(),
-            "exp_avg": self.exp_avg.clone(),
-            "exp_avg_sq": self.exp_avg_sq.clone(),
-            "acc": None if acc_index is None else self.bufs[acc_index].clone(),
+            "master": out(self.master),
+            "exp_avg": out(self.exp_avg),
+            "exp_avg_sq": out(self.exp_avg_sq),
+            "acc": None if acc_index is None else out(self.bufs[acc_index]),
             "acc_index": acc_index,
             "steps": list(self.steps),
             "numels": list(self.full_numels),
@@ -385,15 +391,19 @@ class HostStore:
         if spans[0][0] != 0 or spans[-1][1] != self.total or any(a[1] != b[0] for a, b in pairwise(spans)):
             raise ValueError(f"the shards do not cover the parameters: {spans}")
 
-        def mine(key: str) -> torch.Tensor:
-            return torch.cat([torch.as_tensor(sd[key]) for sd in sds])[self.lo : self.hi]
+        def mine(key: str, dst: torch.Tensor) -> None:
+            # each saved shard's overlap with this one, copied in place (no concatenated copy)
+            for sd, (a, b) in zip(sds, spans, strict=True):
+                lo, hi = max(a, self.lo), min(b, self.hi)
+                if lo < hi:
+                    dst[lo - self.lo : hi - self.lo].copy_(torch.as_tensor(sd[key])[lo - a : hi - a])
 
-        self.master.copy_(mine("master"))
-        self.exp_avg.copy_(mine("exp_avg"))
-        self.exp_avg_sq.copy_(mine("exp_avg_sq"))
+        mine("master", self.master)
+        mine("exp_avg", self.exp_avg)
+        mine("exp_avg_sq", self.exp_avg_sq)
         idx = sds[0]["acc_index"]
         if idx is not None and all(sd["acc"] is not None for sd in sds):
-            self.bufs[int(idx)].copy_(mine("acc"))
+            mine("acc", self.bufs[int(idx)])
         self.steps = [int(s) for s in sds[0]["steps"]]
 
     def restore_result(self, index: int) -> None:

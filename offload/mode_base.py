@@ -101,8 +101,14 @@ class Mode:
     def consolidated(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in self.named}
 
-    def device_params_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.named}
+    def device_params_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The trainable parameters' values: CPU copies, or (``copy=False``) the parameters themselves."""
+        return {n: p.detach().to("cpu", copy=True) if copy else p.detach() for n, p in self.named}
+
+    def consolidated_one(self, name: str) -> torch.Tensor:
+        """:meth:`consolidated`'s value of parameter ``name`` alone (a streamed export holds one copy
+        at a time)."""
+        return dict(self.named)[name].detach().to("cpu", copy=True)
 
     def load_device_params(self, sd: dict[str, torch.Tensor]) -> None:
         names = {n for n, _ in self.named}
@@ -115,7 +121,10 @@ class Mode:
             for n, p in self.named:
                 p.data.copy_(sd[n])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """Everything for an identical continuation. ``copy=False``: the large tensors are the mode's
+        own (device tensors on the device, host buffers), valid until the next step; for a writer that
+        streams them (:mod:`offload.state_io`)."""
         raise NotImplementedError
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

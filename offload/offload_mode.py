@@ -140,11 +140,11 @@ class OffloadMode(Mode):
             device_buffers=buffers if self.gathers else {},
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         return {
             "mode": self.name,
-            "device_params": self.device_params_state(),
-            "host": [store.state_dict(None) for store, _ in self.groups],
+            "device_params": self.device_params_state(copy),
+            "host": [store.state_dict(None, copy=copy) for store, _ in self.groups],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from offload.device import DeviceOps, Landing
 from offload.guard import Gate
 from offload.memory import EngineMemory, is_split
 from offload.mode_base import Mode, NamedParams, add_parts, nbytes
+from offload.selection import union
 from offload.timing import StepStats
 from offload.zenflow.accumulation import Accumulation
 from offload.zenflow.adamw import AdamWHyper
@@ -322,25 +323,52 @@ class ZenFlowMode(Mode):
         return EngineMemory(self.name, self.params(), host=host, device_state=state, device_buffers=buffers)
 
     # --- persistence ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def consolidated_one(self, name: str) -> torch.Tensor:
+        """:meth:`consolidated`'s value of parameter ``name`` alone, as ``WindowUpdate.merged`` makes
+        it (the pending CPU result outside the device's columns), built from one copy of the result
+        with the kept columns put back: a streamed export holds about one weight at a time."""
+        s = next((s for s in self.splits if s.name == name), None)
+        pending = self.pending if self.cpu_thread is not None else None
+        if s is None or pending is None:
+            return super().consolidated_one(name)
+        assert self.cpu_thread is not None
+        self.cpu_thread.wait(pending.future)
+        cur = self.dev.columns(s.name)
+        assert cur is not None
+        keep = union(pending.sel[s.name], cur)
+        if self.layout.gathers:  # the gathered replica (this rank holds only a shard of the result)
+            assert s.landing is not None
+            out = s.landing.to("cpu", dtype=s.param.dtype, copy=True)
+        else:
+            res = s.store.shaped(s.store.result(pending.acc_index), s.index)
+            out = res.to("cpu", dtype=s.param.dtype, copy=True)
+        out[:, keep.cpu()] = s.param.detach().index_select(1, keep).cpu()
+        return out
+
     def _drain(self) -> None:
         if self.cpu_thread is not None:
             self.cpu_thread.drain()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
         self._drain()
         self._gather_pending()
         open_window = self.win_len > 0
+        acc = self._acc_index() if open_window and not self.on_device else None
+        # copy=False: the host stores, parameters and device accumulators themselves (the rest is small)
+        device_acc = (
+            self.accumulation.device_state()
+            if copy
+            else {s.name: s.dacc for s in self.layout.splits if s.dacc is not None}
+        )
         return {
             "mode": self.name,
-            "device_params": self.device_params_state(),
+            "device_params": self.device_params_state(copy),
             "device_optimizer": self.dev.state_dict(),
-            "host": [
-                st.state_dict(self._acc_index() if open_window and not self.on_device else None)
-                for st in self.stores
-            ],
+            "host": [st.state_dict(acc, copy=copy) for st in self.stores],
             "pending": WindowUpdate.pending_state(self.pending),
             "stash": self.handover.state_dict(),
-            "device_acc": self.accumulation.device_state() if open_window else {},
+            "device_acc": device_acc if open_window else {},
             "schedule": {key: getattr(self, key) for key in _SCHEDULE},
         }
 

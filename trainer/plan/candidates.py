@@ -30,6 +30,9 @@ CUDA_RUNTIME_BYTES = 3 * GiB // 4
 HOST_PROCESS_BYTES = 2 * GiB
 #: Largest weight file a checkpoint is sharded into (transformers' default): what loading holds at once.
 WEIGHT_SHARD_BYTES = 5 * 10**9
+#: Bytes per element of the largest tensor a checkpoint copies to the host at once (an fp32 master or
+#: moment of a device optimizer, a weight's copy with its pending CPU columns merged in).
+CHECKPOINT_TENSOR_ELEMENT_BYTES = 4
 #: Host bytes of one tokenized token (its id and label as Python ints in lists).
 DATA_BYTES_PER_TOKEN = 72
 #: Examples assumed when the count is unknown (``batch_size: auto`` resolves to its largest, 32).
@@ -125,6 +128,10 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     host = {
         **eng.host,
         "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
+        # zenflow's device optimizer state (selected columns, small weights) is copied out whole
+        "checkpoint": checkpoint_bytes(
+            shape, e, copied=eng.device.get("optimizer_state", 0) if mode == "zenflow" else 0
+        ),
         "data": tokens * DATA_BYTES_PER_TOKEN,
         "process": HOST_PROCESS_BYTES,
     }
@@ -167,6 +174,19 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     return Candidate(
         settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked
     )
+
+
+def checkpoint_bytes(shape: ModelShape, dtype_bytes: int, *, copied: int = 0) -> int:
+    """The host bytes a checkpoint holds beyond the engine's state while it is written
+    (trainer.run.outputs): the engine's state and a full fine-tune's weights are streamed tensor by
+    tensor, so about the largest tensor (the embedding or the widest trainable weight, fp32), plus
+    ``copied``, state the engine hands out as one CPU copy (zenflow's device optimizer state); LoRA
+    exports from a CPU copy of the whole model's weights, with the adapted ones merged."""
+    widest = max([w.numel for w in shape.trainable] + [shape.vocab * shape.hidden])
+    largest = widest * CHECKPOINT_TENSOR_ELEMENT_BYTES + copied
+    if shape.lora_rank is not None:
+        return shape.params * dtype_bytes + largest
+    return largest
 
 
 def host_reserve(m: Machine) -> int:

@@ -82,7 +82,8 @@ class Plan(BaseModel):
     host_bytes: int
     #: Per component: weights, gradients, optimizer_state, landing_buffers, accumulator, engine_scratch,
     #: activations, runtime (device); engine_state, engine_accumulators, engine_transfer, model_loading,
-    #: data, process (host). On a CPU machine the device components are counted in host_bytes too.
+    #: checkpoint (what writing one adds: trainer.plan.candidates.checkpoint_bytes), data, process
+    #: (host). On a CPU machine the device components are counted in host_bytes too.
     device: dict[str, int]
     host: dict[str, int]
     activations: dict[str, int]

@@ -8,9 +8,13 @@ Layout of a job's output directory::
         config.json, generation_config.json, tokenizer files
         adapter/                LoRA runs only: the peft adapter (PeftModel.from_pretrained)
         training_state.pt       engine state_dict (incl. the device values of the trainable params),
-                                RNG states, step (= data position), loss history (torch.save)
-        engine-rank00001-of-00002.pt  a run of N > 1 ranks: each rank's engine shard and RNG states, one
-                                file per rank (training_state.pt then holds no engine state)
+                                RNG states, step (= data position), loss history: its structure
+                                (torch.save), each tensor replaced by a key into
+        training_state.safetensors  its tensors, streamed (:func:`save_streamed`; version 1 files
+                                hold their tensors inline and still load)
+        engine-rank00001-of-00002.pt/.safetensors  a run of N > 1 ranks: each rank's engine shard and
+                                RNG states, one pair per rank (training_state.pt then holds no engine
+                                state)
         zenflow_checkpoint.json manifest, written last: step, kind, file sizes, metrics
     final/                      the exported fine-tuned model (no training_state.pt)
     result.json                 the TrainResult of a finished run
@@ -34,7 +38,7 @@ import random
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,11 +50,15 @@ if TYPE_CHECKING:
 
 MANIFEST = "zenflow_checkpoint.json"
 TRAINING_STATE = "training_state.pt"
+#: Where a streamed state file (``X.pt``) keeps its tensors: ``X.safetensors`` beside it.
+TENSORS_SUFFIX = ".safetensors"
+#: Training state versions this module reads: 1 (tensors inline), 2 (tensors streamed beside it).
+STATE_VERSIONS = (1, 2)
 WEIGHTS = "model.safetensors"
 FINAL_DIR = "final"
 RESULT_FILE = "result.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-_SHARD_RE = re.compile(r"^engine-rank(\d{5})-of-(\d{5})\.pt$")
+_SHARD_RE = re.compile(r"^engine-rank(\d{5})-of-(\d{5})\.(pt|safetensors)$")
 #: A write that failed while less than this was left on its filesystem failed for want of space: torch.save
 #: reports ENOSPC as ``RuntimeError: [enforce fail at inline_container.cc:...]``, with no errno to go by.
 _FULL_BELOW_BYTES = 1 << 20
@@ -273,41 +281,43 @@ def remove_outputs(output_dir: Path) -> None:
     cleanup_partial(output_dir)
 
 
-def _dedupe_shared(state: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing storage: drop tied copies (or clone when not tied)."""
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    out: dict[str, torch.Tensor] = {}
+def _export_names(state: Mapping[str, torch.Tensor], tie_word_embeddings: bool) -> list[str]:
+    """The names to write: tied copies (sharing storage with an earlier tensor) dropped, and
+    ``lm_head.weight`` when tied to the embeddings; nothing copied."""
+    seen: set[tuple[str, int, int, tuple[int, ...]]] = set()
+    out: list[str] = []
     for name, t in state.items():
-        t = t.detach().cpu().contiguous()
-        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
-        if key in seen and t.numel() > 0:
-            if tie_word_embeddings:
-                continue
-            t = t.clone()
-        else:
-            seen[key] = name
-        out[name] = t
+        key = (str(t.device), t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
+        if key in seen and t.numel() > 0 and tie_word_embeddings:
+            continue
+        seen.add(key)
+        out.append(name)
     if (
         tie_word_embeddings
         and "lm_head.weight" in out
         and any(k.endswith("embed_tokens.weight") for k in out)
     ):
-        out.pop("lm_head.weight")
+        out.remove("lm_head.weight")
     return out
 
 
 def save_model_files(
     directory: Path,
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
     config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase | None,
     generation_config: Any = None,
+    *,
+    fetch: Callable[[str], torch.Tensor] | None = None,
 ) -> None:
-    """Write weights (one safetensors file), config and tokenizer so from_pretrained loads them."""
-    from safetensors.torch import save_file
+    """Write weights (one safetensors file, tensor by tensor: :func:`offload.state_io.write_safetensors`),
+    config and tokenizer so from_pretrained loads them. ``fetch(name)``: each weight's value, made
+    when it is written (``state`` then gives the dtypes and shapes only)."""
+    from offload.state_io import write_safetensors
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    save_file(_dedupe_shared(state, tied), str(Path(directory) / WEIGHTS), metadata={"format": "pt"})
+    names = _export_names(state, tied)
+    write_safetensors(Path(directory) / WEIGHTS, {n: state[n] for n in names}, {"format": "pt"}, fetch=fetch)
     config.save_pretrained(directory)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
@@ -315,20 +325,50 @@ def save_model_files(
         tokenizer.save_pretrained(directory)
 
 
-def save_training_state(directory: Path, state: dict[str, Any]) -> None:
+def tensors_path(path: Path) -> Path:
+    """The tensors file of streamed state file ``path``."""
+    return Path(path).with_suffix(TENSORS_SUFFIX)
+
+
+def save_streamed(path: Path, state: dict[str, Any]) -> None:
+    """``state`` as ``path`` (its structure, torch.save) and :func:`tensors_path` (its tensors, each
+    written from where it lives: no copy of the engine's host buffers, device tensors copied one at a
+    time). The tensors must not change until this returns."""
     import torch
 
-    torch.save(state, Path(directory) / TRAINING_STATE)
+    from offload.state_io import split_tensors, write_safetensors
+
+    skeleton, tensors = split_tensors(state)
+    write_safetensors(tensors_path(path), tensors)
+    torch.save({**skeleton, "streamed": True}, path)
+
+
+def load_streamed(path: Path) -> dict[str, Any]:
+    """A state saved by :func:`save_streamed` (its large tensors mapped from the file, read when
+    copied into place), or by torch.save (version 1: tensors inline, the file mapped)."""
+    import torch
+
+    from offload.state_io import join_tensors, read_safetensors
+
+    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    version = state.get("version", 1)
+    if version not in STATE_VERSIONS:
+        raise ValueError(
+            f"{path}: training state version {version!r}; this trainer reads versions {list(STATE_VERSIONS)}"
+        )
+    if not state.pop("streamed", False):
+        return state
+    joined: dict[str, Any] = join_tensors(state, read_safetensors(tensors_path(path)))
+    return joined
+
+
+def save_training_state(directory: Path, state: dict[str, Any]) -> None:
+    save_streamed(Path(directory) / TRAINING_STATE, state)
 
 
 def load_training_state(directory: Path) -> dict[str, Any]:
     """Our own file (RNG states hold numpy arrays), so weights_only=False."""
-    import torch
-
-    state: dict[str, Any] = torch.load(
-        Path(directory) / TRAINING_STATE, map_location="cpu", weights_only=False
-    )
-    return state
+    return load_streamed(Path(directory) / TRAINING_STATE)
 
 
 def engine_shard_name(rank: int, world_size: int) -> str:
@@ -346,20 +386,15 @@ def checkpoint_world_size(state: dict[str, Any]) -> int:
 
 
 def save_rank_state(path: Path, state: dict[str, Any]) -> None:
-    import torch
-
-    torch.save(state, path)
+    """One rank's state as ``path`` and its :func:`tensors_path` (:func:`save_streamed`)."""
+    save_streamed(path, state)
 
 
 def load_rank_state(directory: Path, rank: int, world_size: int) -> dict[str, Any]:
     """One rank's ``{"engine", "rng", ...}`` from a checkpoint of ``world_size`` ranks (for 1: training_state.pt)."""
-    import torch
-
     if world_size == 1:
         return load_training_state(directory)
-    path = Path(directory) / engine_shard_name(rank, world_size)
-    shard: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-    return shard
+    return load_streamed(Path(directory) / engine_shard_name(rank, world_size))
 
 
 # --- RNG states (saved in training_state.pt) ----------------------------------------------------

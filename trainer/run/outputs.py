@@ -2,8 +2,15 @@
 state, RNG states, the run's progress) and the ``final/`` model, both through
 :func:`trainer.run.checkpoint.write_atomic_dir`.
 
-Exported weights come from ``engine.consolidated_state_dict()``; for LoRA the merged model is written
+Exported weights come from the engine's consolidated weights; for LoRA the merged model is written
 plus ``adapter/``. Older checkpoints beyond ``keep_checkpoints`` are pruned after each save.
+
+A checkpoint holds no second copy of the engine's state on the host: the engine's own tensors
+(``engine.state_views()``: its pinned host buffers, device tensors) are written one at a time to
+the state's ``.safetensors`` file (:func:`trainer.run.checkpoint.save_streamed`), and a full fine-tune's
+weights are made and written one at a time too; the peak extra host memory is about the largest
+tensor (the plan counts it: ``checkpoint`` in :mod:`trainer.plan.candidates`). LoRA runs export
+from the whole merged state (their engine state is the small adapter).
 
 With N > 1 data-parallel ranks every rank must call :meth:`RunOutputs.save_checkpoint`,
 :meth:`~RunOutputs.export_final` and :meth:`~RunOutputs.write_result` at the same points (they hold
@@ -11,7 +18,7 @@ collectives). A checkpoint is written in two phases so that its directory only b
 every rank's shard in it:
 
 1. each rank > 0 saves its engine shard and RNG states to ``<checkpoint>.tmp-engine-rankRRRRR-of-NNNNN.pt``
-   beside the checkpoint (a ``.tmp-`` name: :func:`trainer.run.checkpoint.cleanup_partial` removes leftovers);
+   (and its ``.safetensors``) beside the checkpoint (a ``.tmp-`` name: :func:`trainer.run.checkpoint.cleanup_partial` removes leftovers);
    the ranks then sum their failures (a collective every rank reaches), and all raise if any failed;
 2. rank 0 writes the model files, ``training_state.pt`` (no engine state, ``world_size`` N) and its own
    shard into the temporary directory, moves the other ranks' staged files in, and only then lets
@@ -47,6 +54,7 @@ from trainer.run.checkpoint import (
     save_model_files,
     save_rank_state,
     save_training_state,
+    tensors_path,
     write_atomic_dir,
     write_json_atomic,
 )
@@ -58,7 +66,8 @@ from trainer.spec import JobSpec
 if TYPE_CHECKING:
     import torch
 
-STATE_VERSION = 1
+#: 2: tensors streamed beside the state file (trainer.run.checkpoint.save_streamed); 1 still loads.
+STATE_VERSION = 2
 #: Steps averaged for TrainResult.train_loss.
 LOSS_WINDOW = 20
 
@@ -109,6 +118,24 @@ class RunOutputs:
             return state, None
         return merged_lora_state(model, state), state
 
+    def _streamed_export(
+        self, owned: set[str], weight_of: Callable[[str], torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], Callable[[str], torch.Tensor]]:
+        """A full fine-tune's weights to write one at a time: the model's state dict (its own tensors,
+        for names, dtypes and shapes) and the value of each name, made when it is written (the
+        engine's newest value of a parameter it owns, as :func:`trainer.model.lora.current_state`)."""
+        model = self.built.model
+        refs: dict[str, torch.Tensor] = model.state_dict()
+        names_by_ptr = {p.data_ptr(): n for n, p in model.named_parameters()}
+
+        def fetch(key: str) -> torch.Tensor:
+            v = refs[key]
+            n = names_by_ptr.get(v.data_ptr())
+            name = n if n in owned else key if key in owned else None
+            return weight_of(name) if name is not None else v.detach().to("cpu")
+
+        return refs, fetch
+
     def _on_main(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()`` run by rank 0 only; every rank gets its value, or raises when it failed there (a
         DiskFullError for want of space, like rank 0's)."""
@@ -151,6 +178,7 @@ class RunOutputs:
             return
         if not dist.is_main:
             staged.unlink(missing_ok=True)
+            tensors_path(staged).unlink(missing_ok=True)
         if n_full > 0:
             raise DiskFullError(f"checkpoint {step}") from problem
         raise RuntimeError(
@@ -160,7 +188,8 @@ class RunOutputs:
     def save_checkpoint(self, progress: Progress) -> None:
         """Write a checkpoint at ``progress.step``, record it in ``progress``, prune older ones."""
         built, dist, step = self.built, self.dist, progress.step
-        engine_state = built.engine.state_dict()
+        # the engine's own tensors, not copies: valid until its next step, after this method returns
+        engine_state, weight_of = built.engine.state_views()
         rng = rng_state()
         rank_state: dict[str, Any] = {}
         if dist is not None:
@@ -176,7 +205,7 @@ class RunOutputs:
         figures = metrics(progress)
 
         def write_all() -> str:
-            return str(self._write_checkpoint(progress, figures, engine_state, rng, rank_state))
+            return str(self._write_checkpoint(progress, figures, engine_state, weight_of, rng, rank_state))
 
         path = self._on_main(f"checkpoint {step}", write_all)
         progress.last_saved, progress.last_checkpoint = step, path
@@ -190,12 +219,12 @@ class RunOutputs:
         progress: Progress,
         figures: dict[str, Any],
         engine_state: dict[str, Any],
+        weight_of: Callable[[str], torch.Tensor],
         rng: dict[str, Any],
         rank_state: dict[str, Any],
     ) -> Path:
         """Phase 2 (rank 0, or the single process): the checkpoint directory, with every shard in it."""
         built, data, dist = self.built, self.data, self.dist
-        weights, adapter = self._export()
         tstate: dict[str, Any] = {
             "version": STATE_VERSION,
             "step": progress.step,
@@ -211,7 +240,18 @@ class RunOutputs:
             tstate["world_size"] = dist.world_size  # the engine state is in the per-rank shard files
 
         def write(tmp: Path) -> None:
-            save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+            adapter = None
+            if self.spec.lora is None:
+                refs, fetch = self._streamed_export(
+                    set(engine_state["mode_state"]["device_params"]), weight_of
+                )
+                save_model_files(
+                    tmp, refs, built.base_config, data.tokenizer, built.generation_config, fetch=fetch
+                )
+            else:
+                weights, adapter = self._export()
+                save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+                del weights
             self._write_card(tmp, figures, adapter=False)
             if adapter is not None:
                 # Explicit save_embedding_layers (never "auto": no Hub lookup of the base config): the
@@ -225,7 +265,9 @@ class RunOutputs:
             if dist is not None:
                 save_rank_state(tmp / engine_shard_name(0, dist.world_size), rank_state)
                 for r in range(1, dist.world_size):
-                    os.replace(self._staged(progress.step, r), tmp / engine_shard_name(r, dist.world_size))
+                    staged, name = self._staged(progress.step, r), engine_shard_name(r, dist.world_size)
+                    os.replace(tensors_path(staged), tensors_path(tmp / name))
+                    os.replace(staged, tmp / name)
 
         manifest: dict[str, Any] = {
             "kind": "checkpoint",
@@ -241,6 +283,7 @@ class RunOutputs:
             if dist is not None:  # shards not moved in (a failed write) are of no use
                 for r in range(1, dist.world_size):
                     self._staged(progress.step, r).unlink(missing_ok=True)
+                    tensors_path(self._staged(progress.step, r)).unlink(missing_ok=True)
 
     def _write_card(self, folder: Path, figures: dict[str, Any], *, adapter: bool) -> None:
         """The folder's README.md: trainer.run.model_card (base, data sizes, hyperparameters, losses)."""
@@ -264,7 +307,8 @@ class RunOutputs:
 
         def write(tmp: Path) -> None:
             for p in sorted(src.rglob("*")):
-                if p.is_file() and p.name not in (TRAINING_STATE, MANIFEST) and not is_engine_shard(p.name):
+                skip = (TRAINING_STATE, tensors_path(Path(TRAINING_STATE)).name, MANIFEST)
+                if p.is_file() and p.name not in skip and not is_engine_shard(p.name):
                     link_or_copy(p, tmp / p.relative_to(src))
 
         def export() -> str:
