@@ -271,6 +271,22 @@ void run_range(float* p, const void* g, float* m, float* v, void* out, int64_t b
 
 using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, int64_t, const AdamScalars&);
 
+#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
+// vec(k) for every whole vector from i up to end, four per iteration, then one at a time; returns
+// where the scalar tail starts. Each element is computed alone, so the unrolling changes no bits.
+template <class VecFn>
+inline int64_t for_vectors(int64_t i, int64_t end, VecFn&& vec) {
+  for (; i + 4 * kWidth <= end; i += 4 * kWidth) {
+    vec(i);
+    vec(i + kWidth);
+    vec(i + 2 * kWidth);
+    vec(i + 3 * kWidth);
+  }
+  for (; i + kWidth <= end; i += kWidth) vec(i);
+  return i;
+}
+#endif
+
 // Window accumulation over [begin, end): acc = x * alpha on a window's first step (without SCALE,
 // alpha == 1: a plain copy / upcast, as torch's acc.copy_(src)), else acc = fma(x, alpha, acc).
 // Plain stores: streaming ones for the write-only acc of a first step measured 2-7% slower than
@@ -300,13 +316,7 @@ void acc_range(float* acc, const void* src, int64_t begin, int64_t end, float al
       vstore(acc + k, x);
     }
   };
-  for (; i + 4 * kWidth <= end; i += 4 * kWidth) {
-    vec(i);
-    vec(i + kWidth);
-    vec(i + 2 * kWidth);
-    vec(i + 3 * kWidth);
-  }
-  for (; i + kWidth <= end; i += kWidth) vec(i);
+  i = for_vectors(i, end, vec);
 #endif
   for (; i < end; ++i) one(i);
 }
@@ -337,13 +347,7 @@ void acc_range_low(void* acc, const void* src, int64_t begin, int64_t end, float
       vstore_out<OK, false>(acc, k, vfma(x, a, vload_grad<GK>(acc, k)));
     }
   };
-  for (; i + 4 * kWidth <= end; i += 4 * kWidth) {
-    vec(i);
-    vec(i + kWidth);
-    vec(i + 2 * kWidth);
-    vec(i + 3 * kWidth);
-  }
-  for (; i + kWidth <= end; i += kWidth) vec(i);
+  i = for_vectors(i, end, vec);
 #endif
   for (; i < end; ++i) one(i);
 }

@@ -14,6 +14,7 @@ from offload.collectives import TRAINING_THREAD_GATHERS_ENV
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
 from tests.dist_ranks import run_ranks
+from tests.offload.test_engine_distributed import _config as distributed_config
 
 STEPS = 12
 BATCH = 8
@@ -26,18 +27,7 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _config(**kw: Any) -> EngineConfig:
-    base: dict[str, Any] = {
-        "mode": "zenflow",
-        "lr": 3e-3,
-        "weight_decay": 0.01,
-        "bind_worker_cores": False,
-        "cpu_threads": 1,
-        "topk_ratio": 0.25,
-        "update_interval": 2,
-        "select_interval": 4,
-        "full_warm_up_rounds": 1,
-    }
-    return EngineConfig(**{**base, **kw})
+    return distributed_config("zenflow", **kw)
 
 
 def _batches(n: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -33,14 +33,23 @@ class _InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
-def _spec(out: Path, n: int = 32) -> JobSpec:
-    rng = random.Random(0)
+def _spec(out: Path, n: int = 32, *, seed: int = 0, **hp_extra: Any) -> JobSpec:
+    """A zenflow job on ``n`` addition examples (data drawn with ``seed``); ``hp_extra``: more
+    hyperparameters (e.g. ``micro_batch_size``)."""
+    rng = random.Random(seed)
     data = out / "train.jsonl"
     with data.open("w") as f:
         for _ in range(n):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
-    hp = {"n_epochs": 1, "batch_size": 4, "max_seq_length": 64, "checkpoint_every": 100, "seed": 3}
+    hp = {
+        "n_epochs": 1,
+        "batch_size": 4,
+        "max_seq_length": 64,
+        "checkpoint_every": 100,
+        "seed": 3,
+        **hp_extra,
+    }
     return JobSpec.model_validate(
         {
             "model": "tiny-llama",

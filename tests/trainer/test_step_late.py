@@ -3,8 +3,6 @@ a step costs one host all-reduce (token counts, cancel vote, the previous loss) 
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import torch
 import trainer.data.batching as batching
 import trainer.run.loop as loop
 import trainer.run.step as step_mod
+from tests.trainer.test_engine_trainer import _spec as engine_trainer_spec
 from trainer.events import Event, StepEvent
 from trainer.run.distributed import DistContext
 from trainer.run.step import LateLoss, step_totals
@@ -23,30 +22,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def _spec(out: Path, micro: int) -> JobSpec:
-    rng = random.Random(1)
-    data = out / "train.jsonl"
-    with data.open("w") as f:
-        for _ in range(24):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
-    hp = {
-        "n_epochs": 1,
-        "batch_size": 4,
-        "micro_batch_size": micro,
-        "max_seq_length": 64,
-        "checkpoint_every": 100,
-        "seed": 3,
-    }
-    return JobSpec.model_validate(
-        {
-            "model": "tiny-llama",
-            "training_file": str(data),
-            "hyperparameters": hp,
-            "output_dir": str(out / "run"),
-            "device": "cpu",
-            "engine": {"mode": "zenflow", "update_interval": 2},
-        }
-    )
+    return engine_trainer_spec(out, 24, seed=1, micro_batch_size=micro)
 
 
 @pytest.mark.parametrize("micro", [4, 2])
