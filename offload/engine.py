@@ -53,9 +53,9 @@ runs the CPU AdamW on it alone; the new values are all-gathered into every repli
 CPU thread on a second group, overlapped with the next window as the single-GPU prefetch is).
 ``step()``, ``flush()`` and ``load_state_dict()`` are collective. ``state_dict()`` is this rank's
 shard; ``load_state_dict`` takes it back on the same rank of a group of the same size, or the list of
-every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` reads every
-rank's full replica; with NCCL (zenflow gathers on the training thread) it first completes the pending
-all-gather, so it is collective there unless ``state_dict()`` ran first on every rank. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
+every rank's states of a group of any size (re-cut). ``consolidated_state_dict()`` reads the rank's
+full replica; with NCCL (zenflow) it first completes a pending all-gather, so it is collective there
+unless ``state_dict()`` ran first. ``StepMetrics`` reports ``world_size``, ``rank``, ``bytes_reduced`` and
 ``bytes_gathered`` (what the rank sent, ring algorithms); host bytes are the rank's own. zenflow with
 host accumulation reduce-scatters the split weights' gradients and all-reduces only their selected
 columns (:mod:`offload.zenflow.reduction`).
@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -358,12 +357,16 @@ class ZenFlowEngine:
         """
         self._check_open()
         self._mode.check()
+        return self._state(self._mode.state_dict())
+
+    def _state(self, mode_state: dict[str, Any]) -> dict[str, Any]:
+        """The engine's state around its mode's (the one layout ``state_dict`` and ``state_views`` share)."""
         sd = {
             "version": _STATE_VERSION,
             "mode": self.config.mode,
             "step": self._step,
             "lr": self._lr,
-            "mode_state": self._mode.state_dict(),
+            "mode_state": mode_state,
             "shard": {"rank": self._ranks.rank, "world_size": self._ranks.world},
         }
         if self._scaler is not None:
@@ -392,9 +395,8 @@ class ZenFlowEngine:
         world, me = self._ranks.world, self._ranks.rank
         if isinstance(sd, list):
             saved = len(states)
-            if [x["rank"] for x in shards] != list(range(saved)) or {x["world_size"] for x in shards} != {
-                saved
-            }:
+            in_order = [x["rank"] for x in shards] == list(range(saved))
+            if not in_order or {x["world_size"] for x in shards} != {saved}:
                 raise ValueError(
                     f"expected the states of every rank of one group in rank order, got {shards}"
                 )
@@ -473,12 +475,7 @@ class ZenFlowEngine:
     def __enter__(self) -> ZenFlowEngine:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __del__(self) -> None:
@@ -499,14 +496,4 @@ class ZenFlowEngine:
         mode_state = self._mode.state_dict(copy=False)  # drains the CPU thread
         # every stream's work done (transfers into the host buffers too): the writer reads them as they are
         self._ops.synchronize()
-        sd: dict[str, Any] = {
-            "version": _STATE_VERSION,
-            "mode": self.config.mode,
-            "step": self._step,
-            "lr": self._lr,
-            "mode_state": mode_state,
-            "shard": {"rank": self._ranks.rank, "world_size": self._ranks.world},
-        }
-        if self._scaler is not None:
-            sd["loss_scale"] = self._scaler.state_dict()
-        return sd, self._mode.consolidated_one
+        return self._state(mode_state), self._mode.consolidated_one

@@ -60,8 +60,10 @@ def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
     ckpt = out / "checkpoint-000004"
     assert sorted(p.name for p in ckpt.glob("engine-rank*")) == [
         "engine-rank00000-of-00002.pt",
+        "engine-rank00000-of-00002.safetensors",
         "engine-rank00001-of-00002.pt",
-    ]  # both ranks trained
+        "engine-rank00001-of-00002.safetensors",
+    ]  # both ranks trained (each shard: its skeleton and its streamed tensors)
     assert (out / "final" / "model.safetensors").is_file()
 
 

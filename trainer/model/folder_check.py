@@ -179,8 +179,8 @@ def _check_weights(folder: Path) -> tuple[tuple[str, ...], int | None]:
     usable or (safetensors) when their shapes do not fit the config (trainer.model.weight_shapes)."""
     if (folder / SAFETENSORS_INDEX).is_file():
         files = _indexed_shards(folder, folder / SAFETENSORS_INDEX)
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+    else:  # a safetensors file beside a .pt of its name is a checkpoint's streamed training state
+        files = sorted(f for f in folder.glob("*.safetensors") if not f.with_suffix(".pt").is_file())
     if files:
         from trainer.model.weight_shapes import check_weight_shapes, header_shapes
 

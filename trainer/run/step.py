@@ -24,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from trainer.data.batching import Batch, loss_sum
 from trainer.run.distributed import DistContext, all_sum
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where it is used: importing the training library stays light
+    import torch
+
     from offload.engine import ZenFlowEngine
     from offload.metrics import StepMetrics
 
@@ -48,6 +48,8 @@ class LateLoss:
         self._event: torch.cuda.Event | None = None
         self._host = loss
         if loss is not None and loss.device.type == "cuda":
+            import torch
+
             self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
             self._host.copy_(loss.detach().to(torch.float32), non_blocking=True)
             self._event = torch.cuda.Event()
