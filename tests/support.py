@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -23,6 +24,16 @@ def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"required for CI: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def cpu_adam_extension() -> ModuleType:
+    """The built C++ CPU optimizer, or :func:`unavailable` (a test module's fixture calls this)."""
+    from offload.cpu_adam import CpuAdamBuildError, load_extension
+
+    try:
+        return load_extension()
+    except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
+        unavailable(f"CPU Adam extension unavailable: {exc}")
 
 
 def _no_services() -> None:

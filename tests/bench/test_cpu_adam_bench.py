@@ -10,19 +10,14 @@ from types import ModuleType
 import pytest
 
 from bench import cpu_adam as bench
-from offload import cpu_adam
-from offload.cpu_adam import CpuAdamBuildError
-from tests.support import unavailable
+from tests.support import cpu_adam_extension
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ext() -> ModuleType:
-    try:
-        return cpu_adam.load_extension()
-    except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
-        unavailable(f"CPU Adam extension unavailable: {exc}")
+    return cpu_adam_extension()
 
 
 def test_quick_json_has_every_pair_and_step(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,8 +15,7 @@ import torch
 
 import offload.host as host
 from offload import cpu_adam
-from offload.cpu_adam import CpuAdamBuildError
-from tests.support import unavailable
+from tests.support import cpu_adam_extension
 
 PAIRS = [
     (torch.float32, torch.float32),
@@ -30,10 +29,7 @@ BIG = (1 << 20) + 37  # several threads' ranges, each with a ragged end
 
 @pytest.fixture(scope="module", autouse=True)
 def ext() -> ModuleType:
-    try:
-        return cpu_adam.load_extension()
-    except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
-        unavailable(f"CPU Adam extension unavailable: {exc}")
+    return cpu_adam_extension()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
