@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from offload.config import EngineConfig, EngineMode
 from trainer.data.chat_format import SystemMessage
 from trainer.data.dataset import Truncation
+from trainer.method import DpoSpec, LoraSpec, Method, packing_error
 from trainer.runtime import RUNTIME_FIELDS, ResolvedRuntime, RuntimeChoices, RuntimeRequest, resolve_runtime
 
 Auto = Literal["auto"]
@@ -99,36 +100,6 @@ class ResourceSpec(BaseModel):
     gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_JOB)
 
 
-class LoraSpec(BaseModel):
-    """LoRA through peft: only the adapter trains; the export is the merged model plus the adapter."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    r: int = Field(8, ge=1, le=65_536)
-    alpha: float = Field(16.0, gt=0, le=65_536)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    #: Module names to adapt (peft's rule: a module whose name is the entry or ends with "." + the
-    #: entry), or "all-linear" (every linear layer but the output head).
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-
-    @field_validator("r", mode="before")
-    @classmethod
-    def _no_bool(cls, v: object) -> object:
-        if isinstance(v, bool):
-            raise ValueError("must be an integer, not a boolean")
-        return v
-
-    @field_validator("target_modules")
-    @classmethod
-    def _targets(cls, v: list[str] | str) -> list[str] | str:
-        if isinstance(v, list):
-            if not 1 <= len(v) <= 256:
-                raise ValueError("give between 1 and 256 module names, or 'all-linear'")
-            if any(not 1 <= len(name) <= 256 for name in v):
-                raise ValueError("each module name must be 1 to 256 characters long")
-        return v
-
-
 class ResolvedHyperparameters(ResolvedRuntime):
     """Concrete values a run uses; recorded in the job and the checkpoints."""
 
@@ -154,6 +125,8 @@ class ResolvedHyperparameters(ResolvedRuntime):
     system_message: SystemMessage = "keep"
     #: The LoRA adapter trained (None: full fine-tuning); part of the training signature.
     lora: LoraSpec | None = None
+    #: DPO with its beta resolved (None: supervised); part of the training signature.
+    dpo: DpoSpec | None = None
 
     def lr_at(self, step: int) -> float:
         """Learning rate for the update with 0-based index ``step``: linear warm-up, then decay."""
@@ -205,6 +178,14 @@ class Hyperparameters(RuntimeRequest):
     system_message: SystemMessage = "keep"
     #: LoRA through peft (None: full fine-tuning); ``hyperparameters.lora`` in YAML specs and the API alike.
     lora: LoraSpec | None = None
+    #: Preference tuning (DPO) instead of supervised: ``method: {"type": "dpo"}`` in the API. The data is
+    #: then OpenAI's preference format (trainer.data.preference).
+    dpo: DpoSpec | None = None
+
+    @property
+    def method(self) -> Method:
+        """The fine-tuning method: ``dpo`` when :attr:`dpo` is set."""
+        return "dpo" if self.dpo is not None else "supervised"
 
     @field_validator(
         "n_epochs",
@@ -247,6 +228,12 @@ class Hyperparameters(RuntimeRequest):
         if isinstance(v, float) and not 0 <= v < 1:
             raise ValueError("a ratio must be in [0, 1); give an integer for a number of steps")
         return v
+
+    @model_validator(mode="after")
+    def _dpo_unpacked(self) -> Hyperparameters:
+        if self.dpo is not None and self.packing is True:
+            raise packing_error(type(self).__name__, self.packing)
+        return self
 
     @field_validator("eval_every")
     @classmethod
@@ -320,8 +307,14 @@ class Hyperparameters(RuntimeRequest):
             truncation=self.truncation,
             system_message=self.system_message,
             lora=self.lora,
-            **resolve_runtime(self, batch_size, planned).model_dump(),
+            dpo=self.dpo.resolved() if self.dpo is not None else None,
+            **self._runtime(batch_size, planned).model_dump(),
         )
+
+    def _runtime(self, batch_size: int, planned: RuntimeChoices | None) -> RuntimeChoices:
+        """The runtime choices; DPO never packs (see ``_dpo_unpacked``), whatever a plan proposes."""
+        chosen = resolve_runtime(self, batch_size, planned)
+        return chosen.model_copy(update={"packing": False}) if self.dpo is not None else chosen
 
 
 class JobSpec(BaseModel):
@@ -372,6 +365,11 @@ class JobSpec(BaseModel):
     def lora(self) -> LoraSpec | None:
         """``hyperparameters.lora``: the LoRA settings, None for full fine-tuning."""
         return self.hyperparameters.lora
+
+    @property
+    def dpo(self) -> DpoSpec | None:
+        """``hyperparameters.dpo``: the DPO settings, None for supervised fine-tuning."""
+        return self.hyperparameters.dpo
 
     @model_validator(mode="before")
     @classmethod

@@ -19,7 +19,8 @@ from trainer.plan.engine import engine_bytes
 from trainer.plan.gpus import GiB, Machine, find_gpu, parse_bytes
 from trainer.plan.planner import Plan, plan_job
 from trainer.plan.shapes import activation_bytes, model_shape
-from trainer.spec import JobSpec, LoraSpec
+from trainer.method import LoraSpec
+from trainer.spec import JobSpec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "samples"
 #: The public Llama-3-8B config.

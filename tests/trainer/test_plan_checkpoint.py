@@ -12,7 +12,8 @@ from trainer.plan.cli import format_plan
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
-from trainer.spec import JobSpec, LoraSpec
+from trainer.method import LoraSpec
+from trainer.spec import JobSpec
 
 from .test_plan import LLAMA3_8B
 

@@ -39,14 +39,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.data.chat_format import ChatRenderer, RecordRefused, SystemMessage, check_chat_record
+from trainer.data.example import IGNORE_INDEX as IGNORE_INDEX  # re-exported: its old home
+from trainer.data.example import Example as Example
+from trainer.data.example import PreferencePair
 from trainer.data.jsonl import DataError, parse_line, read_lines
 from trainer.data.jsonl import data_error as _err
+from trainer.data.preference import chat_records, check_preference_record, is_preference
+from trainer.method import Method
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-IGNORE_INDEX = -100
-Format = Literal["chat", "prompt_completion"]
+Format = Literal["chat", "prompt_completion", "preference"]
 Truncation = Literal["truncate", "drop", "error"]
 #: Line numbers a report lists per kind (truncated, dropped); the counts are complete.
 MAX_LISTED_LINES = 100
@@ -58,11 +62,15 @@ class DataOptions:
 
     truncation: Truncation = "truncate"
     system_message: SystemMessage = "keep"
+    #: The job's method: ``dpo`` takes preference pairs only, ``supervised`` chat or prompt/completion
+    #: records only; None (an upload's check) takes any one format.
+    method: Method | None = None
 
     @classmethod
     def of(cls, hyperparameters: Any) -> DataOptions:
         """The options a job's (requested or resolved) hyperparameters give."""
-        return cls(hyperparameters.truncation, hyperparameters.system_message)
+        method: Method = "dpo" if getattr(hyperparameters, "dpo", None) is not None else "supervised"
+        return cls(hyperparameters.truncation, hyperparameters.system_message, method)
 
 
 @dataclass(frozen=True)
@@ -89,16 +97,6 @@ class DatasetValidationError(ValueError):
         shown = "; ".join(e["message"] for e in errors[:5])
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         super().__init__(f"{Path(path).name}: {shown}{more}")
-
-
-@dataclass
-class Example:
-    input_ids: list[int]
-    labels: list[int]
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return sum(1 for t in self.labels if t != IGNORE_INDEX)
 
 
 @dataclass
@@ -183,6 +181,8 @@ def _check_prompt_completion(no: int, rec: dict[str, Any]) -> list[DataError]:
 
 
 def _record_format(rec: dict[str, Any]) -> Format | None:
+    if is_preference(rec):
+        return "preference"
     if "messages" in rec:
         return "chat"
     if "prompt" in rec or "completion" in rec:
@@ -190,7 +190,22 @@ def _record_format(rec: dict[str, Any]) -> Format | None:
     return None
 
 
-FORMAT_NAMES = {"chat": "chat (messages)", "prompt_completion": "prompt/completion"}
+FORMAT_NAMES = {
+    "chat": "chat (messages)",
+    "prompt_completion": "prompt/completion",
+    "preference": "preference (input, preferred_output, non_preferred_output)",
+}
+#: The field a record's whole-example problems are named at, by format.
+_WHOLE = {"chat": "messages", "prompt_completion": "prompt+completion", "preference": "input"}
+
+
+def _method_problem(rf: Format, method: Method | None) -> DataError | None:
+    """A record of the wrong kind for the job's method (None: fine)."""
+    if method == "dpo" and rf != "preference":
+        return _err(None, "input", f"a DPO job trains on preference pairs, not {FORMAT_NAMES[rf]} records")
+    if method == "supervised" and rf == "preference":
+        return _err(None, "input", "a preference pair in a supervised job: DPO data needs method type 'dpo'")
+    return None
 
 
 @dataclass
@@ -206,20 +221,24 @@ class _Lengths:
 
     def fit(self, no: int, fmt: Format, ex: Example) -> Example | DataError | None:
         """The example to train on, an error (policy ``error``), or None (dropped)."""
-        n = len(ex.input_ids)
+        pair = ex if isinstance(ex, PreferencePair) else None
+        n = max(len(ex.input_ids), len(pair.rejected.input_ids) if pair is not None else 0)
         if self.max_len is None or n <= self.max_len:
             return ex
         if self.policy == "error":
-            fld = "messages" if fmt == "chat" else "prompt+completion"
             return _err(
                 no,
-                fld,
+                _WHOLE[fmt],
                 f"too long: {n} tokens (max_seq_length {self.max_len}); shorten it, raise "
                 'max_seq_length, or set hyperparameters.truncation to "truncate" or "drop"',
             )
         if self.policy == "truncate":
-            cut = Example(ex.input_ids[: self.max_len], ex.labels[: self.max_len])
-            if cut.num_loss_tokens:
+            cut = (
+                pair.cut(self.max_len)
+                if pair is not None
+                else Example(ex.input_ids[: self.max_len], ex.labels[: self.max_len])
+            )
+            if _learns(cut):
                 self.num_truncated += 1
                 if len(self.truncated) < MAX_LISTED_LINES:
                     self.truncated.append(no)
@@ -228,6 +247,11 @@ class _Lengths:
         if len(self.dropped) < MAX_LISTED_LINES:
             self.dropped.append(no)
         return None
+
+
+def _learns(ex: Example) -> bool:
+    """Every sequence of the example (both of a pair) has a learned token."""
+    return ex.num_loss_tokens > 0 and (not isinstance(ex, PreferencePair) or ex.rejected.num_loss_tokens > 0)
 
 
 def _over(what: str, n: int, limit: int, split: str = "it") -> str:
@@ -289,10 +313,13 @@ def validate_file(
             if rf is None:
                 add([_err(no, "messages", "missing (expected 'messages', or 'prompt' and 'completion')")])
                 continue
+            if (wrong := _method_problem(rf, opts.method)) is not None:
+                add([_err(no, wrong["field"], wrong["detail"])])
+                continue
             if fmt is None:
                 fmt, fmt_line = rf, no
             elif rf != fmt:
-                key = "messages" if rf == "chat" else "prompt"
+                key = {"chat": "messages", "prompt_completion": "prompt", "preference": "input"}[rf]
                 add(
                     [
                         _err(
@@ -309,6 +336,8 @@ def validate_file(
                     add([_err(no, "messages", _over("messages", n, caps.max_messages, "the conversation"))])
                     continue
                 errs = [_err(no, f, d) for f, d in check_chat_record(rec)]
+            elif rf == "preference":
+                errs = [_err(no, f, d) for f, d in check_preference_record(rec)]
             else:
                 errs = _check_prompt_completion(no, rec)
             if errs:
@@ -323,11 +352,11 @@ def validate_file(
                 add([_err(no, e.field, e.detail)])
                 continue
             if caps.max_tokens is not None and len(ex.input_ids) > caps.max_tokens:
-                fld = "messages" if rf == "chat" else "prompt+completion"
-                add([_err(no, fld, _over("tokens", len(ex.input_ids), caps.max_tokens))])
+                add([_err(no, _WHOLE[rf], _over("tokens", len(ex.input_ids), caps.max_tokens))])
                 continue
-            if ex.num_loss_tokens == 0:
-                add([_err(no, "messages" if rf == "chat" else "completion", "no tokens to learn from")])
+            if not _learns(ex):
+                fld = {"chat": "messages", "prompt_completion": "completion", "preference": "input"}[rf]
+                add([_err(no, fld, "no tokens to learn from")])
                 continue
             fitted = lengths.fit(no, rf, ex)
             if fitted is None:
@@ -336,9 +365,10 @@ def validate_file(
                 add([fitted])
                 continue
             count += 1
-            num_tokens += len(fitted.input_ids)
-            max_tokens = max(max_tokens, len(fitted.input_ids))
-            loss_tokens += fitted.num_loss_tokens
+            seqs = [fitted, fitted.rejected] if isinstance(fitted, PreferencePair) else [fitted]
+            num_tokens += sum(len(q.input_ids) for q in seqs)
+            max_tokens = max(max_tokens, *(len(q.input_ids) for q in seqs))
+            loss_tokens += sum(q.num_loss_tokens for q in seqs)
             if keep_examples:
                 examples.append(fitted)
     except _TooMany:
@@ -416,7 +446,13 @@ def tokenize_record(
     *,
     renderer: ChatRenderer | None = None,
 ) -> Example:
-    """Token ids and labels of one validated record; a chat record the template refuses raises RecordRefused."""
+    """Token ids and labels of one validated record (a preference record: a :class:`PreferencePair`); a
+    chat record the template refuses raises RecordRefused."""
+    if fmt == "preference":
+        chosen, rejected = (
+            tokenize_record(r, "chat", tokenizer, renderer=renderer) for r in chat_records(rec)
+        )
+        return PreferencePair(chosen.input_ids, chosen.labels, rejected)
     if fmt == "chat":
         text, spans = (renderer or ChatRenderer(tokenizer)).render(rec)
         return _mask_by_spans(tokenizer, text, spans, add_special_tokens=False)

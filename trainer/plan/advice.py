@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from trainer.method import LoraSpec
 from trainer.plan.candidates import (
     Candidate,
     JobShape,
@@ -22,7 +23,7 @@ from trainer.plan.candidates import (
 )
 from trainer.plan.gpus import Machine, format_bytes
 from trainer.plan.records import MODES, Accumulator, Plan, Problem
-from trainer.spec import JobSpec, LoraSpec
+from trainer.spec import JobSpec
 
 
 def setting_reasons(spec: JobSpec, c: Candidate) -> list[str]:

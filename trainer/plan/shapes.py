@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.spec import LoraSpec
+    from trainer.method import LoraSpec
 
 #: Linear modules of a Llama-family decoder layer that ``all-linear`` LoRA adapts.
 _LAYER_LINEARS = 7
