@@ -61,6 +61,18 @@ class RunStarted(Event):
 
 
 @dataclass(frozen=True)
+class PreferenceMetrics:
+    """A DPO step's (or validation set's) pairs, means over them: rewards are beta x (policy - reference)
+    summed log-probabilities of a completion; ``accuracy`` the share of pairs whose chosen reward is
+    above the rejected one's (trainer.run.dpo)."""
+
+    chosen_reward: float
+    rejected_reward: float
+    reward_margin: float
+    accuracy: float
+
+
+@dataclass(frozen=True)
 class StepEvent(Event):
     """One optimizer step: the mean token loss of its batch and the engine's step record."""
 
@@ -81,6 +93,9 @@ class StepEvent(Event):
     #: the same on every rank); None in a single process. Prometheus counts these, so a sum over the
     #: ranks' series is the job's throughput.
     rank_tokens: int | None = None
+    #: A DPO job's rewards and preference accuracy over the step's pairs (None: supervised); ``loss``
+    #: is then the mean DPO loss over them.
+    preference: PreferenceMetrics | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # StepMetrics.as_dict() adds the derived stall_fraction that dataclasses.asdict() leaves out.
@@ -93,6 +108,8 @@ class EvalEvent(Event):
     step: int
     valid_loss: float
     valid_tokens: int
+    #: A DPO job's validation pairs (None: supervised); ``valid_loss`` is then their mean DPO loss.
+    preference: PreferenceMetrics | None = None
 
 
 @dataclass(frozen=True)

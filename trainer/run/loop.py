@@ -67,14 +67,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.data.batching import Batch, epoch_order, evaluate, evaluate_sums, micro_batches, rank_part
-from trainer.data.dataset import DatasetValidationError, Example
+from trainer.data.batching import epoch_order, evaluate, evaluate_sums, micro_batches, rank_part
+from trainer.data.dataset import DatasetValidationError
 from trainer.events import (
     ErrorEvent,
     EvalEvent,
     Event,
     EventCallback,
     LogEvent,
+    PreferenceMetrics,
     RunFinished,
     RunStarted,
     StepEvent,
@@ -88,6 +89,7 @@ from trainer.run.checkpoint import (
     remove_outputs,
 )
 from trainer.run.distributed import DistContext, all_sum, barrier, broadcast_object
+from trainer.run.dpo import DpoObjective, eval_result, pair_micro_batches
 from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
 from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
 from trainer.run.step import LateLoss, StepOutcome, optimizer_step, step_totals
@@ -206,6 +208,7 @@ class _Done:
     lr: float
     seconds: float
     outcome: StepOutcome
+    preference: PreferenceMetrics | None = None
 
     @property
     def loss(self) -> LateLoss:
@@ -240,6 +243,8 @@ class _Run:
         self.should_cancel = should_cancel or (lambda: False)
         self.progress = progress
         self.skipped_in_a_row = 0
+        dpo = self.hp.dpo
+        self.dpo = DpoObjective(dpo.beta_value, built.reference) if dpo is not None else None
 
     def train(self) -> TrainResult:
         hp, data, built, state = self.hp, self.data, self.built, self.state
@@ -281,7 +286,7 @@ class _Run:
                 idx = order[b * hp.batch_size : (b + 1) * hp.batch_size]
                 if self.dist is not None:
                     idx = rank_part(idx, self.dist.rank, self.dist.world_size)
-                micro = list(self._micro_batches([data.train[i] for i in idx]))
+                micro = list(self._micro_batches(idx))
                 prev = pending.loss if pending is not None else None
                 totals = step_totals(self.dist, micro, cancel=self.should_cancel(), prev_loss=prev)
                 if pending is not None:
@@ -294,7 +299,9 @@ class _Run:
                 if b == 0:
                     engine.new_epoch()
                 lr = hp.lr_at(state.step)
-                done = optimizer_step(model, engine, micro, lr, totals, dist=self.dist)
+                loss_fn = self.dpo.loss if self.dpo is not None else None
+                done = optimizer_step(model, engine, micro, lr, totals, dist=self.dist, loss_fn=loss_fn)
+                pref = self.dpo.take_step(self.dist) if self.dpo is not None else None
                 m = done.metrics
                 if self.dist is None:
                     _check_loss(done.loss.value(), state.step + 1)
@@ -308,7 +315,7 @@ class _Run:
                 dt = time.perf_counter() - t0
                 state.step += 1
                 state.trained_tokens += done.tokens
-                pending = _Done(state.step, epoch, lr, dt, done)
+                pending = _Done(state.step, epoch, lr, dt, done, pref)
                 eval_due = bool(
                     data.valid
                     and hp.eval_every
@@ -377,14 +384,19 @@ class _Run:
                 stall_fraction=m.stall_fraction,
                 engine=m,
                 rank_tokens=p.outcome.rank_tokens,
+                preference=p.preference,
             )
         )
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{p.lr:.2e}", tok_s=f"{tokens / dt:.0f}")
 
-    def _micro_batches(self, examples: list[Example]) -> Iterator[Batch]:
-        hp = self.hp
+    def _micro_batches(self, idx: list[int]) -> Iterator[Any]:
+        hp, examples = self.hp, [self.data.train[i] for i in idx]
+        if self.dpo is not None:  # Batch-like PairBatches: chosen and rejected rows in one forward
+            return pair_micro_batches(
+                examples, idx, hp.micro_batch_size, pad_id=self.data.pad_id, device=self.built.device
+            )
         return micro_batches(
             examples,
             hp.micro_batch_size,
@@ -402,6 +414,9 @@ class _Run:
             "packing": hp.packing,
             "max_seq_length": hp.max_seq_length,
         }
+        if self.dpo is not None:
+            self._eval_dpo(self.dpo)
+            return
         if dist is None:
             loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
         else:  # each rank its part; the summed losses and counts added up
@@ -411,6 +426,24 @@ class _Run:
             loss = s_total / n if n else float("nan")
         self.state.valid_loss = loss
         self.emit(EvalEvent(self.state.step, loss, n))
+
+    def _eval_dpo(self, dpo: DpoObjective) -> None:
+        """The validation pairs' mean DPO loss and preference metrics (each rank its part)."""
+        data, dist = self.data, self.dist
+        index = list(range(len(data.valid)))
+        if dist is not None:
+            index = rank_part(index, dist.rank, dist.world_size)
+        sums = dpo.evaluate_sums(
+            self.built.model,
+            [data.valid[i] for i in index],
+            index,
+            self.hp.micro_batch_size,
+            pad_id=data.pad_id,
+            device=self.built.device,
+        )
+        loss, metrics, n = eval_result(all_sum(dist, sums))
+        self.state.valid_loss = loss
+        self.emit(EvalEvent(self.state.step, loss, n, metrics))
 
     def _result(self, final: str | None, *, cancelled: bool) -> TrainResult:
         return TrainResult(

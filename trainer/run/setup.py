@@ -85,6 +85,8 @@ class Built:
     restore_threads: int | None = None
     #: Embedding rows added for tokens the tokenizer gained (the LoRA adapter then saves the embeddings).
     added_tokens: int = 0
+    #: A full fine-tuning DPO job's reference log-probabilities by set (trainer.run.dpo.reference_table).
+    reference: dict[str, torch.Tensor] | None = None
 
 
 def pick_device(pref: str) -> torch.device:
@@ -238,6 +240,8 @@ def build(
         model = apply_lora(model, spec, hp.seed)
     model.to(device)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
     model.train()
+    # Before the engine or a checkpoint touches the weights: the base model is DPO's reference.
+    reference = _dpo_reference(spec, data, model, out, device, emit, dist)
 
     found = _checkpoint_state(out, hp, dist) if resume else None
     restore = _rank_restore(*found, dist) if found is not None else None
@@ -246,7 +250,15 @@ def build(
     config = spec.engine.engine_config(hp.lr_at(0), **engine_choices(data.plan, resumed))
     engine = _make_engine(model, config, dist)
     built = Built(
-        model, engine, device, dtype, base_config, generation_config, Progress(), added_tokens=added_tokens
+        model,
+        engine,
+        device,
+        dtype,
+        base_config,
+        generation_config,
+        Progress(),
+        added_tokens=added_tokens,
+        reference=reference,
     )
     try:
         emit(LogEvent(engine.placement.describe(), data=engine.placement.as_dict()))
@@ -307,6 +319,37 @@ def build(
         release(built)
         raise
     return built
+
+
+def _dpo_reference(
+    spec: JobSpec,
+    data: RunData,
+    model: Any,
+    out: Path,
+    device: torch.device,
+    emit: Callable[[Event], None],
+    dist: DistContext | None,
+) -> dict[str, torch.Tensor] | None:
+    """A full fine-tuning DPO job's reference table (LoRA jobs disable the adapter instead)."""
+    if data.hp.dpo is None or spec.lora is not None:
+        return None
+    from trainer.run.dpo import REFERENCE_FILE, reference_table
+
+    sets = {"train": data.train, **({"valid": data.valid} if data.valid else {})}
+    table, computed = reference_table(
+        model,
+        sets,
+        out,
+        model_name=spec.model,
+        micro_batch_size=data.hp.micro_batch_size,
+        pad_id=data.pad_id,
+        device=device,
+        dist=dist,
+    )
+    pairs = sum(len(v) for v in sets.values())
+    how = "computed in a pass before training" if computed else "read back"
+    emit(LogEvent(f"DPO reference log-probabilities of {pairs} pairs {how} ({REFERENCE_FILE})"))
+    return table
 
 
 def engine_memory_text(host_bytes: int, params: int, device_state_bytes: int) -> str:

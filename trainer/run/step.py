@@ -21,10 +21,11 @@ the backward passes that need the global learned-token count.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.data.batching import Batch, loss_sum
+from trainer.data.batching import loss_sum
 from trainer.run.distributed import DistContext, all_sum
 
 if TYPE_CHECKING:  # torch is imported where it is used: importing the training library stays light
@@ -68,6 +69,21 @@ class LateLoss:
         return self._value
 
 
+class MicroBatch(Protocol):
+    """What a step counts of a micro-batch: a :class:`~trainer.data.batching.Batch`, or a DPO job's
+    :class:`~trainer.run.dpo.PairBatch` (whose ``num_learned`` is its pairs: the loss's units)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_learned(self) -> int: ...
+
+
+def _token_loss(model: Any, mb: Any) -> torch.Tensor:
+    return loss_sum(model, mb)[0]
+
+
 @dataclass(frozen=True)
 class StepTotals:
     """What the step's one host all-reduce carried (the local values in a single process)."""
@@ -83,7 +99,7 @@ class StepTotals:
 
 def step_totals(
     dist: DistContext | None,
-    micro_batches: list[Batch],
+    micro_batches: Sequence[MicroBatch],
     *,
     cancel: bool,
     prev_loss: LateLoss | None = None,
@@ -120,22 +136,25 @@ class StepOutcome:
 def optimizer_step(
     model: Any,
     engine: ZenFlowEngine,
-    micro_batches: list[Batch],
+    micro_batches: Sequence[MicroBatch],
     lr: float,
     totals: StepTotals,
     *,
     dist: DistContext | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> StepOutcome:
     """Run one optimizer step at learning rate ``lr``; ``micro_batches`` are this rank's part of the
-    step and ``totals`` its counts over all ranks (:func:`step_totals`)."""
+    step and ``totals`` its counts over all ranks (:func:`step_totals`). ``loss_fn(model, micro_batch)``
+    is a micro-batch's summed loss over its ``num_learned`` units (default: the token loss; a DPO job's:
+    :meth:`trainer.run.dpo.DpoObjective.loss`)."""
+    loss_of = loss_fn or _token_loss
     engine.set_lr(lr)
     scale = float(dist.world_size) if dist is not None else 1.0
     learned = max(1, totals.learned)
     loss_total = None
     late = LateLoss(None)
     for i, mb in enumerate(micro_batches):
-        ls, _ = loss_sum(model, mb)
-        loss = ls / learned
+        loss = loss_of(model, mb) / learned
         loss_total = loss.detach() if loss_total is None else loss_total + loss.detach()
         if i == len(micro_batches) - 1:  # the copy runs behind this forward, before the backward
             late = LateLoss(loss_total)
