@@ -78,13 +78,28 @@ class SupervisedIn(BaseModel):
     hyperparameters: HyperparametersIn | None = None
 
 
+class DpoHyperparametersIn(HyperparametersIn):
+    """OpenAI's DPO hyperparameters: the supervised ones plus ``beta`` (the KL penalty's weight; ``auto``
+    is 0.1, trainer.method.AUTO_DPO_BETA); the trainer's further knobs pass through as for supervised."""
+
+    beta: AutoPosFloat = "auto"
+
+
+class DpoIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hyperparameters: DpoHyperparametersIn | None = None
+
+
 class MethodIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["supervised"] = Field(
-        description="Only supervised fine-tuning is offered; 'dpo' and 'reinforcement' are refused."
+    type: Literal["supervised", "dpo"] = Field(
+        description="Supervised fine-tuning (chat or prompt/completion data) or DPO (preference pairs: "
+        "input, preferred_output, non_preferred_output); 'reinforcement' is refused."
     )
     supervised: SupervisedIn | None = None
+    dpo: DpoIn | None = None
 
 
 Metadata = dict[str, str]
@@ -179,8 +194,10 @@ class SupervisedOut(BaseModel):
 
 
 class MethodOut(BaseModel):
-    type: Literal["supervised"] = "supervised"
-    supervised: SupervisedOut
+    type: Literal["supervised", "dpo"] = "supervised"
+    supervised: SupervisedOut | None = None
+    #: A DPO job's hyperparameters (``beta`` resolved among them).
+    dpo: SupervisedOut | None = None
 
 
 class JobError(BaseModel):

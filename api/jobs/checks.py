@@ -112,6 +112,8 @@ def request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, 
     """A spec location as the request spells it: hyperparameters (and the LoRA settings, which the
     request gives inside them) under ``hyperparameters_param``."""
     where = hyperparameters_param.split(".")
+    if loc[:2] == ("hyperparameters", "dpo") and hyperparameters_param.startswith("method.dpo"):
+        return (*where, *loc[2:])  # beta is given beside the others there
     if loc and loc[0] == "hyperparameters":
         return (*where, *loc[1:])
     if loc and loc[0] == "lora":

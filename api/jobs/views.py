@@ -168,6 +168,14 @@ def job_hyperparameters(job: Any) -> dict[str, Any]:
     return hp
 
 
+def job_method(hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``method``: DPO (its ``beta`` beside the others) when the hyperparameters carry ``dpo``."""
+    dpo = hp.get("dpo")
+    if isinstance(dpo, dict):
+        return {"type": "dpo", "dpo": {"hyperparameters": {**hp, "beta": dpo.get("beta", "auto")}}}
+    return {"type": "supervised", "supervised": {"hyperparameters": hp}}
+
+
 #: A job's resources when its row gives none (trainer.spec.ResourceSpec's defaults).
 DEFAULT_RESOURCES: dict[str, Any] = {"gpus": 1}
 
@@ -191,7 +199,7 @@ def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -
         "organization_id": job.team_id,
         "status": job.status,
         "hyperparameters": hp,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "method": job_method(hp),
         "training_file": job.training_file_id,
         "validation_file": job.validation_file_id,
         "trained_tokens": job.trained_tokens,

@@ -143,7 +143,7 @@ def test_create_commits_then_enqueues_then_stamps_dispatched_at(
             "method.supervised.hyperparameters.batch_size",
             None,
         ),
-        ({"method": {"type": "dpo"}}, "method.type", None),
+        ({"method": {"type": "reinforcement"}}, "method.type", None),
         ({"hyperparameters": {"max_steps": 0}}, "hyperparameters.max_steps", None),
         (
             {

@@ -13,6 +13,8 @@ event is the failed end state's (worker.job.runner), which carries the error's d
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,8 +104,10 @@ class DBReporter:
             "bytes_device_to_host": int(eng.bytes_device_to_host),
             "bytes_host_to_device": int(eng.bytes_host_to_device),
         }
+        pref = asdict(ev.preference) if ev.preference is not None else {}
+        shown = f", preference accuracy={ev.preference.accuracy:.2f}" if ev.preference is not None else ""
         event = event_row(
-            f"Step {ev.step}/{ev.total_steps}: training loss={ev.loss:.4f}",
+            f"Step {ev.step}/{ev.total_steps}: training loss={ev.loss:.4f}{shown}",
             type="metrics",
             data={
                 "step": ev.step,
@@ -112,15 +116,18 @@ class DBReporter:
                 "lr": ev.lr,
                 "tokens_per_second": ev.tokens_per_second,
                 "stall_fraction": ev.stall_fraction,
+                **pref,
             },
         )
         return Write(job={"global_step": ev.step}, metric=metric, events=[event])
 
     def _on_eval(self, ev: EvalEvent) -> Write:
+        pref = {f"valid_{k}": v for k, v in asdict(ev.preference).items()} if ev.preference is not None else {}
+        shown = f", preference accuracy={ev.preference.accuracy:.2f}" if ev.preference is not None else ""
         event = event_row(
-            f"Step {ev.step}: validation loss={ev.valid_loss:.4f}",
+            f"Step {ev.step}: validation loss={ev.valid_loss:.4f}{shown}",
             type="metrics",
-            data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens},
+            data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens, **pref},
         )
         return Write(valid_loss={"step": ev.step, "valid_loss": ev.valid_loss}, events=[event])
 
