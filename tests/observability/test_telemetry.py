@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -408,3 +409,35 @@ def test_on_event_from_trainer_events(tel) -> None:
     assert reg.get_sample_value("zenflow_worker_current_job", {**cur, "mode": "offload"}) == 1
     assert reg.get_sample_value("zenflow_worker_current_job", {**cur, "mode": "zenflow"}) is None
     t.on_event(object())  # never raises
+
+
+def test_dpo_step_and_validation_gauges(tel) -> None:
+    from trainer.events import EvalEvent, PreferenceMetrics, StepEvent
+
+    t, reg = tel
+    t.job_started("ftjob-d", base_model="tiny", mode="zenflow")
+    pref = PreferenceMetrics(chosen_reward=0.5, rejected_reward=-0.25, reward_margin=0.75, accuracy=0.875)
+    t.on_event(
+        StepEvent(
+            step=1,
+            total_steps=2,
+            epoch=0,
+            loss=0.4,
+            lr=1e-3,
+            tokens=64,
+            tokens_per_second=1.0,
+            step_seconds=0.5,
+            stall_seconds=0.1,
+            stall_fraction=0.2,
+            engine=_step(1),
+            preference=pref,
+        )
+    )
+    t.on_event(EvalEvent(step=1, valid_loss=0.5, valid_tokens=10, preference=dataclasses.replace(pref, accuracy=0.5)))
+    assert reg.get_sample_value("zenflow_dpo_reward_margin", L) == 0.75
+    assert reg.get_sample_value("zenflow_dpo_chosen_reward", L) == 0.5
+    assert reg.get_sample_value("zenflow_dpo_rejected_reward", L) == -0.25
+    assert reg.get_sample_value("zenflow_dpo_preference_accuracy_ratio", L) == 0.875
+    assert reg.get_sample_value("zenflow_dpo_valid_preference_accuracy_ratio", L) == 0.5
+    t.job_finished("succeeded")  # the job's series go with it
+    assert reg.get_sample_value("zenflow_dpo_reward_margin", L) is None

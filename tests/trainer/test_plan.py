@@ -15,11 +15,11 @@ from transformers import LlamaConfig
 
 from bench.memory import engine_measured, padded_batch, saved_activation_bytes
 from offload.config import EngineConfig
+from trainer.method import LoraSpec
 from trainer.plan.engine import engine_bytes
 from trainer.plan.gpus import GiB, Machine, find_gpu, parse_bytes
 from trainer.plan.planner import Plan, plan_job
 from trainer.plan.shapes import activation_bytes, model_shape
-from trainer.method import LoraSpec
 from trainer.spec import JobSpec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "samples"

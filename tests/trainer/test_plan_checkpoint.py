@@ -7,12 +7,12 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
+from trainer.method import LoraSpec
 from trainer.plan.candidates import checkpoint_bytes
 from trainer.plan.cli import format_plan
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
-from trainer.method import LoraSpec
 from trainer.spec import JobSpec
 
 from .test_plan import LLAMA3_8B

@@ -13,9 +13,8 @@ event is the failed end state's (worker.job.runner), which carries the error's d
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +121,9 @@ class DBReporter:
         return Write(job={"global_step": ev.step}, metric=metric, events=[event])
 
     def _on_eval(self, ev: EvalEvent) -> Write:
-        pref = {f"valid_{k}": v for k, v in asdict(ev.preference).items()} if ev.preference is not None else {}
+        pref = (
+            {f"valid_{k}": v for k, v in asdict(ev.preference).items()} if ev.preference is not None else {}
+        )
         shown = f", preference accuracy={ev.preference.accuracy:.2f}" if ev.preference is not None else ""
         event = event_row(
             f"Step {ev.step}: validation loss={ev.valid_loss:.4f}{shown}",

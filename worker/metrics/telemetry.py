@@ -25,13 +25,14 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import REGISTRY
 
 from offload.metrics import StepMetrics
-from trainer.events import ErrorEvent, Event, RunFinished, RunStarted, StepEvent
+from trainer.events import ErrorEvent, EvalEvent, Event, RunFinished, RunStarted, StepEvent
 from worker.metrics.multiprocess import multiprocess_mode
 from worker.metrics.nvml import detect_gpu
 
@@ -136,6 +137,31 @@ class WorkerTelemetry:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+        # A DPO job's last step (trainer.events.PreferenceMetrics): rewards in nats x beta, accuracy a ratio.
+        self.dpo = {
+            name: Gauge(
+                metric,
+                text,
+                STEP_LABELS,
+                registry=r,
+                multiprocess_mode="livemostrecent",
+            )
+            for name, metric, text in (
+                ("chosen_reward", "zenflow_dpo_chosen_reward", "DPO: mean reward of the chosen completions."),
+                ("rejected_reward", "zenflow_dpo_rejected_reward", "DPO: mean reward of the rejected ones."),
+                ("reward_margin", "zenflow_dpo_reward_margin", "DPO: mean chosen minus rejected reward."),
+                (
+                    "accuracy",
+                    "zenflow_dpo_preference_accuracy_ratio",
+                    "DPO: share of the last step's pairs whose chosen reward beats the rejected one's.",
+                ),
+                (
+                    "valid_accuracy",
+                    "zenflow_dpo_valid_preference_accuracy_ratio",
+                    "DPO: preference accuracy on the validation pairs at the last evaluation.",
+                ),
+            )
+        }
         self.gpu_utilization = Gauge(
             "zenflow_gpu_utilization_ratio",
             "Share of the last step the device computed rather than waited (compute / wall).",
@@ -199,7 +225,7 @@ class WorkerTelemetry:
                 with contextlib.suppress(KeyError):
                     self.current_job.remove(*self._base, *self._job)
             for ls in self._step_labelsets:
-                for g in (self.train_loss, self.gpu_utilization):
+                for g in (self.train_loss, self.gpu_utilization, *self.dpo.values()):
                     with contextlib.suppress(KeyError):
                         g.remove(*ls)
             for kind in self._mem_kinds:
@@ -263,8 +289,21 @@ class WorkerTelemetry:
                 self.observe_step(
                     event.engine, tokens=int(tokens), loss=event.loss, base_model=base_model, mode=mode
                 )
+                if event.preference is not None:
+                    self._observe_preference(asdict(event.preference), base_model, mode)
+            elif isinstance(event, EvalEvent) and event.preference is not None:
+                base_model, mode = ("unknown", "unknown") if self._job is None else self._job[1:]
+                self._observe_preference({"valid_accuracy": event.preference.accuracy}, base_model, mode)
         except Exception:
             log.exception("telemetry: could not record %s", type(event).__name__)
+
+    def _observe_preference(self, values: dict[str, float], base_model: str, mode: str) -> None:
+        ls = (*self._base, model_label(base_model), str(mode))
+        with self._lock:
+            self._step_labelsets.add(ls)
+            for name, value in values.items():
+                if math.isfinite(value):
+                    self.dpo[name].labels(*ls).set(value)
 
     def _set_mode(self, mode: str) -> None:
         with self._lock:
