@@ -1,0 +1,232 @@
+"""Issue 26 part 1, the job library's side of DPO: the preference format (line and field errors, the
+method's data kind, masks on the outputs only), the loss (log 2 while the policy is the reference),
+both references (LoRA's disabled adapter: one model in memory; full fine-tuning's table, computed before
+training and read back on resume), and 2 gloo ranks equal to one process."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.trainer.test_loop import Recorder
+from trainer.data.dataset import DataOptions, DatasetValidationError, validate_file
+from trainer.data.example import IGNORE_INDEX, PreferencePair
+from trainer.data.preference import check_preference_record
+from trainer.events import EvalEvent, LogEvent, RunStarted, StepEvent
+from trainer.run.dpo import REFERENCE_FILE, DpoObjective
+from trainer.run.loop import run_training
+from trainer.spec import JobSpec
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+
+def pair(i: int, chosen: str = "yes indeed", rejected: str = "no way") -> dict[str, Any]:
+    return {
+        "input": {"messages": [{"role": "user", "content": f"Question {i}: agree?"}]},
+        "preferred_output": [{"role": "assistant", "content": chosen}],
+        "non_preferred_output": [{"role": "assistant", "content": rejected}],
+    }
+
+
+def write(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def dpo_spec(out: Path, data: Path, valid: Path | None = None, **hp: Any) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "model": "tiny-llama",
+            "training_file": str(data),
+            "validation_file": str(valid) if valid else None,
+            "hyperparameters": {
+                "dpo": {"beta": "auto"},
+                "n_epochs": 4,
+                "batch_size": 8,
+                "micro_batch_size": 4,
+                "learning_rate": 1e-3,
+                "max_seq_length": 64,
+                "seed": 5,
+                **hp,
+            },
+            "engine": hp.pop("engine", None) or {"mode": "device"},
+            "dtype": "float32",
+            "output_dir": str(out),
+        }
+    )
+
+
+# --- the format --------------------------------------------------------------------------------------
+
+
+def test_preference_record_problems_name_the_pairs_fields() -> None:
+    assert check_preference_record(pair(0)) == []
+    assert check_preference_record({"preferred_output": []}) == [
+        ("input", "missing (expected an object with 'messages')")
+    ]
+    bad = {**pair(0), "input": {"messages": [{"role": "bot", "content": "x"}]}}
+    assert (
+        "input.messages[0].role",
+        "unknown role 'bot' (expected system, developer, user, assistant, tool)",
+    ) in (check_preference_record(bad))
+    bad = {**pair(0), "non_preferred_output": [{"role": "assistant", "content": 3}]}
+    assert [f for f, _ in check_preference_record(bad)] == ["non_preferred_output[0].content"]
+    bad = {**pair(0), "preferred_output": [{"role": "user", "content": "x"}]}
+    assert [f for f, _ in check_preference_record(bad)] == ["preferred_output[0].role"]
+    same = pair(0, chosen="a", rejected="a")
+    assert [f for f, _ in check_preference_record(same)] == ["non_preferred_output"]
+
+
+def test_file_errors_by_line_and_the_methods_data_kind(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.jsonl", [pair(0), '{"input": {"messages": []}}', pair(2)])
+    with pytest.raises(DatasetValidationError) as e:
+        validate_file(path)
+    assert [(x["line"], x["field"]) for x in e.value.errors] == [
+        (2, "input.messages"),
+        (2, "preferred_output"),
+        (2, "non_preferred_output"),
+    ]
+    good = write(tmp_path / "g.jsonl", [pair(0), pair(1)])
+    assert validate_file(good).format == "preference"  # an upload's check takes any one format
+    with pytest.raises(DatasetValidationError) as e:
+        validate_file(good, options=DataOptions(method="supervised"))
+    assert e.value.errors[0]["line"] == 1 and "supervised" in e.value.errors[0]["message"]
+    chat = write(
+        tmp_path / "c.jsonl",
+        [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+    )
+    with pytest.raises(DatasetValidationError) as e:
+        validate_file(chat, options=DataOptions(method="dpo"))
+    assert e.value.errors[0]["line"] == 1 and "DPO" in e.value.errors[0]["message"]
+
+
+def test_only_the_outputs_are_learned(tmp_path: Path) -> None:
+    from trainer.model.catalog import load_tokenizer
+
+    tok = load_tokenizer("tiny-llama")
+    rec = pair(0)
+    rec["input"]["messages"] += [
+        {"role": "assistant", "content": "context"},
+        {"role": "user", "content": "so?"},
+    ]
+    path = write(tmp_path / "p.jsonl", [rec])
+    rep = validate_file(
+        path, tokenizer=tok, max_seq_length=128, options=DataOptions(method="dpo"), keep_examples=True
+    )
+    (ex,) = rep.examples
+    assert isinstance(ex, PreferencePair)
+    learned = [tok.decode([t for t in s.labels if t != IGNORE_INDEX]) for s in (ex, ex.rejected)]
+    assert learned[0].startswith("yes indeed") and learned[1].startswith("no way")
+    assert "context" not in "".join(learned)
+    assert rep.num_tokens == len(ex.input_ids) + len(ex.rejected.input_ids)
+    # cut at a length inside the outputs, both sequences are truncated together
+    short = min(len(ex.input_ids), len(ex.rejected.input_ids)) - 1
+    rep = validate_file(
+        path, tokenizer=tok, max_seq_length=short, options=DataOptions(method="dpo"), keep_examples=True
+    )
+    (cut,) = rep.examples
+    assert isinstance(cut, PreferencePair) and rep.num_truncated == 1
+    assert max(len(cut.input_ids), len(cut.rejected.input_ids)) == short
+
+
+def test_the_loss_is_log_2_when_the_policy_is_the_reference() -> None:
+    obj = DpoObjective(0.1, None)
+    logps = torch.tensor([-3.0, -5.0, -4.0, -2.0])  # chosen of 2 pairs, then rejected
+    total, sums = obj.terms(logps, logps.clone())
+    assert float(total) == pytest.approx(2 * math.log(2), abs=1e-7) and sums.tolist() == [0, 0, 0, 0]
+    total, sums = obj.terms(logps + torch.tensor([1.0, 1.0, 0.0, 0.0]), logps)  # chosen up 1 nat each
+    assert sums.tolist() == pytest.approx([0.2, 0.0, 0.2, 2.0])
+    assert float(total) == pytest.approx(-2 * math.log(1 / (1 + math.exp(-0.1))), rel=1e-6)
+
+
+def test_dpo_refuses_packing_and_resolves_beta() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        dpo_spec(Path("/tmp/x"), Path("/tmp/x"), packing=True)
+    assert e.value.errors()[0]["loc"] == ("hyperparameters", "packing")
+    hp = dpo_spec(Path("/tmp/x"), Path("/tmp/x")).resolve(16)
+    assert hp.dpo is not None and hp.dpo.beta == 0.1 and hp.packing is False
+
+
+# --- runs --------------------------------------------------------------------------------------------
+
+
+def _steps(rec: Recorder) -> list[StepEvent]:
+    return [e for e in rec.events if isinstance(e, StepEvent)]
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_dpo_learns_the_preference_and_reuses_its_reference(tmp_path: Path) -> None:
+    data = write(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    out = tmp_path / "out"
+    rec = Recorder()
+    run_training(dpo_spec(out, data, data, engine={"mode": "zenflow"}), on_event=rec)
+    steps = _steps(rec)
+    assert abs(steps[0].loss - math.log(2)) < 1e-4
+    assert steps[-1].preference is not None and steps[-1].preference.accuracy > 0.9
+    evals = [e for e in rec.events if isinstance(e, EvalEvent)]
+    assert evals[-1].preference is not None and evals[-1].preference.accuracy > 0.9
+    assert (out / REFERENCE_FILE).is_file()
+    assert any(
+        "computed in a pass before training" in e.message for e in rec.events if isinstance(e, LogEvent)
+    )
+    again = Recorder()  # a fresh run in the same directory (resume=False keeps the reference: same data)
+    run_training(
+        dpo_spec(out, data, data, engine={"mode": "zenflow"}, max_steps=1), on_event=again, resume=False
+    )
+    assert any("read back" in e.message for e in again.events if isinstance(e, LogEvent))
+    assert abs(_steps(again)[0].loss - math.log(2)) < 1e-4
+
+
+@pytest.mark.slow
+def test_lora_dpo_keeps_one_model_in_memory(tmp_path: Path) -> None:
+    from transformers import PreTrainedModel
+
+    data = write(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
+    models: list[int] = []
+
+    def on_event(ev: Any) -> None:
+        rec(ev)
+        if isinstance(ev, RunStarted):
+            gc.collect()
+            models.append(sum(isinstance(o, PreTrainedModel) for o in gc.get_objects()))
+
+    rec = Recorder()
+    spec = dpo_spec(tmp_path / "out", data, learning_rate=1e-2, lora={"r": 8}, engine={"mode": "offload"})
+    run_training(spec, on_event=on_event)
+    assert models == [1]  # the policy only: the reference is it with the adapter disabled
+    assert not (tmp_path / "out" / REFERENCE_FILE).exists()
+    steps = _steps(rec)
+    assert abs(steps[0].loss - math.log(2)) < 1e-4
+    assert steps[-1].preference is not None and steps[-1].preference.accuracy > 0.9
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from tests.dist_ranks import pinned_numerics
+    from tests.trainer.dist_ranks import Job, train_on_ranks
+
+    data = write(tmp_path / "pairs.jsonl", [pair(i, "yes" if i % 2 else "sure", "no") for i in range(8)])
+    one = dpo_spec(tmp_path / "one", data, n_epochs=1, batch_size=4, micro_batch_size=1)
+    two = one.model_copy(update={"output_dir": tmp_path / "two", "resources": {"gpus": 2}})
+    two = JobSpec.model_validate(two.model_dump())
+    with pinned_numerics():
+        rec = Recorder()
+        run_training(one, on_event=rec)
+    (outcomes,) = train_on_ranks([Job(two)])
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    losses = [[loss for t, _, loss, _ in o.events if t == "step"] for o in outcomes]
+    single = [e.loss for e in _steps(rec)]
+    assert losses[0] == losses[1] and losses[0] == pytest.approx(single, abs=1e-5)
+    a, b = (load_file(str(p / "final" / "model.safetensors")) for p in (tmp_path / "one", tmp_path / "two"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
