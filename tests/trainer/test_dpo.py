@@ -40,6 +40,8 @@ def write(path: Path, rows: list[Any]) -> Path:
 
 
 def dpo_spec(out: Path, data: Path, valid: Path | None = None, **hp: Any) -> JobSpec:
+    engine = hp.pop("engine", None) or {"mode": "device"}
+    resources = hp.pop("resources", None) or {}
     return JobSpec.model_validate(
         {
             "model": "tiny-llama",
@@ -55,9 +57,10 @@ def dpo_spec(out: Path, data: Path, valid: Path | None = None, **hp: Any) -> Job
                 "seed": 5,
                 **hp,
             },
-            "engine": hp.pop("engine", None) or {"mode": "device"},
+            "engine": engine,
             "dtype": "float32",
             "output_dir": str(out),
+            "resources": resources,
         }
     )
 
@@ -192,11 +195,18 @@ def test_lora_dpo_keeps_one_model_in_memory(tmp_path: Path) -> None:
     data = write(tmp_path / "pairs.jsonl", [pair(i) for i in range(16)])
     models: list[int] = []
 
+    def live_models() -> set[int]:
+        gc.collect()
+        # whole causal LMs (their inner LlamaModel is a PreTrainedModel too)
+        lms = (o for o in gc.get_objects() if isinstance(o, PreTrainedModel) and hasattr(o, "lm_head"))
+        return {id(o) for o in lms}
+
+    before = live_models()  # another test's, not yet collected
+
     def on_event(ev: Any) -> None:
         rec(ev)
         if isinstance(ev, RunStarted):
-            gc.collect()
-            models.append(sum(isinstance(o, PreTrainedModel) for o in gc.get_objects()))
+            models.append(len(live_models() - before))
 
     rec = Recorder()
     spec = dpo_spec(tmp_path / "out", data, learning_rate=1e-2, lora={"r": 8}, engine={"mode": "offload"})
@@ -216,9 +226,9 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path) -> None:
     from tests.trainer.dist_ranks import Job, train_on_ranks
 
     data = write(tmp_path / "pairs.jsonl", [pair(i, "yes" if i % 2 else "sure", "no") for i in range(8)])
-    one = dpo_spec(tmp_path / "one", data, n_epochs=1, batch_size=4, micro_batch_size=1)
-    two = one.model_copy(update={"output_dir": tmp_path / "two", "resources": {"gpus": 2}})
-    two = JobSpec.model_validate(two.model_dump())
+    hp: dict[str, Any] = {"n_epochs": 1, "batch_size": 4, "micro_batch_size": 1}
+    one = dpo_spec(tmp_path / "one", data, **hp)
+    two = dpo_spec(tmp_path / "two", data, resources={"gpus": 2}, **hp)
     with pinned_numerics():
         rec = Recorder()
         run_training(one, on_event=rec)
