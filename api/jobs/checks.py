@@ -21,6 +21,7 @@ from api.core.errors import APIError, validation_error
 from store.settings import Settings
 from trainer.data.dataset import DatasetValidationError, ExampleLimits, validate_file
 from trainer.limits import JobLimits, LimitError, limit_errors
+from trainer.method import LoraSpec
 from trainer.model.folder_check import ModelFolderError
 from trainer.model.folder_check import check_model_folder as check_folder
 from trainer.spec import (
@@ -28,7 +29,6 @@ from trainer.spec import (
     EngineSettings,
     Hyperparameters,
     JobSpec,
-    LoraSpec,
     ResourceSpec,
     spec_from_job,
 )

@@ -433,7 +433,9 @@ def test_dpo_step_and_validation_gauges(tel) -> None:
             preference=pref,
         )
     )
-    t.on_event(EvalEvent(step=1, valid_loss=0.5, valid_tokens=10, preference=dataclasses.replace(pref, accuracy=0.5)))
+    t.on_event(
+        EvalEvent(step=1, valid_loss=0.5, valid_tokens=10, preference=dataclasses.replace(pref, accuracy=0.5))
+    )
     assert reg.get_sample_value("zenflow_dpo_reward_margin", L) == 0.75
     assert reg.get_sample_value("zenflow_dpo_chosen_reward", L) == 0.5
     assert reg.get_sample_value("zenflow_dpo_rejected_reward", L) == -0.25
