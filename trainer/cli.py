@@ -37,6 +37,7 @@ from trainer.events import (
     Event,
     EventCallback,
     LogEvent,
+    PreferenceMetrics,
     RunStarted,
     StepEvent,
 )
@@ -109,13 +110,19 @@ def _printer(as_json: bool, progress: bool) -> EventCallback:
                 write(
                     f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
                     f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}"
+                    + _preference(ev.preference)
                 )
             case EvalEvent():
-                write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}")
+                write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}" + _preference(ev.preference))
             case CheckpointSaved():
                 write(f"checkpoint saved: {ev.path}")
 
     return on_event
+
+
+def _preference(p: PreferenceMetrics | None) -> str:
+    """A DPO step's or evaluation's figures for a printed line (nothing for supervised jobs)."""
+    return "" if p is None else f" margin {p.reward_margin:.3f} preference accuracy {p.accuracy:.0%}"
 
 
 def _bad_input(e: BaseException) -> str | None:

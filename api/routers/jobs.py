@@ -25,6 +25,7 @@ from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.jobs import admission, checks, data_check
+from api.jobs.method import requested_hyperparameters
 from api.jobs.public_paths import PublicPaths
 from api.jobs.views import (
     GET_JOB,
@@ -40,7 +41,6 @@ from api.jobs.views import (
 from api.model_names import ModelRef, resolve_model, spec_model_name
 from api.schemas import (
     FineTuningJobObject,
-    HyperparametersIn,
     JobCheckpointObject,
     JobCreate,
     ListObject,
@@ -67,50 +67,6 @@ def _request_hash(body: JobCreate) -> str:
         canon["engine"] = _engine(body)
     text = json.dumps(canon, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _hyperparameters(body: JobCreate) -> tuple[dict[str, Any], str]:
-    """The requested hyperparameters and where they were given (for error params). A DPO job's carry
-    ``dpo: {"beta": ...}`` (trainer.method.DpoSpec; ``beta`` given beside the others in the request)."""
-    method = body.method
-    kind = method.type if method is not None else "supervised"
-    if method is not None and getattr(method, "supervised" if kind == "dpo" else "dpo") is not None:
-        other = "supervised" if kind == "dpo" else "dpo"
-        raise APIError(
-            400,
-            f"method.{other} is given with method.type {kind!r}: give method.{kind} instead",
-            param=f"method.{other}",
-            code="invalid_value",
-        )
-    top = body.hyperparameters
-    inner = getattr(method, kind, None) if method is not None else None
-    nested: HyperparametersIn | None = inner.hyperparameters if inner is not None else None
-    nested_param = f"method.{kind}.hyperparameters"
-    if top is not None and nested is not None and top != nested:
-        given = [", ".join(sorted(hp.model_dump(exclude_unset=True))) for hp in (top, nested)]
-        raise APIError(
-            400,
-            f"Hyperparameters are given twice, with different values: at the top level ({given[0]}) "
-            f"and in {nested_param} ({given[1]}). Give them all in "
-            "one place: with the OpenAI SDK, method={'type': 'supervised', 'supervised': "
-            "{'hyperparameters': {'n_epochs': 2, 'lora': {'r': 8}}}} (lora goes inside it, beside the "
-            "others), or without method=, extra_body={'hyperparameters': {'n_epochs': 2, 'lora': {'r': 8}}}",
-            param="hyperparameters",
-            code="invalid_value",
-        )
-    where = "hyperparameters" if top is not None or nested is None else nested_param
-    hp = (top or nested or HyperparametersIn()).model_dump(mode="json")
-    if kind == "dpo":
-        hp["dpo"] = {"beta": hp.pop("beta", "auto")}
-    elif "dpo" in hp:
-        raise APIError(
-            400,
-            "hyperparameters.dpo is set in a supervised job: ask for DPO with method={'type': 'dpo', "
-            "'dpo': {'hyperparameters': {'beta': 0.1}}}",
-            param=f"{where}.dpo",
-            code="invalid_value",
-        )
-    return hp, where
 
 
 def _engine(body: JobCreate) -> dict[str, Any]:
@@ -259,7 +215,7 @@ def _prepare_job(
                 headers={"Idempotent-Replayed": "true"},
             )
 
-    hyperparameters, hp_param = _hyperparameters(body)
+    hyperparameters, hp_param = requested_hyperparameters(body)
     model = resolve_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
     checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")

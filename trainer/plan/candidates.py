@@ -110,7 +110,12 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     spec, m, shape, e = job.spec, job.machine, job.shape, job.dtype_bytes
     cuda = m.device_type == "cuda"
     eng = engine_bytes_on_rank(job, mode, acc)
-    act = activation_bytes(shape, mb, job.seq, e, checkpointing=ckpt)
+    # DPO (trainer.run.dpo): a pair is two rows in one forward and backward; with LoRA the reference is
+    # one more forward of them without grad (a third more work), without it a table of 8 B a pair
+    dpo = spec.hyperparameters.dpo is not None
+    rows = 2 if dpo else 1
+    work = rows * (4 / 3 if dpo and spec.lora is not None else 1.0)
+    act = activation_bytes(shape, mb * rows, job.seq, e, checkpointing=ckpt)
     device = {
         "weights": shape.params * e,
         "gradients": shape.trainable_params * e,
@@ -134,6 +139,7 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         ),
         "data": tokens * DATA_BYTES_PER_TOKEN,
         "process": HOST_PROCESS_BYTES,
+        **({"dpo_reference": 8 * job.num_examples} if dpo and spec.lora is None else {}),
     }
     dev_total, host_total = sum(device.values()), sum(host.values())
     if cuda:
@@ -148,8 +154,8 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     times = step_times(
         shape,
         m,
-        tokens=job.batch * job.seq,
-        micro_tokens=mb * job.seq,
+        tokens=round(job.batch * job.seq * work),
+        micro_tokens=mb * job.seq * rows,
         seq=job.seq,
         checkpointing=ckpt,
         dtype_bytes=e,
