@@ -194,10 +194,12 @@ class SupervisedOut(BaseModel):
 
 
 class MethodOut(BaseModel):
+    """OpenAI's ``method``: the key of the job's type only (the other is left out, not null)."""
+
     type: Literal["supervised", "dpo"] = "supervised"
-    supervised: SupervisedOut | None = None
+    supervised: SupervisedOut | None = Field(None, exclude_if=lambda v: v is None)
     #: A DPO job's hyperparameters (``beta`` resolved among them).
-    dpo: SupervisedOut | None = None
+    dpo: SupervisedOut | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class JobError(BaseModel):

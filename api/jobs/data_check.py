@@ -24,7 +24,7 @@ import hashlib
 import json
 import logging
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,14 +117,17 @@ def plan_check(
     *,
     sha256: str,
     size: int,
+    any_method: bool = False,
 ) -> FileCheck:
     """The check of one file (a stored ``row``, or an upload not stored yet) with its kept outcome.
-    Reads the model's folder: call it off the event loop."""
+    ``any_method``: an upload's, whose records may be a supervised job's or a DPO job's (a job's check
+    takes its method's only). Reads the model's folder: call it off the event loop."""
+    options = DataOptions.of(hyperparameters)
     request = CheckRequest(
         path=str(path),
         model=model,
         max_seq_length=data_max_length(model, hyperparameters),
-        options=DataOptions.of(hyperparameters),
+        options=replace(options, method=None) if any_method else options,
         limits=example_limits(settings),
         budget_seconds=settings.data_check_timeout_seconds,
     )

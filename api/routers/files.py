@@ -221,6 +221,7 @@ def _plan_model_check(
         settings,
         sha256=upload.sha256,
         size=upload.bytes,
+        any_method=True,
     )
     return ref, check
 

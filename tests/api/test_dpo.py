@@ -113,3 +113,20 @@ def test_malformed_preference_line_is_a_400(sdk: tuple[openai.OpenAI, TeamKey]) 
             method={"type": "dpo", "dpo": {"hyperparameters": {"beta": -1}}},
         )
     assert e.value.param == "method.dpo.hyperparameters.beta"
+
+
+def test_an_upload_checked_with_a_model_takes_pairs(
+    sdk: tuple[openai.OpenAI, TeamKey], server: ServerThread
+) -> None:
+    import httpx
+
+    _, team = sdk
+    r = httpx.post(
+        f"{server.base_url}/v1/files",
+        headers=team.headers,
+        files={"file": ("p.jsonl", preference_jsonl(4))},
+        data={"purpose": "fine-tune", "model": "tiny-llama"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["validation"]["format"] == "preference" and r.json()["validation"]["num_examples"] == 4

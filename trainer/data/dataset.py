@@ -351,8 +351,11 @@ def validate_file(
             except RecordRefused as e:
                 add([_err(no, e.field, e.detail)])
                 continue
-            if caps.max_tokens is not None and len(ex.input_ids) > caps.max_tokens:
-                add([_err(no, _WHOLE[rf], _over("tokens", len(ex.input_ids), caps.max_tokens))])
+            longest = max(
+                len(ex.input_ids), len(ex.rejected.input_ids) if isinstance(ex, PreferencePair) else 0
+            )
+            if caps.max_tokens is not None and longest > caps.max_tokens:
+                add([_err(no, _WHOLE[rf], _over("tokens", longest, caps.max_tokens))])
                 continue
             if not _learns(ex):
                 fld = {"chat": "messages", "prompt_completion": "completion", "preference": "input"}[rf]

@@ -35,8 +35,9 @@ def chat_records(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     )
 
 
-def _rename(fld: str, n_input: int, output: str) -> str:
-    """``messages[i]...`` of a pair's chat record as the pair's own field."""
+def pair_field(fld: str, n_input: int, output: str) -> str:
+    """``messages[i]...`` of a pair's chat record (its input has ``n_input`` messages, then ``output``'s)
+    as the pair's own field."""
     if not fld.startswith("messages["):
         return f"input.{fld}" if fld == "tools" or fld.startswith("tools[") else output
     i, rest = fld[len("messages[") :].split("]", 1)
@@ -72,7 +73,7 @@ def check_preference_record(rec: dict[str, Any]) -> list[Problem]:
     assert isinstance(messages, list)
     for key, chat in zip(OUTPUTS, chat_records(rec), strict=True):
         for fld, detail in check_chat_record(chat):
-            name = key if fld is None or fld == "messages" else _rename(fld, len(messages), key)
+            name = key if fld is None or fld == "messages" else pair_field(fld, len(messages), key)
             if key == OUTPUTS[1] and name.startswith("input"):
                 continue  # the input's problems are named once
             problems.append((name, detail))
