@@ -240,3 +240,28 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path) -> None:
     a, b = (load_file(str(p / "final" / "model.safetensors")) for p in (tmp_path / "one", tmp_path / "two"))
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_the_plan_counts_two_rows_a_pair_and_the_reference() -> None:
+    from trainer.plan.gpus import Machine
+    from trainer.plan.planner import plan_job
+
+    machine = Machine.for_gpu("h100")
+
+    def plan(**hp: Any) -> Any:
+        spec = JobSpec.model_validate(
+            {
+                "model": "small-llama",
+                "training_file": "x.jsonl",
+                "hyperparameters": {"batch_size": 8, "micro_batch_size": 8, **hp},
+                "engine": {"mode": "device"},
+            }
+        )
+        return plan_job(spec, machine, num_examples=1000)
+
+    sft, full, lora = plan(), plan(dpo={}), plan(dpo={}, lora={"r": 8})
+    assert full.activations["saved"] == pytest.approx(2 * sft.activations["saved"], rel=0.01)  # both rows
+    assert full.host["dpo_reference"] == 8 * 1000 and "dpo_reference" not in lora.host
+    assert "dpo_reference" not in sft.host
+    lora_sft = plan(lora={"r": 8})
+    assert lora.step_seconds > 2 * lora_sft.step_seconds  # two rows a pair, plus the reference forward
