@@ -130,3 +130,33 @@ def test_an_upload_checked_with_a_model_takes_pairs(
     )
     assert r.status_code == 200, r.text
     assert r.json()["validation"]["format"] == "preference" and r.json()["validation"]["num_examples"] == 4
+
+
+@pytest.mark.slow
+def test_dpo_from_a_supervised_jobs_model(sdk: tuple[openai.OpenAI, TeamKey], settings: Settings) -> None:
+    """The usual path: supervised tuning, then DPO starting from its ``ft:`` model (the reference)."""
+    from worker.job.runner import run_job_process
+
+    client, _ = sdk
+    chat = client.files.create(file=("c.jsonl", io.BytesIO(chat_jsonl(8))), purpose="fine-tune")
+    sft = client.fine_tuning.jobs.create(
+        model="tiny-llama",
+        training_file=chat.id,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 4}}},
+        extra_body={"engine": {"mode": "device"}},
+    )
+    assert run_job_process(sft.id, settings=settings) == 0
+    base = client.fine_tuning.jobs.retrieve(sft.id).fine_tuned_model
+    assert base is not None and base.startswith("ft:")
+    pairs = client.files.create(file=("p.jsonl", io.BytesIO(preference_jsonl(8))), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=base,
+        training_file=pairs.id,
+        method={"type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 1, "batch_size": 4, "beta": 0.2}}},
+        extra_body={"engine": {"mode": "zenflow"}},
+    )
+    assert run_job_process(job.id, settings=settings) == 0
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded" and done.model == base, done.error
+    steps = [r for r in _metrics(client, job.id) if "train_loss" in r]
+    assert abs(steps[0]["train_loss"] - math.log(2)) < 1e-4
