@@ -17,7 +17,10 @@ The reference, never a second model in memory:
   weights) over every training and validation pair, kept in ``<output_dir>/dpo-reference.safetensors``
   keyed by example index with a fingerprint of the data and model, reused on resume.
 
-Both run the forward exactly as training does (same dtype, train mode: the models carry no dropout, LoRA's
+A step's reward statistics (:class:`trainer.events.PreferenceMetrics`) are read once it is done: one
+device sync and, with ranks, one more host all-reduce per step than a supervised job's.
+
+Both references run the forward exactly as training does (same dtype, train mode: the models carry no dropout, LoRA's
 dropout is 0 unless asked), so at step 0 the policy's log-probabilities equal the reference's and the loss
 is log 2. Packing stays off: each completion is one row, scored on its own.
 """
