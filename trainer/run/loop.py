@@ -28,6 +28,10 @@ with the offload/zenflow modes, fp32 otherwise; LoRA through peft when asked) an
 - at the end: ``engine.flush()``, last checkpoint, ``final/`` (the model only: safetensors, config,
   tokenizer; the merged model plus ``adapter/`` for LoRA) and ``result.json``.
 
+A DPO job (``hyperparameters.dpo``) runs the same loop over preference pairs: its micro-batches, loss,
+reference and reward statistics are :mod:`trainer.run.dpo`'s; its validation is the pairs' mean DPO loss
+and preference accuracy.
+
 With ``resume=True`` (default) a run continues from the newest complete checkpoint in output_dir
 (refused when its hyperparameters differ) and a finished run returns its recorded result at once;
 ``resume=False`` deletes earlier outputs first. Resuming gives bit-identical weights to an
