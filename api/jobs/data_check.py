@@ -132,8 +132,23 @@ def plan_check(
         budget_seconds=settings.data_check_timeout_seconds,
     )
     key = check_key(request, sha256, size)
-    kept = (row.data_checks or {}).get(key) if row is not None else None
+    kept = _kept_for(row, request, key, sha256, size) if row is not None else None
     return FileCheck(param, row.id if row is not None else None, str(path), key, request, kept)
+
+
+def _kept_for(row: File, request: CheckRequest, key: str, sha256: str, size: int) -> dict[str, Any] | None:
+    """The outcome kept for ``key``; else a pass of an upload's check (any method's records) whose file
+    holds the job's method's kind of records: the same tokenization."""
+    kept = row.data_checks or {}
+    if key in kept or request.options.method is None:
+        return kept.get(key)
+    anyone = kept.get(
+        check_key(replace(request, options=replace(request.options, method=None)), sha256, size)
+    )
+    if anyone is None or not anyone.get("ok"):
+        return None
+    pairs = anyone.get("report", {}).get("format") == "preference"
+    return anyone if pairs == (request.options.method == "dpo") else None
 
 
 def plan_job_checks(

@@ -116,11 +116,13 @@ def test_malformed_preference_line_is_a_400(sdk: tuple[openai.OpenAI, TeamKey]) 
 
 
 def test_an_upload_checked_with_a_model_takes_pairs(
-    sdk: tuple[openai.OpenAI, TeamKey], server: ServerThread
+    sdk: tuple[openai.OpenAI, TeamKey], server: ServerThread, dapp: FastAPI
 ) -> None:
+    """Checked at upload with a model, a DPO job's create reuses that check; a supervised job's does not
+    (its check refuses the pairs, naming the line)."""
     import httpx
 
-    _, team = sdk
+    client, team = sdk
     r = httpx.post(
         f"{server.base_url}/v1/files",
         headers=team.headers,
@@ -130,6 +132,15 @@ def test_an_upload_checked_with_a_model_takes_pairs(
     )
     assert r.status_code == 200, r.text
     assert r.json()["validation"]["format"] == "preference" and r.json()["validation"]["num_examples"] == 4
+    checks = dapp.state.data_checks
+    before = checks.submitted
+    job = client.fine_tuning.jobs.create(
+        model="tiny-llama", training_file=r.json()["id"], method={"type": "dpo"}
+    )
+    assert job.status == "queued" and checks.submitted == before  # the upload's outcome, kept on its row
+    with pytest.raises(openai.BadRequestError) as e:
+        client.fine_tuning.jobs.create(model="tiny-llama", training_file=r.json()["id"])
+    assert e.value.param == "training_file" and "line 1" in str(e.value) and checks.submitted == before + 1
 
 
 @pytest.mark.slow
