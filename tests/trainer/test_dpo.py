@@ -265,3 +265,35 @@ def test_the_plan_counts_two_rows_a_pair_and_the_reference() -> None:
     assert "dpo_reference" not in sft.host
     lora_sft = plan(lora={"r": 8})
     assert lora.step_seconds > 2 * lora_sft.step_seconds  # two rows a pair, plus the reference forward
+
+
+def test_dpo_trains_without_dropout() -> None:
+    """A dropout mask differing between the policy's and the reference's forward would be noise in every
+    reward: a DPO job's model, attention dropout and LoRA dropout included, is deterministic in train mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.run.dpo import disable_dropout
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.5,
+    )
+    model = get_peft_model(
+        LlamaForCausalLM(config), LoraConfig(r=4, lora_dropout=0.5, target_modules=["q_proj", "v_proj"])
+    )
+    model.train()
+    ids = torch.randint(0, 64, (2, 12))
+
+    def logits() -> torch.Tensor:
+        return model(input_ids=ids).logits
+
+    assert not torch.equal(logits(), logits())  # the dropouts are on: the check can fail
+    disable_dropout(model)
+    assert torch.equal(logits(), logits())

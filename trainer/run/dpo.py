@@ -20,9 +20,10 @@ The reference, never a second model in memory:
 A step's reward statistics (:class:`trainer.events.PreferenceMetrics`) are read once it is done: one
 device sync and, with ranks, one more host all-reduce per step than a supervised job's.
 
-Both references run the forward exactly as training does (same dtype, train mode: the models carry no dropout, LoRA's
-dropout is 0 unless asked), so at step 0 the policy's log-probabilities equal the reference's and the loss
-is log 2. Packing stays off: each completion is one row, scored on its own.
+Both references run the forward exactly as training does (same dtype, train mode) and a DPO job trains
+without dropout (:func:`disable_dropout`, as TRL does by default: a dropout mask differing between the
+policy's and the reference's forward is noise in every reward), so at step 0 the policy's
+log-probabilities equal the reference's and the loss is log 2. Packing stays off: each completion is one row, scored on its own.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ if TYPE_CHECKING:
 
 #: The reference log-probabilities of a full fine-tuning DPO job, in its output directory.
 REFERENCE_FILE = "dpo-reference.safetensors"
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of ``model`` off: ``nn.Dropout`` modules (LoRA's included) and the attention
+    probability dropout transformers' attention modules read from ``attention_dropout``."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 @dataclass

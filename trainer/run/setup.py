@@ -240,6 +240,10 @@ def build(
         model = apply_lora(model, spec, hp.seed)
     model.to(device)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
     model.train()
+    if data.hp.dpo is not None:
+        from trainer.run.dpo import disable_dropout
+
+        disable_dropout(model)
     # Before the engine or a checkpoint touches the weights: the base model is DPO's reference.
     reference = _dpo_reference(spec, data, model, out, device, emit, dist)
 
