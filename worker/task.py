@@ -299,7 +299,11 @@ def run_child(
                     _report_exit(pid)
                 if end.rank is not None and ranks > 1:
                     log.warning(
-                        "job %s: rank %d failed first (%s)", job_id, end.rank, describe_exit(end.code)
+                        "job %s: rank %d of %d exited (%s); the agent stopped the other ranks",
+                        job_id,
+                        end.rank,
+                        ranks,
+                        describe_exit(end.code),
                     )
                 return end.code
             now = time.monotonic()

@@ -158,7 +158,8 @@ def test_failing_rank_takes_the_group_down(tmp_path: Path) -> None:
 def test_rank_killed_by_a_signal_is_the_groups_code(tmp_path: Path) -> None:
     """A rank dying by SIGKILL (the OOM killer) gives the group -SIGKILL even though its peer fails
     right after it on the broken link (exit 76), as worker.requeue expects of a killed runner."""
-    code = """
+    code = (
+        """
     import os, signal, sys, time
     from pathlib import Path
     d = Path(sys.argv[1])
@@ -173,7 +174,9 @@ def test_rank_killed_by_a_signal_is_the_groups_code(tmp_path: Path) -> None:
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
         time.sleep(0.001)
     sys.exit(%d)
-    """ % EXIT_PEER_LOST
+    """
+        % EXIT_PEER_LOST
+    )
     with ranks(child(code, str(tmp_path)), 2) as g:
         assert g.start().wait(60) == RankExit(-signal.SIGKILL, 1)
 

@@ -271,7 +271,7 @@ def test_worker_beats_while_its_runner_starts(
     short timeout never takes a job that is starting for dead (issue 21: re-queued as stale, twice)."""
     import worker.task as w
     from store import jobs
-    from trainer.run.launch import RankGroup
+    from trainer.run.launch import Ranks
 
     url = settings.resolved_database_url
     interval = 0.2
@@ -283,7 +283,13 @@ def test_worker_beats_while_its_runner_starts(
     assert claim_job(job_id, "w1@h", fast) == "claimed"
     # a runner that never beats, for longer than the timeout: only the worker keeps the job alive
     sleeper = [sys.executable, "-c", f"import time; time.sleep({timeout + 2:.1f})"]
-    monkeypatch.setattr(w, "rank_group", lambda *a, **k: RankGroup([sleeper], [dict(os.environ)]))
+    monkeypatch.setattr(
+        w,
+        "rank_launch",
+        lambda *a, **k: Ranks(
+            sleeper, nproc_per_node=1, run_id="sleeper", devices=None, env=dict(os.environ)
+        ),
+    )
     monkeypatch.setattr(w, "_POLL_SECONDS", interval)
     stale: list[float] = []  # heartbeat ages the reaper and the claim would have taken for a dead worker
     done = threading.Event()
