@@ -154,12 +154,23 @@ def test_failing_rank_takes_the_group_down(tmp_path: Path) -> None:
     assert not any(alive(p) for p in pids)
 
 
+def test_first_failure_is_the_first_seen_a_peer_lost_exit_last() -> None:
+    """The agent's failures in the order it saw them; a rank 0 that lost its peer (76) in the same round
+    as the peer's own failure is never the cause."""
+    from types import SimpleNamespace as F
+
+    from trainer.run.agent import first_failure
+
+    assert first_failure({0: F(exitcode=EXIT_PEER_LOST), 1: F(exitcode=-signal.SIGKILL)}) == (1, -9)
+    assert first_failure({2: F(exitcode=3), 1: F(exitcode=-signal.SIGTERM)}) == (2, 3)
+    assert first_failure({0: F(exitcode=EXIT_PEER_LOST)}) == (0, EXIT_PEER_LOST)  # another node's rank failed
+
+
 @pytest.mark.services  # agent processes
 def test_rank_killed_by_a_signal_is_the_groups_code(tmp_path: Path) -> None:
     """A rank dying by SIGKILL (the OOM killer) gives the group -SIGKILL even though its peer fails
     right after it on the broken link (exit 76), as worker.requeue expects of a killed runner."""
-    code = (
-        """
+    code = """
     import os, signal, sys, time
     from pathlib import Path
     d = Path(sys.argv[1])
@@ -173,11 +184,9 @@ def test_rank_killed_by_a_signal_is_the_groups_code(tmp_path: Path) -> None:
     pid = int((d / "peer").read_text())
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
         time.sleep(0.001)
-    sys.exit(%d)
+    sys.exit(int(sys.argv[2]))
     """
-        % EXIT_PEER_LOST
-    )
-    with ranks(child(code, str(tmp_path)), 2) as g:
+    with ranks(child(code, str(tmp_path), str(EXIT_PEER_LOST)), 2) as g:
         assert g.start().wait(60) == RankExit(-signal.SIGKILL, 1)
 
 

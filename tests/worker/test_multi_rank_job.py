@@ -358,7 +358,7 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
     AutoModelForCausalLM.from_pretrained(final_path, local_files_only=True)
     wait_for(lambda: not rank_pids(job_id), 30, "the second run's ranks to exit", log=worker.log)
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
-    assert "rank 1 of 2 exited (killed by SIGKILL)" in worker.log.read_text(errors="replace")
+    assert "rank 1 of 2 exited (killed by SIGKILL" in worker.log.read_text(errors="replace")
     with session_scope(url) as s:  # registered for admission as a worker of 2-rank jobs
         row = wait_for(
             lambda: s.get(WorkerRow, str(job.worker_hostname), populate_existing=True),
