@@ -471,19 +471,19 @@ def workers(
 
 
 def runner_pids(worker_pid: int) -> list[int]:
-    """PIDs of the job-runner subprocesses of a worker process."""
-    out = []
+    """PIDs of the job-runner processes of a worker process (children of its elastic agent)."""
+    parents: dict[int, int] = {}
+    runners = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
+            parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if b"worker.job.runner" in (d / "cmdline").read_bytes():
+                runners.append(int(d.name))
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == worker_pid and b"worker.job.runner" in cmd:
-            out.append(int(d.name))
-    return out
+    return [p for p in runners if parents.get(parents.get(p, 0)) == worker_pid]
 
 
 def _steps(url: str, job_id: str) -> list[int]:
