@@ -79,3 +79,54 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and a
     for k in a:
         torch.testing.assert_close(b[k].float(), a[k].float(), rtol=0, atol=1e-5, msg=k)
+
+
+FAILING_NODE = """
+import json, sys
+from trainer.run.launch import run_ranks
+port, d, env = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+rank = '''
+import os, sys, time
+from pathlib import Path
+d, r = Path(sys.argv[1]), os.environ["RANK"]
+(d / f"up-{r}").write_text(str(os.getpid()))
+if r == "1":
+    while not (d / "up-0").exists(): time.sleep(0.01)
+    sys.exit(3)
+time.sleep(120)
+'''
+end = run_ranks([sys.executable, "-c", rank, d], nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}",
+                local_addr="127.0.0.1", run_id="failing", devices=None, env=env, term_grace=5)
+print(json.dumps([end.code, end.rank]), flush=True)
+"""
+
+
+@pytest.mark.services  # agent processes
+@pytest.mark.timeout(300)
+def test_a_failing_node_stops_the_other_nodes(tmp_path: Path) -> None:
+    """Rank 1 (node B) exits 3: B's launch says so; node A, whose agent sees only its own healthy rank,
+    stops it on B's word in the rendezvous store and ends with the peer-lost code (76), well before its
+    rank's own end (120 s)."""
+    import json
+    import time
+
+    from tests.trainer.test_launch import alive
+    from trainer.run.launch import EXIT_PEER_LOST
+
+    port = str(free_port())
+    t0 = time.monotonic()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(FAILING_NODE), port, str(tmp_path), json.dumps(_env())],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert time.monotonic() - t0 < 110, [o[1][-2000:] for o in outs]
+    ends = sorted(json.loads(o[0].strip().splitlines()[-1]) for o in outs)
+    assert ends == [[3, 1], [EXIT_PEER_LOST, None]], [o[1][-2000:] for o in outs]
+    assert not alive(int((tmp_path / "up-0").read_text()))
