@@ -101,6 +101,7 @@ print(json.dumps([end.code, end.rank]), flush=True)
 """
 
 
+@pytest.mark.slow  # 20-45 s here: two agents' start-up
 @pytest.mark.services  # agent processes
 @pytest.mark.timeout(300)
 def test_a_failing_node_stops_the_other_nodes(tmp_path: Path) -> None:
