@@ -48,7 +48,7 @@ import torch
 from bench.engine import PRESETS, build_model, make_batches
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
-from trainer.run.launch import RANK_CPUS_ENV, RankGroup, group_envs
+from trainer.run.launch import CPU_SHARE_ENV, Ranks
 
 #: bench.engine's presets plus one in between "small" and "1b" (~0.2B parameters) for multi-GPU hosts.
 MODELS: dict[str, dict[str, int]] = {
@@ -175,7 +175,7 @@ def rank_main(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     work = Path(args.work_dir)
     cuda = args.device == "cuda"
-    if os.environ.get(RANK_CPUS_ENV):  # a CPU rank, pinned to its share of the cores by the launcher
+    if os.environ.get(CPU_SHARE_ENV):  # a CPU rank, pinned to its share of the cores by the launcher
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     if cuda:  # this process sees its one GPU as cuda:0 (CUDA_VISIBLE_DEVICES set by the parent)
         device = torch.device("cuda", 0)
@@ -266,42 +266,38 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 
 def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
-    """Start ``nproc`` processes (1: the baseline, no group, all of the cores) as the worker starts a
-    job's ranks (:class:`trainer.run.launch.RankGroup`: one GPU each, or an even share of the cores) and wait
-    for all of them; when one fails or the deadline passes, the others are stopped and RuntimeError
-    says which process and why."""
+    """Start ``nproc`` processes (1: the baseline, a group of one, all of the cores) as the worker
+    starts a job's ranks (:class:`trainer.run.launch.Ranks`, torch's elastic agent: one GPU each, or an
+    even share of the cores) and wait for all of them; when one fails or the deadline passes, the
+    others are stopped and RuntimeError says which process and why."""
     work = Path(args.work_dir)
-    if nproc == 1:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[0]
-        envs = [env]
-    else:
-        envs = group_envs(nproc, devices=gpus or None, base=os.environ)
-    logs = [open(work / f"log-{nproc}-{r}.txt", "wb") for r in range(nproc)]  # noqa: SIM115 (closed below)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    log_path = work / f"log-{nproc}.txt"
     why = None
-    try:
-        with RankGroup(
-            [_child_argv(args)] * nproc, envs, term_grace=5.0, stdout=logs, stderr=subprocess.STDOUT
-        ) as group:
-            group.start()
-            try:
-                rc = group.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                why = f"deadline of {args.timeout:.0f}s passed"
-            else:
-                if rc != 0:
-                    who = "the baseline" if nproc == 1 else f"rank {group.failed_rank or 0}"
-                    why = f"{who} exited with {rc}"
-    finally:
-        for log in logs:
-            log.close()
+    with (
+        open(log_path, "wb") as log,
+        Ranks(
+            _child_argv(args),
+            nproc_per_node=nproc,
+            run_id=f"bench-distributed-{nproc}-{os.getpid()}",
+            devices=gpus[:nproc] if gpus else None,
+            env=env,
+            term_grace=5,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ) as group,
+    ):
+        group.start()
+        try:
+            end = group.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            why = f"deadline of {args.timeout:.0f}s passed"
+        else:
+            if end.code != 0:
+                who = "the baseline" if nproc == 1 else f"rank {end.rank or 0}"
+                why = f"{who} exited with {end.code}"
     if why is not None:
-        tails = "".join(
-            f"\n--- process {i} ---\n" + (work / f"log-{nproc}-{i}.txt").read_text(errors="replace")[-2000:]
-            for i in range(nproc)
-        )
-        raise RuntimeError(f"{why}{tails}")
+        raise RuntimeError(f"{why}\n--- log ---\n" + log_path.read_text(errors="replace")[-4000:])
 
 
 # -------------------------------------------------------------------------------------------- report

@@ -11,11 +11,12 @@ model or its data: one message saying what, no traceback); 1 an internal error (
 130 stopped by Ctrl-C.
 
 ``--nproc N`` (default: the spec's ``resources.gpus``) runs the job as N data-parallel ranks on this
-machine: the command starts N copies of itself as one :class:`trainer.run.launch.RankGroup` (one GPU each,
-or gloo CPU ranks without GPUs or with ``device: cpu``) and supervises them; a process started with
-the ``env://`` variables (WORLD_SIZE > 1: by ``--nproc``, or by ``torchrun``) is one rank and launches
-nothing. Rank 0 prints; the others print only their own internal errors. Ctrl-C reaches every rank.
-A rank killed by a signal makes the command exit 128 + the signal number.
+machine: the command starts N copies of itself under torch's elastic agent
+(:class:`trainer.run.launch.Ranks`: one GPU each, or gloo CPU ranks without GPUs or with ``device:
+cpu``), which takes them all down when one fails; a process started with the ``env://`` variables
+(WORLD_SIZE > 1: by ``--nproc``, or by ``torchrun``) is one rank and launches nothing. Rank 0 prints;
+the others print only their own internal errors. Ctrl-C reaches every rank. A rank killed by a signal
+makes the command exit 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -285,60 +286,51 @@ def _visible_gpus(device: str) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Callable[[str], int]) -> int:
-    """Run the job as ``nproc`` ranks of this same command (one GPU each, or CPU ranks) and supervise
-    them as one group; the group's exit code (a signal: 128 + its number)."""
-    from trainer.run.launch import RankGroup, group_envs
+    """Run the job as ``nproc`` ranks of this same command (one GPU each, or CPU ranks) under torch's
+    elastic agent (:class:`trainer.run.launch.Ranks`); the first failing rank's code (a signal: 128 +
+    its number)."""
+    import uuid
+
+    from trainer.run.launch import Ranks
 
     gpus = _visible_gpus(spec.device)
     if len(gpus) < nproc and (gpus or spec.device == "cuda"):
         return refuse(
             f"--nproc {nproc} needs {nproc} GPUs, {len(gpus)} visible (device: cpu runs the ranks on the CPU)"
         )
-    devices = gpus[:nproc] if gpus else None
-    argvs = []
-    for rank in range(nproc):
-        argv = [
-            sys.executable,
-            "-m",
-            "trainer",
-            "train",
-            str(Path(args.spec).resolve()),
-            "--output-dir",
-            str(spec.output_dir),
-            "--nproc",
-            str(nproc),
-        ]
-        if args.no_resume:
-            argv.append("--no-resume")
-        if rank > 0:
-            argv.append("--no-progress")
-        else:
-            argv += ["--json"] if args.json else []
-            argv += [] if args.progress is None else ["--progress" if args.progress else "--no-progress"]
-        argvs.append(argv)
-    group = RankGroup(argvs, group_envs(nproc, devices=devices, base=os.environ))
+    argv = [sys.executable, "-m", "trainer", "train", str(Path(args.spec).resolve())]
+    argv += ["--output-dir", str(spec.output_dir), "--nproc", str(nproc)]
+    argv += ["--no-resume"] if args.no_resume else []
+    argv += ["--json"] if args.json else []  # only rank 0 prints
+    argv += [] if args.progress is None else ["--progress" if args.progress else "--no-progress"]
+    ranks = Ranks(
+        argv,
+        nproc_per_node=nproc,
+        run_id=f"zenflow-train-{uuid.uuid4().hex[:12]}",
+        devices=gpus[:nproc] if gpus else None,
+        env=os.environ,
+    )
 
     def forward(sig: int, _frame: Any) -> None:  # Ctrl-C: every rank stops after this step
-        group.terminate(sig)
+        ranks.terminate(sig)
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = (
         {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     )
     try:
-        with group:
-            group.start()
-            rc = group.wait()
+        with ranks:
+            end = ranks.start().wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    failed = group.failed_rank
-    if rc < 0:
-        print(f"zenflow train: rank {failed or 0} killed by signal {-rc}", file=sys.stderr)
-        return 128 - rc
-    if failed not in (None, 0):
-        print(f"zenflow train: rank {failed} exited with code {rc}", file=sys.stderr)
-    return rc
+    if end.code < 0:
+        who = f"rank {end.rank}" if end.rank is not None else "the launcher"
+        print(f"zenflow train: {who} killed by signal {-end.code}", file=sys.stderr)
+        return 128 - end.code
+    if end.code != 0 and end.rank not in (None, 0):
+        print(f"zenflow train: rank {end.rank} exited with code {end.code}", file=sys.stderr)
+    return end.code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,14 +7,13 @@
    take over): a terminal job, or one running elsewhere with a fresh heartbeat, is never run twice;
    while only jobs of teams at their running quota wait, it re-checks for ``quota_hold_seconds``
    and then sends the message back to the queue;
-2. runs ``python -m worker.job.runner JOB_ID`` in a fresh subprocess (a killable PID; CUDA is
-   initialised only there; ``PR_SET_PDEATHSIG`` makes it die with the worker; it inherits
-   ``CUDA_VISIBLE_DEVICES``) and waits, escalating a cancel the runner does not honour within
-   ``CANCEL_GRACE_SECONDS`` to SIGTERM and then SIGKILL. A job asking for R > 1 ranks
-   (``resources.gpus``) runs as R such processes, one :class:`trainer.run.launch.RankGroup` (rank r on
-   the worker's r-th GPU, or gloo CPU ranks on a worker without GPUs where ``cpu_ranks`` allows),
-   supervised as one: a rank's death takes the others down and its exit code is the group's. A job
-   asking for more ranks than this worker has is never run on fewer: it goes back to its queue (the
+2. runs ``python -m worker.job.runner JOB_ID`` as the job's R ranks (``resources.gpus``; one for most
+   jobs) under torch's elastic agent (:class:`trainer.run.launch.Ranks`: the agent in a child process
+   of the worker, dying with it, each rank in a fresh process, so CUDA is initialised only there; rank r
+   on the worker's r-th GPU, or gloo CPU ranks on a worker without GPUs where ``cpu_ranks`` allows), and
+   waits, escalating a cancel the runner does not honour within ``CANCEL_GRACE_SECONDS`` to SIGTERM and
+   then SIGKILL. The agent takes the group down when a rank dies; that rank's exit code is the job's. A
+   job asking for more ranks than this worker has is never run on fewer: it goes back to its queue (the
    one of its size) with the attempt counted, or fails when none are left;
 3. if the subprocess ended without a terminal state (crash, OOM kill, preemption), re-queues the job
    (it resumes from its last checkpoint) while attempts remain, else fails it; a runner interrupted by
@@ -43,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 from sqlalchemy import select, update
@@ -51,7 +51,7 @@ from store import jobs
 from store.db import session_scope
 from store.orm import FineTuningJob, JobRun, JobStatus
 from store.settings import Settings, get_settings
-from trainer.run.launch import RankGroup, group_envs
+from trainer.run.launch import TERM_GRACE_SECONDS, Ranks
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
 from worker.dispatch import dispatch_job
 from worker.errors import public_message
@@ -64,8 +64,6 @@ log = logging.getLogger("zenflow.worker")
 
 #: After cancel_requested, how long the runner may take to checkpoint and stop before it is killed.
 CANCEL_GRACE_SECONDS = 120.0
-#: How long a terminated runner gets to exit before SIGKILL.
-TERM_GRACE_SECONDS = 30.0
 _POLL_SECONDS = 1.0
 
 #: This worker's nodename (``-n``), recorded in job.worker_hostname: set on celeryd_init (CLI worker,
@@ -220,26 +218,25 @@ def send_back_oversized(job_id: str, ranks: int, have: int, hostname: str, setti
     return outcome
 
 
-def rank_group(
+def rank_launch(
     job_id: str, ranks: int, hostname: str, settings: Settings, devices: list[str] | None = None
-) -> RankGroup:
-    """The job's ranks, not started: one runner with the worker's environment for a one-rank job (on
-    the worker's first GPU); else ``ranks`` runners with the ``env://`` variables, rank r on the r-th
-    GPU, or CPU ranks (an even share of the cores each) on a worker without GPUs."""
+) -> Ranks:
+    """The job's ranks under the elastic agent, not started: ``ranks`` runners with the worker's
+    environment and the ``env://`` variables, rank r on the r-th GPU, or CPU ranks (an even share of
+    the cores each) on a worker without GPUs. One rendezvous id per run."""
     devices = worker_devices() if devices is None else devices
-    argv = [sys.executable, "-m", JOB_RUNNER_MODULE, job_id]
-    base = child_env(settings, hostname)
-    if ranks == 1:
-        if len(devices) > 1:
-            base["CUDA_VISIBLE_DEVICES"] = devices[0]
-        envs = [base]
-    else:
-        envs = group_envs(ranks, devices=devices[:ranks] if devices else None, base=base)
-    return RankGroup([argv] * ranks, envs, term_grace=TERM_GRACE_SECONDS)
+    return Ranks(
+        [sys.executable, "-m", JOB_RUNNER_MODULE, job_id],
+        nproc_per_node=ranks,
+        run_id=f"{job_id}-{uuid.uuid4().hex[:12]}",
+        devices=devices[:ranks] if devices else None,
+        env=child_env(settings, hostname),
+        term_grace=TERM_GRACE_SECONDS,
+    )
 
 
 _current_lock = threading.Lock()
-_current: RankGroup | None = None
+_current: Ranks | None = None
 _preempted = threading.Event()
 
 
@@ -274,10 +271,10 @@ def run_child(
     cancel_grace: float = CANCEL_GRACE_SECONDS,
     ranks: int = 1,
 ) -> int:
-    """Run the job's runner (or its ``ranks`` runners, one group) to the end; the return code (negative:
-    killed by a signal; for a group, the code of the rank that failed first, else rank 0's)."""
+    """Run the job's ``ranks`` runners to the end; the return code (negative: killed by a signal): the
+    code of the rank that failed first, else 0."""
     global _current
-    group = rank_group(job_id, ranks, hostname, settings)
+    group = rank_launch(job_id, ranks, hostname, settings)
     with _current_lock:
         group.start()
         _current = group
@@ -294,13 +291,21 @@ def run_child(
                 except Exception as e:  # the database is away: the runner's monitor copes with that
                     log.debug("job %s: heartbeat failed: %s", job_id, public_message(e))
             try:
-                rc = group.wait(timeout=_POLL_SECONDS)
+                end = group.wait(timeout=_POLL_SECONDS)
             except subprocess.TimeoutExpired:
                 pass
             else:
                 for pid in group.pids:
                     _report_exit(pid)
-                return rc
+                if end.rank is not None and ranks > 1:
+                    log.warning(
+                        "job %s: rank %d of %d exited (%s); the agent stopped the other ranks",
+                        job_id,
+                        end.rank,
+                        ranks,
+                        describe_exit(end.code),
+                    )
+                return end.code
             now = time.monotonic()
             if terminated is not None:
                 if now - terminated > TERM_GRACE_SECONDS:
@@ -322,8 +327,7 @@ def run_child(
     finally:
         with _current_lock:
             _current = None
-        if group.alive():  # an exception here: nothing of the job outlives its supervision
-            group.kill()
+        group.close()  # after an exception too: nothing of the job outlives its supervision
 
 
 def _report_exit(pid: int) -> None:

@@ -102,25 +102,22 @@ def settings(service_env: dict[str, str]) -> Settings:
 # --- the worker's rules (no training) ------------------------------------------------------------
 
 
-def test_rank_group_takes_the_workers_gpus_or_cpu_ranks(settings: Settings) -> None:
-    from trainer.run.launch import RANK_CPUS_ENV
-    from worker.task import rank_group, worker_ranks
+def test_rank_launch_takes_the_workers_gpus_or_cpu_ranks(settings: Settings) -> None:
+    from trainer.run.launch import CPU_SHARE_ENV
+    from worker.task import rank_launch, worker_ranks
 
-    g = rank_group("ftjob-x", 2, "w@h", settings, devices=["3", "5", "6"])
-    assert [(e["RANK"], e["WORLD_SIZE"], e["CUDA_VISIBLE_DEVICES"]) for e in g.envs] == [
-        ("0", "2", "3"),
-        ("1", "2", "5"),
-    ]
-    assert len({e["MASTER_PORT"] for e in g.envs}) == 1 and all(
-        e["ZENFLOW_WORKER_HOSTNAME"] == "w@h" for e in g.envs
-    )
-    assert g.argvs[0][-2:] == ["worker.job.runner", "ftjob-x"] and g.argvs[0] == g.argvs[1]
-    cpu = rank_group("ftjob-x", 2, "w@h", settings, devices=[])
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in cpu.envs] == ["", ""] and all(
-        RANK_CPUS_ENV in e for e in cpu.envs
-    )
-    one = rank_group("ftjob-x", 1, "w@h", settings, devices=["3", "5"])
-    assert "RANK" not in one.envs[0] and one.envs[0]["CUDA_VISIBLE_DEVICES"] == "3"
+    g = rank_launch("ftjob-x", 2, "w@h", settings, devices=["3", "5", "6"])
+    assert (g.config.nproc_per_node, g.config.nnodes, g.config.gpus) == (2, 1, True)
+    assert g.env["CUDA_VISIBLE_DEVICES"] == "3,5" and CPU_SHARE_ENV not in g.env  # rank r: the r-th GPU
+    assert g.env["ZENFLOW_WORKER_HOSTNAME"] == "w@h" and g.config.run_id.startswith("ftjob-x-")
+    assert g.config.cmd[-2:] == ["worker.job.runner", "ftjob-x"]
+    cpu = rank_launch("ftjob-x", 2, "w@h", settings, devices=[])
+    assert cpu.env["CUDA_VISIBLE_DEVICES"] == "" and cpu.env[CPU_SHARE_ENV] == "1" and not cpu.config.gpus
+    one = rank_launch("ftjob-x", 1, "w@h", settings, devices=["3", "5"])
+    assert one.config.nproc_per_node == 1 and one.env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert one.config.run_id != g.config.run_id  # one rendezvous per run
+    for launch in (g, cpu, one):
+        launch.close()
 
     assert worker_ranks(settings, ["0", "1"]) == 2 and worker_ranks(settings, []) == 1
     cpu_ok = settings.model_copy(update={"cpu_ranks": True, "gpus_per_job": 4})
@@ -361,7 +358,7 @@ def test_rank_killed_mid_job_requeues_and_resumes_once(worker: Worker, tmp_path:
     AutoModelForCausalLM.from_pretrained(final_path, local_files_only=True)
     wait_for(lambda: not rank_pids(job_id), 30, "the second run's ranks to exit", log=worker.log)
     assert worker.proc is not None and worker.proc.poll() is None  # the worker itself lives on
-    assert "rank 1 of 2 exited (killed by SIGKILL)" in worker.log.read_text(errors="replace")
+    assert "rank 1 of 2 exited (killed by SIGKILL" in worker.log.read_text(errors="replace")
     with session_scope(url) as s:  # registered for admission as a worker of 2-rank jobs
         row = wait_for(
             lambda: s.get(WorkerRow, str(job.worker_hostname), populate_existing=True),

@@ -271,7 +271,7 @@ def test_worker_beats_while_its_runner_starts(
     short timeout never takes a job that is starting for dead (issue 21: re-queued as stale, twice)."""
     import worker.task as w
     from store import jobs
-    from trainer.run.launch import RankGroup
+    from trainer.run.launch import Ranks
 
     url = settings.resolved_database_url
     interval = 0.2
@@ -283,7 +283,13 @@ def test_worker_beats_while_its_runner_starts(
     assert claim_job(job_id, "w1@h", fast) == "claimed"
     # a runner that never beats, for longer than the timeout: only the worker keeps the job alive
     sleeper = [sys.executable, "-c", f"import time; time.sleep({timeout + 2:.1f})"]
-    monkeypatch.setattr(w, "rank_group", lambda *a, **k: RankGroup([sleeper], [dict(os.environ)]))
+    monkeypatch.setattr(
+        w,
+        "rank_launch",
+        lambda *a, **k: Ranks(
+            sleeper, nproc_per_node=1, run_id="sleeper", devices=None, env=dict(os.environ)
+        ),
+    )
     monkeypatch.setattr(w, "_POLL_SECONDS", interval)
     stale: list[float] = []  # heartbeat ages the reaper and the claim would have taken for a dead worker
     done = threading.Event()
@@ -465,19 +471,19 @@ def workers(
 
 
 def runner_pids(worker_pid: int) -> list[int]:
-    """PIDs of the job-runner subprocesses of a worker process."""
-    out = []
+    """PIDs of the job-runner processes of a worker process (children of its elastic agent)."""
+    parents: dict[int, int] = {}
+    runners = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (d / "cmdline").read_bytes()
+            parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if b"worker.job.runner" in (d / "cmdline").read_bytes():
+                runners.append(int(d.name))
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == worker_pid and b"worker.job.runner" in cmd:
-            out.append(int(d.name))
-    return out
+    return [p for p in runners if parents.get(parents.get(p, 0)) == worker_pid]
 
 
 def _steps(url: str, job_id: str) -> list[int]:

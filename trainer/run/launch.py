@@ -1,14 +1,19 @@
-"""Start and supervise the ranks of one multi-rank job (torch.distributed's ``env://`` convention).
+"""Start one job's ranks on this node under torch's elastic agent (``torchrun``'s), in a child process.
 
-:func:`rank_env` is one rank's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
-its GPU through ``CUDA_VISIBLE_DEVICES``, so every rank trains on ``cuda:0``; a CPU rank gets an even
-share of the allowed cores instead, applied with ``sched_setaffinity`` in the child, and
-``OMP_NUM_THREADS`` to match). :class:`RankGroup` starts one child per rank and treats them as one
-unit: a rank that dies while the others run (a crash, the OOM killer, an exit code) takes the others
-down (SIGTERM, then SIGKILL after a grace period), since the survivors would block in their next
-collective; the group's exit code is that failing rank's, or rank 0's when all exit on their own.
-Nothing outlives the supervisor: each child dies with the thread that spawned it (PR_SET_PDEATHSIG)
-and lives in its own process group, which the teardown signals as a whole.
+:func:`start_ranks` runs ``python -m trainer.run.agent`` (:mod:`trainer.run.agent`): that process is the
+agent (``torch.distributed.launcher.api.elastic_launch``, c10d rendezvous, no restarts) and starts the
+node's ``nproc_per_node`` ranks, each through :mod:`trainer.run.rank_entry`, with the ``env://``
+variables the agent sets (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_*). The agent takes the whole group down when one rank fails; the group's code is the
+first failing rank's (:class:`RankExit`). A job on ``nnodes`` > 1 runs one such launch per node, every
+one with the same ``run_id`` and ``rdzv_endpoint``; none starts its ranks until all have joined.
+
+What is ours, because the agent lacks it: GPU ranks see only their own GPU (the agent's
+``virtual_local_rank``), CPU ranks get an even share of the node's cores (:func:`cpu_share`, applied
+by the wrapper), every process dies with its parent (``PR_SET_PDEATHSIG``: the agent with the thread
+that started it, each rank with the agent), and :meth:`Ranks.terminate` forwards a signal to the ranks
+themselves (a preemption lets them checkpoint and exit with their own code, which a signal to the
+agent would replace by its own teardown).
 
 Used by the worker (:mod:`worker.task`) and by ``zenflow train --nproc N``. Imports no torch.
 """
@@ -17,25 +22,36 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import IO, Any
 
-log = logging.getLogger("zenflow.launch")
-
-#: A rank's CPU share (kernel cpulist format) for the supervisor to apply in the child; set by
-#: :func:`rank_env` for CPU ranks only.
-RANK_CPUS_ENV = "ZENFLOW_RANK_CPUS"
-#: How long the other ranks get to exit after SIGTERM (a failing rank's peers, or stragglers after
-#: rank 0 has exited) before SIGKILL.
-TERM_GRACE_SECONDS = 30.0
+#: Rank 0's exit when its collective broke because another rank died: never the group's cause while
+#: another rank failed on its own (the agent may see both in one round).
+EXIT_PEER_LOST = 76
+#: How long the other ranks get after SIGTERM (a failing rank's peers) before SIGKILL.
+TERM_GRACE_SECONDS = 30
+#: How long a node waits for the others to join the rendezvous.
+RDZV_TIMEOUT_SECONDS = 900
+#: Set for CPU ranks: the wrapper pins each to its share of the cores (no value: GPU ranks).
+CPU_SHARE_ENV = "ZENFLOW_RANK_CPU_SHARE"
+#: Where the wrapper records each rank's pid (``RANK.pid``), for signals and checks.
+RANK_DIR_ENV = "ZENFLOW_RANK_DIR"
+#: The agent's pid, for the wrapper to check that it has not died before PR_SET_PDEATHSIG took effect.
+AGENT_PID_ENV = "ZENFLOW_AGENT_PID"
+#: Signals to the agent process that it forwards to its ranks (its own SIGTERM/SIGINT stop them).
+FORWARD_SIGNALS = {signal.SIGTERM: signal.SIGUSR1, signal.SIGINT: signal.SIGUSR2}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -67,262 +83,236 @@ def cpu_share(rank: int, world: int, cpus: Sequence[int] | None = None) -> list[
     return pool[start : start + base + (1 if rank < extra else 0)]
 
 
-def _cpulist(cpus: Sequence[int]) -> str:
-    return ",".join(str(c) for c in cpus)
-
-
-def rank_env(
-    rank: int,
-    world: int,
-    port: int,
-    *,
-    visible_device: str | None,
-    base: Mapping[str, str],
-    cpus: Sequence[int] | None = None,
-) -> dict[str, str]:
-    """``base`` plus rank ``rank``'s torch.distributed variables (one host: LOCAL_RANK = RANK).
-
-    ``visible_device``: the rank's GPU (an index or UUID, as the worker was given it) as its only
-    visible device; None makes it a CPU rank: no visible GPU, its :func:`cpu_share` of ``cpus`` in
-    :data:`RANK_CPUS_ENV` (applied by :class:`RankGroup`) and ``OMP_NUM_THREADS`` at most that many.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside a group of {world}")
-    env = dict(base)
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    if visible_device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(visible_device)
-        env.pop(RANK_CPUS_ENV, None)
-        return env
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    share = cpu_share(rank, world, cpus)
-    if share:
-        env[RANK_CPUS_ENV] = _cpulist(share)
-        threads = len(share)
-        with contextlib.suppress(ValueError):
-            threads = min(threads, max(1, int(base.get("OMP_NUM_THREADS", threads))))
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def group_envs(
-    world: int, *, devices: Sequence[str] | None, base: Mapping[str, str], port: int | None = None
-) -> list[dict[str, str]]:
-    """Every rank's :func:`rank_env` on one fresh port: rank ``r`` on ``devices[r]``, or CPU ranks when
-    ``devices`` is None. Raises ValueError when fewer devices than ranks are given."""
-    if devices is not None and len(devices) < world:
-        raise ValueError(f"{world} ranks need {world} GPUs; {len(devices)} given")
-    port = port or free_port()
-    return [
-        rank_env(r, world, port, visible_device=None if devices is None else devices[r], base=base)
-        for r in range(world)
-    ]
-
-
-def _child_setup(parent_pid: int, cpus: str | None) -> None:
-    """In each child before exec: die with the spawning thread (PR_SET_PDEATHSIG), take its CPU share."""
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent (thread) dies; exit at once if it already has."""
     if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except OSError:
-            pass
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:
             os._exit(1)
-    if cpus and hasattr(os, "sched_setaffinity"):
-        with contextlib.suppress(OSError, ValueError):
-            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
-class RankGroup:
-    """One job's ranks as one supervised unit; see the module docstring.
+@dataclass(frozen=True)
+class RankExit:
+    """How a node's ranks ended: ``code`` 0, the first failing rank's exit code (negative: the signal
+    that killed it), or, with ``rank`` None, the agent's own end (negative: its signal)."""
 
-    ``argvs[r]`` and ``envs[r]`` start rank ``r`` (``stdout``: one stream for all, or one per rank). :meth:`wait` returns the group's code (negative: the
-    signal that killed the failing rank) once no rank is alive; :meth:`terminate` forwards a signal
-    to every rank (preemption, cancel escalation).
+    code: int
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What the agent process is told (as JSON): the node's layout and where to write its result."""
+
+    cmd: list[str]
+    nproc_per_node: int
+    nnodes: int
+    rdzv_endpoint: str
+    run_id: str
+    gpus: bool
+    term_grace: int
+    rdzv_timeout: int
+    result: str
+    log_dir: str
+    rdzv_host: bool | None = None
+    local_addr: str | None = None
+    monitor_interval: float = 0.1
+
+
+def read_pids(rank_dir: str | os.PathLike[str]) -> dict[int, int]:
+    """{global rank: pid} of the ranks the wrapper has started in ``rank_dir``."""
+    out: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for f in Path(rank_dir).glob("*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                out[int(f.stem)] = int(f.read_text())
+    return out
+
+
+class Ranks:
+    """One node's part of a job, run by the agent in a child process; see the module docstring.
+
+    Not started until :meth:`start`; :meth:`wait` returns the :class:`RankExit` once the agent has
+    exited, :meth:`terminate` forwards SIGTERM or SIGINT to every rank, :meth:`kill` ends everything.
     """
 
     def __init__(
         self,
-        argvs: Sequence[Sequence[str]],
-        envs: Sequence[Mapping[str, str]],
+        cmd: Sequence[str],
         *,
-        term_grace: float = TERM_GRACE_SECONDS,
-        cwd: str | os.PathLike[str] | None = None,
-        stdout: int | IO[Any] | Sequence[IO[Any]] | None = None,
+        nproc_per_node: int,
+        nnodes: int = 1,
+        rdzv_endpoint: str | None = None,
+        rdzv_host: bool | None = None,
+        local_addr: str | None = None,
+        run_id: str,
+        devices: Sequence[str] | None,
+        env: Mapping[str, str],
+        term_grace: int = TERM_GRACE_SECONDS,
+        rdzv_timeout: int = RDZV_TIMEOUT_SECONDS,
+        stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
     ) -> None:
-        if not argvs or len(argvs) != len(envs):
-            raise ValueError("one argv and one environment per rank")
-        self.argvs = [list(a) for a in argvs]
-        self.envs = [dict(e) for e in envs]
-        self.term_grace = term_grace
-        self.cwd, self.stderr = cwd, stderr
-        self._outs: list[int | IO[Any] | None] = (
-            list(stdout) if isinstance(stdout, list | tuple) else [stdout] * len(self.argvs)  # type: ignore[list-item]
+        if not cmd:
+            raise ValueError("no command to run")
+        if nproc_per_node < 1 or nnodes < 1:
+            raise ValueError(f"{nnodes} nodes of {nproc_per_node} ranks: both must be at least 1")
+        if devices is not None and len(devices) < nproc_per_node:
+            raise ValueError(f"{nproc_per_node} ranks need {nproc_per_node} GPUs; {len(devices)} given")
+        if rdzv_endpoint is None and nnodes > 1:
+            raise ValueError("a job on several nodes needs their common rdzv_endpoint")
+        self.dir = tempfile.mkdtemp(prefix="zenflow-ranks-")
+        self.config = AgentConfig(
+            cmd=list(cmd),
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
+            rdzv_host=rdzv_host,
+            local_addr=local_addr if local_addr is not None or nnodes > 1 else "127.0.0.1",
+            run_id=run_id,
+            gpus=devices is not None,
+            term_grace=term_grace,
+            rdzv_timeout=rdzv_timeout,
+            result=os.path.join(self.dir, "result.json"),
+            log_dir=os.path.join(self.dir, "logs"),
         )
-        self.procs: list[subprocess.Popen[bytes]] = []
-        #: The first rank that exited non-zero (or by a signal) while others ran: its code is the group's.
-        self.failed_rank: int | None = None
-        self._exits: dict[int, tuple[int, float]] = {}  # rank -> (code, monotonic time it was reaped)
-        self._cond = threading.Condition()
-        self._teardown_at: float | None = None
-        self._killed = False
-
-    @property
-    def world(self) -> int:
-        return len(self.argvs)
+        self.env = dict(env)
+        self.env[RANK_DIR_ENV] = os.path.join(self.dir, "pids")
+        if devices is not None:
+            self.env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices[:nproc_per_node])
+            self.env.pop(CPU_SHARE_ENV, None)
+        else:
+            self.env["CUDA_VISIBLE_DEVICES"] = ""
+            self.env[CPU_SHARE_ENV] = "1"
+        self.stdout, self.stderr = stdout, stderr
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._pids: dict[int, int] = {}
+        self._exit: RankExit | None = None
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        """This node's rank pids, by global rank (those started so far; kept after the end)."""
+        if self._exit is None:
+            self._pids.update(read_pids(self.env[RANK_DIR_ENV]))
+        return [self._pids[r] for r in sorted(self._pids)]
 
-    def start(self) -> RankGroup:
-        """Start every rank (rank 0 first); a rank that cannot be started stops the ones already up."""
+    @property
+    def agent_pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> Ranks:
+        """Start the agent (in its own process group, dying with the calling thread)."""
+        os.makedirs(self.env[RANK_DIR_ENV], exist_ok=True)
+        cfg = os.path.join(self.dir, "config.json")
+        Path(cfg).write_text(json.dumps(asdict(self.config)))
         parent = os.getpid()
-        try:
-            for rank, (argv, env) in enumerate(zip(self.argvs, self.envs, strict=True)):
-                cpus = env.get(RANK_CPUS_ENV)
-                p = subprocess.Popen(
-                    argv,
-                    env=env,
-                    cwd=self.cwd,
-                    stdout=self._outs[rank],
-                    stderr=self.stderr,
-                    close_fds=True,
-                    process_group=0,
-                    preexec_fn=lambda c=cpus: _child_setup(parent, c),
-                )
-                self.procs.append(p)
-                threading.Thread(
-                    target=self._reap, args=(rank, p), name=f"zenflow-rank-{rank}-wait", daemon=True
-                ).start()
-        except BaseException:
-            self._signal_all(signal.SIGKILL)
-            for p in self.procs:
-                with contextlib.suppress(Exception):
-                    p.wait(10)
-            raise
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.run.agent", cfg],
+            env=self.env,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            close_fds=True,
+            process_group=0,
+            preexec_fn=lambda: die_with_parent(parent),
+        )
         return self
 
-    def _reap(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        """One thread per rank: record when it exited, so the first failure is known even when its
-        peers fail a few milliseconds later (on the broken connection)."""
-        rc = proc.wait()
-        with self._cond:
-            self._exits[rank] = (rc, time.monotonic())
-            self._cond.notify_all()
-
-    def returncodes(self) -> list[int | None]:
-        with self._cond:
-            return [self._exits[r][0] if r in self._exits else None for r in range(len(self.procs))]
-
     def alive(self) -> bool:
-        with self._cond:
-            return len(self._exits) < len(self.procs)
+        return self.proc is not None and self.proc.poll() is None
 
     def terminate(self, sig: int = signal.SIGTERM) -> None:
-        """Send ``sig`` to every live rank (a preemption, a cancel's escalation); the group's code is
-        still decided by how the ranks exit."""
-        self._signal_all(sig)
+        """Forward ``sig`` (SIGTERM or SIGINT) to every rank through the agent; the group's code is still
+        decided by how the ranks exit."""
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(FORWARD_SIGNALS.get(signal.Signals(sig), signal.SIGUSR1))
 
     def kill(self) -> None:
-        """SIGKILL every live rank and its process group."""
-        self._signal_all(signal.SIGKILL)
-
-    def _signal_all(self, sig: int) -> None:
-        with self._cond:
-            done = set(self._exits)
-        for rank, p in enumerate(self.procs):
-            if rank in done:
-                continue
+        """SIGKILL every rank (and its process group: what it started) and the agent."""
+        for pid in self.pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if sig == signal.SIGKILL:  # the rank and whatever it started
-                    os.killpg(p.pid, sig)
-                else:
-                    p.send_signal(sig)
+                os.killpg(pid, signal.SIGKILL)
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
 
-    def _first_failure(self, exits: dict[int, tuple[int, float]]) -> int | None:
-        """The rank that exited non-zero first before any teardown (what we killed is no failure)."""
-        cutoff = self._teardown_at if self._teardown_at is not None else float("inf")
-        failures = sorted((t, r) for r, (rc, t) in exits.items() if rc != 0 and t <= cutoff)
-        return failures[0][1] if failures else None
-
-    def poll(self) -> int | None:
-        """One supervision round: take the group down after a failure (or stragglers after rank 0
-        exited), SIGKILL what outlived its grace; the group's code once every rank has exited."""
-        now = time.monotonic()
-        with self._cond:
-            exits = dict(self._exits)
-        if self.failed_rank is None:
-            self.failed_rank = self._first_failure(exits)
-            if self.failed_rank is not None and len(exits) < len(self.procs):
-                log.warning(
-                    "rank %d of %d exited (%s): stopping the other ranks",
-                    self.failed_rank,
-                    len(self.procs),
-                    _describe(exits[self.failed_rank][0]),
-                )
-                self._begin_teardown(now)
-        if len(exits) == len(self.procs):
-            return exits[self.failed_rank if self.failed_rank is not None else 0][0]
-        if self._teardown_at is None:
-            if 0 in exits and now - exits[0][1] > self.term_grace:
-                log.warning("rank 0 exited %.0fs ago: stopping the ranks still running", self.term_grace)
-                self._begin_teardown(now)
-        elif not self._killed and now - self._teardown_at > self.term_grace:
-            log.warning("ranks still running %.0fs after SIGTERM: killing them", self.term_grace)
-            self._killed = True
-            self._signal_all(signal.SIGKILL)
-        return None
-
-    def _begin_teardown(self, now: float) -> None:
-        if self._teardown_at is None:
-            self._teardown_at = now
-            self._signal_all(signal.SIGTERM)
-
-    def wait(self, timeout: float | None = None, *, interval: float = 0.2) -> int:
-        """Supervise until every rank has exited; the group's code. Raises subprocess.TimeoutExpired
-        (ranks still running, supervision continuing at the next call) after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            code = self.poll()
-            if code is not None:
-                self._sweep()
-                return code
-            left = interval if deadline is None else min(interval, deadline - time.monotonic())
-            if left <= 0:
-                raise subprocess.TimeoutExpired(self.argvs[0], timeout or 0.0)
-            with self._cond:
-                self._cond.wait(left)
-
-    def _sweep(self) -> None:
-        """After the last rank: anything left in the ranks' process groups (helpers they started) goes."""
-        for p in self.procs:
+    def wait(self, timeout: float | None = None) -> RankExit:
+        """Wait for the agent to exit; how the ranks ended. Raises subprocess.TimeoutExpired (still
+        running) after ``timeout`` seconds."""
+        if self._exit is not None:
+            return self._exit
+        if self.proc is None:
+            raise RuntimeError("not started")
+        rc = self.proc.wait(timeout)
+        self.pids  # noqa: B018  (the last look at the pid files)
+        try:
+            result = json.loads(Path(self.config.result).read_text())
+            self._exit = RankExit(int(result["code"]), result.get("rank"))
+        except (OSError, ValueError, KeyError, TypeError):  # the agent died before it could say
+            self._exit = RankExit(rc if rc != 0 else 1)
+        for pid in self._pids.values():  # anything the ranks left behind in their process groups
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return self._exit
 
-    def __enter__(self) -> RankGroup:
+    def close(self) -> None:
+        """Kill whatever still runs, reap it, remove the launch's files."""
+        if self.alive():
+            self.kill()
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Ranks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.procs and self.alive():
-            self.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.wait(30)
+        self.close()
 
 
-def _describe(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"killed by signal {-rc}"
-    return f"exit code {rc}"
+def run_ranks(
+    cmd: Sequence[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_host: bool | None = None,
+    local_addr: str | None = None,
+    run_id: str,
+    devices: Sequence[str] | None,
+    env: Mapping[str, str],
+    stop: threading.Event | None = None,
+    term_grace: int = TERM_GRACE_SECONDS,
+    poll_seconds: float = 0.5,
+) -> RankExit:
+    """Run this node's ranks of ``cmd`` to the end (see :class:`Ranks` for the arguments); ``stop``
+    set forwards SIGTERM to the ranks (they checkpoint and exit), SIGKILL after ``term_grace``."""
+    with Ranks(
+        cmd,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_host=rdzv_host,
+        local_addr=local_addr,
+        run_id=run_id,
+        devices=devices,
+        env=env,
+        term_grace=term_grace,
+    ) as ranks:
+        ranks.start()
+        stopped_at: float | None = None
+        while True:
+            try:
+                return ranks.wait(poll_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+            if stop is not None and stop.is_set() and stopped_at is None:
+                stopped_at = time.monotonic()
+                ranks.terminate(signal.SIGTERM)
+            elif stopped_at is not None and time.monotonic() - stopped_at > term_grace:
+                ranks.kill()

@@ -16,6 +16,8 @@ reaper to re-queue.
 
 from __future__ import annotations
 
+from trainer.run import launch
+
 #: The job reached a terminal state (or, on a peer rank, its run ended).
 EXIT_DONE = 0
 #: Preempted by SIGTERM: checkpoint written, job left running for the worker to re-queue.
@@ -25,7 +27,7 @@ EXIT_DB_UNAVAILABLE = 69
 #: The job asks for a different number of ranks than this process group has (sysexits EX_USAGE).
 EXIT_WRONG_RANKS = 64
 #: Rank 0's collective broke because a peer rank failed (sysexits EX_PROTOCOL); the job is left running.
-EXIT_PEER_LOST = 76
+EXIT_PEER_LOST = launch.EXIT_PEER_LOST  # 76: the launcher never takes it for the group's cause
 #: No space left while writing a checkpoint (sysexits EX_IOERR).
 EXIT_DISK_FULL = 74
 #: The job was taken away while this process ran it (re-queued or finished elsewhere).
