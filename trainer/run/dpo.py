@@ -55,7 +55,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+            setattr(module, "attention_dropout", 0.0)  # noqa: B010  # a plain float attribute, not a submodule
 
 
 @dataclass
