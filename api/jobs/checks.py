@@ -99,7 +99,7 @@ def check_model_folder(folder: Path | None, name: str) -> None:
 
 def check_integrations(integrations: list[Any] | None, settings: Settings) -> list[dict[str, Any]] | None:
     """The request's integrations (typed by api.schemas.JobCreate) as the job row stores them, or a 400
-    naming ``integrations.N.type`` when the server does not allow that type (``allowed_integrations``)."""
+    naming ``integrations[N].type`` when the server does not allow that type (``allowed_integrations``)."""
     if not integrations:
         return None
     allowed = settings.allowed_integrations
@@ -108,9 +108,9 @@ def check_integrations(integrations: list[Any] | None, settings: Settings) -> li
             offered = ", ".join(repr(t) for t in allowed) if allowed else "none"
             raise APIError(
                 400,
-                f"integrations.{i}.type: integration type {item.type!r} is not allowed on this server "
+                f"integrations[{i}].type: integration type {item.type!r} is not allowed on this server "
                 f"(allowed: {offered})",
-                param=f"integrations.{i}.type",
+                param=f"integrations[{i}].type",
                 code="invalid_value",
             )
     return [item.model_dump(mode="json", exclude_none=True) for item in integrations]
