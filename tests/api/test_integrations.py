@@ -14,7 +14,15 @@ from sqlalchemy import select
 
 from store.orm import FineTuningJob
 from store.settings import Settings
-from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, uploaded_id
+from tests.api.conftest import (
+    TEST_API_SETTINGS,
+    Enqueued,
+    ServerThread,
+    TeamKey,
+    error_of,
+    make_team,
+    uploaded_id,
+)
 
 JOBS = "/v1/fine_tuning/jobs"
 WANDB = {"type": "wandb", "wandb": {"project": "p1", "name": "r1", "entity": "acme", "tags": ["a", "b"]}}
@@ -120,3 +128,25 @@ def test_allowed_integrations_setting_from_the_environment(monkeypatch: pytest.M
     monkeypatch.setenv("ZENFLOW_MLFLOW_TRACKING_URI", "http://all:5000")
     s = Settings(_env_file=None)  # type: ignore[call-arg]
     assert s.mlflow_uri_for("team-a") == "http://a:5000" and s.mlflow_uri_for("team-b") == "http://all:5000"
+
+
+def test_the_openai_sdk_sends_and_reads_integrations(app: FastAPI, client: TestClient, team: TeamKey) -> None:
+    import openai
+
+    fid = uploaded_id(client, team)
+    with ServerThread(app) as server:
+        sdk = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=team.key, max_retries=0, timeout=30)
+        job = sdk.fine_tuning.jobs.create(
+            model="tiny-llama",
+            training_file=fid,
+            integrations=[{"type": "wandb", "wandb": {"project": "p1", "tags": ["x"]}}],
+        )
+        (wb,) = job.integrations or []
+        assert wb.type == "wandb" and wb.wandb.project == "p1" and wb.wandb.tags == ["x"]
+        with pytest.raises(openai.BadRequestError) as bad:
+            sdk.fine_tuning.jobs.create(
+                model="tiny-llama",
+                training_file=fid,
+                integrations=[{"type": "comet", "comet": {}}],  # type: ignore[list-item, typeddict-item]
+            )
+        assert bad.value.status_code == 400 and "'comet'" in str(bad.value.body)
