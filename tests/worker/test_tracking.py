@@ -11,6 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,3 +238,57 @@ def test_a_tracking_server_that_is_down_never_fails_the_job(
             select(JobEvent.message).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)
         ).all()
     assert last[-1].startswith("Job succeeded")
+
+
+def test_metrics_kept_while_the_server_is_away_are_sent_when_it_is_back(
+    mlflow_server: str, tracking_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    from tests.worker.tcp_relay import TcpRelay
+    from worker.job.runner import run_job_process
+
+    relay = TcpRelay(int(mlflow_server.rsplit(":", 1)[1]))  # refuses connections until opened
+    settings = _settings(
+        tracking_env,
+        ZENFLOW_MLFLOW_TRACKING_URI=relay.uri,
+        ZENFLOW_TRACKING_FLUSH_SECONDS="0.5",
+        ZENFLOW_TRACKING_CLOSE_SECONDS="120",  # the job's end waits for the server within this
+    )
+    url = settings.resolved_database_url
+    experiment = f"zf-back-{secrets.token_hex(4)}"
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=16),
+        integrations=[{"type": "mlflow", "mlflow": {"experiment": experiment}}],
+    )
+    stop = threading.Event()
+
+    def open_when_warned() -> None:  # the server comes back once the job has said it was away
+        while not stop.is_set():
+            if _events(url, job_id, "warning"):
+                relay.open()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=open_when_warned, daemon=True)
+    watcher.start()
+    try:
+        assert run_job_process(job_id) == 0
+    finally:
+        stop.set()
+        watcher.join()
+        relay.close()
+    job = get_job(url, job_id)
+    assert job.status == "succeeded", _events(url, job_id, "error")
+    messages = [m for m, _ in _events(url, job_id, "warning")]
+    assert messages[0].startswith("MLflow tracking server unreachable"), messages
+    assert messages[-1].startswith("MLflow tracking server reachable again"), messages
+    assert not (Path(str(job.output_dir)) / "tracking" / "mlflow-unsent.jsonl").exists()
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.tags["zenflow.fine_tuned_model"] == job.fine_tuned_model
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert sorted(m.step for m in history) == list(range(1, int(job.total_steps or 0) + 1))
