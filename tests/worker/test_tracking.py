@@ -30,7 +30,7 @@ from tests.worker.test_worker import get_job, make_job, sums_file
 from trainer.run.launch import free_port
 from worker.tracking.base import STEP_METRICS
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.slow]
 
 #: Environment the sinks set in the job process (here: the test process), restored after each test.
 _SINK_ENV = (
