@@ -52,11 +52,11 @@ def test_a_stuck_sink_never_blocks_the_training_thread() -> None:
         "Tracking is behind: training events are being dropped for the tracking servers"
     ]
     gate.set()
-    tracking.close(5, succeeded=True)
+    tracking.close(succeeded=True, seconds=5)
     assert sink.seen == events[: len(sink.seen)] and 50 - tracking.dropped == len(sink.seen)
     assert sink.closed == [True]
     tracking(LogEvent("after close"))  # ignored, no error
-    tracking.close(5, succeeded=False)  # idempotent
+    tracking.close(succeeded=False, seconds=5)  # idempotent
     assert sink.closed == [True]
 
 
@@ -71,7 +71,7 @@ def test_a_failing_sink_is_one_warning_and_the_others_get_every_event() -> None:
     events = _events(20)
     for ev in events:
         on_event(ev)
-    tracking.close(5, succeeded=False)
+    tracking.close(succeeded=False, seconds=5)
     assert seen == events and good.seen == events and good.closed == [False] and bad.closed == [False]
     assert warnings == [
         (
@@ -85,5 +85,5 @@ def test_no_sinks_no_thread() -> None:
     tracking = Tracking([], warn=lambda m, d: None, max_items=1, flush_seconds=1)
     for ev in _events(5):
         tracking(ev)
-    tracking.close(1, succeeded=True)
+    tracking.close(succeeded=True)
     assert tracking.dropped == 0

@@ -359,7 +359,7 @@ class _Run:
         try:
             return self._train(tracking)
         finally:
-            tracking.close(self.settings.tracking_close_seconds, succeeded=False)  # no-op once closed
+            tracking.close(succeeded=False)  # a no-op once closed
 
     def _train(self, tracking: Tracking) -> int:
         from trainer.data.dataset import DatasetValidationError
@@ -420,7 +420,7 @@ class _Run:
                 return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
             else:
                 end, succeeded = _succeeded(result, self.files_dir), True
-        tracking.close(self.settings.tracking_close_seconds, succeeded=succeeded)  # its warnings go first
+        tracking.close(succeeded=succeeded)  # its warnings before the end state
         if monitor.lost.is_set():
             return EXIT_LOST
         if not self._drain():

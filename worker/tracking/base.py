@@ -90,8 +90,17 @@ _STOP = object()
 class Tracking:
     """The job's sinks behind one bounded queue and one thread (module docstring)."""
 
-    def __init__(self, sinks: list[Sink], *, warn: Warn, max_items: int, flush_seconds: float) -> None:
+    def __init__(
+        self,
+        sinks: list[Sink],
+        *,
+        warn: Warn,
+        max_items: int,
+        flush_seconds: float,
+        close_seconds: float = 0.0,
+    ) -> None:
         self.sinks, self.warn, self.flush_seconds = sinks, warn, flush_seconds
+        self.close_seconds = close_seconds
         self.dropped = 0
         self._queue: queue.Queue[object] = queue.Queue(maxsize=max_items)
         self._failed: set[str] = set()
@@ -151,12 +160,13 @@ class Tracking:
                     self._guarded(sink, sink.flush)
                 next_flush = time.monotonic() + self.flush_seconds
 
-    def close(self, seconds: float, *, succeeded: bool) -> None:
-        """Hand the sinks every queued event, then end their runs within ``seconds``. Idempotent."""
+    def close(self, *, succeeded: bool, seconds: float | None = None) -> None:
+        """Hand the sinks every queued event, then end their runs within ``seconds`` (default
+        ``close_seconds``). Idempotent."""
         if self._closed or not self.sinks:
             return
         self._closed = True
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + (self.close_seconds if seconds is None else seconds)
         self._queue.put(_STOP)  # after every event already queued (the queue has room: see __call__)
         self._thread.join()
         for sink in self.sinks:

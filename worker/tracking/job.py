@@ -62,6 +62,8 @@ def open_tracking(
             warn=warn,
             max_items=settings.tracking_queue_items,
             flush_seconds=settings.tracking_flush_seconds,
+            # the job's end waits on it with no heartbeat beating: well within the heartbeat's timeout
+            close_seconds=min(settings.tracking_close_seconds, settings.heartbeat_timeout_seconds / 3),
         )
 
     try:
