@@ -292,3 +292,39 @@ def test_metrics_kept_while_the_server_is_away_are_sent_when_it_is_back(
     assert run.info.status == "FINISHED" and run.data.tags["zenflow.fine_tuned_model"] == job.fine_tuned_model
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(1, int(job.total_steps or 0) + 1))
+
+
+def test_a_resumed_job_logs_to_its_earlier_mlflow_run(
+    mlflow_server: str, tracking_env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    from worker.job.runner import run_job_process
+
+    settings = _settings(tracking_env, ZENFLOW_MLFLOW_TRACKING_URI=mlflow_server)
+    url = settings.resolved_database_url
+    client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = f"zf-resume-{secrets.token_hex(4)}"
+    exp_id = client.create_experiment(experiment)
+    earlier = client.create_run(exp_id, run_name="earlier").info.run_id  # the job's first attempt
+    client.log_param(earlier, "run.device", "cuda:7")  # logged on the worker it ran on then
+    client.set_terminated(earlier, "FAILED")
+    out = tmp_path / "out"
+    (out / "tracking").mkdir(parents=True)
+    (out / "tracking" / "mlflow-run-id").write_text(earlier)
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=16),
+        integrations=[{"type": "mlflow", "mlflow": {"experiment": experiment}}],
+        output_dir=str(out),
+    )
+    assert run_job_process(job_id) == 0
+    job = get_job(url, job_id)
+    assert job.status == "succeeded", _events(url, job_id, "error")
+    (run,) = client.search_runs([exp_id])
+    assert run.info.run_id == earlier and run.info.status == "FINISHED"
+    assert run.data.params["run.device"] == "cuda:7" and run.data.params["hp.batch_size"] == "4"
+    history = client.get_metric_history(earlier, "train_loss")
+    assert sorted(m.step for m in history) == list(range(1, int(job.total_steps or 0) + 1))
+    [(message, data)] = _events(url, job_id, "warning")
+    assert message.startswith("MLflow refused the params run.device ") and data["params"] == ["run.device"]

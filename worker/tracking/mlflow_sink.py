@@ -12,7 +12,9 @@ job's end, what is still unsent after ``tracking_close_seconds`` goes to ``track
 in the job's output (one JSON object a line: first ``{"run": {experiment, run_name, run_id, tags}}``,
 then ``{"param": k, "value": v}``, ``{"tag": k, "value": v}`` and ``{"metric": k, "value": x, "step": n,
 "timestamp": ms}``), and a warning names it. A re-run of the job (resumed after a re-queue) logs to
-the same MLflow run (its id kept in ``tracking/mlflow-run-id``).
+the same MLflow run (its id kept in ``tracking/mlflow-run-id``; the steps it replays from its checkpoint
+are logged again at their step numbers). A batch the server refuses (not an outage: a resumed run's
+param whose value changed) is dropped with a warning rather than sent again forever.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _MAX_VALUE = 6000  # a param's value, in characters
 #: Metrics held for a server that is away at most; beyond, they go to the offline file at once.
 MAX_BUFFERED_METRICS = 200_000
 UNSENT_NAME = "mlflow-unsent.jsonl"
+#: Refusals a later try may pass (the server's own trouble); any other refusal drops its batch.
+_RETRIED = frozenset({"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"})
 RUN_ID_NAME = "mlflow-run-id"
 
 
@@ -69,9 +73,10 @@ class MlflowSink(Sink):
             **(cfg.tags or {}),
         }
         self.metrics: list[Metric] = []
-        self.sent_metrics = 0
         self.down_since: float | None = None
         self.run_id = self._saved_run_id()
+        #: A run of this job made by an earlier attempt (re-queued, resumed): set RUNNING at first send.
+        self.reopen = self.run_id is not None
 
     # -- events -> buffer --
 
@@ -131,27 +136,54 @@ class MlflowSink(Sink):
 
     def _send(self) -> None:
         from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import RestException
 
         assert self.client is not None
+        if self.reopen and self.run_id is not None:  # the job's earlier run: running again
+            try:
+                self.client.update_run(self.run_id, status="RUNNING")
+            except RestException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                self.run_id = None  # deleted on the server meanwhile: a new run
+            self.reopen = False
         if self.run_id is None:
             self.run_id = self._create_run()
-        while self.params or self.tags or self.metrics:
-            params = list(self.params.items())[:_MAX_PARAMS]
-            tags = list(self.tags.items())[:_MAX_TAGS]
-            metrics = self.metrics[:_MAX_METRICS]
-            self.client.log_batch(
-                self.run_id,
-                metrics=metrics,
-                params=[Param(k, v) for k, v in params],
-                tags=[RunTag(k, v) for k, v in tags],
-                synchronous=True,
-            )
-            for k, _ in params:
-                del self.params[k]
+        while self.params:  # apart from the metrics: a refused param takes no metric with it
+            chunk = [Param(k, v) for k, v in list(self.params.items())[:_MAX_PARAMS]]
+            if self._batch(params=chunk) is not None:  # which ones: one at a time
+                refused = [p.key for p in chunk if self._batch(params=[p]) is not None]
+                self.warn(
+                    f"MLflow refused the params {', '.join(refused[:10])} (a resumed run's changed values "
+                    "are kept as first logged); they are left out",
+                    {"tracking": self.kind, "params": refused},
+                )
+            for p in chunk:
+                del self.params[p.key]
+        while self.tags or self.metrics:
+            tags, metrics = list(self.tags.items())[:_MAX_TAGS], self.metrics[:_MAX_METRICS]
+            if (code := self._batch(tags=[RunTag(k, v) for k, v in tags], metrics=metrics)) is not None:
+                self.warn(
+                    f"MLflow refused {len(tags)} tags and {len(metrics)} metrics ({code}); they are left out",
+                    {"tracking": self.kind, "error_code": code},
+                )
             for k, _ in tags:
                 del self.tags[k]
             del self.metrics[: len(metrics)]
-            self.sent_metrics += len(metrics)
+
+    def _batch(self, *, params: Any = (), tags: Any = (), metrics: Any = ()) -> str | None:
+        """One ``log_batch``: None when sent, the error code of a refusal the server will repeat (not an
+        outage: a resumed run's param whose value changed, a value over its limits); raises otherwise."""
+        from mlflow.exceptions import RestException
+
+        assert self.client is not None and self.run_id is not None
+        try:
+            self.client.log_batch(self.run_id, metrics=metrics, params=params, tags=tags, synchronous=True)
+        except RestException as e:
+            if e.error_code in _RETRIED:
+                raise
+            return str(e.error_code)
+        return None
 
     def _create_run(self) -> str:
         assert self.client is not None
