@@ -1,8 +1,9 @@
 """Tracking integrations of a real job (the job runner in-process against the real PostgreSQL): a real
 ``mlflow server`` (SQLite backend) started here receives the run's params, every step's metrics, the
 checkpoints' and the final model's ids; the same job's W&B run is written offline under its output;
-a tracking server that is down leaves the job succeeded with a warning event and the metrics in the
-job's output folder."""
+a tracking server that is down (MLflow, W&B online) leaves the job succeeded with a warning event and
+the metrics in the job's output folder; one away at first and back before the end gets every step;
+a resumed job logs to its earlier MLflow run."""
 
 from __future__ import annotations
 
@@ -208,6 +209,9 @@ def test_a_tracking_server_that_is_down_never_fails_the_job(
     settings = _settings(
         tracking_env,
         ZENFLOW_MLFLOW_TRACKING_URI=nobody,
+        ZENFLOW_WANDB_BASE_URL=f"http://127.0.0.1:{free_port()}",  # W&B online, its server away too
+        ZENFLOW_WANDB_API_KEY="k" * 40,
+        ZENFLOW_TRACKING_REQUEST_TIMEOUT_SECONDS="1",  # wandb.init gives up after 6 s
         ZENFLOW_TRACKING_CLOSE_SECONDS="2",
         ZENFLOW_TRACKING_FLUSH_SECONDS="0.5",
     )
@@ -215,19 +219,28 @@ def test_a_tracking_server_that_is_down_never_fails_the_job(
     job_id = make_job(
         url,
         sums_file(tmp_path / "d.jsonl", n=16),
-        integrations=[{"type": "mlflow", "mlflow": {"experiment": "down"}}],
+        integrations=[
+            {"type": "mlflow", "mlflow": {"experiment": "down"}},
+            {"type": "wandb", "wandb": {"project": "down"}},
+        ],
     )
     assert run_job_process(job_id) == 0
     job = get_job(url, job_id)
     assert job.status == "succeeded" and job.fine_tuned_model, _events(url, job_id, "error")
-    warnings = _events(url, job_id, "warning")
+    steps = list(range(1, int(job.total_steps or 0) + 1))
+    every = _events(url, job_id, "warning")
+    [(wb_warning, _)] = [(m, d) for m, d in every if d.get("tracking") == "wandb"]
+    assert wb_warning.startswith("W&B server unreachable (CommError); the run is written offline"), every
+    (wb_file,) = (Path(str(job.output_dir)) / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
+    assert [r["_step"] for r in wandb_records.history(wb_file) if "train_loss" in r] == steps
+    warnings = [(m, d) for m, d in every if d.get("tracking") == "mlflow"]
     assert warnings[0][0].startswith("MLflow tracking server unreachable"), warnings
     unsent = Path(str(job.output_dir)) / "tracking" / "mlflow-unsent.jsonl"
     assert str(unsent) in warnings[-1][0] and warnings[-1][1]["metrics"] > 0, warnings
     lines = [json.loads(line) for line in unsent.read_text().splitlines()]
     assert lines[0]["run"]["experiment"] == "down" and lines[0]["run"]["run_id"] is None
     losses = sorted(x["step"] for x in lines if x.get("metric") == "train_loss")
-    assert losses == list(range(1, int(job.total_steps or 0) + 1))
+    assert losses == steps
     params = {x["param"]: x["value"] for x in lines if "param" in x}
     assert params["job_id"] == job_id and params["hp.batch_size"] == "4"
     tags = {x["tag"]: x["value"] for x in lines if "tag" in x}
