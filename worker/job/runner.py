@@ -4,7 +4,8 @@ The worker task spawns this as a subprocess (a killable PID, CUDA initialised on
 job and file rows, builds the JobSpec (:func:`trainer.spec.spec_from_job`), makes the job's checkpoint
 rows match its output directory, runs :func:`trainer.run.loop.run_training` with a
 :class:`~worker.job.reporter.DBReporter` (events -> rows, written in order by a
-:class:`~worker.job.writer.ReportWriter` that waits out database outages) inside
+:class:`~worker.job.writer.ReportWriter` that waits out database outages; a job's tracking
+integrations get the same events, :func:`worker.tracking.job.open_tracking`) inside
 :func:`~worker.metrics.telemetry.track_job` (Prometheus), while a
 :class:`~worker.job.monitor.JobMonitor` beats the heartbeat and polls for a cancel, and writes the
 end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
