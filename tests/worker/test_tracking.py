@@ -8,24 +8,20 @@ a resumed job logs to its earlier MLflow run."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from sqlalchemy import select
 
 from store.db import session_scope
 from store.orm import JobCheckpoint, JobEvent
 from store.settings import Settings
-from tests.support import startup_seconds
+from tests.mlflow_server import running_mlflow_server
 from tests.worker import wandb_records
 from tests.worker.test_worker import get_job, make_job, sums_file
 from trainer.run.launch import free_port
@@ -49,51 +45,8 @@ _SINK_ENV = (
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``mlflow server`` on a SQLite store and a free port; its URI once ``/health`` answers (deadline
-    from this machine's speed now: its start migrates a fresh database, ~40 s on a busy 2-core box)."""
-    folder = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    log = (folder / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{folder / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(folder / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + max(120.0, 60 * startup_seconds())
-    try:
-        while True:
-            assert proc.poll() is None, (folder / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{uri}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, (folder / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
         yield uri
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture
