@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 
 from store.orm import as_utc
 from trainer.spec import EngineSettings
+from worker.tracking.spec import MAX_INTEGRATIONS, Integration, one_of_each
 
 T = TypeVar("T")
 
@@ -118,7 +119,9 @@ class JobCreate(BaseModel):
     suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
-    integrations: list[dict[str, Any]] | None = None
+    #: Tracking integrations (OpenAI's ``wandb``, our ``mlflow``; worker.tracking.spec); the types a team
+    #: may use are the server's ``allowed_integrations``.
+    integrations: list[Integration] | None = Field(None, max_length=MAX_INTEGRATIONS)
     #: The engine's settings (our extra): the fields a job may set, each ``mode`` and ``accumulate_on``
     #: also ``auto`` (resolved by the job's plan); unset fields keep the model's or the engine's defaults.
     engine: EngineSettings | None = None
@@ -142,10 +145,8 @@ class JobCreate(BaseModel):
 
     @field_validator("integrations")
     @classmethod
-    def _no_integrations(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("integrations are not supported by this server")
-        return v
+    def _one_integration_per_type(cls, v: list[Integration] | None) -> list[Integration] | None:
+        return one_of_each(v) if v else v
 
 
 # --- responses -------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ class FineTuningJobObject(BaseModel):
     user_provided_suffix: str | None = None
     metadata: dict[str, str] | None = None
     estimated_finish: int | None = None
-    integrations: list[dict[str, Any]] = Field(default_factory=list)
+    integrations: list[Integration] = Field(default_factory=list)
     # Extras.
     engine: dict[str, Any] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)

@@ -131,6 +131,9 @@ class FineTuningJob(Base):
     engine: Mapped[dict[str, Any]] = mapped_column(default=dict)
     #: What the job needs from its worker (trainer.spec.ResourceSpec fields: ``gpus``); NULL: the defaults.
     resources: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    #: Tracking integrations as requested (worker.tracking.spec: ``[{"type": "mlflow", "mlflow": {...}}]``);
+    #: NULL: none.
+    integrations: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     suffix: Mapped[str | None] = mapped_column(String(64))
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, default=None)

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -118,6 +118,36 @@ class Settings(BaseSettings):
     default_worker_pcie_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
     #: RLIMIT_MEMLOCK of the default box; None: unlimited.
     default_worker_locked_memory_bytes: int | None = Field(None, ge=0)
+    # --- tracking integrations (worker.tracking): the servers a job's ``integrations`` log to ---
+    #: The integration types a job may name (``ZENFLOW_ALLOWED_INTEGRATIONS``: comma-separated or a JSON
+    #: list; empty: none); another is a 400 at create naming it.
+    allowed_integrations: Annotated[list[str], NoDecode] = ["mlflow", "wandb"]
+    #: The MLflow tracking server of the workers' jobs ("": none; the runs are left in the job's output,
+    #: ``tracking/mlflow-unsent.jsonl``) ...
+    mlflow_tracking_uri: str = ""
+    #: ... or, for the teams named here (team id -> URI, a JSON object), the team's own server.
+    mlflow_team_tracking_uris: dict[str, str] = {}
+    #: W&B's server and key (the job process's WANDB_BASE_URL / WANDB_API_KEY); without a key the run is
+    #: written in W&B's offline format under the job's output (``tracking/wandb``), for ``wandb sync``.
+    wandb_base_url: str = ""
+    wandb_api_key: SecretStr | None = None
+    #: Events waiting for the tracking thread at most (beyond, the newest are dropped with a warning:
+    #: training never waits for a tracking server).
+    tracking_queue_items: int = Field(10_000, ge=1)
+    #: How often the MLflow sink sends its metrics, and how long one request to the server may take.
+    tracking_flush_seconds: float = Field(2.0, gt=0, allow_inf_nan=False)
+    tracking_request_timeout_seconds: float = Field(5.0, gt=0, allow_inf_nan=False)
+    #: At the job's end, how long the sinks may still try a server that is away before what they hold is
+    #: left in the job's output folder.
+    tracking_close_seconds: float = Field(20.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("allowed_integrations", mode="before")
+    @classmethod
+    def _split_integrations(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip()
+            return json.loads(v) if v.startswith("[") else [t.strip() for t in v.split(",") if t.strip()]
+        return v
 
     @field_validator("model_roots", mode="before")
     @classmethod
@@ -142,6 +172,10 @@ class Settings(BaseSettings):
     @property
     def resolved_jobs_dir(self) -> Path:
         return (self.jobs_dir or self.data_dir / "jobs").resolve()
+
+    def mlflow_uri_for(self, team_id: str) -> str:
+        """The MLflow tracking server of ``team_id``'s jobs ("": none configured)."""
+        return self.mlflow_team_tracking_uris.get(team_id, self.mlflow_tracking_uri)
 
     @property
     def embedded(self) -> bool:

@@ -117,10 +117,12 @@ def loc_to_param(loc: Sequence[int | str], *, prefix: str | None = None) -> str 
     if parts and parts[0] in ("body", "query", "path", "header", "form", "cookie"):
         parts = parts[1:]
     out = ""
-    for p in parts:
+    for i, p in enumerate(parts):
         if isinstance(p, int):
             out += f"[{p}]"
-        elif _TAG.match(p):
+        elif _TAG.match(p) or (i + 1 < len(parts) and parts[i + 1] == p):
+            # the second: a discriminated union's tag before its same-named field (OpenAI's
+            # ``{"type": "wandb", "wandb": {...}}``): ``integrations[0].wandb.project``
             continue
         else:
             out = f"{out}.{p}" if out else p

@@ -97,6 +97,25 @@ def check_model_folder(folder: Path | None, name: str) -> None:
         ) from exc
 
 
+def check_integrations(integrations: list[Any] | None, settings: Settings) -> list[dict[str, Any]] | None:
+    """The request's integrations (typed by api.schemas.JobCreate) as the job row stores them, or a 400
+    naming ``integrations[N].type`` when the server does not allow that type (``allowed_integrations``)."""
+    if not integrations:
+        return None
+    allowed = settings.allowed_integrations
+    for i, item in enumerate(integrations):
+        if item.type not in allowed:
+            offered = ", ".join(repr(t) for t in allowed) if allowed else "none"
+            raise APIError(
+                400,
+                f"integrations[{i}].type: integration type {item.type!r} is not allowed on this server "
+                f"(allowed: {offered})",
+                param=f"integrations[{i}].type",
+                code="invalid_value",
+            )
+    return [item.model_dump(mode="json", exclude_none=True) for item in integrations]
+
+
 def resolved_hyperparameters(spec: JobSpec, num_examples: int | None) -> dict[str, Any] | None:
     """The values the job will run with (trainer.spec.ResolvedHyperparameters), known at create from the
     training file's example count; the run records them again once it has read the data."""

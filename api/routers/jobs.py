@@ -226,6 +226,7 @@ def _prepare_job(
     )
     engine = _engine(body)
     resources = checks.check_resources(body.resources)  # 400 naming resources.gpus
+    checks.check_integrations(body.integrations, settings)  # 400: a type the server does not allow
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     job_id = new_id("ftjob")
     spec = checks.check_job_spec(
@@ -291,6 +292,7 @@ def _create_job(
         hyperparameters=prepared.hyperparameters,
         engine=prepared.engine,
         resources=prepared.resources,
+        integrations=checks.check_integrations(body.integrations, settings),
         suffix=body.suffix or None,
         seed=prepared.seed,
         user_metadata=body.metadata,

@@ -209,7 +209,8 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 30
+        # the app's start-up (its lifespan) takes ~20 s on a 2-core box under a load of 12: a bound, not a wait
+        deadline = time.monotonic() + 120
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("uvicorn did not start")

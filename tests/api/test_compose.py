@@ -13,7 +13,7 @@ from api.storage import FRAMING_SLACK
 from store.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"proxy", "api", "worker", "redis", "postgres", "prometheus", "grafana", "vllm"}
+SERVICES = {"proxy", "api", "worker", "redis", "postgres", "prometheus", "grafana", "vllm", "mlflow"}
 
 
 def _compose() -> dict:
@@ -57,6 +57,17 @@ def test_vllm_is_an_optional_profile_the_api_can_forward_to() -> None:
     assert "zenflow-data:/data:ro" in vllm["volumes"] and "zenflow-data:/data" in api["volumes"]
     assert api["environment"]["ZENFLOW_API_INFERENCE_VLLM_URL"] == "http://vllm:8000"
     assert _default(api["environment"]["ZENFLOW_API_INFERENCE_BACKEND"]) in ("builtin", "vllm")
+
+
+def test_mlflow_is_an_optional_profile_the_workers_can_log_to() -> None:
+    c = _compose()
+    mlflow, worker, api = c["services"]["mlflow"], c["services"]["worker"], c["services"]["api"]
+    assert mlflow["profiles"] == ["mlflow"] and "mlflow" not in worker.get("depends_on", {})
+    assert "server" in mlflow["command"] and "--port=5000" in mlflow["command"]
+    assert any(a.startswith("--allowed-hosts=mlflow,") for a in mlflow["command"])  # its compose name
+    assert "mlflow-data:/mlflow" in mlflow["volumes"] and "mlflow-data" in c["volumes"]
+    assert _default(worker["environment"]["ZENFLOW_MLFLOW_TRACKING_URI"]) == ""  # off unless set
+    assert _default(api["environment"]["ZENFLOW_ALLOWED_INTEGRATIONS"]) == "mlflow,wandb"
 
 
 def test_bind_mounts_exist_and_named_volumes_are_declared() -> None:

@@ -169,7 +169,8 @@ def test_create_commits_then_enqueues_then_stamps_dispatched_at(
         ({"epochs": 3}, "epochs", None),
         ({"seed": -4}, "seed", None),
         ({"suffix": "x" * 65}, "suffix", None),
-        ({"integrations": [{"type": "wandb"}]}, "integrations", None),
+        ({"integrations": [{"type": "wandb"}]}, "integrations[0].wandb", "missing_required_parameter"),
+        ({"integrations": [{"type": "comet"}]}, "integrations[0]", None),
         ({"training_file": None}, "training_file", None),
     ],
 )

@@ -4,7 +4,8 @@ The worker task spawns this as a subprocess (a killable PID, CUDA initialised on
 job and file rows, builds the JobSpec (:func:`trainer.spec.spec_from_job`), makes the job's checkpoint
 rows match its output directory, runs :func:`trainer.run.loop.run_training` with a
 :class:`~worker.job.reporter.DBReporter` (events -> rows, written in order by a
-:class:`~worker.job.writer.ReportWriter` that waits out database outages) inside
+:class:`~worker.job.writer.ReportWriter` that waits out database outages; a job's tracking
+integrations get the same events, :func:`worker.tracking.job.open_tracking`) inside
 :func:`~worker.metrics.telemetry.track_job` (Prometheus), while a
 :class:`~worker.job.monitor.JobMonitor` beats the heartbeat and polls for a cancel, and writes the
 end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
@@ -62,6 +63,8 @@ from worker.job.ranks import Announce, peer_lost, run_peer_rank
 from worker.job.reporter import DBReporter
 from worker.job.writer import SPOOL_NAME, ReportWriter, Write, event_row
 from worker.retry import DatabaseUnavailable, retry_db
+from worker.tracking.base import Tracking
+from worker.tracking.job import open_tracking
 
 log = logging.getLogger("zenflow.job_runner")
 
@@ -347,10 +350,19 @@ class _Run:
         self.spec, self.job_id, self.url, self.hostname, self.dist = spec, job_id, url, hostname, dist
         self.monitor, self.writer, self.paths = monitor, writer, paths
         self.window, self.files_dir = settings.job_db_outage_seconds, settings.resolved_files_dir
+        self.settings = settings
         self.out = Path(spec.output_dir)
         self.spool = self.out / SPOOL_NAME
 
     def run(self) -> int:
+        """The run with its tracking (worker.tracking), closed before the end state on success."""
+        tracking = open_tracking(self.url, self.job_id, self.settings, self.writer, self.out)
+        try:
+            return self._train(tracking)
+        finally:
+            tracking.close(succeeded=False)  # a no-op once closed
+
+    def _train(self, tracking: Tracking) -> int:
         from trainer.data.dataset import DatasetValidationError
         from trainer.model.catalog import UnknownModelError
         from trainer.model.folder_check import ModelFolderError
@@ -360,12 +372,14 @@ class _Run:
 
         reporter = DBReporter(self.writer)
         on_event = self.monitor.quota.guard(reporter) if self.monitor.quota is not None else reporter
+        on_event = tracking.wrap(on_event)
         if n := self.writer.load_spool(self.spool):
             log.info("job %s: writing %d reports a previous run could not", self.job_id, n)
         prune_checkpoints(self.out, self.spec.keep_checkpoints)
         reporter.sync_checkpoints(self.out)
         spec, monitor = self.spec, self.monitor
         end: EndState
+        succeeded = False
         try:
             try:
                 # Prometheus telemetry of this run sees every event after the database.
@@ -406,7 +420,8 @@ class _Run:
                 self._drain()
                 return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
             else:
-                end = _succeeded(result, self.files_dir)
+                end, succeeded = _succeeded(result, self.files_dir), True
+        tracking.close(succeeded=succeeded)  # its warnings before the end state
         if monitor.lost.is_set():
             return EXIT_LOST
         if not self._drain():

@@ -1,0 +1,89 @@
+"""The tracking thread (worker.tracking.base.Tracking) never holds training up: a sink stuck on its
+server leaves the training thread's calls returning, the queue bounded (dropped events, one warning),
+a sink that raises is one warning and the others still get every event; close drains the queue."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from trainer.events import Event, LogEvent
+from worker.tracking.base import Sink, Tracking
+
+
+class Recording(Sink):
+    kind = "recording"
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate, self.seen, self.closed = gate, [], []  # type: ignore[var-annotated]
+
+    def handle(self, ev: Event) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+        self.seen.append(ev)
+
+    def close(self, deadline: float, *, succeeded: bool) -> None:
+        self.closed.append(succeeded)
+
+
+class Failing(Recording):
+    kind = "failing"
+
+    def handle(self, ev: Event) -> None:
+        raise ConnectionError("tracking server away (test)")
+
+
+def _events(n: int) -> list[Event]:
+    return [LogEvent(f"event {i}") for i in range(n)]
+
+
+def test_a_stuck_sink_never_blocks_the_training_thread() -> None:
+    warnings: list[tuple[str, dict[str, Any]]] = []
+    gate = threading.Event()
+    sink = Recording(gate)
+    tracking = Tracking([sink], warn=lambda m, d: warnings.append((m, d)), max_items=3, flush_seconds=60)
+    events = _events(50)
+    training = threading.Thread(target=lambda: [tracking(ev) for ev in events])
+    training.start()
+    training.join(60)  # the sink holds its first event until the gate opens: the calls must return anyway
+    assert not training.is_alive()
+    assert tracking.dropped >= 50 - 3 - 1  # the queue's 3, and the one the thread holds
+    assert [m for m, _ in warnings] == [
+        "Tracking is behind: training events are being dropped for the tracking servers"
+    ]
+    gate.set()
+    tracking.close(succeeded=True, seconds=5)
+    assert sink.seen == events[: len(sink.seen)] and 50 - tracking.dropped == len(sink.seen)
+    assert sink.closed == [True]
+    tracking(LogEvent("after close"))  # ignored, no error
+    tracking.close(succeeded=False, seconds=5)  # idempotent
+    assert sink.closed == [True]
+
+
+def test_a_failing_sink_is_one_warning_and_the_others_get_every_event() -> None:
+    warnings: list[tuple[str, dict[str, Any]]] = []
+    good, bad = Recording(), Failing()
+    tracking = Tracking(
+        [bad, good], warn=lambda m, d: warnings.append((m, d)), max_items=1000, flush_seconds=60
+    )
+    seen: list[Event] = []
+    on_event = tracking.wrap(seen.append)
+    events = _events(20)
+    for ev in events:
+        on_event(ev)
+    tracking.close(succeeded=False, seconds=5)
+    assert seen == events and good.seen == events and good.closed == [False] and bad.closed == [False]
+    assert warnings == [
+        (
+            "Tracking (failing) failed: ConnectionError; training goes on",
+            {"tracking": "failing", "error_type": "ConnectionError"},
+        )
+    ]
+
+
+def test_no_sinks_no_thread() -> None:
+    tracking = Tracking([], warn=lambda m, d: None, max_items=1, flush_seconds=1)
+    for ev in _events(5):
+        tracking(ev)
+    tracking.close(succeeded=True)
+    assert tracking.dropped == 0
