@@ -87,3 +87,35 @@ def test_no_sinks_no_thread() -> None:
         tracking(ev)
     tracking.close(succeeded=True)
     assert tracking.dropped == 0
+
+
+def test_a_dpo_jobs_rewards_and_accuracy_are_tracked() -> None:
+    """A DPO step's and evaluation's preference figures reach the trackers beside the losses; a supervised
+    job's metrics carry none."""
+    from offload.metrics import StepMetrics
+    from trainer.events import EvalEvent, PreferenceMetrics, StepEvent
+    from worker.tracking.base import STEP_METRICS, eval_metrics, step_metrics
+
+    pref = PreferenceMetrics(chosen_reward=0.3, rejected_reward=-0.1, reward_margin=0.4, accuracy=0.75)
+    engine = StepMetrics(
+        step=1, wall_seconds=0.5, compute_seconds=0.4, stall_seconds=0.1, cpu_optimizer_seconds=0.2,
+        bytes_device_to_host=0, bytes_host_to_device=0, device_optimizer_state_bytes=0,
+    )  # fmt: skip
+    step = StepEvent(
+        step=1, total_steps=4, epoch=0, loss=0.6, lr=1e-4, tokens=100, tokens_per_second=200.0,
+        step_seconds=0.5, stall_seconds=0.1, stall_fraction=0.2, engine=engine, preference=pref,
+    )  # fmt: skip
+    got = step_metrics(step, on_cuda=False)
+    assert set(STEP_METRICS) <= set(got)
+    assert got["dpo_reward_margin"] == 0.4 and got["dpo_accuracy"] == 0.75
+    assert got["dpo_chosen_reward"] == 0.3 and got["dpo_rejected_reward"] == -0.1
+    supervised = step_metrics(StepEvent(**{**step.__dict__, "preference": None}), on_cuda=False)
+    assert not [k for k in supervised if k.startswith("dpo_")]
+    valid = eval_metrics(EvalEvent(step=1, valid_loss=0.5, valid_tokens=10, preference=pref))
+    assert valid == {
+        "valid_loss": 0.5,
+        "dpo_valid_chosen_reward": 0.3,
+        "dpo_valid_rejected_reward": -0.1,
+        "dpo_valid_reward_margin": 0.4,
+        "dpo_valid_accuracy": 0.75,
+    }

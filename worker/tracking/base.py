@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.events import Event, StepEvent
+from trainer.events import EvalEvent, Event, PreferenceMetrics, StepEvent
 
 log = logging.getLogger("zenflow.tracking")
 
@@ -44,7 +44,25 @@ def step_metrics(ev: StepEvent, on_cuda: bool) -> dict[str, float]:
     }
     if on_cuda:
         values["gpu_utilization"] = 1.0 - ev.stall_fraction
+    values.update(_preference("dpo_", ev.preference))
     return {k: float(v) for k, v in values.items()}
+
+
+def eval_metrics(ev: EvalEvent) -> dict[str, float]:
+    """An evaluation's metrics: ``valid_loss``, and a DPO job's validation rewards and accuracy."""
+    return {"valid_loss": float(ev.valid_loss), **_preference("dpo_valid_", ev.preference)}
+
+
+def _preference(prefix: str, p: PreferenceMetrics | None) -> dict[str, float]:
+    """A DPO step's or evaluation's rewards and preference accuracy (none for a supervised job)."""
+    if p is None:
+        return {}
+    return {
+        f"{prefix}chosen_reward": p.chosen_reward,
+        f"{prefix}rejected_reward": p.rejected_reward,
+        f"{prefix}reward_margin": p.reward_margin,
+        f"{prefix}accuracy": p.accuracy,
+    }
 
 
 @dataclass

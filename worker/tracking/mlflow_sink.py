@@ -1,7 +1,8 @@
 """A job's run on its team's MLflow tracking server (``{"type": "mlflow", "mlflow": {...}}``).
 
 The run gets the job's settings and the resolved hyperparameters as params, every step's metrics
-(``worker.tracking.base.STEP_METRICS``, ``gpu_utilization`` on a GPU, ``valid_loss`` at evaluations),
+(``worker.tracking.base.STEP_METRICS``, ``gpu_utilization`` on a GPU, a DPO job's ``dpo_*`` rewards and
+preference accuracy, ``valid_loss`` and ``dpo_valid_*`` at evaluations),
 each checkpoint's model id as a tag ``zenflow.checkpoint.<step>``, and the final model's id as the
 tag ``zenflow.fine_tuned_model``. Everything is buffered and sent with ``MlflowClient.log_batch`` every
 ``tracking_flush_seconds`` by the tracking thread; no request is retried inside the client (its
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from store.model_ids import checkpoint_id
 from trainer.events import CheckpointSaved, EvalEvent, Event, RunFinished, RunStarted, StepEvent
-from worker.tracking.base import Sink, TrackingContext, Warn, step_metrics
+from worker.tracking.base import Sink, TrackingContext, Warn, eval_metrics, step_metrics
 from worker.tracking.spec import MlflowSettings
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ class MlflowSink(Sink):
             for k, v in step_metrics(ev, self.on_cuda).items():
                 self.metrics.append(Metric(k, v, now, ev.step))
         elif isinstance(ev, EvalEvent):
-            self.metrics.append(Metric("valid_loss", float(ev.valid_loss), now, ev.step))
+            for k, v in eval_metrics(ev).items():
+                self.metrics.append(Metric(k, v, now, ev.step))
         elif isinstance(ev, CheckpointSaved):
             self.tags[f"zenflow.checkpoint.{ev.step}"] = checkpoint_id(self.ctx.model_id, ev.step)
         elif isinstance(ev, RunFinished) and not ev.cancelled and ev.final_model_dir:

@@ -5,7 +5,8 @@ own); without one, or when that server does not answer ``wandb.init`` within
 ``tracking_request_timeout_seconds`` x 6, the run is written in W&B's offline format under the job's
 output (``tracking/wandb/offline-run-*/run-<id>.wandb``, for ``wandb sync``) and a warning says so.
 The config holds the job's settings and the resolved hyperparameters, the history every step's metrics
-(``worker.tracking.base.STEP_METRICS``; ``valid_loss`` at evaluations), the summary the checkpoints'
+(``worker.tracking.base.STEP_METRICS``, a DPO job's ``dpo_*``; ``valid_loss`` and ``dpo_valid_*`` at
+evaluations), the summary the checkpoints'
 and the final model's ids. The job process's W&B environment is set here: nothing of it is read from
 the user's home, no console capture, no system statistics.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from store.model_ids import checkpoint_id
 from trainer.events import CheckpointSaved, EvalEvent, Event, RunFinished, RunStarted, StepEvent
-from worker.tracking.base import Sink, TrackingContext, Warn, step_metrics
+from worker.tracking.base import Sink, TrackingContext, Warn, eval_metrics, step_metrics
 from worker.tracking.spec import WandbSettings
 
 
@@ -106,7 +107,7 @@ class WandbSink(Sink):
         if isinstance(ev, StepEvent):
             self.run.log(step_metrics(ev, self.on_cuda), step=ev.step)
         elif isinstance(ev, EvalEvent):
-            self.run.log({"valid_loss": ev.valid_loss}, step=ev.step)
+            self.run.log(eval_metrics(ev), step=ev.step)
         elif isinstance(ev, CheckpointSaved):
             self.run.summary[f"checkpoint.{ev.step}"] = checkpoint_id(self.ctx.model_id, ev.step)
         elif isinstance(ev, RunFinished) and not ev.cancelled and ev.final_model_dir:
