@@ -72,6 +72,7 @@ QUICK = {"steps": 3, "warmup": 1, "batch": 4, "seq": 32, "model": "tiny"}
 def _engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
     common: dict[str, Any] = {
         "lr": args.lr,
+        "eps": args.eps,
         "weight_decay": 0.0,
         "max_grad_norm": 1.0,
         "cpu_optimizer_cores_ratio": args.cores_ratio,
@@ -252,6 +253,8 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--lr",
         str(args.lr),
+        "--eps",
+        str(args.eps),
         "--topk-ratio",
         str(args.topk_ratio),
         "--update-interval",
@@ -380,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
     )
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--eps",
+        type=float,
+        default=1e-8,
+        help="AdamW's eps (the engine's default 1e-8); a larger one damps how far Adam amplifies the "
+        "rounding of near-zero gradients (see the description)",
+    )
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=2)
     ap.add_argument("--cores-ratio", type=float, default=0.5, help="cpu_optimizer_cores_ratio")
@@ -451,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "lr": args.lr,
+            "eps": args.eps,
             "topk_ratio": args.topk_ratio,
             "update_interval": args.update_interval,
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
