@@ -223,7 +223,10 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     # the fixes in the order of what the user loses least: 2 GPUs (weights sharded) before a micro-batch of 1
     assert not four.fits and [p.loc for p in four.problems] == [("resources", "gpus")]
     message = four.problems[0].message
-    assert "set resources.gpus 2 (planned: fits" in message and "set micro_batch_size 1 (planned: fits" in message
+    assert (
+        "set resources.gpus 2 (planned: fits" in message
+        and "set micro_batch_size 1 (planned: fits" in message
+    )
     assert message.index("resources.gpus 2") < message.index("micro_batch_size 1")
     # with engine.mode auto it runs in offload mode instead (no device-side column state or buffers)
     assert plan_job(_spec(d, hyperparameters=hp4), h100).settings.mode == "offload"

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
-from trainer.plan.gpus import GiB, KNOWN_GPUS, Machine
+from trainer.plan.gpus import KNOWN_GPUS, GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
 from trainer.plan.sharding import blocks, row_shard, traffic_bytes
@@ -63,7 +63,9 @@ def test_shard_params_auto_keeps_replicas_that_fit(tmp_path: Path) -> None:
     h200 = Machine.for_gpu("h200")
     plan = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 2}), h200)
     assert plan.fits and not plan.settings.shard_params and not plan.fits_only_sharded
-    assert any(r.startswith("engine.shard_params auto -> false: replicated weights fit") for r in plan.reasons)
+    assert any(
+        r.startswith("engine.shard_params auto -> false: replicated weights fit") for r in plan.reasons
+    )
     one = plan_job(_spec(d, hyperparameters=HP), h200)  # one rank: nothing to shard across
     assert not one.settings.shard_params and not any("shard_params" in r for r in one.reasons)
 
@@ -74,7 +76,9 @@ def test_shard_params_auto_shards_what_does_not_fit_replicated(tmp_path: Path) -
     device = {"mode": "device"}  # 16 B of device optimizer state per parameter: 120 GiB of an 8B
     auto = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=device), h100)
     assert auto.fits and auto.settings.shard_params and auto.fits_only_sharded
-    assert any(r.startswith("engine.shard_params auto -> true: replicated weights do not fit") for r in auto.reasons)
+    assert any(
+        r.startswith("engine.shard_params auto -> true: replicated weights do not fit") for r in auto.reasons
+    )
     # told not to shard: the fixes are planned, sharding among them (after LoRA, in the order of what it costs)
     off = plan_job(
         _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**device, "shard_params": False}), h100
@@ -108,10 +112,14 @@ def test_cli_gpus_share_the_given_host(tmp_path: Path) -> None:
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     spec = tmp_path / "job.yaml"
     spec.write_text(f"model: {d}\ntraining_file: train.jsonl\nhyperparameters: {{max_seq_length: 2048}}\n")
-    rc, out = _cli(str(spec), "--gpu", "h200", "--gpus", "4", "--host-memory", "1TiB", "--cores", "64", "--json")
+    rc, out = _cli(
+        str(spec), "--gpu", "h200", "--gpus", "4", "--host-memory", "1TiB", "--cores", "64", "--json"
+    )
     doc = json.loads(out)
     assert rc == 0 and doc["ranks"] == 4 and doc["machine"]["host_memory_bytes"] == 256 * GiB
-    assert doc["machine"]["cores"] == 16 and doc["machine"]["sources"]["host_memory"].startswith("given (the box's")
+    assert doc["machine"]["cores"] == 16 and doc["machine"]["sources"]["host_memory"].startswith(
+        "given (the box's"
+    )
     assert doc["host_bytes_all_ranks"] == 4 * doc["host_bytes"]
     assert _cli(str(spec), "--gpu", "h200", "--gpus", "0")[0] == 2  # resources.gpus' bounds
 

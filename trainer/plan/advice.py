@@ -59,7 +59,9 @@ def shard_reasons(spec: JobSpec, job: JobShape, replicated: Candidate, chosen: C
     )
     cap = format_bytes(device_capacity(job.machine))
     if not job.shard:
-        return [f"{head}: replicated weights fit ({format_bytes(replicated.device_total)} of {cap} per device)"]
+        return [
+            f"{head}: replicated weights fit ({format_bytes(replicated.device_total)} of {cap} per device)"
+        ]
     t = chosen.time
     traffic = (
         f"FSDP's all-gathers and reduce-scatters take ~{t.interconnect_seconds:.3g} s per step over the "

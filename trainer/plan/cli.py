@@ -136,7 +136,9 @@ def _machine(args: argparse.Namespace, ranks: int = 1) -> Machine:
         sources: dict[str, str] = {}
         for name, key in labels.items():
             if given[key] is not None:
-                sources[name] = "given" if ranks == 1 or key == "pcie_gbps" else f"given (the box's, 1/{ranks} a rank)"
+                sources[name] = (
+                    "given" if ranks == 1 or key == "pcie_gbps" else f"given (the box's, 1/{ranks} a rank)"
+                )
             elif measured.get(key) is not None:
                 sources[name] = "measured (--capacity)"
         return machine.model_copy(update={"sources": machine.sources.model_copy(update=sources)})

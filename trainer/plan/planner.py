@@ -21,7 +21,10 @@ A job on N ranks (``resources.gpus``) is planned for one rank: ``batch_size / N`
 activations and micro-batches), a full model replica on its device, 1/N of the CPU optimizer state
 (``SHARDED_HOST``, :mod:`trainer.plan.candidates`; the engine shards it across ranks), its own process and data; on a GPU machine
 (already one GPU's share of its host) with that GPU's share, CPU ranks share one host
-(:func:`rank_machine`).
+(:func:`rank_machine`). ``engine.shard_params`` (true, or ``auto`` when the replicated plan does not fit)
+plans sharded weights instead of replicas (:mod:`trainer.plan.sharding`: 1/N of the weights, gradients and
+optimizer state, FSDP's gather buffers, the collectives' traffic); :attr:`Plan.fits_only_sharded` says
+when replicas would not fit.
 
 The candidates and the constants they count with are :mod:`trainer.plan.candidates`, the reasons and
 problems :mod:`trainer.plan.advice`, the returned records :mod:`trainer.plan.records`. Fitting keeps
