@@ -35,8 +35,8 @@ near zero (embedding rows of rare tokens) moves by up to ``lr`` whichever way it
 difference grows to about ``lr / max|w|`` on ``embed_tokens``. Measured with fp32 on the CPU (``--model
 small``, 12 steps, lr 1e-3): ONE process against itself, the batch's gradient summed in two halves
 instead of one pass, differs by 7.0e-3 at the default eps 1e-8, 2.7e-5 at eps 1e-6 and 5.3e-7 at eps 1e-4,
-in device and offload mode alike; 2 ranks against one process: device 9.4e-3 and offload 1.1e-2 at eps
-1e-8, both 2.5e-5 at ``--eps 1e-6``. So compare modes at ``--eps 1e-6``, where fp32 runs agree to ~1e-4
+in device and offload mode alike; 2 ranks against one process: device and offload 9.4e-3 (zenflow 7.1e-4)
+at eps 1e-8, device and offload 2.5e-5 at ``--eps 1e-6``. So compare modes at ``--eps 1e-6``, where fp32 runs agree to ~1e-4
 relative or better and a real error stands out (offload's clipping norm over a whole shard, fixed in
 offload/offload_mode.py, was 8e-4 off the baseline's and put offload at 4.7e-4 there). With bf16 (the
 CUDA default) expect bf16 rounding, amplified the same way.

@@ -136,9 +136,9 @@ def test_llama3_70b_full_fine_tune_fits_8_h200_only_sharded() -> None:
     assert doc["device"]["gather_buffers"] > 0 and doc["device"]["weights"] < 18 * GiB  # 131.4 GiB / 8
     assert all(doc["modes"][m]["step_seconds"] > 0 for m in ("device", "offload", "zenflow"))
     assert doc["modes"]["zenflow"]["interconnect_seconds"] > 0
-    rc, out = _cli(str(EXAMPLE_70B), "--gpu", "h200", "--gpus", "1", "--host-memory", "2TiB", "--json")
+    # on one GPU of a typical H200 box (a GPU is planned with its share of the host, 256 GiB; more GPUs
+    # bring theirs): the least that fits is 4 of them, sharded, in offload mode
+    rc, out = _cli(str(EXAMPLE_70B), "--gpu", "h200", "--gpus", "1", "--json")
     one = json.loads(out)
     assert rc == 3 and not one["fits"] and one["problems"][0]["loc"] == ["resources", "gpus"]
-    # the least change: 4 of the box's GPUs, each rank with a quarter of its 2 TiB, sharded, offload mode
     assert "set resources.gpus 4 (planned: fits in offload mode" in one["problems"][0]["message"]
-    assert "of 486.4 GiB" in one["problems"][0]["message"]

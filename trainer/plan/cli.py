@@ -4,7 +4,7 @@ plan of a job on a machine, without running it (:mod:`trainer.plan.planner`).
 ``--gpus N`` plans the job on N GPUs of one box (the spec's ``resources.gpus`` otherwise): the host
 figures given by flags (memory, cores, CPU AdamW GB/s) are the whole box's, which the job's N ranks
 share (each rank is planned with 1/N of them); a named GPU's typical host and a worker's capacity are
-already one GPU's share.
+already one GPU's share. A fix that adds GPUs assumes each brings the same share as the planned ones.
 
 The machine is a known GPU (``--gpu``, see :data:`trainer.plan.gpus.KNOWN_GPUS`; an ambiguous name such
 as ``a100`` is refused with its variants; ``cpu`` for a CPU run; default this host's). Its host figures

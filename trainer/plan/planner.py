@@ -189,18 +189,7 @@ def _problems(
         return found
 
     def replan(spec: JobSpec) -> Plan:
-        machine = box
-        if spec.resources.gpus != job.ranks and box.device_type == "cuda":
-            # the same box's host shared by more ranks (a GPU machine is one rank's share of it)
-            f = job.ranks / spec.resources.gpus
-            machine = box.model_copy(
-                update={
-                    "host_memory_bytes": max(1, int(box.host_memory_bytes * f)),
-                    "cores": max(1, int(box.cores * f)),
-                    "cpu_adam_gbps": box.cpu_adam_gbps * f,
-                }
-            )
-        return plan_job(spec, machine, num_examples=job.num_examples, num_tokens=job.num_tokens, advise=False)
+        return plan_job(spec, box, num_examples=job.num_examples, num_tokens=job.num_tokens, advise=False)
 
     fitting, failed = planned_fixes(job.spec, job.seq, replan)
     return with_fixes(found, fitting, failed)
