@@ -24,9 +24,22 @@ largest rank's) and ``host_bytes_per_rank_ratio`` (per rank / the baseline's), t
 for gradient reductions and for the all-gathers into its replica per step (StepMetrics.bytes_reduced /
 bytes_gathered, ring algorithms; mean over timed steps, largest rank), ``max_rel_diff_vs_single`` (max over
 parameters of max|w_dist - w_single| / max|w_single| on the flushed weights, rank 0 against the
-baseline) and ``replicas_identical`` (every rank's flushed weights have the same per-tensor
-checksums). With fp32 parameters (the CPU default) the distributed run should match the baseline to
-rounding (1e-4 relative or better); with bf16 (the CUDA default) expect bf16 rounding differences.
+baseline), ``replicas_identical`` (every rank's flushed weights have the same per-tensor
+checksums) and ``grad_norm_max_rel_diff_vs_single`` (the largest relative difference of a timed step's
+clipping norm from the baseline's).
+
+What to expect. The gradient norm matches to fp32 rounding (~1e-7 relative; a mis-scaled reduction would
+show 1e-3 or more). The weights do not, and that is no error: N ranks sum a batch's gradient in another
+order than one process, and AdamW divides each update by ``sqrt(v) + eps``, so a weight whose gradient is
+near zero (embedding rows of rare tokens) moves by up to ``lr`` whichever way its gradient rounded; the
+difference grows to about ``lr / max|w|`` on ``embed_tokens``. Measured with fp32 on the CPU (``--model
+small``, 12 steps, lr 1e-3): ONE process against itself, the batch's gradient summed in two halves
+instead of one pass, differs by 7.0e-3 at the default eps 1e-8, 2.7e-5 at eps 1e-6 and 5.3e-7 at eps 1e-4,
+in device and offload mode alike; 2 ranks against one process: device and offload 9.4e-3 (zenflow 7.1e-4)
+at eps 1e-8, device and offload 2.5e-5 at ``--eps 1e-6``. So compare modes at ``--eps 1e-6``, where fp32 runs agree to ~1e-4
+relative or better and a real error stands out (offload's clipping norm over a whole shard, fixed in
+offload/offload_mode.py, was 8e-4 off the baseline's and put offload at 4.7e-4 there). With bf16 (the
+CUDA default) expect bf16 rounding, amplified the same way.
 """
 
 from __future__ import annotations
@@ -72,8 +85,9 @@ QUICK = {"steps": 3, "warmup": 1, "batch": 4, "seq": 32, "model": "tiny"}
 def _engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
     common: dict[str, Any] = {
         "lr": args.lr,
+        "eps": args.eps,
         "weight_decay": 0.0,
-        "max_grad_norm": 1.0,
+        "max_grad_norm": args.max_grad_norm if args.max_grad_norm > 0 else None,
         "cpu_optimizer_cores_ratio": args.cores_ratio,
     }
     if mode != "zenflow":
@@ -154,6 +168,7 @@ def _run_mode(
         "bytes_reduced_per_step": statistics.fmean(m.bytes_reduced for m in timed) if timed else 0.0,
         "bytes_gathered_per_step": statistics.fmean(m.bytes_gathered for m in timed) if timed else 0.0,
         "skipped_steps": sum(m.skipped for m in timed),
+        "grad_norms": [m.grad_norm for m in timed],
         "metrics_world_size": timed[-1].world_size if timed else world,
         "checksums": _checksums(weights),
         "params": sum(t.numel() for t in weights.values()),
@@ -252,6 +267,10 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--lr",
         str(args.lr),
+        "--eps",
+        str(args.eps),
+        "--max-grad-norm",
+        str(args.max_grad_norm),
         "--topk-ratio",
         str(args.topk_ratio),
         "--update-interval",
@@ -326,6 +345,11 @@ def summarize(mode: str, single: dict[str, Any], ranks: list[dict[str, Any]]) ->
         "max_rel_diff_vs_single": rs[0].get("max_rel_diff_vs_single"),
         "max_rel_diff_param": rs[0].get("max_rel_diff_param"),
         "replicas_identical": all(r["checksums"] == ref_sums for r in rs),
+        # the global gradient norm each timed step clipped with: a mis-scaled reduction shows here at once
+        "grad_norm_max_rel_diff_vs_single": max(
+            (abs(a - b) / b for a, b in zip(rs[0]["grad_norms"], s["grad_norms"], strict=True) if a and b),
+            default=None,
+        ),
         "skipped_steps": max(r["skipped_steps"] for r in rs),
         "metrics_world_size": rs[0]["metrics_world_size"],
     }
@@ -376,6 +400,16 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
     )
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--eps",
+        type=float,
+        default=1e-8,
+        help="AdamW's eps (the engine's default 1e-8); 1e-6 damps how far Adam amplifies the rounding of "
+        "near-zero gradients, so that fp32 runs agree to ~1e-4 relative (see the description)",
+    )
+    ap.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="the engine's clipping norm (0: no clipping)"
+    )
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", type=int, default=2)
     ap.add_argument("--cores-ratio", type=float, default=0.5, help="cpu_optimizer_cores_ratio")
@@ -447,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "lr": args.lr,
+            "eps": args.eps,
+            "max_grad_norm": args.max_grad_norm,
             "topk_ratio": args.topk_ratio,
             "update_interval": args.update_interval,
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

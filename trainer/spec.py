@@ -64,6 +64,11 @@ class EngineSettings(EngineConfig):
     accumulate_on: Literal["host", "device", "auto"] = "host"  # type: ignore[assignment]
     """Where zenflow sums a window's unselected gradient: host (no device memory), device (an fp32
     accumulator on the device, less CPU work per step), or auto: the plan's choice."""
+    shard_params: Literal["auto"] | bool = "auto"
+    """A job on several GPUs: each rank holds a 1/N row shard of every weight and its gradients
+    (PyTorch FSDP2), gathered block by block for forward and backward, instead of a whole replica.
+    auto: the plan's choice (on when the replicated weights do not fit the device, which costs the
+    all-gathers' and reduce-scatters' traffic per step)."""
 
     @field_validator("lr")
     @classmethod
@@ -79,7 +84,8 @@ class EngineSettings(EngineConfig):
     ) -> EngineConfig:
         """The offload.config.EngineConfig to build the engine with; ``mode`` / ``accumulate_on``
         resolve an ``auto`` (the plan's choice; without one ``auto`` is zenflow / host)."""
-        fields = self.model_dump(exclude={"lr"})
+        # shard_params is the run's (FSDP around the model), not the optimizer's: not an EngineConfig field
+        fields = self.model_dump(exclude={"lr", "shard_params"})
         if self.mode == "auto":
             fields["mode"] = mode or "zenflow"
         if self.accumulate_on == "auto":

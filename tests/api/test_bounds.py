@@ -122,6 +122,7 @@ REFUSED = [
     ({"engine": {"eps": 2.0}}, "engine.eps"),
     ({"engine": {"cpu_threads": 10**6}}, "engine.cpu_threads"),
     ({"engine": {"cpu_chunk_elements": 2**64}}, "engine.cpu_chunk_elements"),
+    ({"engine": {"shard_params": "sometimes"}}, "engine.shard_params"),
 ]
 
 

@@ -32,6 +32,7 @@ FIELDS = (
     "bytes_gathered_per_step",
     "max_rel_diff_vs_single",
     "replicas_identical",
+    "grad_norm_max_rel_diff_vs_single",
     "metrics_world_size",
 )
 
@@ -71,6 +72,8 @@ def test_quick_two_rank_run_matches_one_process_with_half_the_host_state() -> No
         assert 0.0 <= r["stall_fraction"] < 1.0, mode
         assert r["replicas_identical"] is True, mode
         assert r["max_rel_diff_vs_single"] is not None and r["max_rel_diff_vs_single"] < 1e-4, (mode, r)
+        # the clipping norm is one process's to fp32 rounding (a mis-scaled reduction would be >= 1e-3 off)
+        assert r["grad_norm_max_rel_diff_vs_single"] < 1e-5, (mode, r)
         assert r["bytes_reduced_per_step"] > 0, mode  # every mode reduces its gradients across ranks
         assert len(r["host_bytes_by_rank"]) == 2
         assert f"{mode}_host_bytes_per_rank_ratio" in doc["ratios"]

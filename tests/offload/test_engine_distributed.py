@@ -196,3 +196,50 @@ def test_resume_two_to_two_is_exact_and_two_to_one_recuts(tmp_path: Path, mode: 
         ZenFlowEngine(_model(torch.float32), _config(mode)) as engine,
     ):
         engine.load_state_dict(torch.load(first / "state-rank1.pt"))
+
+
+WIDE = 1024  # 8 weights of 1M elements: each rank's offload shard is 4M elements
+
+
+def _wide_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(WIDE, WIDE, bias=False), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _wide_norms(engine: ZenFlowEngine, model: torch.nn.Module) -> list[float]:
+    g = torch.Generator().manual_seed(2)
+    norms = []
+    for _ in range(2):
+        x, y = torch.randn(4, WIDE, generator=g), torch.randn(4, WIDE, generator=g)
+        torch.nn.functional.mse_loss(model(x), y, reduction="sum").backward()
+        norms.append(float(engine.step().grad_norm or 0.0))
+        engine.zero_grad()
+    return norms
+
+
+def _wide_rank(rank: int, world: int, out: str) -> None:
+    import torch.distributed as dist
+
+    model = _wide_model()
+    with ZenFlowEngine(model, _config("offload"), process_group=dist.group.WORLD) as engine:
+        torch.save(_wide_norms(engine, model), Path(out) / f"norms{rank}.pt")
+
+
+@pytest.mark.slow
+def test_offload_ranks_clip_with_the_single_process_norm(tmp_path: Path) -> None:
+    """Both ranks see the whole batch: the clipping norm is one process's, per parameter, not one fp32
+    norm over a rank's whole shard (which rounds ~1e-4 relative over millions of elements and moved the
+    clipping coefficient with it: bench.distributed's offload weights 20x further from one process's than
+    device mode's at eps 1e-6)."""
+    run_ranks(_wide_rank, 2, str(tmp_path))
+    with pinned_numerics():
+        model = _wide_model()
+        with ZenFlowEngine(model, _config("offload")) as engine:
+            single = _wide_norms(engine, model)
+    ranks = torch.load(tmp_path / "norms0.pt")
+    assert all(n > 1.0 for n in single)  # clipped (max_grad_norm 1.0): the coefficient is the norm's
+    for a, b in zip(ranks, single, strict=True):
+        assert abs(a - b) / b < 1e-6, (ranks, single)

@@ -221,7 +221,14 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     assert two.fits and two.settings.gradient_checkpointing and two.settings.micro_batch_size == 2
     hp4 = {"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 4}
     four = plan_job(_spec(d, hyperparameters=hp4, engine={"mode": "zenflow"}), h100)
-    assert not four.fits and [p.loc for p in four.problems] == [("hyperparameters", "micro_batch_size")]
+    # the fixes in the order of what the user loses least: 2 GPUs (weights sharded) before a micro-batch of 1
+    assert not four.fits and [p.loc for p in four.problems] == [("resources", "gpus")]
+    message = four.problems[0].message
+    assert (
+        "set resources.gpus 2 (planned: fits" in message
+        and "set micro_batch_size 1 (planned: fits" in message
+    )
+    assert message.index("resources.gpus 2") < message.index("micro_batch_size 1")
     # with engine.mode auto it runs in offload mode instead (no device-side column state or buffers)
     assert plan_job(_spec(d, hyperparameters=hp4), h100).settings.mode == "offload"
 
@@ -241,9 +248,9 @@ def test_a_too_small_host_names_the_field_and_the_numbers(tmp_path: Path) -> Non
         "set resources.gpus 4 (planned: fits" in problem.message
         and "accumulate_on device" not in problem.message
     )
-    # a device too small for device mode: LoRA is planned and fits
+    # a device too small for device mode: more GPUs (sharded weights) and LoRA are planned and fit
     plan = plan_job(_spec(d, engine={"mode": "device"}), machine)
-    assert not plan.fits and plan.problems[0].loc == ("hyperparameters", "lora")
+    assert not plan.fits and plan.problems[0].loc == ("resources", "gpus")
     assert "of device memory" in plan.problems[0].message and "use LoRA" in plan.problems[0].message
     # a locked-memory limit below the pinned state is noted, not refused (cudaHostAlloc ignores it)
     locked = Machine.for_gpu("h200", host_memory_bytes=256 * GiB, locked_memory_bytes=8 * GiB)
@@ -280,8 +287,8 @@ def test_engine_mode_auto_falls_back_to_offload_when_only_offload_fits(tmp_path:
     assert plan.fits and plan.settings.mode == "offload"
     assert not plan.modes["zenflow"].fits and any("auto -> offload" in r for r in plan.reasons)
     named = plan_job(_spec(d, hyperparameters={"max_seq_length": 4096}, engine={"mode": "zenflow"}), l40s)
-    assert not named.fits and named.problems[0].loc == ("engine", "mode")
-    assert "set engine.mode offload" in named.problems[0].message
+    assert not named.fits and named.problems[0].loc == ("resources", "gpus")  # sharded on 2 GPUs
+    assert "set engine.mode offload (planned: fits" in named.problems[0].message
 
 
 def test_run_records_its_plan_and_runs_the_chosen_mode(tmp_path: Path) -> None:

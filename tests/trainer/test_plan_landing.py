@@ -28,7 +28,7 @@ def test_landing_buffers_off_is_counted_and_offered_when_they_do_not_fit(models:
     small = Machine.for_gpu("h200", gpu_memory_bytes=int(between / (1 - DEVICE_MARGIN)) + 1)
     tight = plan_job(_spec(models["3b"], hyperparameters=HP, engine=engine), small, num_examples=1000)
     assert not tight.fits
-    assert any(p.loc == ("engine", "landing_buffers") for p in tight.problems), tight.problems
+    assert "set engine.landing_buffers false (planned: fits" in tight.problems[0].message, tight.problems
     fixed = plan_job(
         _spec(models["3b"], hyperparameters=HP, engine={**engine, "landing_buffers": False}),
         small,

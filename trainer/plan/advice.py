@@ -1,9 +1,11 @@
 """What the plan tells the user beside its numbers: why it chose each ``auto`` setting, a faster
 accumulator when one fits, the problems of a job that does not fit (what does not fit, with the
-numbers), the fixes (:func:`planned_fixes`: each single change -- checkpointing, a micro-batch of 1,
-the accumulator, another engine mode, more GPUs, LoRA, shorter sequences -- is planned before it is
-offered, and only those that fit are; or the plan says no single setting fits and why), and the
-locked-memory note."""
+numbers), the fixes (:func:`planned_fixes`: each single change is planned before it is offered, and
+only those that fit are, in the order of what the user loses least -- more GPUs (their weights sharded
+when replicas do not fit), LoRA, sharded weights, checkpointing and the other memory settings (a
+micro-batch of 1, the accumulator, landing buffers, another engine mode), shorter sequences; or the plan
+says that no single setting fits this box and why), whether the weights are sharded and why
+(:func:`shard_reasons`), and the locked-memory note."""
 
 from __future__ import annotations
 
@@ -46,6 +48,32 @@ def setting_reasons(spec: JobSpec, c: Candidate) -> list[str]:
             f"{c.time.update_interval} steps (the shortest that hides the CPU work)"
         )
     return out
+
+
+def shard_reasons(spec: JobSpec, job: JobShape, replicated: Candidate, chosen: Candidate) -> list[str]:
+    """Why the weights are (not) sharded: ``replicated`` is the best candidate with whole replicas."""
+    if job.ranks == 1 and not job.shard:
+        return []
+    setting = spec.engine.shard_params
+    head = f"engine.shard_params {str(setting).lower()}" + (
+        f" -> {str(job.shard).lower()}" if setting == "auto" else ""
+    )
+    cap = format_bytes(device_capacity(job.machine))
+    if not job.shard:
+        return [
+            f"{head}: replicated weights fit ({format_bytes(replicated.device_total)} of {cap} per device)"
+        ]
+    t = chosen.time
+    traffic = (
+        f"FSDP's all-gathers and reduce-scatters take ~{t.interconnect_seconds:.3g} s per step over the "
+        f"{job.machine.interconnect_gbps:g} GB/s GPU interconnect, overlapped with the compute"
+    )
+    if replicated.fits:
+        return [f"{head}: as set; replicated weights would fit too; {traffic}"]
+    return [
+        f"{head}: replicated weights do not fit ({format_bytes(replicated.device_total)} of device memory "
+        f"per rank, {cap} usable); sharded {format_bytes(chosen.device_total)}; {traffic}"
+    ]
 
 
 def accumulator_hint(job: JobShape, c: Candidate) -> list[str]:
@@ -152,11 +180,45 @@ def _engine(spec: JobSpec, **update: object) -> JobSpec:
 
 
 def fix_groups(spec: JobSpec, seq: int) -> list[list[Fix]]:
-    """Single changes that may make ``spec`` fit, in the order they are offered (settings first, then
-    more GPUs, LoRA, shorter sequences); within a group the first that fits is enough (more GPUs,
-    shorter sequences: the least change)."""
+    """Single changes that may make ``spec`` fit, in the order they are offered (what the user loses
+    least first: more GPUs, LoRA, sharded weights, checkpointing and the other memory settings, shorter
+    sequences); within a group the first that fits is enough (more GPUs, shorter sequences: the least
+    change)."""
     hp, eng = spec.hyperparameters, spec.engine
     groups: list[list[Fix]] = []
+    n = spec.resources.gpus
+    gpus = [g for g in (2, 4, 8) if n < g <= FIX_MAX_GPUS]
+    if gpus:
+        groups.append(
+            [
+                Fix(
+                    ("resources", "gpus"),
+                    f"set resources.gpus {g}",
+                    spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpus": g})}),
+                )
+                for g in gpus
+            ]
+        )
+    if spec.lora is None:
+        groups.append(
+            [
+                Fix(
+                    ("hyperparameters", "lora"),
+                    f"use LoRA (hyperparameters.lora: {{r: {FIX_LORA_RANK}}})",
+                    _hp(spec, lora=LoraSpec(r=FIX_LORA_RANK)),
+                )
+            ]
+        )
+    if eng.shard_params is False and n > 1:
+        groups.append(
+            [
+                Fix(
+                    ("engine", "shard_params"),
+                    "set engine.shard_params auto",
+                    _engine(spec, shard_params="auto"),
+                )
+            ]
+        )
     if hp.gradient_checkpointing is False:
         groups.append(
             [
@@ -204,29 +266,6 @@ def fix_groups(spec: JobSpec, seq: int) -> list[list[Fix]]:
             for m in MODES
             if m != eng.mode
         ]
-    n = spec.resources.gpus
-    gpus = [g for g in (2, 4, 8) if n < g <= FIX_MAX_GPUS]
-    if gpus:
-        groups.append(
-            [
-                Fix(
-                    ("resources", "gpus"),
-                    f"set resources.gpus {g}",
-                    spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpus": g})}),
-                )
-                for g in gpus
-            ]
-        )
-    if spec.lora is None:
-        groups.append(
-            [
-                Fix(
-                    ("hyperparameters", "lora"),
-                    f"use LoRA (hyperparameters.lora: {{r: {FIX_LORA_RANK}}})",
-                    _hp(spec, lora=LoraSpec(r=FIX_LORA_RANK)),
-                )
-            ]
-        )
     seqs = []
     s = seq // 2
     while s >= FIX_MIN_SEQ:
@@ -300,7 +339,7 @@ def with_fixes(problems: list[Problem], fitting: list[tuple[Fix, Plan]], failed:
         head = Problem(loc, f"{first.message}; fits with one change: {text}")
     else:
         why = "; ".join(failed) if failed else "none to try"
-        head = Problem(first.loc, f"{first.message}; no single setting fits: {why}")
+        head = Problem(first.loc, f"{first.message}; no single setting fits this box: {why}")
     rest_loc = fitting[0][0].loc if fitting else None
     return [
         head,

@@ -1,7 +1,9 @@
 """The candidate settings of a plan: for each engine mode, every micro-batch size, checkpointing and
 accumulator the job leaves open, with its device and host bytes and predicted step time on one rank
 (:func:`candidate`), and the one :func:`best` picks. The margins and per-process constants the plan
-counts with are here.
+counts with are here. With sharded weights (``JobShape.shard``) a rank holds its row shards of the
+weights, gradients and optimizer state, FSDP's gather buffers, and sends their collectives' traffic
+(:mod:`trainer.plan.sharding`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from trainer.plan.engine import EngineBytes, engine_bytes
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.records import Accumulator, Mode, Settings
 from trainer.plan.shapes import Activations, ModelShape, activation_bytes
+from trainer.plan.sharding import gather_bytes, reduce_scatter_bytes, row_shards, shard_numel, traffic_bytes
 from trainer.plan.speed import StepTime, step_times
 from trainer.spec import JobSpec
 
@@ -71,6 +74,8 @@ class JobShape(NamedTuple):
     num_examples: int
     num_tokens: int | None
     ranks: int = 1
+    #: Weights sharded across the ranks (FSDP2) rather than replicated.
+    shard: bool = False
 
 
 #: Host components of the engine each rank holds only its 1/N shard of (the CPU optimizer state).
@@ -79,12 +84,16 @@ SHARDED_HOST = ("engine_state", "engine_accumulators")
 
 def engine_bytes_on_rank(job: JobShape, mode: Mode, acc: Accumulator) -> EngineBytes:
     """The engine's bytes on one rank with the job's settings in ``mode`` with accumulator ``acc`` (the
-    job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state."""
+    job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state; with
+    sharded weights, the engine of its row shards (its device state too)."""
     update: dict[str, object] = {"mode": mode, "accumulate_on": acc}
     if job.ranks > 1:  # the gathered replica the landing buffers view is kept in a process group
         update["landing_buffers"] = True
     config = job.spec.engine.engine_config(1.0).model_copy(update=update)
-    eng = engine_bytes(config, job.shape.trainable, job.dtype_bytes, cuda=job.machine.device_type == "cuda")
+    cuda = job.machine.device_type == "cuda"
+    if job.shard:
+        return engine_bytes(config, row_shards(job.shape.trainable, job.ranks), job.dtype_bytes, cuda=cuda)
+    eng = engine_bytes(config, job.shape.trainable, job.dtype_bytes, cuda=cuda)
     if job.ranks == 1:
         return eng
     host = {k: -(-v // job.ranks) if k in SHARDED_HOST else v for k, v in eng.host.items()}
@@ -116,17 +125,20 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
     rows = 2 if dpo else 1
     work = rows * (4 / 3 if dpo and spec.lora is not None else 1.0)
     act = activation_bytes(shape, mb * rows, job.seq, e, checkpointing=ckpt)
-    device = {
-        "weights": shape.params * e,
-        "gradients": shape.trainable_params * e,
-        **eng.device,
-        "activations": act.peak_bytes,
-    }
+    n = job.ranks if job.shard else 1
+    params, trainable = shape.params, shape.trainable_params
+    if job.shard:
+        params, trainable = shard_numel(shape.weights or shape.trainable, n), shard_numel(shape.trainable, n)
+    device = {"weights": params * e, "gradients": trainable * e, **eng.device}
+    if job.shard:
+        device["gather_buffers"] = gather_bytes(shape, e)
+        device["reduce_scatter_buffer"] = reduce_scatter_bytes(shape, e)
+    device["activations"] = act.peak_bytes
     if mode == "device" and e < 4:
         # device AdamW steps fp32 masters on fp32 copies of the gradients (offload.device_mode: 4 B per
         # trainable parameter, made at the step, after backward has freed the activations): the peak
         # is the larger of the two, so only the excess over the activations is added
-        device["step_fp32_gradients"] = max(0, 4 * shape.trainable_params - act.peak_bytes)
+        device["step_fp32_gradients"] = max(0, 4 * trainable - act.peak_bytes)
     if cuda:
         device["runtime"] = CUDA_RUNTIME_BYTES
     tokens = job.num_tokens if job.num_tokens is not None else job.num_examples * job.seq // 2
@@ -159,7 +171,8 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         seq=job.seq,
         checkpointing=ckpt,
         dtype_bytes=e,
-        host_params={"offload": shape.trainable_params, "zenflow": split},
+        host_params={"offload": trainable, "zenflow": split},
+        trainable_params=trainable,
         accumulate_on=acc,
         update_interval=None if interval == "auto" else int(interval),
         max_update_interval=spec.engine.max_update_interval,
@@ -167,6 +180,7 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         overlap_step=spec.engine.overlap_step,
         topk_ratio=spec.engine.engine_config(1.0).topk_ratio,
         split_weights=sum(1 for w in shape.trainable if len(w.shape) == 2),
+        interconnect_bytes=traffic_bytes(shape, e, n, -(-job.batch // mb)) if job.shard else 0.0,
     )
     packing = spec.hyperparameters.packing
     settings = Settings(
@@ -176,6 +190,7 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         packing=packing if isinstance(packing, bool) else False,
         accumulate_on=acc,
         update_interval=interval,
+        shard_params=job.shard,
     )
     return Candidate(
         settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked

@@ -1,5 +1,10 @@
-"""``zenflow plan SPEC.yaml --gpu h200 --host-memory 128GiB [--json]``: the memory and speed plan of a
-job on a machine, without running it (:mod:`trainer.plan.planner`).
+"""``zenflow plan SPEC.yaml --gpu h200 [--gpus 8] --host-memory 2TiB [--json]``: the memory and speed
+plan of a job on a machine, without running it (:mod:`trainer.plan.planner`).
+
+``--gpus N`` plans the job on N GPUs of one box (the spec's ``resources.gpus`` otherwise): the host
+figures given by flags (memory, cores, CPU AdamW GB/s) are the whole box's, which the job's N ranks
+share (each rank is planned with 1/N of them); a named GPU's typical host and a worker's capacity are
+already one GPU's share. A fix that adds GPUs assumes each brings the same share as the planned ones.
 
 The machine is a known GPU (``--gpu``, see :data:`trainer.plan.gpus.KNOWN_GPUS`; an ambiguous name such
 as ``a100`` is refused with its variants; ``cpu`` for a CPU run; default this host's). Its host figures
@@ -77,6 +82,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="a worker's measured capacity (JSON of 'python -m worker.capacity.measure' on the box)",
     )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs (ranks) of one box the job runs on (default: the spec's resources.gpus); the host "
+        "figures given are the box's, shared by the ranks",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
     return p
@@ -101,11 +113,12 @@ def _measured(path: Path) -> dict[str, Any]:
     }
 
 
-def _machine(args: argparse.Namespace) -> Machine:
+def _machine(args: argparse.Namespace, ranks: int = 1) -> Machine:
+    """The machine of one rank: host figures given by flags are the box's, shared by ``ranks``."""
     given: dict[str, Any] = {
-        "host_memory_bytes": parse_bytes(args.host_memory) if args.host_memory else None,
-        "cores": args.cores,
-        "cpu_adam_gbps": args.cpu_adam_gbps,
+        "host_memory_bytes": parse_bytes(args.host_memory) // ranks if args.host_memory else None,
+        "cores": max(1, args.cores // ranks) if args.cores else None,
+        "cpu_adam_gbps": args.cpu_adam_gbps / ranks if args.cpu_adam_gbps else None,
         "pcie_gbps": args.pcie_gbps,
         "locked_memory_bytes": parse_bytes(args.locked_memory) if args.locked_memory else None,
     }
@@ -123,7 +136,9 @@ def _machine(args: argparse.Namespace) -> Machine:
         sources: dict[str, str] = {}
         for name, key in labels.items():
             if given[key] is not None:
-                sources[name] = "given"
+                sources[name] = (
+                    "given" if ranks == 1 or key == "pcie_gbps" else f"given (the box's, 1/{ranks} a rank)"
+                )
             elif measured.get(key) is not None:
                 sources[name] = "measured (--capacity)"
         return machine.model_copy(update={"sources": machine.sources.model_copy(update=sources)})
@@ -170,7 +185,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     try:
         spec = load_spec(args.spec, output_dir=Path("."))
-        machine = _machine(args)
+        if args.gpus is not None:
+            resources = spec.resources.model_validate({**spec.resources.model_dump(), "gpus": args.gpus})
+            spec = spec.model_copy(update={"resources": resources})
+        machine = _machine(args, spec.resources.gpus)
         n = args.num_examples or _count_examples(spec.training_file)
         plan = plan_job(spec, machine, num_examples=n)
     except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError
@@ -195,8 +213,10 @@ def format_plan(plan: Plan) -> str:
         f"step         batch {plan.batch_size} x {plan.max_seq_length} tokens",
         f"settings     mode {s.mode}, micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
         f"{str(s.gradient_checkpointing).lower()}, packing {str(s.packing).lower()}, accumulate_on {s.accumulate_on}, "
-        f"update_interval {s.update_interval}",
-        f"fits         {'yes' if plan.fits else 'NO'}",
+        f"update_interval {s.update_interval}, shard_params {str(s.shard_params).lower()}",
+        f"fits         {'yes' if plan.fits else 'NO'}{' (only with sharded weights)' if plan.fits_only_sharded else ''}",
+        f"ranks        {plan.ranks}: the memory below is one rank's; the host's for all ranks "
+        f"{format_bytes(plan.host_bytes_all_ranks)}",
         "",
         f"device memory {_size(plan.device_bytes)} of {_size(plan.device_capacity_bytes).strip()} usable "
         f"({format_bytes(plan.device_reserve_bytes)} reserve: allocator fragmentation, workspaces)",
@@ -205,12 +225,13 @@ def format_plan(plan: Plan) -> str:
         f"({format_bytes(plan.host_reserve_bytes)} reserve: OS, driver, page cache)",
         *(f"  {k:22s}{_size(v)}" for k, v in plan.host.items()),
         "",
-        f"{'mode':9s}{'fits':>5s}{'step s':>10s}{'tokens/s':>12s}{'gpu s':>9s}{'pcie s':>9s}{'cpu s':>9s}  bound",
+        f"{'mode':9s}{'fits':>5s}{'step s':>10s}{'tokens/s':>12s}{'gpu s':>9s}{'link s':>9s}{'pcie s':>9s}"
+        f"{'cpu s':>9s}  bound",
     ]
     for name, e in plan.modes.items():
         lines.append(
             f"{name:9s}{'yes' if e.fits else 'no':>5s}{e.step_seconds:10.3f}{e.tokens_per_second:12,.0f}"
-            f"{e.gpu_seconds:9.3f}{e.pcie_seconds:9.3f}{e.cpu_seconds:9.3f}  {e.bound}"
+            f"{e.gpu_seconds:9.3f}{e.interconnect_seconds:9.3f}{e.pcie_seconds:9.3f}{e.cpu_seconds:9.3f}  {e.bound}"
         )
     if plan.reasons:
         lines += ["", *(f"- {r}" for r in plan.reasons)]

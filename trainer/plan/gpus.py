@@ -5,6 +5,10 @@ The table's figures are the vendors' data-sheet numbers: dense bf16 tensor-core 
 sparsity), the memory ``torch.cuda.get_device_properties(...).total_memory`` reports, the HBM/GDDR
 bandwidth, and the host link's PCIe generation. A PCIe generation becomes the *achievable* copy rate
 of page-locked memory over an x16 link (about 80% of the raw rate: 25 GB/s for gen 4, 50 for gen 5).
+``interconnect_gbps`` is the GPU-to-GPU link a job's ranks share inside one box (NVLink on SXM boards,
+else PCIe peer copies): the bus bandwidth NCCL's all-gather and reduce-scatter reach per GPU (about
+80% of one direction's raw rate: NVLink 4, 450 GB/s a direction on an H100/H200 SXM, reaches ~360),
+what sharded weights cost per step (:mod:`trainer.plan.speed`).
 
 Each row also names the *typical host* of one such GPU (:class:`Host`): its share of the usual server's
 physical cores, memory and memory bandwidth (a DGX H100/H200 is 2 x 56 cores, 2 TiB of DDR5-4800 on 16
@@ -68,6 +72,9 @@ class GPU(BaseModel):
     memory_gbps: float  # device memory bandwidth, GB/s
     pcie_gen: int
     host: Host
+    #: Achievable GPU-to-GPU bus bandwidth per GPU (GB/s, see the module doc) and the link's name.
+    interconnect_gbps: float
+    interconnect: str
 
     @property
     def pcie_gbps(self) -> float:
@@ -90,6 +97,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=40_536 * MiB,
             memory_gbps=1555,
             pcie_gen=4,
+            interconnect_gbps=240.0,
+            interconnect="NVLink 3",
             host=Host(
                 cores=16,
                 memory_bytes=128 * GiB,
@@ -104,6 +113,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=81_051 * MiB,
             memory_gbps=2039,
             pcie_gen=4,
+            interconnect_gbps=240.0,
+            interconnect="NVLink 3",
             host=Host(
                 cores=16,
                 memory_bytes=256 * GiB,
@@ -118,6 +129,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=81_559 * MiB,
             memory_gbps=3350,
             pcie_gen=5,
+            interconnect_gbps=360.0,
+            interconnect="NVLink 4",
             host=_DGX_H,
         ),
         GPU(
@@ -127,6 +140,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=143_771 * MiB,
             memory_gbps=4800,
             pcie_gen=5,
+            interconnect_gbps=360.0,
+            interconnect="NVLink 4",
             host=_DGX_H,
         ),
         GPU(
@@ -136,6 +151,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=46_068 * MiB,
             memory_gbps=864,
             pcie_gen=4,
+            interconnect_gbps=20.0,
+            interconnect="PCIe gen 4 peer",
             host=Host(
                 cores=12,
                 memory_bytes=192 * GiB,
@@ -150,6 +167,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=23_034 * MiB,
             memory_gbps=300,
             pcie_gen=4,
+            interconnect_gbps=20.0,
+            interconnect="PCIe gen 4 peer",
             host=Host(
                 cores=4,
                 memory_bytes=32 * GiB,
@@ -164,6 +183,8 @@ KNOWN_GPUS: dict[str, GPU] = {
             memory_bytes=24_564 * MiB,
             memory_gbps=1008,
             pcie_gen=4,
+            interconnect_gbps=20.0,
+            interconnect="PCIe gen 4 peer",
             host=Host(
                 cores=16,
                 memory_bytes=64 * GiB,
@@ -251,6 +272,9 @@ class Machine(BaseModel):
     gpu_flops: float = Field(gt=0)  # dense bf16 FLOP/s (fp32 for a CPU)
     gpu_memory_gbps: float = Field(1000.0, gt=0)  # device memory bandwidth (the device optimizer's roofline)
     pcie_gbps: float = Field(gt=0)
+    #: GPU-to-GPU bus bandwidth a rank reaches in NCCL's collectives (GB/s; the GPU table's, PCIe peer
+    #: copies for an unknown GPU); on a CPU machine gloo's over shared memory.
+    interconnect_gbps: float = Field(PCIE_GBPS[4] * 0.8, gt=0)
     host_memory_bytes: int = Field(gt=0)
     cores: int = Field(ge=1)
     cpu_adam_gbps: float = Field(gt=0)
@@ -292,6 +316,7 @@ class Machine(BaseModel):
             gpu_flops=gpu.flops,
             gpu_memory_gbps=gpu.memory_gbps,
             pcie_gbps=pcie_gbps or gpu.pcie_gbps,
+            interconnect_gbps=gpu.interconnect_gbps,
             host_memory_bytes=host_memory_bytes or host.memory_bytes,
             cores=n,
             cpu_adam_gbps=cpu_adam_gbps or default_cpu_adam_gbps(n, None if cores else host.memory_gbps),
@@ -323,6 +348,7 @@ class Machine(BaseModel):
             gpu_flops=CPU_FLOPS_PER_CORE * cores,
             gpu_memory_gbps=adam,
             pcie_gbps=adam,
+            interconnect_gbps=adam,
             host_memory_bytes=host_memory_bytes,
             cores=cores,
             cpu_adam_gbps=adam,

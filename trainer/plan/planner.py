@@ -21,7 +21,10 @@ A job on N ranks (``resources.gpus``) is planned for one rank: ``batch_size / N`
 activations and micro-batches), a full model replica on its device, 1/N of the CPU optimizer state
 (``SHARDED_HOST``, :mod:`trainer.plan.candidates`; the engine shards it across ranks), its own process and data; on a GPU machine
 (already one GPU's share of its host) with that GPU's share, CPU ranks share one host
-(:func:`rank_machine`).
+(:func:`rank_machine`). ``engine.shard_params`` (true, or ``auto`` when the replicated plan does not fit)
+plans sharded weights instead of replicas (:mod:`trainer.plan.sharding`: 1/N of the weights, gradients and
+optimizer state, FSDP's gather buffers, the collectives' traffic); :attr:`Plan.fits_only_sharded` says
+when replicas would not fit.
 
 The candidates and the constants they count with are :mod:`trainer.plan.candidates`, the reasons and
 problems :mod:`trainer.plan.advice`, the returned records :mod:`trainer.plan.records`. Fitting keeps
@@ -40,6 +43,7 @@ from trainer.plan.advice import (
     planned_fixes,
     problems,
     setting_reasons,
+    shard_reasons,
     with_fixes,
 )
 from trainer.plan.candidates import (
@@ -98,18 +102,26 @@ def plan_job(
     job = JobShape(
         spec, machine, shape, 2 if dtype == "bfloat16" else 4, -(-batch // ranks), seq, n, num_tokens, ranks
     )
-    best_by_mode = {mode: best([candidate(job, mode, *o) for o in options(job, mode)]) for mode in MODES}
+    replicated = _choose(job)
+    requested = spec.engine.shard_params
+    only_sharded = False
+    if requested is True or (requested == "auto" and ranks > 1 and not replicated[2].fits):
+        sharded = _choose(job._replace(shard=True))
+        only_sharded = sharded[2].fits and not replicated[2].fits
+        job, (best_by_mode, why, chosen) = job._replace(shard=True), sharded
+    else:
+        best_by_mode, why, chosen = replicated
+    mode = chosen.settings.mode
     reasons: list[str] = []
     if ranks > 1:
+        what = "of the weights, gradients and optimizer state" if job.shard else "of the CPU optimizer state"
         reasons.append(
             f"resources.gpus {ranks}: per rank {job.batch} of the {batch} examples of a step and "
-            f"1/{ranks} of the CPU optimizer state; the figures are one rank's"
+            f"1/{ranks} {what}; the figures are one rank's, host_bytes_all_ranks the host's"
         )
-    mode = spec.engine.mode
-    if mode == "auto":
-        mode, why = auto_mode(best_by_mode, machine)
+    reasons += shard_reasons(spec, job, replicated[2], chosen)
+    if why:
         reasons.append(why)
-    chosen = best_by_mode[mode]
     reasons += setting_reasons(spec, chosen)
     auto_fallback = spec.engine.mode == "auto" and mode == "offload"
     if (
@@ -121,6 +133,7 @@ def plan_job(
     if not chosen.fits_locked:
         reasons.append(locked_memory_note(chosen, machine))
     modes = {k: _estimate(c) for k, c in best_by_mode.items()}
+    host_bytes = chosen.host_total + (chosen.device_total if machine.device_type == "cpu" else 0)
     return Plan(
         fits=chosen.fits,
         model=spec.model,
@@ -139,7 +152,10 @@ def plan_job(
         else 0,
         host_reserve_bytes=host_reserve(machine),
         device_bytes=chosen.device_total,
-        host_bytes=chosen.host_total + (chosen.device_total if machine.device_type == "cpu" else 0),
+        host_bytes=host_bytes,
+        ranks=ranks,
+        host_bytes_all_ranks=ranks * host_bytes,
+        fits_only_sharded=only_sharded,
         device=chosen.device,
         host=chosen.host,
         activations={
@@ -153,6 +169,16 @@ def plan_job(
         reasons=reasons,
         problems=[] if chosen.fits else _problems(job, chosen, best_by_mode, box, advise),
     )
+
+
+def _choose(job: JobShape) -> tuple[dict[Mode, Candidate], str, Candidate]:
+    """Each mode's best candidate for ``job``, why the mode (``engine.mode: auto``) and the chosen one."""
+    by_mode = {mode: best([candidate(job, mode, *o) for o in options(job, mode)]) for mode in MODES}
+    mode = job.spec.engine.mode
+    why = ""
+    if mode == "auto":
+        mode, why = auto_mode(by_mode, job.machine)
+    return by_mode, why, by_mode[mode]
 
 
 def _problems(
@@ -237,6 +263,7 @@ def _estimate(c: Candidate) -> ModeEstimate:
         step_seconds=t.step_seconds,
         tokens_per_second=t.tokens_per_second,
         gpu_seconds=t.gpu_seconds,
+        interconnect_seconds=t.interconnect_seconds,
         pcie_seconds=t.pcie_seconds,
         cpu_seconds=t.cpu_seconds,
         bound=t.bound,

@@ -33,6 +33,8 @@ class Settings(BaseModel):
     accumulate_on: Accumulator
     #: The engine's window: an int, or ``auto`` (the engine's adaptive window; see step time's assumption).
     update_interval: int | Literal["auto"]
+    #: Weights, gradients and optimizer state sharded across the job's ranks (FSDP2; ``engine.shard_params``).
+    shard_params: bool = False
 
 
 class ModeEstimate(BaseModel):
@@ -52,6 +54,8 @@ class ModeEstimate(BaseModel):
     bound: str
     #: zenflow: the window length the step time assumes.
     update_interval: int | None = None
+    #: Sharded weights: FSDP's collectives per step over the GPU interconnect (overlapped with compute).
+    interconnect_seconds: float = 0.0
 
 
 class Plan(BaseModel):
@@ -78,10 +82,18 @@ class Plan(BaseModel):
     #: OS, the driver and the page cache (trainer.plan.candidates: DEVICE_MARGIN, HOST_RESERVE_*).
     device_reserve_bytes: int = 0
     host_reserve_bytes: int = 0
+    #: One rank's device and host bytes (the whole job's host: :attr:`host_bytes_all_ranks`).
     device_bytes: int
     host_bytes: int
+    #: The job's ranks (``resources.gpus``) and the host bytes of all of them (N x one rank's: the ranks
+    #: of a job share one host).
+    ranks: int = 1
+    host_bytes_all_ranks: int = 0
+    #: The settings' ``shard_params`` is true because the replicated weights do not fit (``auto``) or
+    #: would not (set true): the job fits with sharded weights only.
+    fits_only_sharded: bool = False
     #: Per component: weights, gradients, optimizer_state, landing_buffers, accumulator, engine_scratch,
-    #: activations, runtime (device); engine_state, engine_accumulators, engine_transfer, model_loading,
+    #: activations, runtime, with sharded weights gather_buffers and reduce_scatter_buffer (device); engine_state, engine_accumulators, engine_transfer, model_loading,
     #: checkpoint (what writing one adds: trainer.plan.candidates.checkpoint_bytes), data, process
     #: (host). On a CPU machine the device components are counted in host_bytes too.
     device: dict[str, int]
@@ -107,7 +119,8 @@ class Plan(BaseModel):
         fit = "fits" if self.fits else "does not fit"
         return (
             f"Plan: {fit} on {self.machine.gpu_name}: {s.mode} mode, micro-batch {s.micro_batch_size}, "
-            f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, device {format_bytes(self.device_bytes)} "
+            f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
+            f"{'sharded' if s.shard_params else 'replicated'} weights over {self.ranks} rank(s), device {format_bytes(self.device_bytes)} "
             f"of {format_bytes(self.device_capacity_bytes)}, host {format_bytes(self.host_bytes)} of "
             f"{format_bytes(self.host_capacity_bytes)}, ~{self.step_seconds:.3g} s/step"
         )

@@ -73,6 +73,8 @@ class ModelShape:
     lora_rank: int | None = None
     #: LoRA-adapted modules per decoder layer (0 without LoRA).
     lora_modules_per_layer: int = 0
+    #: Every parameter, trainable or frozen (tied ones once): what sharding cuts (trainer.plan.sharding).
+    weights: tuple[Weight, ...] = ()
 
     @property
     def trainable_params(self) -> int:
@@ -143,13 +145,14 @@ def _shape(model: str, stamp: float, lora_key: str | None) -> ModelShape:
             )
     modules: dict[str, int] = {}
     seen: set[int] = set()
-    trainable = []
+    trainable, weights = [], []
     for name, p in net.named_parameters(remove_duplicate=False):
         if id(p) in seen:  # tied weights count once
             continue
         seen.add(id(p))
         part = _part(name)
         modules[part] = modules.get(part, 0) + p.numel()
+        weights.append(Weight(name, tuple(p.shape)))
         if p.requires_grad:
             trainable.append(Weight(name, tuple(p.shape)))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -180,6 +183,7 @@ def _shape(model: str, stamp: float, lora_key: str | None) -> ModelShape:
         modules=modules,
         lora_rank=None if lora_key is None else int(json.loads(lora_key)["r"]),
         lora_modules_per_layer=adapted,
+        weights=tuple(weights),
     )
 
 

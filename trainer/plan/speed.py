@@ -11,6 +11,10 @@ AdamW bytes (for :mod:`trainer.plan.planner`).
 - PCIe: bytes copied per optimizer step over the achievable pinned-copy rate.
 - CPU: AdamW and accumulation bytes over the measured CPU AdamW rate (zenflow's worker gets its
   ``cpu_optimizer_cores_ratio`` share of it; offload runs on all cores).
+- Interconnect (sharded weights, :mod:`trainer.plan.sharding`): FSDP's all-gathers and
+  reduce-scatters per step over the GPU-to-GPU bus bandwidth (``Machine.interconnect_gbps``). FSDP
+  prefetches the next block while one computes, so the GPU part is the longer of the compute and the
+  traffic (``bound`` says ``interconnect`` when the traffic is).
 
 Modes combine them differently: ``device`` is the GPU alone; ``offload`` is the serial sum (the device
 waits for the copies and the CPU step every step); ``zenflow`` overlaps: the CPU work and copies of a
@@ -87,6 +91,8 @@ class StepTime:
     bound: str
     #: zenflow: the window length the prediction assumes.
     update_interval: int | None = None
+    #: Sharded weights: the collectives' seconds per step (overlapped with the compute).
+    interconnect_seconds: float = 0.0
 
 
 def matmul_params(shape: ModelShape) -> int:
@@ -127,20 +133,26 @@ def step_times(
     overlap_step: bool,
     topk_ratio: float = 0.25,
     split_weights: int = 0,
+    interconnect_bytes: float = 0.0,
+    trainable_params: int | None = None,
 ) -> dict[str, StepTime]:
     """Predicted step time of each mode. ``host_params``: parameters the CPU updates per mode
     (offload: all trainable, zenflow: the split weights); ``update_interval`` None: the shortest
-    window that hides the CPU work (at most ``max_update_interval``: the engine's ``auto``)."""
-    trainable = shape.trainable_params
-    gpu = compute_seconds(
+    window that hides the CPU work (at most ``max_update_interval``: the engine's ``auto``);
+    ``interconnect_bytes``: what a rank sends per step with sharded weights; ``trainable_params``: the
+    trainable parameters this rank's device optimizer updates (default: all of the model's)."""
+    trainable = shape.trainable_params if trainable_params is None else trainable_params
+    compute = compute_seconds(
         shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq, checkpointing=checkpointing
     )
+    link = interconnect_bytes / (machine.interconnect_gbps * 1e9)
+    gpu = max(compute, link)
     hbm = machine.gpu_memory_gbps * 1e9
     pcie, adam = machine.pcie_gbps * 1e9, machine.cpu_adam_gbps * 1e9
     out: dict[str, StepTime] = {}
 
     def add(mode: str, g: float, p: float, c: float, total: float, interval: int | None = None) -> None:
-        parts = {"gpu": g, "pcie": p, "cpu": c}
+        parts = {"interconnect" if link > compute else "gpu": g, "pcie": p, "cpu": c}
         out[mode] = StepTime(
             mode,
             g,
@@ -150,6 +162,7 @@ def step_times(
             tokens / total if total > 0 else math.inf,
             max(parts, key=lambda k: parts[k]),
             interval,
+            link,
         )
 
     g_dev = gpu + trainable * DEVICE_ADAM_BYTES_PER_PARAM / hbm
