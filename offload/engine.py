@@ -267,7 +267,9 @@ class ZenFlowEngine:
             sharded = bool(reduced.shards)
             total_norm, coef = clip_reduced_(reduced, self.config.max_grad_norm, self.device, ranks, inv=inv)
         elif self._rows is not None:
-            total_norm, coef = clip_rows_(grads, self.config.max_grad_norm, self.device, self._rows.group, inv=inv)
+            total_norm, coef = clip_rows_(
+                grads, self.config.max_grad_norm, self.device, self._rows.group, inv=inv
+            )
         else:
             total_norm, coef = clip_(grads, self.config.max_grad_norm, self.device, inv=inv)
         ok = torch.isfinite(total_norm)
@@ -391,7 +393,11 @@ class ZenFlowEngine:
             "step": self._step,
             "lr": self._lr,
             "mode_state": mode_state,
-            "shard": {"rank": self.rank, "world_size": self.world_size, "row_sharded": self._rows is not None},
+            "shard": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "row_sharded": self._rows is not None,
+            },
         }
         if self._scaler is not None:
             sd["loss_scale"] = self._scaler.state_dict()

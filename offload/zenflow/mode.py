@@ -20,10 +20,10 @@ from offload.collectives import Ranks, Reduced
 from offload.config import EngineConfig
 from offload.cpu_thread import CPUThread
 from offload.device import DeviceOps, Landing
+from offload.fsdp import all_sum_, column_scores_
 from offload.guard import Gate
 from offload.memory import EngineMemory, is_split
 from offload.mode_base import Mode, NamedParams, add_parts, nbytes
-from offload.fsdp import all_sum_, column_scores_
 from offload.selection import union
 from offload.timing import StepStats
 from offload.zenflow.accumulation import Accumulation
@@ -188,7 +188,9 @@ class ZenFlowMode(Mode):
         """First zenflow step: choose the initial selection from the current gradient."""
         for s in self.splits:  # placeholders, replaced at once by the batched selection below
             self.dev.add_columns(s.name, s.param, torch.arange(s.k, device=s.param.device))
-        self.dev.reselect(self.handover.values_from_master(stats), fresh=True, given_scores=self._scores(stats))
+        self.dev.reselect(
+            self.handover.values_from_master(stats), fresh=True, given_scores=self._scores(stats)
+        )
         self.started = True
         self.since_select = 0
         self.epoch_flag = False

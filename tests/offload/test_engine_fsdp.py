@@ -113,7 +113,13 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _check(
-    tmp_path: Path, world: int, mode: str, dtype: torch.dtype, cfg_kw: dict[str, Any], *, same_data: bool = False
+    tmp_path: Path,
+    world: int,
+    mode: str,
+    dtype: torch.dtype,
+    cfg_kw: dict[str, Any],
+    *,
+    same_data: bool = False,
 ) -> None:
     run_ranks(_rank_run, world, str(tmp_path), mode, dtype, cfg_kw, same_data)
     single, single_host = _single(mode, dtype, cfg_kw)
@@ -134,7 +140,9 @@ def _check(
         ("offload", {}),
         ("zenflow", {}),
         pytest.param("zenflow", {"accumulate_on": "device"}, marks=pytest.mark.slow),
-        pytest.param("zenflow", {"update_interval": "auto", "select_interval": "auto"}, marks=pytest.mark.slow),
+        pytest.param(
+            "zenflow", {"update_interval": "auto", "select_interval": "auto"}, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_two_ranks_sharded_equal_one_process_fp32(tmp_path: Path, mode: str, cfg_kw: dict[str, Any]) -> None:

@@ -283,7 +283,9 @@ class _Run:
                     idx = rank_part(idx, self.dist.rank, self.dist.world_size)
                 micro = list(self._micro_batches([data.train[i] for i in idx]))
                 prev = pending.loss if pending is not None else None
-                totals = step_totals(self.dist, micro, cancel=self.should_cancel(), prev_loss=prev)
+                totals = step_totals(
+                    self.dist, micro, cancel=self.should_cancel(), prev_loss=prev, count_micro=built.sharded
+                )
                 if pending is not None:
                     assert totals.prev_loss is not None
                     self._report(pending, totals.prev_loss, bar)
@@ -294,7 +296,8 @@ class _Run:
                 if b == 0:
                     engine.new_epoch()
                 lr = hp.lr_at(state.step)
-                done = optimizer_step(model, engine, micro, lr, totals, dist=self.dist)
+                filler = next(self._micro_batches(data.train[:1])) if built.sharded else None
+                done = optimizer_step(model, engine, micro, lr, totals, dist=self.dist, filler=filler)
                 m = done.metrics
                 if self.dist is None:
                     _check_loss(done.loss.value(), state.step + 1)
@@ -402,7 +405,7 @@ class _Run:
             "packing": hp.packing,
             "max_seq_length": hp.max_seq_length,
         }
-        if dist is None:
+        if dist is None or built.sharded:  # sharded: every rank runs every pass (FSDP's gathers), all alike
             loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
         else:  # each rank its part; the summed losses and counts added up
             part = rank_part(data.valid, dist.rank, dist.world_size)

@@ -61,6 +61,7 @@ from trainer.run.checkpoint import (
 from trainer.run.distributed import DistContext, all_sum, broadcast_object
 from trainer.run.model_card import CARD_FILE, model_card
 from trainer.run.setup import Built, Progress, RunData
+from trainer.run.sharding import gather_full_state
 from trainer.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -203,9 +204,13 @@ class RunOutputs:
             }
             self._stage_shards(step, rank_state)
         figures = metrics(progress)
+        # sharded weights: every rank takes part in gathering each whole weight, rank 0 keeps them
+        full = gather_full_state(built.model, built.engine, keep=self.is_main) if built.sharded else None
 
         def write_all() -> str:
-            return str(self._write_checkpoint(progress, figures, engine_state, weight_of, rng, rank_state))
+            return str(
+                self._write_checkpoint(progress, figures, engine_state, weight_of, rng, rank_state, full)
+            )
 
         path = self._on_main(f"checkpoint {step}", write_all)
         progress.last_saved, progress.last_checkpoint = step, path
@@ -222,6 +227,7 @@ class RunOutputs:
         weight_of: Callable[[str], torch.Tensor],
         rng: dict[str, Any],
         rank_state: dict[str, Any],
+        full: dict[str, torch.Tensor] | None = None,
     ) -> Path:
         """Phase 2 (rank 0, or the single process): the checkpoint directory, with every shard in it."""
         built, data, dist = self.built, self.data, self.dist
@@ -241,7 +247,9 @@ class RunOutputs:
 
         def write(tmp: Path) -> None:
             adapter = None
-            if self.spec.lora is None:
+            if full is not None:
+                save_model_files(tmp, full, built.base_config, data.tokenizer, built.generation_config)
+            elif self.spec.lora is None:
                 refs, fetch = self._streamed_export(
                     set(engine_state["mode_state"]["device_params"]), weight_of
                 )

@@ -36,6 +36,7 @@ from trainer.run.checkpoint import (
     set_rng_state,
 )
 from trainer.run.distributed import DistContext, broadcast_object, rank_device
+from trainer.run.sharding import rank_param_bytes, resolve_shard_params, shard_model
 from trainer.runtime import RuntimeChoices
 from trainer.spec import JobSpec, ResolvedHyperparameters
 
@@ -85,6 +86,8 @@ class Built:
     restore_threads: int | None = None
     #: Embedding rows added for tokens the tokenizer gained (the LoRA adapter then saves the embeddings).
     added_tokens: int = 0
+    #: The weights are sharded over the ranks with FSDP2 (trainer.run.sharding).
+    sharded: bool = False
 
 
 def pick_device(pref: str) -> torch.device:
@@ -194,7 +197,7 @@ def _rank_restore(ckpt: CheckpointInfo, state: dict[str, Any], dist: DistContext
 def _make_engine(model: Any, config: Any, dist: DistContext | None) -> ZenFlowEngine:
     from offload.engine import ZenFlowEngine
 
-    if dist is None:
+    if dist is None or config.shard_params:  # sharded: the parameters carry their mesh's group
         return ZenFlowEngine(model, config)
     return ZenFlowEngine(model, config, process_group=dist.group)
 
@@ -238,15 +241,45 @@ def build(
         model = apply_lora(model, spec, hp.seed)
     model.to(device)  # type: ignore[arg-type]  # mypy mis-binds transformers' wrapped Module.to
     model.train()
+    sharded = resolve_shard_params(
+        spec.engine.shard_params, dist.world_size if dist is not None else 1, data.plan
+    )
+    if sharded:
+        assert dist is not None
+        if spec.lora is not None:
+            raise ValueError("engine.shard_params: LoRA jobs are not sharded yet; set it to false or auto")
+        blocks = shard_model(model, dist, device)
+        emit(
+            LogEvent(
+                f"Weights sharded over {dist.world_size} ranks (FSDP2, {blocks} blocks): rank {dist.rank} holds "
+                f"{rank_param_bytes(model)} bytes of parameters",
+                data={
+                    "sharded": True,
+                    "blocks": blocks,
+                    "rank": dist.rank,
+                    "rank_param_bytes": rank_param_bytes(model),
+                },
+            )
+        )
 
     found = _checkpoint_state(out, hp, dist) if resume else None
     restore = _rank_restore(*found, dist) if found is not None else None
     threads = torch.get_num_threads()  # before the engine's core placement caps it
     resumed = restore.first if restore is not None else None
-    config = spec.engine.engine_config(hp.lr_at(0), **engine_choices(data.plan, resumed))
+    config = spec.engine.engine_config(
+        hp.lr_at(0), **engine_choices(data.plan, resumed), shard_params=sharded
+    )
     engine = _make_engine(model, config, dist)
     built = Built(
-        model, engine, device, dtype, base_config, generation_config, Progress(), added_tokens=added_tokens
+        model,
+        engine,
+        device,
+        dtype,
+        base_config,
+        generation_config,
+        Progress(),
+        added_tokens=added_tokens,
+        sharded=sharded,
     )
     try:
         emit(LogEvent(engine.placement.describe(), data=engine.placement.as_dict()))

@@ -1,0 +1,89 @@
+"""A job's weights sharded over 2 gloo ranks with FSDP2 (``engine.shard_params: true``): the same final
+weights as one process taking the whole batch in every mode, every rank's engine state its own rows, a
+ragged last step (a rank with fewer examples runs zero-loss passes) and the sharded checkpoint resumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
+from tests.trainer.test_distributed_run import HP, MODES, STEPS, assert_close, ok, weights
+from tests.trainer.test_loop import arithmetic_file, make_spec
+from trainer.run.checkpoint import latest_checkpoint, load_rank_state
+from trainer.run.loop import TrainResult, run_training
+from trainer.run.sharding import resolve_shard_params
+from trainer.spec import JobSpec
+
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.slow]
+
+
+def spec(out: Path, data: Path, valid: Path, mode: str, gpus: int = 2, shard: bool = True) -> JobSpec:
+    return make_spec(
+        out,
+        data,
+        valid,
+        hyperparameters=HP,
+        engine={**MODES[mode], "shard_params": shard},
+        dtype="float32",
+        resources={"gpus": gpus},
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path, Path]:
+    root = tmp_path_factory.mktemp("fsdp")
+    return (
+        root,
+        arithmetic_file(root / "sums.jsonl", n=40),
+        arithmetic_file(root / "valid.jsonl", n=7, seed=1),
+        arithmetic_file(root / "ragged.jsonl", n=21, seed=2),  # the last step's 1 example on rank 0 only
+    )
+
+
+@pytest.fixture(scope="module")
+def sharded(files: tuple[Path, Path, Path, Path]) -> dict[str, list[RankOutcome]]:
+    root, data, valid, ragged = files
+    jobs = {m: Job(spec(root / f"sharded-{m}", data, valid, m)) for m in MODES}
+    jobs["ragged"] = Job(spec(root / "sharded-ragged", ragged, valid, "offload"))
+    return dict(zip(jobs, train_on_ranks(list(jobs.values()), timeout=500), strict=True))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_sharded_ranks_equal_one_process(
+    mode: str, files: tuple[Path, Path, Path, Path], sharded: dict[str, list[RankOutcome]]
+) -> None:
+    root, data, valid, _ = files
+    two = ok(sharded[mode])
+    one: TrainResult = run_training(spec(root / f"single-{mode}", data, valid, mode, gpus=1))
+    assert two.steps == one.steps == STEPS and not two.cancelled
+    assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
+    assert two.valid_loss == pytest.approx(one.valid_loss, rel=1e-5)
+    assert_close(weights(root / f"sharded-{mode}"), weights(root / f"single-{mode}"))
+    ckpt = latest_checkpoint(root / f"sharded-{mode}")
+    assert ckpt is not None
+    for r in range(2):  # each rank saved its own rows' engine state
+        shard = load_rank_state(ckpt.path, r, 2)["engine"]["shard"]
+        assert shard == {"rank": r, "world_size": 2, "row_sharded": True}
+
+
+def test_ragged_last_step_equals_one_process(
+    files: tuple[Path, Path, Path, Path], sharded: dict[str, list[RankOutcome]]
+) -> None:
+    root, _, valid, ragged = files
+    two = ok(sharded["ragged"])
+    one = run_training(spec(root / "single-ragged", ragged, valid, "offload", gpus=1))
+    assert two.steps == one.steps
+    assert_close(weights(root / "sharded-ragged"), weights(root / "single-ragged"))
+
+
+def test_shard_params_resolution() -> None:
+    class Verdict:
+        fits_only_sharded = True
+
+    assert resolve_shard_params(True, 1) is False  # one rank: nothing to shard with
+    assert resolve_shard_params(True, 2) is True
+    assert resolve_shard_params(False, 8, Verdict()) is False
+    assert resolve_shard_params("auto", 8, Verdict()) is True
+    assert resolve_shard_params("auto", 8, None) is False  # no plan verdict: replicated

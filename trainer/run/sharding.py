@@ -1,0 +1,108 @@
+"""A job's weights sharded over its ranks with PyTorch FSDP2 (``engine.shard_params``): whether to, the
+model wrapped, and its whole weights gathered back for the exported model.
+
+Every rank builds the same model (same seed or folder), then :func:`shard_model` applies ``fully_shard``
+to each decoder block (the classes transformers names in ``_no_split_modules``) and then to the root, on a
+1-D device mesh of the job's ranks: each rank keeps a block of every weight's rows, FSDP all-gathers a
+block's weights around its forward and backward (prefetching the next) and reduce-scatters its gradient.
+The engine (:mod:`offload.fsdp`) then trains each rank's rows. FSDP averages the gradients over the ranks,
+as the replicated engine does, so the loss normalisation of :mod:`trainer.run.step` stays as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from offload.engine import ZenFlowEngine
+    from trainer.run.distributed import DistContext
+
+
+def resolve_shard_params(setting: Literal["auto"] | bool, world: int, plan: Any = None) -> bool:
+    """Whether this run shards its weights: never on one rank (nothing to shard with); ``auto``: when
+    the plan says the replicated weights do not fit a device but the sharded ones do (the plan's
+    ``fits_only_sharded``; a plan without that verdict, or none: replicated)."""
+    if world <= 1:
+        return False
+    if setting == "auto":
+        return bool(getattr(plan, "fits_only_sharded", False))
+    return bool(setting)
+
+
+def _blocks(model: Any) -> Iterator[Any]:
+    """The model's decoder blocks: modules of the classes some submodule lists in ``_no_split_modules``
+    (transformers' unit of device placement), outermost first, none inside another."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    found: list[Any] = []
+    for m in model.modules():
+        if type(m).__name__ in names and not any(m is b or _contains(b, m) for b in found):
+            found.append(m)
+    return iter(found)
+
+
+def _contains(outer: Any, inner: Any) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def shard_model(model: Any, dist: DistContext, device: torch.device) -> int:
+    """``fully_shard`` each decoder block, then the root (the embeddings, the final norm, the head), on
+    a mesh of the job's ranks; the number of blocks sharded on their own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.world_size,))
+    blocks = list(_blocks(model))
+    for b in blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return len(blocks)
+
+
+def rank_param_bytes(model: Any) -> int:
+    """Bytes of the parameters this rank holds between steps (its rows of sharded ones, padding not counted)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            total += t.numel() * t.element_size()
+    return total
+
+
+def gather_full_state(model: Any, engine: ZenFlowEngine, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The model's whole state dict on CPU with the engine's newest values (zenflow's pending CPU result
+    merged in), one weight at a time: each sharded weight is all-gathered from every rank's rows, so every
+    rank must call this, in step; only where ``keep`` (the writing rank) are the whole weights kept."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    newest = engine.consolidated_state_dict()  # this rank's rows, by parameter name
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, v in model.state_dict(keep_vars=True).items():
+            if isinstance(v, DTensor):
+                rows = newest.get(name_of.get(id(v), key))
+                if rows is not None:
+                    v = DTensor.from_local(
+                        rows.to(v.device),
+                        v.device_mesh,
+                        v.placements,
+                        run_check=False,
+                        shape=v.shape,
+                        stride=v.stride(),
+                    )
+                full = v.full_tensor()
+                if keep:
+                    out[key] = full.to("cpu", copy=True)
+                del full
+            elif keep:
+                out[key] = v.detach().to("cpu", copy=True)
+    return out
