@@ -88,7 +88,7 @@ from offload.cpu_thread import CPUThreadError
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
 from offload.engine_state import STATE_VERSION, states_to_load
-from offload.fsdp import RowShards, clip_rows_, is_row_sharded
+from offload.fsdp import RowShards, clip_rows_
 from offload.guard import Gate, LossScaler
 from offload.memory import EngineMemory
 from offload.metrics import StepMetrics
@@ -117,18 +117,8 @@ class ZenFlowEngine:
         if not named:
             raise ValueError("the model has no parameters with requires_grad=True")
         #: FSDP2 row shards (offload.fsdp): the modes train each parameter's local rows, as in one process.
-        self._rows: RowShards | None = None
-        if is_row_sharded(named) != self.config.shard_params:
-            raise ValueError(
-                "engine.shard_params is true but the model is not sharded (apply fully_shard first)"
-                if self.config.shard_params
-                else "the model's parameters are FSDP2-sharded: set shard_params=True"
-            )
-        if self.config.shard_params:
-            if process_group is not None:
-                raise ValueError("sharded parameters carry their device mesh's group: pass no process_group")
-            self._rows = RowShards(named)
-            named = self._rows.named_local
+        self._rows = RowShards.of(named, self.config.shard_params, process_group)
+        named = self._rows.named_local if self._rows is not None else named
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(

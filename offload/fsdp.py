@@ -89,6 +89,24 @@ class RowShards:
         #: Parameters' full shapes (the consolidated model's), by name.
         self.shapes = {n: tuple(p.shape) for n, p in named}
 
+    @classmethod
+    def of(
+        cls, named: Sequence[tuple[str, torch.Tensor]], shard_params: bool, process_group: Any
+    ) -> RowShards | None:
+        """The engine's row shards (``EngineConfig.shard_params``), None for whole parameters; refuses a
+        model sharded otherwise than the config says, and a process group beside the mesh's."""
+        if is_row_sharded(named) != shard_params:
+            raise ValueError(
+                "engine.shard_params is true but the model is not sharded (apply fully_shard first)"
+                if shard_params
+                else "the model's parameters are FSDP2-sharded: set shard_params=True"
+            )
+        if not shard_params:
+            return None
+        if process_group is not None:
+            raise ValueError("sharded parameters carry their device mesh's group: pass no process_group")
+        return cls(named)
+
     def check_storage(self) -> None:
         """Raise if FSDP replaced a parameter's local storage (``model.to()``, ``load_state_dict(assign=True)``
         after the engine was built): the engine would update a tensor FSDP no longer gathers from."""
