@@ -5,21 +5,26 @@ ragged last step (a rank with fewer examples runs zero-loss passes) and the shar
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
 from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
 from tests.trainer.test_distributed_run import HP, MODES, STEPS, assert_close, ok, weights
 from tests.trainer.test_loop import arithmetic_file, make_spec
-from trainer.run.checkpoint import latest_checkpoint, load_rank_state
+from trainer.run.checkpoint import FINAL_DIR, latest_checkpoint, load_rank_state
 from trainer.run.loop import TrainResult, run_training
 from trainer.run.sharding import resolve_shard_params
 from trainer.spec import JobSpec
 
+LORA = {"r": 4}
 pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.slow]
 
 
-def spec(out: Path, data: Path, valid: Path, mode: str, gpus: int = 2, shard: bool = True) -> JobSpec:
+def spec(
+    out: Path, data: Path, valid: Path, mode: str, gpus: int = 2, shard: bool = True, **kw: Any
+) -> JobSpec:
     return make_spec(
         out,
         data,
@@ -28,6 +33,7 @@ def spec(out: Path, data: Path, valid: Path, mode: str, gpus: int = 2, shard: bo
         engine={**MODES[mode], "shard_params": shard},
         dtype="float32",
         resources={"gpus": gpus},
+        **kw,
     )
 
 
@@ -47,6 +53,7 @@ def sharded(files: tuple[Path, Path, Path, Path]) -> dict[str, list[RankOutcome]
     root, data, valid, ragged = files
     jobs = {m: Job(spec(root / f"sharded-{m}", data, valid, m)) for m in MODES}
     jobs["ragged"] = Job(spec(root / "sharded-ragged", ragged, valid, "offload"))
+    jobs["lora"] = Job(spec(root / "sharded-lora", data, valid, "zenflow", lora=LORA))
     return dict(zip(jobs, train_on_ranks(list(jobs.values()), timeout=500), strict=True))
 
 
@@ -76,6 +83,21 @@ def test_ragged_last_step_equals_one_process(
     one = run_training(spec(root / "single-ragged", ragged, valid, "offload", gpus=1))
     assert two.steps == one.steps
     assert_close(weights(root / "sharded-ragged"), weights(root / "single-ragged"))
+
+
+def test_lora_sharded_equals_lora_in_one_process(
+    files: tuple[Path, Path, Path, Path], sharded: dict[str, list[RankOutcome]]
+) -> None:
+    root, data, valid, _ = files
+    two = ok(sharded["lora"])
+    one = run_training(spec(root / "single-lora", data, valid, "zenflow", gpus=1, lora=LORA))
+    assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
+    assert_close(weights(root / "sharded-lora"), weights(root / "single-lora"))  # the merged model
+    adapter = root / "sharded-lora" / FINAL_DIR / "adapter" / "adapter_model.safetensors"
+    single_adapter = root / "single-lora" / FINAL_DIR / "adapter" / "adapter_model.safetensors"
+    a, b = load_file(str(adapter)), load_file(str(single_adapter))
+    assert a.keys() == b.keys() and a
+    assert_close(a, b)
 
 
 def test_shard_params_resolution() -> None:

@@ -247,8 +247,11 @@ class RunOutputs:
 
         def write(tmp: Path) -> None:
             adapter = None
-            if full is not None:
-                save_model_files(tmp, full, built.base_config, data.tokenizer, built.generation_config)
+            if full is not None:  # sharded: the gathered state (LoRA: the adapter's, merged for the model)
+                adapter = full if self.spec.lora is not None else None
+                weights = merged_lora_state(built.model, full) if adapter is not None else full
+                save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+                del weights
             elif self.spec.lora is None:
                 refs, fetch = self._streamed_export(
                     set(engine_state["mode_state"]["device_params"]), weight_of

@@ -246,8 +246,6 @@ def build(
     )
     if sharded:
         assert dist is not None
-        if spec.lora is not None:
-            raise ValueError("engine.shard_params: LoRA jobs are not sharded yet; set it to false or auto")
         blocks = shard_model(model, dist, device)
         emit(
             LogEvent(
