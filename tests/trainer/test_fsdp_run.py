@@ -53,7 +53,7 @@ def sharded(files: tuple[Path, Path, Path, Path]) -> dict[str, list[RankOutcome]
     root, data, valid, ragged = files
     jobs = {m: Job(spec(root / f"sharded-{m}", data, valid, m)) for m in MODES}
     jobs["ragged"] = Job(spec(root / "sharded-ragged", ragged, valid, "offload"))
-    jobs["lora"] = Job(spec(root / "sharded-lora", data, valid, "zenflow", lora=LORA))
+    jobs["lora"] = Job(spec(root / "sharded-lora", data, valid, "device", lora=LORA))
     return dict(zip(jobs, train_on_ranks(list(jobs.values()), timeout=500), strict=True))
 
 
@@ -90,7 +90,9 @@ def test_lora_sharded_equals_lora_in_one_process(
 ) -> None:
     root, data, valid, _ = files
     two = ok(sharded["lora"])
-    one = run_training(spec(root / "single-lora", data, valid, "zenflow", gpus=1, lora=LORA))
+    # device mode, what LoRA's auto picks (zenflow on the r=4 adapters differs from one process by ~3e-5
+    # relative, replicated or sharded alike: its top-1 of 4 columns amplifies rounding)
+    one = run_training(spec(root / "single-lora", data, valid, "device", gpus=1, lora=LORA))
     assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
     assert_close(weights(root / "sharded-lora"), weights(root / "single-lora"))  # the merged model
     adapter = root / "sharded-lora" / FINAL_DIR / "adapter" / "adapter_model.safetensors"
