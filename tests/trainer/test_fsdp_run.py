@@ -4,10 +4,12 @@ ragged last step (a rank with fewer examples runs zero-loss passes) and the shar
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
@@ -54,6 +56,7 @@ def sharded(files: tuple[Path, Path, Path, Path]) -> dict[str, list[RankOutcome]
     jobs = {m: Job(spec(root / f"sharded-{m}", data, valid, m)) for m in MODES}
     jobs["ragged"] = Job(spec(root / "sharded-ragged", ragged, valid, "offload"))
     jobs["lora"] = Job(spec(root / "sharded-lora", data, valid, "device", lora=LORA))
+    jobs["cut"] = Job(spec(root / "sharded-cut", data, valid, "zenflow"), cancel_after=4)
     return dict(zip(jobs, train_on_ranks(list(jobs.values()), timeout=500), strict=True))
 
 
@@ -100,6 +103,24 @@ def test_lora_sharded_equals_lora_in_one_process(
     a, b = load_file(str(adapter)), load_file(str(single_adapter))
     assert a.keys() == b.keys() and a
     assert_close(a, b)
+
+
+def test_sharded_resume_on_as_many_ranks_is_exact_and_on_one_refused(
+    files: tuple[Path, Path, Path, Path], sharded: dict[str, list[RankOutcome]]
+) -> None:
+    root, data, valid, _ = files
+    cut = ok(sharded["cut"])
+    assert cut.cancelled and cut.last_checkpoint is not None
+    shutil.copytree(root / "sharded-cut", root / "sharded-cut-to-1")
+    with pytest.raises(ValueError, match="row-sharded"):  # each rank's engine state is its own rows
+        run_training(spec(root / "sharded-cut-to-1", data, valid, "zenflow", gpus=1))
+    (again,) = train_on_ranks([Job(spec(root / "sharded-cut", data, valid, "zenflow"))], timeout=400)
+    res = ok(again)
+    assert res.steps == STEPS and not res.cancelled
+    a, b = weights(root / "sharded-cut"), weights(root / "sharded-zenflow")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [
+        k for k in a if not torch.equal(a[k], b[k])
+    ]
 
 
 def test_shard_params_resolution() -> None:
