@@ -312,6 +312,8 @@ class ZenFlowEngine:
             rank=self.rank,
             bytes_reduced=stats.bytes_reduced,
             bytes_gathered=stats.bytes_gathered,
+            sharded=self._rows is not None,
+            param_bytes=sum(p.numel() * p.element_size() for p in self._params),
         )
         self.last_metrics = m
         return m

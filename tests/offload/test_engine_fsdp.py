@@ -95,6 +95,7 @@ def _rank_run(
                 "total_bytes": total_bytes,
                 "host_bytes": engine.memory().host_bytes,
                 "where": (m.world_size, m.rank),
+                "metrics_param_bytes": (m.sharded, m.param_bytes),
             },
             Path(out) / f"rank{rank}.pt",
         )
@@ -129,6 +130,7 @@ def _check(
         assert st["where"] == (world, r)
         # each rank holds 1/N of the parameters' bytes (the row counts here divide evenly)
         assert st["local_bytes"] * world == st["total_bytes"]
+        assert st["metrics_param_bytes"] == (True, st["local_bytes"])  # what the step events report
         if mode != "device":  # and 1/N of the host optimizer state
             assert 0.9 / world < st["host_bytes"] / single_host < 1.1 / world
 
