@@ -71,6 +71,19 @@ def test_two_sharded_ranks_equal_one_process(
     assert two.train_loss == pytest.approx(one.train_loss, rel=1e-5)
     assert two.valid_loss == pytest.approx(one.valid_loss, rel=1e-5)
     assert_close(weights(root / f"sharded-{mode}"), weights(root / f"single-{mode}"))
+    # the exported folder (written one gathered weight at a time) loads with from_pretrained and gives
+    # the logits of the model one process trained
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.arange(3, 19).view(2, 8)
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(str(root / f"sharded-{mode}" / FINAL_DIR))(
+            input_ids=ids
+        ).logits
+        want = AutoModelForCausalLM.from_pretrained(str(root / f"single-{mode}" / FINAL_DIR))(
+            input_ids=ids
+        ).logits
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
     ckpt = latest_checkpoint(root / f"sharded-{mode}")
     assert ckpt is not None
     for r in range(2):  # each rank saved its own rows' engine state

@@ -61,7 +61,7 @@ from trainer.run.checkpoint import (
 from trainer.run.distributed import DistContext, all_sum, broadcast_object
 from trainer.run.model_card import CARD_FILE, model_card
 from trainer.run.setup import Built, Progress, RunData
-from trainer.run.sharding import gather_full_state
+from trainer.run.sharding import FullWeights, gather_full_state
 from trainer.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -204,13 +204,27 @@ class RunOutputs:
             }
             self._stage_shards(step, rank_state)
         figures = metrics(progress)
-        # sharded weights: every rank takes part in gathering each whole weight, rank 0 keeps them
-        full = gather_full_state(built.model, built.engine, keep=self.is_main) if built.sharded else None
+        # sharded weights: every rank takes part in gathering each whole weight (LoRA: rank 0 keeps the
+        # whole state to merge; a full fine-tune: one weight at a time, as rank 0 writes it)
+        full = streamed = None
+        if built.sharded and self.spec.lora is not None:
+            full = gather_full_state(built.model, built.engine, keep=self.is_main)
+        elif built.sharded:
+            tied = bool(getattr(built.base_config, "tie_word_embeddings", False))
+            streamed = FullWeights(built.model, built.engine, tied)
+            if not self.is_main:
+                streamed.drain()
 
         def write_all() -> str:
-            return str(
-                self._write_checkpoint(progress, figures, engine_state, weight_of, rng, rank_state, full)
-            )
+            try:
+                return str(
+                    self._write_checkpoint(
+                        progress, figures, engine_state, weight_of, rng, rank_state, full, streamed
+                    )
+                )
+            finally:
+                if streamed is not None:  # a failed write still completes every rank's gathers
+                    streamed.drain()
 
         path = self._on_main(f"checkpoint {step}", write_all)
         progress.last_saved, progress.last_checkpoint = step, path
@@ -228,6 +242,7 @@ class RunOutputs:
         rng: dict[str, Any],
         rank_state: dict[str, Any],
         full: dict[str, torch.Tensor] | None = None,
+        streamed: FullWeights | None = None,
     ) -> Path:
         """Phase 2 (rank 0, or the single process): the checkpoint directory, with every shard in it."""
         built, data, dist = self.built, self.data, self.dist
@@ -247,7 +262,17 @@ class RunOutputs:
 
         def write(tmp: Path) -> None:
             adapter = None
-            if full is not None:  # sharded: the gathered state (LoRA: the adapter's, merged for the model)
+            if streamed is not None:
+                save_model_files(
+                    tmp,
+                    streamed.refs,
+                    built.base_config,
+                    data.tokenizer,
+                    built.generation_config,
+                    fetch=streamed.fetch,
+                    names=streamed.names,
+                )
+            elif full is not None:  # sharded: the gathered state (LoRA: the adapter's, merged for the model)
                 adapter = full if self.spec.lora is not None else None
                 weights = merged_lora_state(built.model, full) if adapter is not None else full
                 save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)

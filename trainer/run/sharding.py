@@ -106,3 +106,60 @@ def gather_full_state(model: Any, engine: ZenFlowEngine, *, keep: bool) -> dict[
             elif keep:
                 out[key] = v.detach().to("cpu", copy=True)
     return out
+
+
+class FullWeights:
+    """A sharded full fine-tune's exported weights made one at a time (never the whole model in one
+    process): each whole weight is all-gathered from every rank's rows (the engine's newest values) when
+    the writing rank asks for it (:meth:`fetch`), every other rank taking part in the same gathers in
+    the same order (:meth:`drain`). ``names`` is that order (the writer's: largest element first, as
+    :func:`offload.state_io.write_safetensors` lays them out) and ``refs`` their global dtypes and shapes."""
+
+    def __init__(self, model: Any, engine: ZenFlowEngine, tie_word_embeddings: bool) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from trainer.run.checkpoint import export_names
+
+        self._vars: dict[str, Any] = dict(model.state_dict(keep_vars=True))
+        local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self._vars.items()}
+        with torch.no_grad():
+            chosen = export_names({k: t.detach() for k, t in local.items()}, tie_word_embeddings)
+        self.names = sorted(chosen, key=lambda n: -self._vars[n].element_size())
+        self.refs = {
+            n: torch.empty(self._vars[n].shape, dtype=self._vars[n].dtype, device="meta") for n in self.names
+        }
+        self._newest = engine.consolidated_state_dict()  # this rank's rows, by parameter name
+        self._name_of = {id(p): n for n, p in model.named_parameters()}
+        self._next = 0
+
+    def fetch(self, key: str) -> torch.Tensor:
+        """Weight ``key``, whole, on CPU (collective: asked for in :attr:`names`' order only)."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if self._next >= len(self.names) or self.names[self._next] != key:
+            raise RuntimeError(f"sharded export: weight {key!r} asked for out of the gathering order")
+        self._next += 1
+        v = self._vars[key]
+        with torch.no_grad():
+            if not isinstance(v, DTensor):
+                plain: torch.Tensor = v.detach().to("cpu", copy=True)
+                return plain
+            rows = self._newest.get(self._name_of.get(id(v), key))
+            if rows is not None:
+                v = DTensor.from_local(
+                    rows.to(v.device),
+                    v.device_mesh,
+                    v.placements,
+                    run_check=False,
+                    shape=v.shape,
+                    stride=v.stride(),
+                )
+            whole: torch.Tensor = v.full_tensor().to("cpu")
+            return whole
+
+    def drain(self) -> None:
+        """Take part in every gather not made yet (the ranks that do not write; the writer after a failure)."""
+        while self._next < len(self.names):
+            self.fetch(self.names[self._next])
