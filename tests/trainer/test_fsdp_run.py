@@ -145,3 +145,19 @@ def test_shard_params_resolution() -> None:
     assert resolve_shard_params(False, 8, Verdict()) is False
     assert resolve_shard_params("auto", 8, Verdict()) is True
     assert resolve_shard_params("auto", 8, None) is False  # no plan verdict: replicated
+
+
+def test_shard_params_auto_is_a_job_setting_not_an_engine_one() -> None:
+    from trainer.model.catalog import default_engine_settings
+
+    assert (
+        JobSpec.model_validate(
+            {"model": "tiny-llama", "training_file": "x.jsonl", "engine": {"shard_params": "auto"}}
+        )
+        .engine.engine_config(1e-3)
+        .shard_params
+        is False
+    )
+    # an explicit "auto" does not make the model's own engine defaults look like conflicts
+    given = default_engine_settings("tiny-llama", {"shard_params": "auto"})
+    assert given == default_engine_settings("tiny-llama", {}) | {"shard_params": "auto"}
