@@ -11,6 +11,8 @@ engine gets the group. Resuming, every rank reads rank 0's choice of checkpoint:
 ranks gives each rank its own engine shard and RNG states back (bit-exact); one written by another
 number of ranks (a single process counts as one shard) hands the engine ALL shards, in rank order, to
 re-cut. A fresh run seeds each rank's generators with seed + rank (dropout may differ per rank).
+With ``engine.shard_params`` resolved on (:mod:`trainer.run.sharding`) the replica is then sharded with
+FSDP2 before the engine is built over each rank's rows; such a checkpoint resumes on as many ranks only.
 """
 
 from __future__ import annotations
