@@ -3,6 +3,7 @@
     python -m bench.distributed --nproc 2                        # CPU: gloo ranks, tiny model
     python -m bench.distributed --nproc 2 --quick --json         # what tests/bench/test_gpu_check_smoke.py runs
     python -m bench.distributed --nproc 8 --model medium --json  # a host with 8 GPUs: NCCL, one GPU per rank
+    python -m bench.distributed --nproc 2 --shard-params         # the ranks' weights sharded with FSDP2
 
 Per engine mode (``--modes``, default zenflow,offload,device) it trains a Llama-shaped model of the
 ``--model`` preset (random init, same seed) for ``--warmup`` + ``--steps`` steps of a fixed synthetic
@@ -39,7 +40,12 @@ in device and offload mode alike; 2 ranks against one process: device and offloa
 at eps 1e-8, device and offload 2.5e-5 at ``--eps 1e-6``. So compare modes at ``--eps 1e-6``, where fp32 runs agree to ~1e-4
 relative or better and a real error stands out (offload's clipping norm over a whole shard, fixed in
 offload/offload_mode.py, was 8e-4 off the baseline's and put offload at 4.7e-4 there). With bf16 (the
-CUDA default) expect bf16 rounding, amplified the same way.
+CUDA default) expect bf16 rounding, amplified the same way. ``--shard-params``: the ranks' model is
+sharded with FSDP2 (``fully_shard`` per decoder block, then the root; the engine's ``shard_params``,
+:mod:`offload.fsdp`); ``param_bytes_per_rank`` is the parameter bytes a rank holds between steps,
+``fsdp_bytes_per_step`` what FSDP's collectives send per step (ring algorithms: the weights all-gathered
+for forward and again for backward, the gradients reduce-scattered), and the weights compared are the
+gathered whole ones.
 """
 
 from __future__ import annotations
@@ -132,7 +138,25 @@ def _run_mode(
     preset = MODELS[args.model]
     model = build_model(preset, device, dtype, args.seed)
     model.train()
-    engine = ZenFlowEngine(model, _engine_config(mode, args), process_group=group)
+    sharded = bool(args.shard_params) and group is not None
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    fsdp_bytes = 0
+    if sharded:
+        from offload.collectives import wire_bytes
+        from trainer.run.distributed import DistContext
+        from trainer.run.sharding import rank_param_bytes, shard_model
+
+        shard_model(
+            model, DistContext(rank, world, rank, "nccl" if device.type == "cuda" else "gloo", group), device
+        )
+        full_bytes, param_bytes = param_bytes, rank_param_bytes(model)
+        fsdp_bytes = 2 * wire_bytes("all_gather", full_bytes, world) + wire_bytes(
+            "reduce_scatter", full_bytes, world
+        )
+        config = _engine_config(mode, args).model_copy(update={"shard_params": True})
+        engine = ZenFlowEngine(model, config)
+    else:
+        engine = ZenFlowEngine(model, _engine_config(mode, args), process_group=group)
     prev_threads = torch.get_num_threads()
     if device.type == "cpu":  # forward/backward on the cores the engine's CPU worker leaves
         torch.set_num_threads(max(1, engine.cpu_split[0]))
@@ -153,7 +177,13 @@ def _run_mode(
             if i >= args.warmup:
                 timed.append(m)
         engine.flush()
-        weights = engine.consolidated_state_dict()
+        if sharded:
+            from trainer.run.sharding import gather_full_state
+
+            weights = gather_full_state(model, engine, keep=True)
+            weights = {n: weights[n] for n, p in model.named_parameters() if p.requires_grad}
+        else:
+            weights = engine.consolidated_state_dict()
     finally:
         engine.close()
         torch.set_num_threads(prev_threads)
@@ -172,6 +202,8 @@ def _run_mode(
         "metrics_world_size": timed[-1].world_size if timed else world,
         "checksums": _checksums(weights),
         "params": sum(t.numel() for t in weights.values()),
+        "param_bytes": param_bytes,
+        "fsdp_bytes_per_step": fsdp_bytes,
     }
     if group is None:  # the baseline: its weights are the reference
         torch.save({k: v.to("cpu", torch.float32) for k, v in weights.items()}, ref_path)
@@ -281,6 +313,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
         str(args.seed),
         "--timeout",
         str(args.timeout),
+        *(["--shard-params"] if args.shard_params else []),
     ]
 
 
@@ -352,6 +385,9 @@ def summarize(mode: str, single: dict[str, Any], ranks: list[dict[str, Any]]) ->
         ),
         "skipped_steps": max(r["skipped_steps"] for r in rs),
         "metrics_world_size": rs[0]["metrics_world_size"],
+        "param_bytes_per_rank": max(r["param_bytes"] for r in rs),
+        "single_param_bytes": s["param_bytes"],
+        "fsdp_bytes_per_step": max(r["fsdp_bytes_per_step"] for r in rs),
     }
 
 
@@ -376,6 +412,11 @@ def print_table(doc: dict[str, Any]) -> None:
             f"{r['host_bytes_per_rank'] / 1e6:>12.2f} {'-' if ratio is None else f'{ratio:.3f}':>6} "
             f"{r['bytes_reduced_per_step'] / 1e6:>13.3f} {r['bytes_gathered_per_step'] / 1e6:>14.3f} "
             f"{'-' if diff is None else f'{diff:.2e}':>12} {'yes' if r['replicas_identical'] else 'NO':>5}"
+        )
+    for mode, r in doc["results"].items():
+        print(
+            f"{mode}: parameters {r['param_bytes_per_rank'] / 1e6:.2f} MB per rank (one process "
+            f"{r['single_param_bytes'] / 1e6:.2f} MB), FSDP sent {r['fsdp_bytes_per_step'] / 1e6:.3f} MB per step"
         )
 
 
@@ -420,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny and short (the smoke test): " + ", ".join(f"{k} {v}" for k, v in QUICK.items()),
     )
+    ap.add_argument("--shard-params", action="store_true", help="shard the ranks' weights with FSDP2")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--work-dir", default="", help=argparse.SUPPRESS)
@@ -485,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_grad_norm": args.max_grad_norm,
             "topk_ratio": args.topk_ratio,
             "update_interval": args.update_interval,
+            "shard_params": args.shard_params,
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "seconds_total": round(time.perf_counter() - t0, 2),
         },
@@ -492,7 +535,12 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {
             f"{m}_{k}": r[k]
             for m, r in results.items()
-            for k in ("host_bytes_per_rank_ratio", "speedup_vs_single", "max_rel_diff_vs_single")
+            for k in (
+                "host_bytes_per_rank_ratio",
+                "speedup_vs_single",
+                "max_rel_diff_vs_single",
+                "param_bytes_per_rank",
+            )
         },
     }
     if args.json:

@@ -90,6 +90,9 @@ class EngineConfig(BaseModel):
     window's end, the GPU waiting for the upload. In a process group the gathered replica is kept anyway."""
     cpu_chunk_elements: int = Field(1 << 23, ge=1024, le=MAX_CHUNK_ELEMENTS)
     """Largest slice the CPU step updates before waiting gradient copies run (2**23: a 32 MiB bf16 ring)."""
+    shard_params: bool = False
+    """The model's parameters are row-sharded by PyTorch FSDP2 (``fully_shard``; :mod:`offload.fsdp`): each rank
+    updates its own rows and its host state is sized to them. False: whole parameters on every rank."""
     loss_scaling: Literal["auto", "dynamic", "off"] = "auto"
     """Dynamic loss scaling with GradScaler's rule; "auto": on exactly when a trainable parameter is fp16."""
     loss_scale_init: float = Field(2.0**16, gt=0, le=2.0**64)

@@ -60,6 +60,10 @@ unless ``state_dict()`` ran first. ``StepMetrics`` reports ``world_size``, ``ran
 host accumulation reduce-scatters the split weights' gradients and all-reduces only their selected
 columns (:mod:`offload.zenflow.reduction`).
 
+FSDP2 (``shard_params=True``, :mod:`offload.fsdp`): a model after ``fully_shard`` (no ``process_group``):
+every mode trains each rank's rows of the reduce-scattered gradient as one process would; the clipping
+norm and zenflow's column scores are summed over the mesh's group. ``state_dict()`` is the rank's rows.
+
 Core placement (``bind_worker_cores``, on by default; :mod:`offload.placement`): where the host
 allows it, the split is made of whole physical cores from the sysfs topology, the CPU thread is
 pinned to the optimizer's and every other thread of the process to the training's, torch's intra-op
@@ -83,6 +87,8 @@ from offload.cores import Cores
 from offload.cpu_thread import CPUThreadError
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
+from offload.engine_state import STATE_VERSION, states_to_load
+from offload.fsdp import RowShards, clip_rows_
 from offload.guard import Gate, LossScaler
 from offload.memory import EngineMemory
 from offload.metrics import StepMetrics
@@ -93,8 +99,6 @@ from offload.timing import IdleClock, StepStats, TimingEvent, begin_step_hook
 from offload.zenflow.mode import ZenFlowMode
 
 __all__ = ["CPUThreadError", "ZenFlowEngine"]
-
-_STATE_VERSION = 1
 
 
 class ZenFlowEngine:
@@ -112,6 +116,9 @@ class ZenFlowEngine:
         named = [(n, p) for n, p in named if p.requires_grad]
         if not named:
             raise ValueError("the model has no parameters with requires_grad=True")
+        #: FSDP2 row shards (offload.fsdp): the modes train each parameter's local rows, as in one process.
+        self._rows = RowShards.of(named, self.config.shard_params, process_group)
+        named = self._rows.named_local if self._rows is not None else named
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(
@@ -147,6 +154,7 @@ class ZenFlowEngine:
                 growth_interval=cfg.loss_scale_growth_interval,
             )
         self._mode: Mode = self._build_mode()
+        self._mode.row_group = self._rows.group if self._rows is not None else None
         #: Host bytes the mode allocated (fixed for the engine's life; reported in every StepMetrics).
         self._host_bytes = self._mode.memory().host_bytes
         self._cores.pin(self._mode.cpu_thread)
@@ -182,12 +190,12 @@ class ZenFlowEngine:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the engine's process group (1 without one)."""
-        return self._ranks.world
+        """Ranks in the engine's process group, or sharing the parameters' rows (1 without either)."""
+        return self._rows.world if self._rows is not None else self._ranks.world
 
     @property
     def rank(self) -> int:
-        return self._ranks.rank
+        return self._rows.rank if self._rows is not None else self._ranks.rank
 
     @property
     def lr(self) -> float:
@@ -237,6 +245,8 @@ class ZenFlowEngine:
         ranks = self._ranks
         if ranks.distributed:
             fill_missing_gradients(self._params, ranks)
+        if self._rows is not None:
+            self._rows.bind_grads()
         grads = [p.grad for p in self._params if p.grad is not None]
         scaler = self._scaler
         # fp16 gradients stay loss-scaled (offload.guard): `inv` folds into the norm and the factor
@@ -246,6 +256,10 @@ class ZenFlowEngine:
             reduced = self._mode.reduce(stats)
             sharded = bool(reduced.shards)
             total_norm, coef = clip_reduced_(reduced, self.config.max_grad_norm, self.device, ranks, inv=inv)
+        elif self._rows is not None:
+            total_norm, coef = clip_rows_(
+                grads, self.config.max_grad_norm, self.device, self._rows.group, inv=inv
+            )
         else:
             total_norm, coef = clip_(grads, self.config.max_grad_norm, self.device, inv=inv)
         ok = torch.isfinite(total_norm)
@@ -294,10 +308,12 @@ class ZenFlowEngine:
             skipped=not gate.finite(),
             loss_scale=vals[2] if scaler is not None else None,
             host_bytes=self._host_bytes,
-            world_size=ranks.world,
-            rank=ranks.rank,
+            world_size=self.world_size,
+            rank=self.rank,
             bytes_reduced=stats.bytes_reduced,
             bytes_gathered=stats.bytes_gathered,
+            sharded=self._rows is not None,
+            param_bytes=sum(p.numel() * p.element_size() for p in self._params),
         )
         self.last_metrics = m
         return m
@@ -307,6 +323,8 @@ class ZenFlowEngine:
         if set_to_none:
             for p in self._params:
                 p.grad = None
+            if self._rows is not None:
+                self._rows.clear_grads()
             return
         self._mode.before_zero_grad()
         self._ops.wait_last_d2h()
@@ -362,12 +380,16 @@ class ZenFlowEngine:
     def _state(self, mode_state: dict[str, Any]) -> dict[str, Any]:
         """The engine's state around its mode's (the one layout ``state_dict`` and ``state_views`` share)."""
         sd = {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "mode": self.config.mode,
             "step": self._step,
             "lr": self._lr,
             "mode_state": mode_state,
-            "shard": {"rank": self._ranks.rank, "world_size": self._ranks.world},
+            "shard": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "row_sharded": self._rows is not None,
+            },
         }
         if self._scaler is not None:
             sd["loss_scale"] = self._scaler.state_dict()
@@ -381,36 +403,12 @@ class ZenFlowEngine:
         is a list of one), whose optimizer shards are then re-cut for this group.
         """
         self._check_open()
-        states = sd if isinstance(sd, list) else [sd]
-        if not states:
-            raise ValueError("no engine state to load")
-        for st in states:
-            if st.get("version") != _STATE_VERSION:
-                raise ValueError(f"unsupported engine state version {st.get('version')!r}")
-            if st.get("mode") != self.config.mode:
-                raise ValueError(
-                    f"engine state is for mode {st.get('mode')!r}, this engine runs {self.config.mode!r}"
-                )
-        shards = [st.get("shard", {"rank": 0, "world_size": 1}) for st in states]
-        world, me = self._ranks.world, self._ranks.rank
-        if isinstance(sd, list):
-            saved = len(states)
-            in_order = [x["rank"] for x in shards] == list(range(saved))
-            if not in_order or {x["world_size"] for x in shards} != {saved}:
-                raise ValueError(
-                    f"expected the states of every rank of one group in rank order, got {shards}"
-                )
-            if saved == world:
-                self._mode.load_state_dict(states[me]["mode_state"])
-            else:
-                self._mode.load_shards([st["mode_state"] for st in states])
+        rank, world = self.rank, self.world_size
+        states, recut = states_to_load(sd, self.config.mode, rank, world, row_sharded=self._rows is not None)
+        if recut:
+            self._mode.load_shards([st["mode_state"] for st in states])
         else:
-            if (shards[0]["rank"], shards[0]["world_size"]) != (me, world):
-                raise ValueError(
-                    f"engine state of rank {shards[0]['rank']} of {shards[0]['world_size']} cannot be loaded by "
-                    f"rank {me} of {world}: pass every rank's state as a list to re-cut the shards"
-                )
-            self._mode.load_state_dict(states[0]["mode_state"])
+            self._mode.load_state_dict(states[rank if isinstance(sd, list) else 0]["mode_state"])
         first = states[0]
         if self._scaler is not None and "loss_scale" in first:  # states saved without it: the initial scale
             self._scaler.load_state_dict(first["loss_scale"])

@@ -55,6 +55,10 @@ class StepMetrics:
     bytes_reduced: int = 0
     #: Bytes this rank sent for the all-gathers of updated optimizer shards this step (ring).
     bytes_gathered: int = 0
+    #: Whether the parameters are row-sharded over the ranks (FSDP2, offload.fsdp), and the bytes of the
+    #: trainable parameters this rank holds between steps (its rows when sharded, else whole ones).
+    sharded: bool = False
+    param_bytes: int = 0
 
     @property
     def stall_fraction(self) -> float:

@@ -64,11 +64,11 @@ class EngineSettings(EngineConfig):
     accumulate_on: Literal["host", "device", "auto"] = "host"  # type: ignore[assignment]
     """Where zenflow sums a window's unselected gradient: host (no device memory), device (an fp32
     accumulator on the device, less CPU work per step), or auto: the plan's choice."""
-    shard_params: Literal["auto"] | bool = "auto"
-    """A job on several GPUs: each rank holds a 1/N row shard of every weight and its gradients
-    (PyTorch FSDP2), gathered block by block for forward and backward, instead of a whole replica.
-    auto: the plan's choice (on when the replicated weights do not fit the device, which costs the
-    all-gathers' and reduce-scatters' traffic per step)."""
+    shard_params: Literal["auto"] | bool = "auto"  # type: ignore[assignment]
+    """Shard the weights, gradients and optimizer state over the job's ranks with PyTorch FSDP2, each rank
+    holding 1/N (true), or keep a whole copy of the weights on every rank (false); auto: the plan's choice
+    (sharded when the replicated weights do not fit the device, which costs the all-gathers' and
+    reduce-scatters' traffic per step). One rank never shards."""
 
     @field_validator("lr")
     @classmethod
@@ -81,15 +81,17 @@ class EngineSettings(EngineConfig):
         *,
         mode: EngineMode | None = None,
         accumulate_on: Literal["host", "device"] | None = None,
+        shard_params: bool = False,
     ) -> EngineConfig:
         """The offload.config.EngineConfig to build the engine with; ``mode`` / ``accumulate_on``
-        resolve an ``auto`` (the plan's choice; without one ``auto`` is zenflow / host)."""
-        # shard_params is the run's (FSDP around the model), not the optimizer's: not an EngineConfig field
-        fields = self.model_dump(exclude={"lr", "shard_params"})
+        resolve an ``auto`` (the plan's choice; without one ``auto`` is zenflow / host); ``shard_params``: the
+        run's resolved choice (:func:`trainer.run.sharding.resolve_shard_params`)."""
+        fields = self.model_dump(exclude={"lr"})
         if self.mode == "auto":
             fields["mode"] = mode or "zenflow"
         if self.accumulate_on == "auto":
             fields["accumulate_on"] = accumulate_on or "host"
+        fields["shard_params"] = shard_params
         return EngineConfig(**{**fields, "lr": lr})
 
 

@@ -20,6 +20,7 @@ from offload.collectives import Ranks, Reduced
 from offload.config import EngineConfig
 from offload.cpu_thread import CPUThread
 from offload.device import DeviceOps, Landing
+from offload.fsdp import all_sum_, column_scores_
 from offload.guard import Gate
 from offload.memory import EngineMemory, is_split
 from offload.mode_base import Mode, NamedParams, add_parts, nbytes
@@ -171,7 +172,10 @@ class ZenFlowMode(Mode):
             total_split = grad_norms(grads, gate.grad_factor).square().sum()
         else:
             total_split = torch.zeros((), device=cols_sq.device)
-        return self.ops.read_later([full_sq + cols_sq, (total_split - cols_sq).clamp(min=0)])
+        pair = [full_sq + cols_sq, (total_split - cols_sq).clamp(min=0)]
+        if self.row_group is not None:  # row blocks (offload.fsdp): every rank decides on the whole model's
+            pair = list(all_sum_(torch.stack(pair), self.row_group).unbind())
+        return self.ops.read_later(pair)
 
     def _auto_window_ends(self, masses: Landing) -> bool:
         sel_v, unsel_v = masses.values()
@@ -185,7 +189,7 @@ class ZenFlowMode(Mode):
         for s in self.splits:  # placeholders, replaced at once by the batched selection below
             self.dev.add_columns(s.name, s.param, torch.arange(s.k, device=s.param.device))
         self.dev.reselect(
-            self.handover.values_from_master(stats), fresh=True, given_scores=self.reduction.scores(stats)
+            self.handover.values_from_master(stats), fresh=True, given_scores=self._scores(stats)
         )
         self.started = True
         self.since_select = 0
@@ -234,11 +238,18 @@ class ZenFlowMode(Mode):
 
     def _reselect(self, stats: StepStats) -> None:
         values = self.handover.values_from_master(stats)
-        for d in self.dev.reselect(values, given_scores=self.reduction.scores(stats)):
+        for d in self.dev.reselect(values, given_scores=self._scores(stats)):
             self.handover.stash_out(d)
         self.reselections += 1
         self.since_select = 0
         self.epoch_flag = False
+
+    def _scores(self, stats: StepStats) -> dict[str, torch.Tensor] | None:
+        """Column scores computed across ranks (the reduced shards' in a process group, the row blocks'
+        over FSDP2), or None: each weight's own gradient's."""
+        if self.row_group is not None:
+            return column_scores_([(s.name, s.param) for s in self.splits], self.row_group)
+        return self.reduction.scores(stats)
 
     def _current_selection(self) -> dict[str, torch.Tensor]:
         sel = {}

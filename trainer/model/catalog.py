@@ -150,8 +150,13 @@ def default_engine_settings(name: str, given: dict[str, Any]) -> dict[str, Any]:
         if key in given:
             continue
         trial = {**merged, key: value}
-        # "auto" (engine mode, accumulate_on: the job's plan resolves it) is checked as the engine's default
-        explicit = {k: v for k, v in trial.items() if v != "auto" or k not in ("mode", "accumulate_on")}
+        # "auto" (engine mode, accumulate_on, shard_params: the job's plan resolves it) is checked as the
+        # engine's default
+        explicit = {
+            k: v
+            for k, v in trial.items()
+            if v != "auto" or k not in ("mode", "accumulate_on", "shard_params")
+        }
         try:
             EngineConfig.model_validate(explicit)
         except ValidationError:

@@ -281,7 +281,7 @@ def remove_outputs(output_dir: Path) -> None:
     cleanup_partial(output_dir)
 
 
-def _export_names(state: Mapping[str, torch.Tensor], tie_word_embeddings: bool) -> list[str]:
+def export_names(state: Mapping[str, torch.Tensor], tie_word_embeddings: bool) -> list[str]:
     """The names to write: tied copies (sharing storage with an earlier tensor) dropped, and
     ``lm_head.weight`` when tied to the embeddings; nothing copied."""
     seen: set[tuple[str, int, int, tuple[int, ...]]] = set()
@@ -309,14 +309,16 @@ def save_model_files(
     generation_config: Any = None,
     *,
     fetch: Callable[[str], torch.Tensor] | None = None,
+    names: list[str] | None = None,
 ) -> None:
     """Write weights (one safetensors file, tensor by tensor: :func:`offload.state_io.write_safetensors`),
     config and tokenizer so from_pretrained loads them. ``fetch(name)``: each weight's value, made
-    when it is written (``state`` then gives the dtypes and shapes only)."""
+    when it is written (``state`` then gives the dtypes and shapes only). ``names``: the weights to
+    write, when the caller chose them (:func:`export_names`), in the order they are fetched."""
     from offload.state_io import write_safetensors
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    names = _export_names(state, tied)
+    names = names if names is not None else export_names(state, tied)
     write_safetensors(Path(directory) / WEIGHTS, {n: state[n] for n in names}, {"format": "pt"}, fetch=fetch)
     config.save_pretrained(directory)
     if generation_config is not None:

@@ -203,10 +203,12 @@ def reference_table(
     pad_id: int,
     device: torch.device,
     dist: DistContext | None = None,
+    split: bool = True,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """Each set's reference log-probabilities, ``(pairs, 2)`` float32 on the CPU (chosen, rejected), and
     whether they were computed now (False: read back from ``out``). Every rank computes its part of each
-    set and the parts are summed across ranks; rank 0 writes the file."""
+    set and the parts are summed across ranks (``split``), or every rank computes them all (weights
+    sharded: FSDP's gathers need every rank in every pass); rank 0 writes the file."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -221,7 +223,7 @@ def reference_table(
             same = (f.metadata() or {}).get("fingerprint") == fp
         if same:
             return load_file(str(path)), False
-    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    rank, world = (dist.rank, dist.world_size) if dist is not None and split else (0, 1)
     tables: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, pairs in sets.items():
@@ -233,7 +235,7 @@ def reference_table(
                 lp = sequence_logps(model, pb.batch).double().cpu()
                 k = pb.num_learned
                 table[pb.index, 0], table[pb.index, 1] = lp[:k], lp[k:]
-            if dist is not None:
+            if dist is not None and split:
                 table = torch.tensor(all_sum(dist, table.flatten().tolist()), dtype=torch.float64).view(-1, 2)
             tables[name] = table.float()
     if dist is None or dist.is_main:

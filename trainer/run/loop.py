@@ -292,7 +292,9 @@ class _Run:
                     idx = rank_part(idx, self.dist.rank, self.dist.world_size)
                 micro = list(self._micro_batches(idx))
                 prev = pending.loss if pending is not None else None
-                totals = step_totals(self.dist, micro, cancel=self.should_cancel(), prev_loss=prev)
+                totals = step_totals(
+                    self.dist, micro, cancel=self.should_cancel(), prev_loss=prev, count_micro=built.sharded
+                )
                 if pending is not None:
                     assert totals.prev_loss is not None
                     self._report(pending, totals.prev_loss, bar)
@@ -304,7 +306,10 @@ class _Run:
                     engine.new_epoch()
                 lr = hp.lr_at(state.step)
                 loss_fn = self.dpo.loss if self.dpo is not None else None
-                done = optimizer_step(model, engine, micro, lr, totals, dist=self.dist, loss_fn=loss_fn)
+                filler = next(self._micro_batches([0])) if built.sharded else None
+                done = optimizer_step(
+                    model, engine, micro, lr, totals, dist=self.dist, loss_fn=loss_fn, filler=filler
+                )
                 pref = self.dpo.take_step(self.dist) if self.dpo is not None else None
                 m = done.metrics
                 if self.dist is None:
@@ -421,7 +426,7 @@ class _Run:
         if self.dpo is not None:
             self._eval_dpo(self.dpo)
             return
-        if dist is None:
+        if dist is None or built.sharded:  # sharded: every rank runs every pass (FSDP's gathers), all alike
             loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
         else:  # each rank its part; the summed losses and counts added up
             part = rank_part(data.valid, dist.rank, dist.world_size)
@@ -432,11 +437,13 @@ class _Run:
         self.emit(EvalEvent(self.state.step, loss, n))
 
     def _eval_dpo(self, dpo: DpoObjective) -> None:
-        """The validation pairs' mean DPO loss and preference metrics (each rank its part)."""
+        """The validation pairs' mean DPO loss and preference metrics (each rank its part; with sharded
+        weights every rank runs every pair, as FSDP's gathers need all ranks in every pass)."""
         data, dist = self.data, self.dist
+        split = dist if dist is not None and not self.built.sharded else None
         index = list(range(len(data.valid)))
-        if dist is not None:
-            index = rank_part(index, dist.rank, dist.world_size)
+        if split is not None:
+            index = rank_part(index, split.rank, split.world_size)
         sums = dpo.evaluate_sums(
             self.built.model,
             [data.valid[i] for i in index],
@@ -445,7 +452,7 @@ class _Run:
             pad_id=data.pad_id,
             device=self.built.device,
         )
-        loss, metrics, n = eval_result(all_sum(dist, sums))
+        loss, metrics, n = eval_result(all_sum(split, sums))
         self.state.valid_loss = loss
         self.emit(EvalEvent(self.state.step, loss, n, metrics))
 

@@ -61,6 +61,7 @@ from trainer.run.checkpoint import (
 from trainer.run.distributed import DistContext, all_sum, broadcast_object
 from trainer.run.model_card import CARD_FILE, model_card
 from trainer.run.setup import Built, Progress, RunData
+from trainer.run.sharding import FullWeights, gather_full_state
 from trainer.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -203,9 +204,27 @@ class RunOutputs:
             }
             self._stage_shards(step, rank_state)
         figures = metrics(progress)
+        # sharded weights: every rank takes part in gathering each whole weight (LoRA: rank 0 keeps the
+        # whole state to merge; a full fine-tune: one weight at a time, as rank 0 writes it)
+        full = streamed = None
+        if built.sharded and self.spec.lora is not None:
+            full = gather_full_state(built.model, built.engine, keep=self.is_main)
+        elif built.sharded:
+            tied = bool(getattr(built.base_config, "tie_word_embeddings", False))
+            streamed = FullWeights(built.model, built.engine, tied)
+            if not self.is_main:
+                streamed.drain()
 
         def write_all() -> str:
-            return str(self._write_checkpoint(progress, figures, engine_state, weight_of, rng, rank_state))
+            try:
+                return str(
+                    self._write_checkpoint(
+                        progress, figures, engine_state, weight_of, rng, rank_state, full, streamed
+                    )
+                )
+            finally:
+                if streamed is not None:  # a failed write still completes every rank's gathers
+                    streamed.drain()
 
         path = self._on_main(f"checkpoint {step}", write_all)
         progress.last_saved, progress.last_checkpoint = step, path
@@ -222,6 +241,8 @@ class RunOutputs:
         weight_of: Callable[[str], torch.Tensor],
         rng: dict[str, Any],
         rank_state: dict[str, Any],
+        full: dict[str, torch.Tensor] | None = None,
+        streamed: FullWeights | None = None,
     ) -> Path:
         """Phase 2 (rank 0, or the single process): the checkpoint directory, with every shard in it."""
         built, data, dist = self.built, self.data, self.dist
@@ -241,7 +262,22 @@ class RunOutputs:
 
         def write(tmp: Path) -> None:
             adapter = None
-            if self.spec.lora is None:
+            if streamed is not None:
+                save_model_files(
+                    tmp,
+                    streamed.refs,
+                    built.base_config,
+                    data.tokenizer,
+                    built.generation_config,
+                    fetch=streamed.fetch,
+                    names=streamed.names,
+                )
+            elif full is not None:  # sharded: the gathered state (LoRA: the adapter's, merged for the model)
+                adapter = full if self.spec.lora is not None else None
+                weights = merged_lora_state(built.model, full) if adapter is not None else full
+                save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+                del weights
+            elif self.spec.lora is None:
                 refs, fetch = self._streamed_export(
                     set(engine_state["mode_state"]["device_params"]), weight_of
                 )

@@ -11,6 +11,8 @@ engine gets the group. Resuming, every rank reads rank 0's choice of checkpoint:
 ranks gives each rank its own engine shard and RNG states back (bit-exact); one written by another
 number of ranks (a single process counts as one shard) hands the engine ALL shards, in rank order, to
 re-cut. A fresh run seeds each rank's generators with seed + rank (dropout may differ per rank).
+With ``engine.shard_params`` resolved on (:mod:`trainer.run.sharding`) the replica is then sharded with
+FSDP2 before the engine is built over each rank's rows; such a checkpoint resumes on as many ranks only.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from trainer.run.checkpoint import (
     set_rng_state,
 )
 from trainer.run.distributed import DistContext, broadcast_object, rank_device
+from trainer.run.sharding import rank_param_bytes, resolve_shard_params, shard_model
 from trainer.runtime import RuntimeChoices
 from trainer.spec import JobSpec, ResolvedHyperparameters
 
@@ -87,6 +90,8 @@ class Built:
     added_tokens: int = 0
     #: A full fine-tuning DPO job's reference log-probabilities by set (trainer.run.dpo.reference_table).
     reference: dict[str, torch.Tensor] | None = None
+    #: The weights are sharded over the ranks with FSDP2 (trainer.run.sharding).
+    sharded: bool = False
 
 
 def pick_device(pref: str) -> torch.device:
@@ -196,7 +201,7 @@ def _rank_restore(ckpt: CheckpointInfo, state: dict[str, Any], dist: DistContext
 def _make_engine(model: Any, config: Any, dist: DistContext | None) -> ZenFlowEngine:
     from offload.engine import ZenFlowEngine
 
-    if dist is None:
+    if dist is None or config.shard_params:  # sharded: the parameters carry their mesh's group
         return ZenFlowEngine(model, config)
     return ZenFlowEngine(model, config, process_group=dist.group)
 
@@ -244,14 +249,34 @@ def build(
         from trainer.run.dpo import disable_dropout
 
         disable_dropout(model)
+    sharded = resolve_shard_params(
+        spec.engine.shard_params, dist.world_size if dist is not None else 1, data.plan
+    )
+    if sharded:
+        assert dist is not None
+        blocks = shard_model(model, dist, device)
+        emit(
+            LogEvent(
+                f"Weights sharded over {dist.world_size} ranks (FSDP2, {blocks} blocks): rank {dist.rank} holds "
+                f"{rank_param_bytes(model)} bytes of parameters",
+                data={
+                    "sharded": True,
+                    "blocks": blocks,
+                    "rank": dist.rank,
+                    "rank_param_bytes": rank_param_bytes(model),
+                },
+            )
+        )
     # Before the engine or a checkpoint touches the weights: the base model is DPO's reference.
-    reference = _dpo_reference(spec, data, model, out, device, emit, dist)
+    reference = _dpo_reference(spec, data, model, out, device, emit, dist, split=not sharded)
 
     found = _checkpoint_state(out, hp, dist) if resume else None
     restore = _rank_restore(*found, dist) if found is not None else None
     threads = torch.get_num_threads()  # before the engine's core placement caps it
     resumed = restore.first if restore is not None else None
-    config = spec.engine.engine_config(hp.lr_at(0), **engine_choices(data.plan, resumed))
+    config = spec.engine.engine_config(
+        hp.lr_at(0), **engine_choices(data.plan, resumed), shard_params=sharded
+    )
     engine = _make_engine(model, config, dist)
     built = Built(
         model,
@@ -263,6 +288,7 @@ def build(
         Progress(),
         added_tokens=added_tokens,
         reference=reference,
+        sharded=sharded,
     )
     try:
         emit(LogEvent(engine.placement.describe(), data=engine.placement.as_dict()))
@@ -333,8 +359,11 @@ def _dpo_reference(
     device: torch.device,
     emit: Callable[[Event], None],
     dist: DistContext | None,
+    *,
+    split: bool,
 ) -> dict[str, torch.Tensor] | None:
-    """A full fine-tuning DPO job's reference table (LoRA jobs disable the adapter instead)."""
+    """A full fine-tuning DPO job's reference table (LoRA jobs disable the adapter instead); ``split``:
+    each rank computes its part (not with sharded weights, trainer.run.dpo.reference_table)."""
     if data.hp.dpo is None or spec.lora is not None:
         return None
     from trainer.run.dpo import REFERENCE_FILE, reference_table
@@ -349,6 +378,7 @@ def _dpo_reference(
         pad_id=data.pad_id,
         device=device,
         dist=dist,
+        split=split,
     )
     pairs = sum(len(v) for v in sets.values())
     how = "computed in a pass before training" if computed else "read back"

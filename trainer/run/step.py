@@ -95,6 +95,9 @@ class StepTotals:
     cancel: bool
     #: The previous step's global loss when one was passed in (else None).
     prev_loss: float | None
+    #: The most micro-batches any rank runs this step (counted only when asked: sharded weights, where
+    #: every rank must run as many forward/backward passes as the others, for FSDP's gathers); else 0.
+    most_micro: int = 0
 
 
 def step_totals(
@@ -103,6 +106,7 @@ def step_totals(
     *,
     cancel: bool,
     prev_loss: LateLoss | None = None,
+    count_micro: bool = False,
 ) -> StepTotals:
     """The step's token counts over all ranks, the cancel vote and the previous step's loss, in one
     all-reduce (none in a single process). ``prev_loss`` must be given on every rank or on none."""
@@ -111,9 +115,13 @@ def step_totals(
     vals = [float(learned_here), float(tokens_here), 1.0 if cancel else 0.0]
     if prev_loss is not None:
         vals.append(prev_loss.value())
+    at = len(vals)
+    if count_micro and dist is not None:  # each rank's count in its own slot: every rank learns all
+        vals += [float(len(micro_batches)) if r == dist.rank else 0.0 for r in range(dist.world_size)]
     if dist is not None:
         vals = all_sum(dist, vals)
     return StepTotals(
+        most_micro=int(max(vals[at:], default=0)),
         learned=int(vals[0]),
         tokens=int(vals[1]),
         cancel=vals[2] > 0,
@@ -142,11 +150,13 @@ def optimizer_step(
     *,
     dist: DistContext | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    filler: MicroBatch | None = None,
 ) -> StepOutcome:
     """Run one optimizer step at learning rate ``lr``; ``micro_batches`` are this rank's part of the
     step and ``totals`` its counts over all ranks (:func:`step_totals`). ``loss_fn(model, micro_batch)``
     is a micro-batch's summed loss over its ``num_learned`` units (default: the token loss; a DPO job's:
-    :meth:`trainer.run.dpo.DpoObjective.loss`)."""
+    :meth:`trainer.run.dpo.DpoObjective.loss`). ``filler`` (sharded weights): a micro-batch this rank
+    runs with a zero loss until it has run ``totals.most_micro`` passes, as every rank."""
     loss_of = loss_fn or _token_loss
     engine.set_lr(lr)
     scale = float(dist.world_size) if dist is not None else 1.0
@@ -161,6 +171,11 @@ def optimizer_step(
         engine.scale_loss(
             loss * scale if dist is not None else loss
         ).backward()  # scaled only with fp16 loss scaling
+    if filler is not None:
+        for _ in range(totals.most_micro - len(micro_batches)):
+            (
+                loss_of(model, filler) * 0.0
+            ).backward()  # adds nothing; takes part in FSDP's gathers and reductions
     m = engine.step()
     engine.zero_grad()
     tokens_here = sum(b.num_tokens for b in micro_batches)

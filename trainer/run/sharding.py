@@ -1,0 +1,166 @@
+"""A job's weights sharded over its ranks with PyTorch FSDP2 (``engine.shard_params``): whether to, the
+model wrapped, and its whole weights gathered back for the exported model.
+
+Every rank builds the same model (same seed or folder), then :func:`shard_model` applies ``fully_shard``
+to each decoder block (the classes transformers names in ``_no_split_modules``) and then to the root, on a
+1-D device mesh of the job's ranks: each rank keeps a block of every weight's rows, FSDP all-gathers a
+block's weights around its forward and backward (prefetching the next) and reduce-scatters its gradient.
+The engine (:mod:`offload.fsdp`) then trains each rank's rows. FSDP averages the gradients over the ranks,
+as the replicated engine does, so the loss normalisation of :mod:`trainer.run.step` stays as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from offload.engine import ZenFlowEngine
+    from trainer.plan.records import Plan
+    from trainer.run.distributed import DistContext
+
+
+def resolve_shard_params(setting: Literal["auto"] | bool, world: int, plan: Plan | None = None) -> bool:
+    """Whether this run shards its weights: never on one rank (nothing to shard with); ``auto``: the
+    plan's choice (``plan.settings.shard_params``: when the replicated weights do not fit a device but
+    the sharded ones do); without a plan, replicated."""
+    if world <= 1:
+        return False
+    if setting == "auto":
+        return plan is not None and plan.settings.shard_params
+    return bool(setting)
+
+
+def _blocks(model: Any) -> Iterator[Any]:
+    """The model's decoder blocks: modules of the classes some submodule lists in ``_no_split_modules``
+    (transformers' unit of device placement), outermost first, none inside another."""
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    found: list[Any] = []
+    for m in model.modules():
+        if type(m).__name__ in names and not any(m is b or _contains(b, m) for b in found):
+            found.append(m)
+    return iter(found)
+
+
+def _contains(outer: Any, inner: Any) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def shard_model(model: Any, dist: DistContext, device: torch.device) -> int:
+    """``fully_shard`` each decoder block, then the root (the embeddings, the final norm, the head), on
+    a mesh of the job's ranks; the number of blocks sharded on their own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.world_size,))
+    blocks = list(_blocks(model))
+    for b in blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return len(blocks)
+
+
+def rank_param_bytes(model: Any) -> int:
+    """Bytes of the parameters this rank holds between steps (its rows of sharded ones, padding not counted)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            total += t.numel() * t.element_size()
+    return total
+
+
+def gather_full_state(model: Any, engine: ZenFlowEngine, *, keep: bool) -> dict[str, torch.Tensor]:
+    """The model's whole state dict on CPU with the engine's newest values (zenflow's pending CPU result
+    merged in), one weight at a time: each sharded weight is all-gathered from every rank's rows, so every
+    rank must call this, in step; only where ``keep`` (the writing rank) are the whole weights kept."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    newest = engine.consolidated_state_dict()  # this rank's rows, by parameter name
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, v in model.state_dict(keep_vars=True).items():
+            if isinstance(v, DTensor):
+                rows = newest.get(name_of.get(id(v), key))
+                if rows is not None:
+                    v = DTensor.from_local(
+                        rows.to(v.device),
+                        v.device_mesh,
+                        v.placements,
+                        run_check=False,
+                        shape=v.shape,
+                        stride=v.stride(),
+                    )
+                full = v.full_tensor()
+                if keep:
+                    out[key] = full.to("cpu", copy=True)
+                del full
+            elif keep:
+                out[key] = v.detach().to("cpu", copy=True)
+    return out
+
+
+class FullWeights:
+    """A sharded full fine-tune's exported weights made one at a time (never the whole model in one
+    process): each whole weight is all-gathered from every rank's rows (the engine's newest values) when
+    the writing rank asks for it (:meth:`fetch`), every other rank taking part in the same gathers in
+    the same order (:meth:`drain`). ``names`` is that order (the writer's: largest element first, as
+    :func:`offload.state_io.write_safetensors` lays them out) and ``refs`` their global dtypes and shapes."""
+
+    def __init__(self, model: Any, engine: ZenFlowEngine, tie_word_embeddings: bool) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from trainer.run.checkpoint import export_names
+
+        self._vars: dict[str, Any] = dict(model.state_dict(keep_vars=True))
+        local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in self._vars.items()}
+        with torch.no_grad():
+            chosen = export_names({k: t.detach() for k, t in local.items()}, tie_word_embeddings)
+        self.names = sorted(chosen, key=lambda n: -self._vars[n].element_size())
+        self.refs = {
+            n: torch.empty(self._vars[n].shape, dtype=self._vars[n].dtype, device="meta") for n in self.names
+        }
+        self._newest = engine.consolidated_state_dict()  # this rank's rows, by parameter name
+        self._name_of = {id(p): n for n, p in model.named_parameters()}
+        self._next = 0
+
+    def fetch(self, key: str) -> torch.Tensor:
+        """Weight ``key``, whole, on CPU (collective: asked for in :attr:`names`' order only)."""
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        if self._next >= len(self.names) or self.names[self._next] != key:
+            raise RuntimeError(f"sharded export: weight {key!r} asked for out of the gathering order")
+        self._next += 1
+        v = self._vars[key]
+        with torch.no_grad():
+            if not isinstance(v, DTensor):
+                plain: torch.Tensor = v.detach().to("cpu", copy=True)
+                return plain
+            rows = self._newest.get(self._name_of.get(id(v), key))
+            if rows is not None:
+                v = DTensor.from_local(
+                    rows.to(v.device),
+                    v.device_mesh,
+                    v.placements,
+                    run_check=False,
+                    shape=v.shape,
+                    stride=v.stride(),
+                )
+            whole: torch.Tensor = v.full_tensor().to("cpu")
+            return whole
+
+    def drain(self) -> None:
+        """Take part in every gather not made yet (the ranks that do not write; the writer after a failure)."""
+        while self._next < len(self.names):
+            self.fetch(self.names[self._next])
