@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     #: A running job whose worker has not sent a heartbeat for this long is considered lost.
     heartbeat_timeout_seconds: float = Field(120.0, gt=0)
     heartbeat_interval_seconds: float = Field(10.0, gt=0)
+    #: A multi-node job's gang (store.gang) must have all its nodes joined this long after its first
+    #: member took node 0, or its members release their slots and the job waits its turn again (no
+    #: attempt counted, its queue position kept): a partial gang never holds workers for long.
+    gang_form_timeout_seconds: float = Field(120.0, gt=0)
     #: A queued job whose message was not handed to the broker this long after its creation (the API
     #: died between commit and enqueue), or whose message was handed over longer ago than this and is
     #: no longer in the broker (Redis restarted without persistence, flushed), is dispatched again by
