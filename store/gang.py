@@ -209,8 +209,9 @@ def next_gang(
     hostname: str,
     settings: Settings,
     *,
-    queue: str,
+    queue: str | None,
     endpoint: str,
+    message_job_id: str | None = None,
     now: datetime | None = None,
 ) -> tuple[jobs.NextClaim, Member | None]:
     """A worker that may serve multi-node jobs took a job message from ``queue``: join the oldest
@@ -218,8 +219,22 @@ def next_gang(
     else claim by fair share (:func:`store.jobs.claim_next`), a single-node job as before, a multi-node
     one by opening its gang as node 0 (``forming``: the caller recruits its other nodes). Jobs whose
     gang is forming are passed over by the fair-share pass (their members are recruited, not claimed).
+    A message whose own job is a dead multi-node run re-queues it first (the attempt counted): a gang is
+    never taken over by one node.
     """
     now = now or utcnow()
+    own = session.get(FineTuningJob, message_job_id) if message_job_id else None
+    if own is not None:
+        queue = own.queue
+        if job_nodes(own.resources) > 1 and own.status == JobStatus.running.value:
+            locked = jobs.lock_job(session, own.id)
+            if locked is not None and not jobs.heartbeat_is_fresh(
+                locked.heartbeat_at, settings.heartbeat_timeout_seconds, now
+            ):
+                jobs.requeue(session, locked, "A node of its gang was lost")
+            own = None
+    if queue is None:
+        return jobs.NextClaim(jobs.Claim.missing), None
     for job_id in forming(session, queue):
         job = session.execute(
             select(FineTuningJob)
@@ -252,7 +267,9 @@ def next_gang(
         opened.append(member)
         return jobs.Claim.forming
 
-    result = jobs.claim_next(session, hostname, settings, message_job_id=None, queue=queue, take=take)
+    result = jobs.claim_next(
+        session, hostname, settings, message_job_id=own.id if own else None, queue=queue, take=take
+    )
     return result, (opened[0] if opened else None)
 
 
