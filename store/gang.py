@@ -287,6 +287,20 @@ def beat(session: Session, member: Member, hostname: str, *, now: datetime | Non
     return bool(getattr(res, "rowcount", 0))
 
 
+def done(session: Session, member: Member, hostname: str, *, now: datetime | None = None) -> None:
+    """A member whose ranks ended cleanly stops beating: its slot no longer counts as lost while node 0
+    writes the job's end state."""
+    session.execute(
+        update(JobNode)
+        .where(
+            JobNode.job_id == member.job_id,
+            JobNode.attempt == member.attempt,
+            JobNode.worker_hostname == hostname,
+        )
+        .values(left_at=now or utcnow())
+    )
+
+
 def leave(session: Session, member: Member, why: str) -> None:
     """A member gives up waiting (its deadline passed, or it is stopping): a gang still forming is
     dissolved for all its members (a partial gang must not stay); a started one is left to the run."""
@@ -334,6 +348,7 @@ def lost_running(session: Session, settings: Settings, *, now: datetime | None =
                 FineTuningJob.status == JobStatus.running.value,
                 JobNode.attempt == FineTuningJob.attempts,
                 JobNode.heartbeat_at < cutoff,
+                JobNode.left_at.is_(None),
             )
             .distinct()
         )

@@ -287,6 +287,8 @@ class JobNode(Base):
     rdzv_endpoint: Mapped[str | None] = mapped_column(String(255))
     joined_at: Mapped[datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: When this member's ranks ended cleanly (it no longer beats; node 0 writes the end state).
+    left_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class ModelKind(enum.StrEnum):

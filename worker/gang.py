@@ -111,13 +111,15 @@ def node0_hostname(job_id: str, settings: Settings) -> str:
         return job.worker_hostname or "" if job is not None else ""
 
 
-def settle(member: Member, rc: int, node0: str, settings: Settings, *, preempted: bool) -> str:
+def settle(member: Member, rc: int, hostname: str, node0: str, settings: Settings, *, preempted: bool) -> str:
     """After this node's ranks ended: a node whose ranks failed settles the job for the gang (re-queued
     to resume from its last complete checkpoint on any nodes, the attempt counted, or failed with none
     left), whichever node it is, while the job still runs this attempt; an exit 0 of a node other than
     0 settles nothing (node 0's global rank 0 writes the end state). Node 0 settles as a single-node
     worker does (worker.requeue)."""
     if member.node_rank != 0 and rc == 0:
+        with session_scope(settings.resolved_database_url) as s:
+            gang.done(s, member, hostname)
         return "done"
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(FineTuningJob, member.job_id)

@@ -375,7 +375,7 @@ def run_gang_member(job_id: str, hostname: str, settings: Settings, member: Memb
         gang=formed,
         beat=lambda: gang_worker.beat(formed, hostname, node0, settings),
     )
-    outcome = gang_worker.settle(formed, rc, node0, settings, preempted=_preempted.is_set())
+    outcome = gang_worker.settle(formed, rc, hostname, node0, settings, preempted=_preempted.is_set())
     log.info("job %s: node %d's ranks exited (%s): %s", job_id, formed.node_rank, describe_exit(rc), outcome)
     return outcome
 

@@ -33,6 +33,7 @@ def upgrade() -> None:
         sa.Column("rdzv_endpoint", sa.String(length=255), nullable=True),
         sa.Column("joined_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("left_at", sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["job_id"],
             ["fine_tuning_jobs.id"],

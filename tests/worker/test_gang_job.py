@@ -17,11 +17,13 @@ import pytest
 import torch
 from sqlalchemy import select
 
+from store import jobs
 from store.db import session_scope
-from store.orm import JobNode
+from store.fairshare import fair_order
+from store.orm import JobNode, JobRun, JobStatus
 from store.settings import Settings
 from tests.worker.claims import claim_job
-from tests.worker.test_multi_rank_job import messages, wait_for
+from tests.worker.test_multi_rank_job import alive, messages, rank_pids, wait_for
 from tests.worker.test_worker import get_job, make_job, sums_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +149,8 @@ def test_a_two_node_job_equals_one_node_of_two_ranks(
     with session_scope(url) as s:
         members = {r.worker_hostname for r in s.scalars(select(JobNode).where(JobNode.job_id == gang_job))}
     assert members == {n.hostname for n in nodes}  # one node each
-    for n in nodes:
+    for n in nodes:  # each node's task ends (node 1's ranks exit 0: nothing to settle)
+        wait_for(lambda n=n: "ranks exited" in n.log.read_text(errors="replace"), 120, "its ranks", log=n.log)  # type: ignore[misc]
         n.stop()
 
     # the same job on one node of two ranks, run the way a worker runs it
@@ -159,3 +162,84 @@ def test_a_two_node_job_equals_one_node_of_two_ranks(
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(b[k].float(), a[k].float(), rtol=0, atol=1e-5, msg=k)
+
+
+def _events(url: str, job_id: str) -> list[str]:
+    return messages(url, job_id)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_gang_that_cannot_form_releases_its_slot_and_the_job_keeps_its_place(
+    nodes: list[Node], settings: Settings, tmp_path: Path
+) -> None:
+    url = settings.resolved_database_url
+    data = sums_file(tmp_path / "d.jsonl", n=32)
+    queue = nodes[0].queue
+    big = make_job(url, data, queue=queue, hyperparameters=HP, resources={"nodes": 2, "gpus": 1})
+    later = make_job(url, data, queue=queue, hyperparameters=HP, status="validating_files")  # waits behind
+    created = get_job(url, big).created_at
+    nodes[0].start()  # one node only: the gang cannot form
+    nodes[0].enqueue(big)
+    wait_for(
+        lambda: any(m.startswith("Gang released") for m in _events(url, big)),
+        120,
+        "the release",
+        log=nodes[0].log,
+    )
+    job = get_job(url, big)
+    assert (job.status, job.attempts, job.created_at) == ("queued", 0, created)  # nothing counted
+    with session_scope(url) as s:
+        assert s.scalars(select(JobRun).where(JobRun.job_id == big)).all() == []  # no GPU time held
+        order = fair_order(queue)
+        assert list(s.scalars(select(order.c.job_id).order_by(order.c.pos))) == [big, later]
+    assert "did not form within 20 s; released" in nodes[0].log.read_text(errors="replace")
+    nodes[0].stop()
+    with session_scope(url) as s:  # nothing of this test left for the session's other claims
+        for job_id in (big, later):
+            j = jobs.lock_job(s, job_id)
+            if j is not None and not JobStatus(j.status).terminal:
+                jobs.cancel(s, j, "test over")
+
+
+STEPS, EVERY = 40, 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_node_killed_mid_job_requeues_once_and_the_job_resumes(
+    nodes: list[Node], settings: Settings, tmp_path: Path
+) -> None:
+    url = settings.resolved_database_url
+    hp = {**HP, "n_epochs": 3, "max_steps": STEPS, "checkpoint_every": EVERY}
+    job_id = make_job(
+        url,
+        sums_file(tmp_path / "d.jsonl", n=32),
+        queue=nodes[0].queue,
+        hyperparameters=hp,
+        resources={"nodes": 2, "gpus": 1},
+    )
+    for n in nodes:
+        n.start()
+    nodes[0].enqueue(job_id)
+
+    def past_checkpoint() -> bool:
+        j = get_job(url, job_id)
+        return j.status == "running" and j.last_checkpoint_path is not None and j.global_step >= EVERY + 1
+
+    wait_for(past_checkpoint, 400, "a checkpoint and a step more", log=nodes[1].log)
+    first = get_job(url, job_id)
+    member = next(n for n in nodes if n.hostname != first.worker_hostname)  # not the rendezvous host
+    ranks = rank_pids(job_id)
+    member.kill()  # the worker of one node dies (its agent and rank with it)
+    wait_for(lambda: not any(alive(p) for p in ranks.values()), 60, "every rank to end", log=nodes[0].log)
+    member.start()  # a node comes back: the job forms a new gang and resumes
+    job = _ended(url, job_id, 600, member.log)
+    msgs = messages(url, job_id)
+    assert job.status == "succeeded", (job.error, msgs[-10:])  # type: ignore[attr-defined]
+    assert job.attempts == 2 and job.global_step == STEPS  # type: ignore[attr-defined]
+    assert sum("re-queued" in m for m in msgs) == 1, msgs
+    assert sum(m.startswith("Gang of 2 nodes formed") for m in msgs) == 2, msgs
+    resumed = [m for m in msgs if m.startswith("Training resumed at step")]
+    assert len(resumed) == 1, msgs
+    assert sum(m.startswith("Job succeeded") for m in msgs) == 1
