@@ -210,7 +210,8 @@ class JobError(BaseModel):
 
 
 class Resources(BaseModel):
-    """What a job runs on (trainer.spec.ResourceSpec, resolved): ``gpus``, its data-parallel ranks."""
+    """What a job runs on (trainer.spec.ResourceSpec, resolved): ``gpus``, its data-parallel ranks per
+    node, and ``nodes`` (shown when the request gave it) the worker hosts it spans."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -152,6 +153,11 @@ class Claim(enum.StrEnum):
     held = "held"
     #: claim_next: no job waits on the queue.
     idle = "idle"
+    #: store.gang: this worker took node 0 of a multi-node job's gang, which now forms (the job stays
+    #: queued until all its nodes joined).
+    forming = "forming"
+    #: store.gang: this worker joined a forming gang as one of its other nodes.
+    joined = "joined"
 
 
 def claim(
@@ -232,6 +238,7 @@ def claim_next(
     message_job_id: str | None,
     queue: str | None = None,
     gpus: int | None = None,
+    take: Callable[[FineTuningJob], Claim] | None = None,
 ) -> NextClaim:
     """A worker took a message from ``queue``: claim the job fair share puts first (store.fairshare).
 
@@ -246,6 +253,9 @@ def claim_next(
     its ``gpu_hours`` quota (its running jobs counted so far) is skipped too, its waiting jobs on the
     queue told why once (:func:`_tell_held`). A candidate that turns out cancelled or out of attempts
     is settled and the next one tried. The queue is the message's job's, else ``queue``.
+
+    ``take`` (default :func:`claim` here) decides for each locked candidate; store.gang passes one that
+    opens a gang for a multi-node job (``forming``) and skips a gang already forming.
     """
 
     def run_here(job: FineTuningJob | None) -> Claim:
@@ -297,8 +307,8 @@ def claim_next(
         job = locked(job_id, skip_locked=True)
         if job is None or job.status not in PENDING or held_back(job):
             continue
-        outcome = run_here(job)
-        if outcome is Claim.claimed:
+        outcome = (take or run_here)(job)
+        if outcome in (Claim.claimed, Claim.forming):
             return NextClaim(outcome, job.id, queue)
     return NextClaim(Claim.held, held, queue) if held else NextClaim(Claim.idle, None, queue)
 

@@ -272,6 +272,28 @@ class JobRun(Base):
     gpu_seconds: Mapped[float | None] = mapped_column(Float)
 
 
+class JobNode(Base):
+    """A worker's node slot in one attempt of a multi-node job (a gang, store.gang): node 0 is the
+    rendezvous host (its ``rdzv_endpoint``); the attempt starts once all ``resources.nodes`` slots are
+    taken, and a slot whose heartbeat goes stale dissolves its gang."""
+
+    __tablename__ = "fine_tuning_job_nodes"
+
+    job_id: Mapped[str] = mapped_column(
+        ForeignKey("fine_tuning_jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    #: The attempt the gang forms for: the job's ``attempts`` + 1 while forming, ``attempts`` once started.
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    worker_hostname: Mapped[str] = mapped_column(String(255), index=True)
+    #: ``host:port`` of the rendezvous (node 0's slot only).
+    rdzv_endpoint: Mapped[str | None] = mapped_column(String(255))
+    joined_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    #: When this member's ranks ended cleanly (it no longer beats; node 0 writes the end state).
+    left_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
 class ModelKind(enum.StrEnum):
     fine_tuned = "fine-tuned"
     checkpoint = "checkpoint"

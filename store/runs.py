@@ -19,12 +19,22 @@ from sqlalchemy.orm import Session
 from store.orm import FineTuningJob, JobRun, as_utc, utcnow
 
 
-def job_gpus(resources: dict[str, Any] | None) -> int:
-    """The GPUs (ranks) a job row's ``resources`` asks for: ``gpus``, at least 1 (missing: 1)."""
+def _field(resources: dict[str, Any] | None, name: str) -> int:
     try:
-        return max(1, int((resources or {}).get("gpus", 1)))
+        return max(1, int((resources or {}).get(name, 1)))
     except (TypeError, ValueError):
         return 1
+
+
+def job_nodes(resources: dict[str, Any] | None) -> int:
+    """The worker hosts a job row's ``resources`` spans: ``nodes``, at least 1 (missing: 1)."""
+    return _field(resources, "nodes")
+
+
+def job_gpus(resources: dict[str, Any] | None) -> int:
+    """The GPUs (ranks) a job row's ``resources`` asks for in all: ``nodes`` x ``gpus`` (each at least
+    1, missing: 1), so a gang's run holds every node's GPUs."""
+    return job_nodes(resources) * _field(resources, "gpus")
 
 
 def open_run(

@@ -37,6 +37,13 @@ class Settings(BaseSettings):
     #: A running job whose worker has not sent a heartbeat for this long is considered lost.
     heartbeat_timeout_seconds: float = Field(120.0, gt=0)
     heartbeat_interval_seconds: float = Field(10.0, gt=0)
+    #: A multi-node job's gang (store.gang) must have all its nodes joined this long after its first
+    #: member took node 0, or its members release their slots and the job waits its turn again (no
+    #: attempt counted, its queue position kept): a partial gang never holds workers for long.
+    gang_form_timeout_seconds: float = Field(120.0, gt=0)
+    #: The address the other workers of a gang reach this worker's rendezvous at, when it is node 0
+    #: (default: the host's name); 127.0.0.1 for several workers on one machine.
+    worker_address: str = ""
     #: A queued job whose message was not handed to the broker this long after its creation (the API
     #: died between commit and enqueue), or whose message was handed over longer ago than this and is
     #: no longer in the broker (Redis restarted without persistence, flushed), is dispatched again by
@@ -46,7 +53,7 @@ class Settings(BaseSettings):
     default_queue: str = "gpu-default"
     #: Port of a worker's Prometheus endpoint (0 disables it); `python -m worker` gives its i-th GPU worker port + i.
     worker_metrics_port: int = Field(0, ge=0, le=65535)
-    #: Name of this worker in metrics labels (default: hostname).
+    #: Name of this worker in metrics labels and the host part of its Celery node name (default: hostname).
     worker_name: str = ""
     #: How long a job process keeps training while its database writes fail (its rows wait in memory,
     #: written in order once the database is back); longer, and the job stops as interrupted: it

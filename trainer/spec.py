@@ -97,15 +97,25 @@ class EngineSettings(EngineConfig):
 
 #: The most ranks (GPUs) one job may ask for.
 MAX_GPUS_PER_JOB = 64
+#: Most worker hosts (nodes) one job may span: a gang of that many workers (store.gang).
+MAX_NODES_PER_JOB = 16
 
 
 class ResourceSpec(BaseModel):
-    """What a job needs from its worker. ``gpus``: data-parallel ranks, one per GPU (CPU ranks on gloo
-    where the worker allows them); each optimizer step's ``batch_size`` examples are split across them."""
+    """What a job needs from its workers. ``gpus``: data-parallel ranks per node, one per GPU (CPU ranks
+    on gloo where the worker allows them); ``nodes``: worker hosts the job spans, each running ``gpus``
+    ranks (a gang, store.gang). Each optimizer step's ``batch_size`` examples are split across all
+    ``nodes`` x ``gpus`` ranks."""
 
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_JOB)
+    nodes: int = Field(1, ge=1, le=MAX_NODES_PER_JOB)
+
+    @property
+    def world_size(self) -> int:
+        """All ranks of the job: ``nodes`` x ``gpus``."""
+        return self.nodes * self.gpus
 
 
 class ResolvedHyperparameters(ResolvedRuntime):

@@ -94,3 +94,12 @@ def enqueue_job(job_id: str, queue: str | None = None) -> str:
     q = queue or get_settings().default_queue
     res = celery_app.send_task(TASK_NAME, args=[job_id], queue=q, routing_key=q)
     return str(res.id)
+
+
+def enqueue_gang_join(job_id: str, queue: str) -> str:
+    """Recruit one more member for ``job_id``'s forming gang (store.gang): a message on the job's queue
+    that only joins that gang (a worker taking it when the gang is full or gone does nothing)."""
+    res = celery_app.send_task(
+        TASK_NAME, args=[job_id], kwargs={"gang_join": True}, queue=queue, routing_key=queue
+    )
+    return str(res.id)

@@ -69,7 +69,7 @@ def gpu_groups(gpus: list[Gpu], per_job: int, *, cpu_ranks: bool) -> list[list[G
 
 def _node(group: list[Gpu]) -> str:
     idx = [i for i, _ in group if i is not None]
-    host = socket.gethostname()
+    host = get_settings().worker_name or socket.gethostname()  # two workers on one machine: two names
     if not idx:
         return f"cpu@{host}"
     return f"gpu{idx[0]}@{host}" if len(idx) == 1 else f"gpus{'-'.join(map(str, idx))}@{host}"

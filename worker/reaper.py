@@ -12,7 +12,8 @@ once at start-up, since a restarted node is not running any job it had.
 Every worker runs :func:`start_reaper_thread` (started on ``worker_ready``; the embedded worker
 starts its own; ``zenflow serve --reaper`` without a worker starts one too); each round it also runs
 :func:`worker.dispatch.redispatch_lost_jobs`, which re-sends queued jobs whose broker message never
-existed or was lost. Does not import torch.
+existed or was lost, and :func:`reap_gangs` (multi-node jobs' forming gangs past their deadline, running
+gangs that lost a node). Does not import torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import func, or_, select
 
-from store import jobs
+from store import gang, jobs
 from store.db import session_scope
 from store.orm import FineTuningJob, JobStatus, as_utc, utcnow
 from store.settings import Settings, get_settings
@@ -88,6 +89,44 @@ def reap_stale_jobs(
     return requeued
 
 
+def reap_gangs(
+    *, settings: Settings | None = None, now: datetime | None = None, enqueue: Enqueue | None = None
+) -> list[str]:
+    """Multi-node jobs (store.gang): dissolve forming gangs past ``gang_form_timeout_seconds`` or with a
+    stale member (their job waits its turn again, not counted, its message sent again), and re-queue
+    running ones a member of which stopped beating its slot (a node lost mid-job: the attempt counts;
+    its other nodes' ranks are stopped by the launch's PeerWatch, or the job's heartbeat stops). The
+    ids of the jobs sent again."""
+    settings = settings or get_settings()
+    url = settings.resolved_database_url
+    sent: list[tuple[str, str]] = []
+    with session_scope(url) as s:
+        for job_id in gang.expire_forming(s, settings, now=now):
+            job = s.get(FineTuningJob, job_id)
+            if job is not None:
+                sent.append((job_id, job.queue))
+    with session_scope(url) as s:
+        lost = gang.lost_running(s, settings, now=now)
+    for job_id in lost:
+        with session_scope(url) as s:
+            job = jobs.lock_job(s, job_id)
+            if job is None or job_id not in gang.lost_running(s, settings, now=now):
+                continue
+            why = "A node of its gang was lost (no heartbeat)"
+            if job.cancel_requested:
+                jobs.cancel(s, job, f"{why}; job cancelled")
+            elif job.attempts >= settings.max_job_attempts:
+                jobs.fail(
+                    s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}"
+                )
+            else:
+                sent.append((job_id, jobs.requeue(s, job, why)))
+    for job_id, queue in sent:
+        dispatch_job(url, job_id, queue, enqueue=enqueue)
+        log.warning("job %s sent again (its gang was released or lost a node)", job_id)
+    return [j for j, _ in sent]
+
+
 class ReaperThread(threading.Thread):
     """Every ``interval`` seconds: reap_stale_jobs (own_hostname only on the first round), then
     worker.dispatch.redispatch_lost_jobs (queued jobs without a message in the broker)."""
@@ -104,6 +143,7 @@ class ReaperThread(threading.Thread):
             try:
                 reap_stale_jobs(settings=self.settings, own_hostname=own, own_before=self.started)
                 own = None
+                reap_gangs(settings=self.settings)
             except Exception:
                 log.exception("reaper round failed")
             try:

@@ -43,15 +43,18 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import select, update
 
-from store import jobs
+from store import gang, jobs
 from store.db import session_scope
+from store.gang import Member
 from store.orm import FineTuningJob, JobRun, JobStatus
 from store.settings import Settings, get_settings
 from trainer.run.launch import TERM_GRACE_SECONDS, Ranks
+from worker import gang as gang_worker
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
 from worker.dispatch import dispatch_job
 from worker.errors import public_message
@@ -90,10 +93,9 @@ HOLD_POLL_SECONDS = 1.0
 def claim_next_job(
     message_job_id: str, hostname: str, settings: Settings, *, queue: str | None = None
 ) -> jobs.NextClaim:
-    """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next)."""
-    with session_scope(settings.resolved_database_url) as s:
-        # the run in the ledger holds the GPUs the claimed job asks for (its resources.gpus)
-        return jobs.claim_next(s, hostname, settings, message_job_id=message_job_id, queue=queue)
+    """For a message taken from the queue: claim the job fair share puts first (store.jobs.claim_next),
+    or a node of a multi-node job's gang (store.gang.next_gang, worker.gang)."""
+    return gang_worker.claim(message_job_id, hostname, settings, queue)
 
 
 def claim_for_message(
@@ -219,16 +221,27 @@ def send_back_oversized(job_id: str, ranks: int, have: int, hostname: str, setti
 
 
 def rank_launch(
-    job_id: str, ranks: int, hostname: str, settings: Settings, devices: list[str] | None = None
+    job_id: str,
+    ranks: int,
+    hostname: str,
+    settings: Settings,
+    devices: list[str] | None = None,
+    *,
+    gang: Member | None = None,
 ) -> Ranks:
     """The job's ranks under the elastic agent, not started: ``ranks`` runners with the worker's
     environment and the ``env://`` variables, rank r on the r-th GPU, or CPU ranks (an even share of
-    the cores each) on a worker without GPUs. One rendezvous id per run."""
+    the cores each) on a worker without GPUs. One rendezvous id per run; a gang member's ranks join its
+    gang's rendezvous (node 0's endpoint, the attempt's id) as node ``node_rank`` of ``nodes``."""
     devices = worker_devices() if devices is None else devices
     return Ranks(
         [sys.executable, "-m", JOB_RUNNER_MODULE, job_id],
         nproc_per_node=ranks,
-        run_id=f"{job_id}-{uuid.uuid4().hex[:12]}",
+        nnodes=gang.nodes if gang else 1,
+        rdzv_endpoint=gang.rdzv_endpoint if gang else None,
+        rdzv_host=gang.node_rank == 0 if gang else None,
+        local_addr=(settings.worker_address or None) if gang else None,
+        run_id=gang.run_id if gang else f"{job_id}-{uuid.uuid4().hex[:12]}",
         devices=devices[:ranks] if devices else None,
         env=child_env(settings, hostname),
         term_grace=TERM_GRACE_SECONDS,
@@ -270,11 +283,14 @@ def run_child(
     *,
     cancel_grace: float = CANCEL_GRACE_SECONDS,
     ranks: int = 1,
+    gang: Member | None = None,
+    beat: Callable[[], None] | None = None,
 ) -> int:
     """Run the job's ``ranks`` runners to the end; the return code (negative: killed by a signal): the
-    code of the rank that failed first, else 0."""
+    code of the rank that failed first, else 0. A gang member runs its node's ranks of the gang's
+    group; ``beat`` (default: the job's heartbeat) is what it refreshes every heartbeat interval."""
     global _current
-    group = rank_launch(job_id, ranks, hostname, settings)
+    group = rank_launch(job_id, ranks, hostname, settings, gang=gang)
     with _current_lock:
         group.start()
         _current = group
@@ -287,7 +303,7 @@ def run_child(
             if time.monotonic() - last_beat >= settings.heartbeat_interval_seconds:
                 last_beat = time.monotonic()
                 try:
-                    _beat_job(job_id, hostname, settings)
+                    beat() if beat is not None else _beat_job(job_id, hostname, settings)
                 except Exception as e:  # the database is away: the runner's monitor copes with that
                     log.debug("job %s: heartbeat failed: %s", job_id, public_message(e))
             try:
@@ -338,13 +354,52 @@ def _report_exit(pid: int) -> None:
         log.exception("worker metrics: could not fold the runner's samples")
 
 
-def run_job(self: Any, job_id: str) -> str:
-    """Run one job (see the module docstring); returns what happened, for the logs."""
+def run_gang_member(job_id: str, hostname: str, settings: Settings, member: Member | None) -> str:
+    """This worker's node of a multi-node job: wait for the gang to form (worker.gang), run this node's
+    ranks in the gang's group, settle. What happened, for the logs."""
+    if member is None:
+        return "nothing"
+    formed = gang_worker.wait_formed(job_id, hostname, settings)
+    if formed is None:
+        return "released"
+    node0 = gang_worker.node0_hostname(job_id, settings)
+    ranks = job_ranks(formed_resources(job_id, settings))
+    log.info(
+        "job %s: node %d of %d on %s (%s)", job_id, formed.node_rank, formed.nodes, hostname, formed.run_id
+    )
+    rc = run_child(
+        job_id,
+        node0,
+        settings,
+        ranks=ranks,
+        gang=formed,
+        beat=lambda: gang_worker.beat(formed, hostname, node0, settings),
+    )
+    outcome = gang_worker.settle(formed, rc, hostname, node0, settings, preempted=_preempted.is_set())
+    log.info("job %s: node %d's ranks exited (%s): %s", job_id, formed.node_rank, describe_exit(rc), outcome)
+    return outcome
+
+
+def formed_resources(job_id: str, settings: Settings) -> dict[str, Any] | None:
+    with session_scope(settings.resolved_database_url) as s:
+        job = s.get(FineTuningJob, job_id)
+        return job.resources if job is not None else None
+
+
+def run_job(self: Any, job_id: str, gang_join: bool = False) -> str:
+    """Run one job (see the module docstring); returns what happened, for the logs. ``gang_join``: the
+    message only recruits a member for the job's forming gang (worker.gang)."""
     settings = get_settings()
     hostname = _node_hostname or self.request.hostname or f"celery@{socket.gethostname()}"
+    if gang_join:
+        return run_gang_member(job_id, hostname, settings, gang_worker.join(job_id, hostname, settings))
     # The message is a turn on its queue: the job that runs is the one fair share puts first.
     routing_key = (self.request.delivery_info or {}).get("routing_key")
     claimed = claim_for_message(job_id, hostname, settings, queue=routing_key)
+    if claimed.outcome in (jobs.Claim.forming, jobs.Claim.joined) and claimed.job_id is not None:
+        with session_scope(settings.resolved_database_url) as s:
+            member = gang.view(s, claimed.job_id, hostname)
+        return run_gang_member(claimed.job_id, hostname, settings, member)
     if claimed.outcome is not jobs.Claim.claimed or claimed.job_id is None:
         log.info("message for job %s: %s, nothing run", job_id, claimed.outcome.value)
         return claimed.outcome.value

@@ -2,7 +2,8 @@
 
 A job on several ranks (``resources.gpus``) is first refused when no worker runs jobs of that size
 (:func:`check_gpus`, the message listing the sizes served); its queue is then the one of its size
-(``worker.broker.queue_for_gpus``).
+(``worker.broker.queue_for_gpus``). A job on several nodes (``resources.nodes`` M) is refused when
+fewer than M live workers of its queue and size could form its gang (:func:`check_nodes`).
 The candidates are the queue's live workers (:func:`store.worker_registry.live_workers`, heartbeat within
 ``worker_live_seconds``) with the capacity each measured at start; with none registered, the
 configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`worker.capacity.measure.
@@ -76,6 +77,27 @@ def check_gpus(session: Session, gpus: int, settings: Settings) -> None:
         f"--gpus-per-job {gpus}"
     )
     raise APIError(400, message, param="resources.gpus", code=CODE)
+
+
+def check_nodes(session: Session, nodes: int, gpus: int, queue: str, settings: Settings) -> None:
+    """Refuse (400 on ``resources.nodes``, before anything is written) a job on ``nodes`` > 1 worker
+    hosts when fewer live workers of ``queue`` run jobs of ``gpus`` ranks: its gang (store.gang) could
+    never form. Each member is one worker; M workers of one host count as M nodes."""
+    if nodes <= 1:
+        return
+    live = [
+        w
+        for w in worker_registry.live_workers(session, queue, live_seconds=settings.worker_live_seconds)
+        if w.gpus_per_job == gpus
+    ]
+    if len(live) >= nodes:
+        return
+    message = (
+        f"No set of live workers can run {nodes} nodes x {gpus} GPUs: queue {queue} has {len(live)} live "
+        f"worker(s) of {gpus} GPU(s) per job. Ask for at most {max(1, len(live))} in resources.nodes, or "
+        f"start more workers with --gpus-per-job {gpus} on that queue"
+    )
+    raise APIError(400, message, param="resources.nodes", code=CODE)
 
 
 def check_capacity(

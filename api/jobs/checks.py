@@ -207,11 +207,12 @@ def check_resources(resources: dict[str, Any] | None) -> dict[str, Any] | None:
 def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitError]:
     """A job on N ranks splits each optimizer step's batch across them: refuse a batch smaller than N
     (given, or resolved from ``num_examples``: never more than the examples there are)."""
-    gpus = spec.resources.gpus
+    gpus = spec.resources.world_size
     if gpus <= 1:
         return []
     batch = spec.hyperparameters.batch_size
-    need = f"at least resources.gpus ({gpus}): each rank needs one example or more per optimizer step"
+    ranks = "resources.gpus" if spec.resources.nodes == 1 else "resources.nodes x resources.gpus"
+    need = f"at least {ranks} ({gpus}): each rank needs one example or more per optimizer step"
     if batch != "auto" and batch < gpus:
         return [LimitError(("hyperparameters", "batch_size"), f"is {batch}; it must be {need}")]
     if not num_examples:

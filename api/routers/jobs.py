@@ -244,6 +244,7 @@ def _prepare_job(
     )
     admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
     queue = checks.job_queue(spec.resources.gpus, settings)
+    admission.check_nodes(session, spec.resources.nodes, spec.resources.gpus, queue, settings)  # 400: no gang
     planned = data_check.plan_job_checks(spec, training, validation, settings)
     return _Prepared(
         digest, hyperparameters, hp_param, model, engine, resources, seed, job_id, spec, queue, planned

@@ -13,7 +13,18 @@ from api.storage import FRAMING_SLACK
 from store.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"proxy", "api", "worker", "redis", "postgres", "prometheus", "grafana", "vllm", "mlflow"}
+SERVICES = {
+    "proxy",
+    "api",
+    "worker",
+    "worker-node2",
+    "redis",
+    "postgres",
+    "prometheus",
+    "grafana",
+    "vllm",
+    "mlflow",
+}
 
 
 def _compose() -> dict:
@@ -97,7 +108,7 @@ def test_environment_names_are_settings_fields() -> None:
     c = _compose()
     fields = {f"ZENFLOW_{n.upper()}" for n in Settings.model_fields}
     fields |= {f"ZENFLOW_API_{n.upper()}" for n in ApiSettings.model_fields}
-    for name in ("api", "worker"):
+    for name in ("api", "worker", "worker-node2"):
         env = c["services"][name]["environment"]
         for key in env:
             if key.startswith("ZENFLOW_"):
@@ -163,3 +174,26 @@ def test_proxy_limits_match_the_api() -> None:
     idle = re.search(r"keepalive_timeout (\d+)s;", upstream.group(1) if upstream else "")
     assert idle, "the upstream keep-alive is bounded"
     assert int(idle.group(1)) < ApiSettings.model_fields["keep_alive_seconds"].default
+
+
+def test_a_two_node_deployment_shares_the_data_volume_and_has_two_addresses() -> None:
+    """``--profile multinode``: a second worker on its own GPU and address, the same queue, and the same
+    ``zenflow-data`` volume (checkpoints every node of a job writes), under another Celery node name."""
+    c = _compose()["services"]
+    one, two = c["worker"], c["worker-node2"]
+    assert two["profiles"] == ["multinode"] and "profiles" not in one
+    assert "zenflow-data:/data" in one["volumes"] and "zenflow-data:/data" in two["volumes"]
+    assert one["environment"]["ZENFLOW_DATA_DIR"] == two["environment"]["ZENFLOW_DATA_DIR"] == "/data"
+    assert (one["environment"]["ZENFLOW_WORKER_ADDRESS"], two["environment"]["ZENFLOW_WORKER_ADDRESS"]) == (
+        "worker",
+        "worker-node2",
+    )
+    queue = [a for a in one["command"] if a.startswith("--queues=")]
+    assert queue and queue == [a for a in two["command"] if a.startswith("--queues=")]
+    names = [next(a for a in w["command"] if a.startswith("--hostname=")) for w in (one, two)]
+    assert len(set(names)) == 2
+    gpus = [w["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for w in (one, two)]
+    assert (
+        gpus[0] != gpus[1]
+        and one["environment"]["NVIDIA_VISIBLE_DEVICES"] != two["environment"]["NVIDIA_VISIBLE_DEVICES"]
+    )

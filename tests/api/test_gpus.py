@@ -501,3 +501,36 @@ def test_two_rank_job_on_the_embedded_server_succeeds_and_its_model_loads(tmp_pa
     with torch.no_grad():
         out = model(torch.tensor([[1, 2, 3, 4]]))
     assert torch.isfinite(out.logits).all()
+
+
+def test_a_job_on_more_nodes_than_live_workers_of_its_size_is_refused_and_writes_nothing(
+    client: TestClient, team: TeamKey, register: Register, settings: Settings, enqueued: Enqueued, pg_url: str
+) -> None:
+    """``resources.nodes`` M needs M live workers of the job's queue and size to form its gang."""
+    queue = settings.default_queue
+    register("node-one@test", 1, queue)
+    register("node-x2@test", 2, f"{queue}-x2")  # another size: no member of a 1-GPU gang
+    file_id = uploaded_id(client, team)
+    calls = len(enqueued.calls)
+    r = _create(client, team, file_id, {"nodes": 2, "gpus": 1})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert (err["param"], err["code"]) == ("resources.nodes", "insufficient_capacity")
+    assert err["message"].startswith(
+        f"No set of live workers can run 2 nodes x 1 GPUs: queue {queue} has 1 live"
+    )
+    assert team_rows(client.app, team) == (0, 0)  # type: ignore[arg-type]
+    assert len(enqueued.calls) == calls
+
+    r = _create(client, team, file_id, {"nodes": 2, "gpus": 1}, batch_size=1)  # 2 ranks, 1 example a step
+    assert r.status_code == 400 and error_of(r)["param"] == "hyperparameters.batch_size", r.text
+    assert "resources.nodes x resources.gpus (2)" in error_of(r)["message"]
+
+    register("node-two@test", 1, queue)
+    r = _create(client, team, file_id, {"nodes": 2, "gpus": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["resources"] == {"gpus": 1, "nodes": 2}
+    with session_scope(pg_url) as s:
+        row = s.get(FineTuningJob, r.json()["id"])
+        assert row is not None and row.resources == {"nodes": 2, "gpus": 1} and row.queue == queue
+    assert _create(client, team, file_id, {"nodes": 17}).status_code == 400  # at most 16 nodes

@@ -97,7 +97,7 @@ def plan_job(
             if isinstance(spec.hyperparameters.max_seq_length, int)
             else 2048
         )
-    ranks = spec.resources.gpus
+    ranks = spec.resources.world_size
     machine = rank_machine(machine, ranks)
     job = JobShape(
         spec, machine, shape, 2 if dtype == "bfloat16" else 4, -(-batch // ranks), seq, n, num_tokens, ranks

@@ -155,9 +155,10 @@ def run_training(
     """
     if spec.output_dir is None:
         raise ValueError("spec.output_dir is required")
-    if dist is not None and dist.world_size != spec.resources.gpus:
+    if dist is not None and dist.world_size != spec.resources.world_size:
         raise ValueError(
-            f"the job asks for {spec.resources.gpus} rank(s) (resources.gpus) but runs in a group of {dist.world_size}"
+            f"the job asks for {spec.resources.world_size} rank(s) (resources.nodes x resources.gpus) "
+            f"but runs in a group of {dist.world_size}"
         )
     if dist is not None and dist.world_size == 1:
         dist = None  # a group of one is a single process

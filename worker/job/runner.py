@@ -44,6 +44,7 @@ from store import jobs, model_ids
 from store.db import session_scope
 from store.orm import File, FineTuningJob, JobStatus, utcnow
 from store.results import add_results_file
+from store.runs import job_gpus
 from store.settings import Settings, get_settings
 from trainer.model.catalog import BUILTIN_MODELS
 from worker.capacity import fit
@@ -154,7 +155,7 @@ def _claim_standalone(s: Session, job: FineTuningJob, hostname: str, settings: S
 
 
 def job_ranks(resources: dict[str, Any] | None) -> int:
-    """The ranks a job row's ``resources`` asks for (missing: one)."""
+    """The ranks a job row's ``resources`` asks for on one node (``gpus``; missing: one)."""
     try:
         return max(1, int((resources or {}).get("gpus", 1)))
     except (TypeError, ValueError):
@@ -172,10 +173,8 @@ def _load(
             return EXIT_DONE
         if JobStatus(job.status).terminal:
             return EXIT_DONE
-        if job_ranks(job.resources) != world:  # never run a job on other ranks than it asks for
-            log.error(
-                "job %s asks for %d rank(s); this group has %d", job_id, job_ranks(job.resources), world
-            )
+        if job_gpus(job.resources) != world:  # never run a job on other ranks than it asks for (all nodes')
+            log.error("job %s asks for %d rank(s); this group has %d", job_id, job_gpus(job.resources), world)
             return EXIT_WRONG_RANKS
         if not _claim_standalone(s, job, hostname, settings):
             log.warning("job %s is %s on %s: not ours", job_id, job.status, job.worker_hostname)
