@@ -60,8 +60,19 @@ def recut_mode_state(
     loading engine is row-sharded (``rows``)."""
     from offload.row_recut import cut_rows, to_whole
 
-    groups = getattr(mode, "groups", [])  # offload mode: (host store, its named parameters) per dtype
-    shapes = [[rows.shapes[n] if rows is not None else tuple(p.shape) for n, p in g] for _, g in groups]
+    shapes = _host_shapes(mode, rows)
     saved_rows = bool(states[0].get("shard", {}).get("row_sharded", False))
     whole = to_whole([st["mode_state"] for st in states], saved_rows, shapes)
     return cut_rows(whole, rank, world, shapes) if rows is not None else whole
+
+
+def _host_shapes(mode: Mode, rows: RowShards | None) -> list[list[tuple[int, ...]]]:
+    """Per host store of ``mode`` (offload's and zenflow's, by dtype), its parameters' whole shapes in order."""
+
+    def whole(n: str, p: Any) -> tuple[int, ...]:
+        return rows.shapes[n] if rows is not None else tuple(p.shape)
+
+    layout = getattr(mode, "layout", None)  # zenflow: the split weights, store by store in index order
+    if layout is not None:
+        return [[whole(s.name, s.param) for s in layout.splits if s.store is st] for st in layout.stores]
+    return [[whole(n, p) for n, p in g] for _, g in getattr(mode, "groups", [])]

@@ -1,4 +1,4 @@
-"""Re-cutting FSDP2 row-sharded engine state for another number of ranks (``device`` and ``offload`` modes).
+"""Re-cutting FSDP2 row-sharded engine state for another number of ranks (every mode).
 
 Under ``shard_params`` every rank's engine state is its mode's state over its *local rows* of each parameter
 (:mod:`offload.fsdp`). FSDP2 cuts a parameter's rows as ``torch.chunk(p, N, dim=0)`` (ranks past the last
@@ -12,8 +12,7 @@ is flat buffers over a dtype group's parameters (no per-parameter tensor to plac
 DTensor without a copy), and the whole layout here needs no process group to read (a 1-rank resume).
 
 Per parameter the tensors with a row dimension are concatenated / chunked along dim 0; scalars (the
-optimizer's step count) and the counters are the same on every rank and taken from the first. zenflow
-is not covered (its state: selections, pending window, column stash; see docs/contracts.md).
+optimizer's step count) and the counters are the same on every rank and taken from the first.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 __all__ = ["RECUT_MODES", "cut_rows", "rows_of", "to_whole"]
 
 #: The modes whose row-sharded state this module re-cuts.
-RECUT_MODES = ("device", "offload")
+RECUT_MODES = ("device", "offload", "zenflow")
 
 Shapes = list[list[tuple[int, ...]]]
 
@@ -133,7 +132,53 @@ def to_whole(states: Sequence[dict[str, Any]], rows: bool, host_shapes: Shapes) 
         out["host"] = [
             _host_whole([s["host"][g] for s in states], shapes, rows) for g, shapes in enumerate(host_shapes)
         ]
+    if mode == "zenflow":
+        out.update(_zenflow_whole(states, rows))
     return out
+
+
+#: zenflow's per-parameter device optimizer entries with a row dimension ("cols" and "steps" are per
+#: selected column: the same on every rank).
+_ROW_KEYS = ("exp_avg", "exp_avg_sq", "master")
+
+
+def _zenflow_whole(states: Sequence[dict[str, Any]], rows: bool) -> dict[str, Any]:
+    """zenflow's own parts: the selection, pending window's columns and schedule are global (FSDP2 ranks
+    select the same columns and end windows together: offload.fsdp), so the first rank's; the column
+    moments, stash values and device accumulators are rows, concatenated."""
+    first = states[0]
+    if not rows:
+        return {k: first[k] for k in ("device_optimizer", "pending", "stash", "device_acc", "schedule")}
+    dev = {
+        n: {
+            k: _cat([s["device_optimizer"][n][k] for s in states]) if k in _ROW_KEYS and v is not None else v
+            for k, v in e.items()
+        }
+        for n, e in first["device_optimizer"].items()
+    }
+    stash = {n: (c, _cat([s["stash"][n][1] for s in states])) for n, (c, _) in first["stash"].items()}
+    acc = _by_name([s["device_acc"] for s in states], True) if first["device_acc"] else {}
+    return {
+        "device_optimizer": dev,
+        "pending": first["pending"],
+        "stash": stash,
+        "device_acc": acc,
+        "schedule": first["schedule"],
+    }
+
+
+def _zenflow_cut(whole: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    dev = {
+        n: {k: _cut(v, rank, world) if k in _ROW_KEYS else v for k, v in e.items()}
+        for n, e in whole["device_optimizer"].items()
+    }
+    return {
+        "device_optimizer": dev,
+        "pending": whole["pending"],
+        "stash": {n: (c, _cut(v, rank, world)) for n, (c, v) in whole["stash"].items()},
+        "device_acc": {n: _cut(t, rank, world) for n, t in whole["device_acc"].items()},
+        "schedule": whole["schedule"],
+    }
 
 
 def cut_rows(whole: dict[str, Any], rank: int, world: int, host_shapes: Shapes) -> dict[str, Any]:
@@ -151,4 +196,6 @@ def cut_rows(whole: dict[str, Any], rank: int, world: int, host_shapes: Shapes) 
         }
     else:
         out["host"] = [_host_cut(h, s, rank, world) for h, s in zip(whole["host"], host_shapes, strict=True)]
+    if whole["mode"] == "zenflow":
+        out.update(_zenflow_cut(whole, rank, world))
     return out
