@@ -325,6 +325,15 @@ def test_two_sharded_ranks_equal_one_process(tmp_path: Path) -> None:
     losses = [[loss for t, _, loss, _ in o.events if t == "step"] for o in outcomes]
     single = [e.loss for e in _steps(rec)]
     assert len(single) == 2 and losses[0] == losses[1] and losses[0] == pytest.approx(single, abs=1e-5)
+    # rank 0 reports every rank's memory: its parameter rows (about half the model each) and engine bytes
+    (ranks,) = [d["ranks"] for m, d in outcomes[0].logs if m.startswith("Memory per rank") and d]
+    assert [r["rank"] for r in ranks] == [0, 1] and not any(
+        m.startswith("Memory per") for m, _ in outcomes[1].logs
+    )
+    whole = sum(
+        p.numel() * 4 for p in load_file(str(tmp_path / "one" / "final" / "model.safetensors")).values()
+    )
+    assert all(0 < r["param_bytes"] < whole and r["device_state_bytes"] > 0 for r in ranks)
     assert sum(t == "eval" for t, *_ in outcomes[0].events) == 2 and res.valid_loss is not None
     assert outcomes[0].result["valid_loss"] == pytest.approx(res.valid_loss, abs=1e-5)
     a, b = (load_file(str(p / "final" / "model.safetensors")) for p in (tmp_path / "one", tmp_path / "two"))
