@@ -87,7 +87,7 @@ from offload.cores import Cores
 from offload.cpu_thread import CPUThreadError
 from offload.device import DeviceOps
 from offload.device_mode import DeviceMode
-from offload.engine_state import STATE_VERSION, states_to_load
+from offload.engine_state import STATE_VERSION, recut_mode_state, states_to_load
 from offload.fsdp import RowShards, clip_rows_
 from offload.guard import Gate, LossScaler
 from offload.memory import EngineMemory
@@ -405,7 +405,9 @@ class ZenFlowEngine:
         self._check_open()
         rank, world = self.rank, self.world_size
         states, recut = states_to_load(sd, self.config.mode, rank, world, row_sharded=self._rows is not None)
-        if recut:
+        if recut and (self._rows is not None or states[0]["shard"].get("row_sharded", False)):
+            self._mode.load_shards([recut_mode_state(states, rank, world, self._mode, self._rows)])
+        elif recut:
             self._mode.load_shards([st["mode_state"] for st in states])
         else:
             self._mode.load_state_dict(states[rank if isinstance(sd, list) else 0]["mode_state"])

@@ -44,6 +44,11 @@ def skipped_step_warning(m: StepMetrics, step: int) -> LogEvent:
     )
 
 
+#: The key under which a job row's resolved hyperparameters (JSON) keep whether the run's weights were
+#: sharded (:attr:`RunStarted.sharded`); the API shows it as the job object's ``engine.shard_params``.
+RUN_SHARDED = "engine.shard_params"
+
+
 @dataclass(frozen=True)
 class RunStarted(Event):
     type: ClassVar[str] = "run_started"
@@ -58,6 +63,10 @@ class RunStarted(Event):
     trainable_parameters: int
     num_examples: int
     num_validation_examples: int
+    #: The weights ran sharded over the ranks with FSDP2 (``engine.shard_params`` as the run resolved it).
+    sharded: bool = False
+    #: The job's ranks (data-parallel processes).
+    world_size: int = 1
 
 
 @dataclass(frozen=True)

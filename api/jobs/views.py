@@ -19,6 +19,7 @@ from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject
 from store.fairshare import fair_order
 from store.jobs import PENDING, lock_job
 from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, as_utc
+from trainer.events import RUN_SHARDED
 
 # --- queue position ----------------------------------------------------------------------------------
 
@@ -166,7 +167,18 @@ def job_hyperparameters(job: Any) -> dict[str, Any]:
     hp: dict[str, Any] = dict.fromkeys(OPENAI_HYPERPARAMETERS, "auto")
     hp.update(job.hyperparameters or {})
     hp.update(job.resolved_hyperparameters or {})
+    hp.pop(RUN_SHARDED, None)  # the run's engine.shard_params (job_engine)
     return hp
+
+
+def job_engine(job: Any) -> dict[str, Any]:
+    """The engine settings the request gave, with ``shard_params`` as the run resolved it (a bool: the
+    weights were sharded over the ranks) once the run has started."""
+    engine = dict(job.engine or {})
+    resolved = (job.resolved_hyperparameters or {}).get(RUN_SHARDED)
+    if isinstance(resolved, bool):
+        engine["shard_params"] = resolved
+    return engine
 
 
 def job_method(hp: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +224,7 @@ def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -
         "metadata": job.user_metadata,
         "estimated_finish": estimated_finish(job),
         "integrations": list(job.integrations or []),
-        "engine": job.engine or {},
+        "engine": job_engine(job),
         "resources": job_resources(job),
         "queue_position": position,
         "cancel_requested": job.cancel_requested,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.dist_ranks import run_ranks
-from trainer.events import Event
+from trainer.events import Event, LogEvent
 from trainer.spec import JobSpec
 
 
@@ -32,6 +32,8 @@ class RankOutcome:
     #: All-reduces of the training loop: "step" (one per step, trainer.run.step) and "loop" (the
     #: loss at an evaluation, checkpoint or the end, and the validation sums).
     reductions: dict[str, int] = field(default_factory=dict)
+    #: The LogEvents' (message, data), in order.
+    logs: list[tuple[str, dict[str, Any] | None]] = field(default_factory=list)
 
 
 class _Watch:
@@ -40,6 +42,7 @@ class _Watch:
     def __init__(self, job: Job, rank: int) -> None:
         self.job, self.rank, self.steps, self.polls = job, rank, 0, 0
         self.events: list[tuple[str, int | None, float | None, int | None]] = []
+        self.logs: list[tuple[str, dict[str, Any] | None]] = []
 
     def __call__(self, ev: Event) -> None:
         engine = getattr(ev, "engine", None)
@@ -53,6 +56,8 @@ class _Watch:
         )
         if ev.type == "step":
             self.steps += 1
+        if isinstance(ev, LogEvent):
+            self.logs.append((ev.message, ev.data))
 
     def cancel(self) -> bool:
         j = self.job
@@ -91,7 +96,7 @@ def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
             ).as_dict()
         except Exception as e:
             o.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        o.events = w.events
+        o.events, o.logs = w.events, w.logs
         o.reductions = dict(counts)
         outcomes.append(o)
     return outcomes

@@ -297,3 +297,46 @@ def test_dpo_trains_without_dropout() -> None:
     assert not torch.equal(logits(), logits())  # the dropouts are on: the check can fail
     disable_dropout(model)
     assert torch.equal(logits(), logits())
+
+
+@pytest.mark.slow
+def test_two_sharded_ranks_equal_one_process(tmp_path: Path) -> None:
+    """FSDP2 weights (``engine.shard_params``): the reference table and validation run every pair on every
+    rank, and a rank short of pairs in the ragged last step runs filler passes through the DPO loss (zero
+    weight); the losses, validation and final weights are one process's within 1e-5."""
+    from safetensors.torch import load_file
+
+    from tests.dist_ranks import pinned_numerics
+    from tests.trainer.dist_ranks import Job, train_on_ranks
+
+    # 7 pairs, 4 a step: the last step's 3 pairs split 2 / 1; 5 validation pairs split unevenly too
+    data = write(tmp_path / "pairs.jsonl", [pair(i, "yes" if i % 2 else "sure", "no") for i in range(7)])
+    valid = write(tmp_path / "valid.jsonl", [pair(i + 50, "yes", "no") for i in range(5)])
+    hp: dict[str, Any] = {"n_epochs": 1, "batch_size": 4, "micro_batch_size": 1, "eval_every": 1}
+    one = dpo_spec(tmp_path / "one", data, valid, **hp)
+    engine = {"mode": "device", "shard_params": True}
+    two = dpo_spec(tmp_path / "two", data, valid, resources={"gpus": 2}, engine=engine, **hp)
+    with pinned_numerics():
+        rec = Recorder()
+        res = run_training(one, on_event=rec)
+    (outcomes,) = train_on_ranks([Job(two)])
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    assert outcomes[0].result is not None and outcomes[0].result["steps"] == 2
+    losses = [[loss for t, _, loss, _ in o.events if t == "step"] for o in outcomes]
+    single = [e.loss for e in _steps(rec)]
+    assert len(single) == 2 and losses[0] == losses[1] and losses[0] == pytest.approx(single, abs=1e-5)
+    # rank 0 reports every rank's memory: its parameter rows (about half the model each) and engine bytes
+    (ranks,) = [d["ranks"] for m, d in outcomes[0].logs if m.startswith("Memory per rank") and d]
+    assert [r["rank"] for r in ranks] == [0, 1] and not any(
+        m.startswith("Memory per") for m, _ in outcomes[1].logs
+    )
+    whole = sum(
+        p.numel() * 4 for p in load_file(str(tmp_path / "one" / "final" / "model.safetensors")).values()
+    )
+    assert all(0 < r["param_bytes"] < whole and r["device_state_bytes"] > 0 for r in ranks)
+    assert sum(t == "eval" for t, *_ in outcomes[0].events) == 2 and res.valid_loss is not None
+    assert outcomes[0].result["valid_loss"] == pytest.approx(res.valid_loss, abs=1e-5)
+    a, b = (load_file(str(p / "final" / "model.safetensors")) for p in (tmp_path / "one", tmp_path / "two"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k

@@ -189,6 +189,15 @@ def broadcast_object(ctx: DistContext, obj: Any) -> Any:
     return box[0]
 
 
+def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    import torch.distributed as tdist
+
+    out: list[Any] = [None] * ctx.world_size
+    tdist.all_gather_object(out, obj, group=ctx.group)
+    return out
+
+
 def all_sum(ctx: DistContext | None, values: Sequence[float]) -> list[float]:
     """Element-wise sums across ranks, in float64 (the values themselves without a group).
 

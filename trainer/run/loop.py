@@ -268,6 +268,8 @@ class _Run:
                 trainable_parameters=n_train,
                 num_examples=len(data.train),
                 num_validation_examples=len(data.valid),
+                sharded=built.sharded,
+                world_size=self.dist.world_size if self.dist is not None else 1,
             )
         )
         bar = None

@@ -38,7 +38,7 @@ from trainer.run.checkpoint import (
     set_rng_state,
 )
 from trainer.run.distributed import DistContext, broadcast_object, rank_device
-from trainer.run.sharding import rank_param_bytes, resolve_shard_params, shard_model
+from trainer.run.sharding import rank_memory, rank_param_bytes, reshard, resolve_shard_params, shard_model
 from trainer.runtime import RuntimeChoices
 from trainer.spec import JobSpec, ResolvedHyperparameters
 
@@ -269,6 +269,8 @@ def build(
         )
     # Before the engine or a checkpoint touches the weights: the base model is DPO's reference.
     reference = _dpo_reference(spec, data, model, out, device, emit, dist, split=not sharded)
+    if sharded and reference is not None:
+        reshard(model)
 
     found = _checkpoint_state(out, hp, dist) if resume else None
     restore = _rank_restore(*found, dist) if found is not None else None
@@ -298,6 +300,8 @@ def build(
                 engine_memory_text(mem.host_bytes, mem.params, mem.device_state_bytes), data=mem.as_dict()
             )
         )
+        if dist is not None:
+            emit(rank_memory(dist, model, mem, device))
         if device.type == "cpu" and engine.mode != "device":
             # The engine's CPU optimizer worker gets its share of the cores; training keeps the rest.
             built.restore_threads = threads

@@ -14,10 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+from trainer.events import LogEvent
+from trainer.run.distributed import all_gather_object
+
 if TYPE_CHECKING:
     import torch
 
     from offload.engine import ZenFlowEngine
+    from offload.memory import EngineMemory
     from trainer.plan.records import Plan
     from trainer.run.distributed import DistContext
 
@@ -164,3 +168,38 @@ class FullWeights:
         """Take part in every gather not made yet (the ranks that do not write; the writer after a failure)."""
         while self._next < len(self.names):
             self.fetch(self.names[self._next])
+
+
+def rank_memory(dist: DistContext, model: Any, mem: EngineMemory, device: Any) -> LogEvent:
+    """Each rank's memory at the start of a multi-rank run (a collective: every rank calls it; rank 0's
+    event is the one reported): its parameter bytes (its rows when sharded), the engine's host and
+    device bytes, and the device's allocated bytes on CUDA."""
+    import torch
+
+    mine = {
+        "rank": dist.rank,
+        "param_bytes": rank_param_bytes(model),
+        "host_bytes": mem.host_bytes,
+        "device_state_bytes": mem.device_state_bytes,
+        "device_buffer_bytes": mem.device_buffer_bytes,
+        "device_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+    }
+    ranks = all_gather_object(dist, mine)
+    text = "; ".join(
+        f"rank {r['rank']}: {r['param_bytes']} parameter bytes, {r['host_bytes']} host bytes, "
+        f"{r['device_state_bytes'] + r['device_buffer_bytes']} device engine bytes"
+        for r in ranks
+    )
+    return LogEvent(f"Memory per rank: {text}", data={"ranks": ranks})
+
+
+def reshard(model: Any) -> None:
+    """Put every FSDP2 module's weights back to their row shards. A forward without a backward (DPO's
+    reference pass) leaves the root's weights gathered (FSDP2 keeps the root unsharded after forward,
+    expecting the backward), so its parameters are plain tensors until then; the engine must be built
+    over the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -20,6 +20,7 @@ from typing import Any
 
 from store.orm import utcnow
 from trainer.events import (
+    RUN_SHARDED,
     CheckpointRemoved,
     CheckpointSaved,
     ErrorEvent,
@@ -75,6 +76,7 @@ class DBReporter:
         return Write(events=[event_row(ev.message, level=ev.level, data=ev.data or None)])
 
     def _on_run_started(self, ev: RunStarted) -> Write:
+        """The row's step count and resolved hyperparameters, with whether the weights ran sharded."""
         self.total_steps = ev.total_steps
         self.on_cuda = ev.device.startswith("cuda")
         what = f"Training resumed at step {ev.start_step}" if ev.start_step else "Training started"
@@ -83,7 +85,12 @@ class DBReporter:
             f"parameters on {ev.device} ({ev.dtype}, engine mode {ev.mode})"
         )
         return Write(
-            job={"total_steps": ev.total_steps, "resolved_hyperparameters": ev.hyperparameters},
+            # the run's resolved sharding rides in the resolved hyperparameters' JSON (api.jobs.views
+            # shows it as the job object's engine.shard_params)
+            job={
+                "total_steps": ev.total_steps,
+                "resolved_hyperparameters": {**ev.hyperparameters, RUN_SHARDED: ev.sharded},
+            },
             events=[event_row(msg, data=ev.as_dict())],
         )
 
