@@ -94,17 +94,7 @@ def gather_full_state(model: Any, engine: ZenFlowEngine, *, keep: bool) -> dict[
     with torch.no_grad():
         for key, v in model.state_dict(keep_vars=True).items():
             if isinstance(v, DTensor):
-                rows = newest.get(name_of.get(id(v), key))
-                if rows is not None:
-                    v = DTensor.from_local(
-                        rows.to(v.device),
-                        v.device_mesh,
-                        v.placements,
-                        run_check=False,
-                        shape=v.shape,
-                        stride=v.stride(),
-                    )
-                full = v.full_tensor()
+                full = _with_rows(v, newest.get(name_of.get(id(v), key))).full_tensor()
                 if keep:
                     out[key] = full.to("cpu", copy=True)
                 del full
@@ -152,16 +142,7 @@ class FullWeights:
                 plain: torch.Tensor = v.detach().to("cpu", copy=True)
                 return plain
             rows = self._newest.get(self._name_of.get(id(v), key))
-            if rows is not None:
-                v = DTensor.from_local(
-                    rows.to(v.device),
-                    v.device_mesh,
-                    v.placements,
-                    run_check=False,
-                    shape=v.shape,
-                    stride=v.stride(),
-                )
-            whole: torch.Tensor = v.full_tensor().to("cpu")
+            whole: torch.Tensor = _with_rows(v, rows).full_tensor().to("cpu")
             return whole
 
     def drain(self) -> None:
@@ -203,3 +184,15 @@ def reshard(model: Any) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def _with_rows(v: Any, rows: torch.Tensor | None) -> Any:
+    """The sharded parameter ``v`` (a DTensor) with this rank's ``rows`` as its local part: the engine's
+    newest values (its consolidated state) in place of the module's, else ``v`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    if rows is None:
+        return v
+    return DTensor.from_local(
+        rows.to(v.device), v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+    )
