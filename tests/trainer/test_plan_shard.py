@@ -58,6 +58,29 @@ def test_a_rank_holds_row_shards_and_two_gathered_blocks(tmp_path: Path) -> None
     assert cut.device_bytes < whole.device_bytes
 
 
+def test_sharded_landing_buffers_are_the_jobs_choice(tmp_path: Path) -> None:
+    """Replicated ranks need zenflow's landing buffers (views of the gathered replica); a sharded rank's are
+    a copy of its own rows the job may leave out, so the plan counts them only when it keeps them, and
+    offers leaving them out."""
+    d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
+    h200 = Machine.for_gpu("h200")
+    engine = {"mode": "zenflow", "shard_params": True}
+    kept = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=engine), h200)
+    left = plan_job(
+        _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**engine, "landing_buffers": False}), h200
+    )
+    # the rank's rows of the split (2-D) weights, bf16: all but the norms
+    assert kept.device["landing_buffers"] == pytest.approx(kept.device["weights"], rel=1e-3)
+    assert "landing_buffers" not in left.device or left.device["landing_buffers"] == 0
+    assert left.device_bytes == kept.device_bytes - kept.device["landing_buffers"]
+    replicated = plan_job(
+        _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**engine, "shard_params": False,
+              "landing_buffers": False}), h200,
+    )  # fmt: skip
+    # kept whatever the job says: the gathered replica of the split weights
+    assert replicated.device["landing_buffers"] == pytest.approx(replicated.device["weights"], rel=1e-3)
+
+
 def test_shard_params_auto_keeps_replicas_that_fit(tmp_path: Path) -> None:
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     h200 = Machine.for_gpu("h200")

@@ -249,8 +249,10 @@ def fix_groups(spec: JobSpec, seq: int) -> list[list[Fix]]:
                 )
             ]
         )
-    if eng.landing_buffers and eng.mode in ("zenflow", "auto") and spec.resources.gpus == 1:
-        # zenflow's device copy of the split weights (offload.config.EngineConfig.landing_buffers)
+    optional = spec.resources.world_size == 1 or eng.shard_params is not False  # replicas need the replica
+    if eng.landing_buffers and eng.mode in ("zenflow", "auto") and optional:
+        # zenflow's device copy of the split weights (offload.config.EngineConfig.landing_buffers); with
+        # sharded weights a copy of the rank's rows, planned (the fix is kept only if it makes the job fit)
         groups.append(
             [
                 Fix(

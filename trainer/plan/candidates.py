@@ -87,7 +87,7 @@ def engine_bytes_on_rank(job: JobShape, mode: Mode, acc: Accumulator) -> EngineB
     job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state; with
     sharded weights, the engine of its row shards (its device state too)."""
     update: dict[str, object] = {"mode": mode, "accumulate_on": acc}
-    if job.ranks > 1:  # the gathered replica the landing buffers view is kept in a process group
+    if job.ranks > 1 and not job.shard:  # replicated: the landing buffers view the gathered replica
         update["landing_buffers"] = True
     config = job.spec.engine.engine_config(1.0).model_copy(update=update)
     cuda = job.machine.device_type == "cuda"
