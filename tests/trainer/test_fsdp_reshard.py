@@ -103,3 +103,7 @@ def test_one_process_then_two_sharded_equals_uninterrupted(mode: str, chains: di
     assert res.steps == STEPS and not res.cancelled
     assert res.train_loss == pytest.approx(single.train_loss, rel=1e-5)
     assert_close(weights(root / f"one-{mode}"), weights(root / f"single-{mode}"))
+    # finished sharded: its last checkpoint holds the DCP folder, the exported model does not
+    last = latest_checkpoint(root / f"one-{mode}")
+    assert last is not None and (last.path / "engine-dcp" / ".metadata").is_file()
+    assert not (root / f"one-{mode}" / "final" / "engine-dcp").exists()
