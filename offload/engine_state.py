@@ -60,13 +60,13 @@ def recut_mode_state(
     loading engine is row-sharded (``rows``)."""
     from offload.row_recut import cut_rows, to_whole
 
-    shapes = _host_shapes(mode, rows)
+    shapes = host_shapes(mode, rows)
     saved_rows = bool(states[0].get("shard", {}).get("row_sharded", False))
     whole = to_whole([st["mode_state"] for st in states], saved_rows, shapes)
     return cut_rows(whole, rank, world, shapes) if rows is not None else whole
 
 
-def _host_shapes(mode: Mode, rows: RowShards | None) -> list[list[tuple[int, ...]]]:
+def host_shapes(mode: Mode, rows: RowShards | None) -> list[list[tuple[int, ...]]]:
     """Per host store of ``mode`` (offload's and zenflow's, by dtype), its parameters' whole shapes in order."""
 
     def whole(n: str, p: Any) -> tuple[int, ...]:

@@ -7,11 +7,11 @@ rank order. Resuming on another N (or from/to whole parameters) goes through it:
 the state one process would hold, :func:`cut_rows` this rank's rows of it. Nothing is recomputed, so the
 resumed run continues as the saving one would have, up to the new rank count's reduction order.
 
-This re-cut builds every parameter's whole state in each resuming rank's host memory at once: right for
-the models the tests train, not for a 70B resumed on fewer ranks. The scalable form is
-``torch.distributed.checkpoint`` with each parameter's state saved as a ``Shard(0)`` DTensor (a view of
-the rank's rows in its flat host store, no copy) so that a rank reads only the rows it will hold; that
-is still to be built (issue 23).
+This re-cut builds every parameter's whole state in each resuming rank's host memory at once: the trainer's
+sharded checkpoints go through :mod:`offload.dcp_state` instead (``torch.distributed.checkpoint``, each
+rank reading only its rows). This module serves ``ZenFlowEngine.load_state_dict`` given a list of
+states: a single process's (or replicated ranks') whole state loaded into a sharded group, and sharded
+checkpoints written before the DCP format (per-rank files with their engine state).
 
 Per parameter the tensors with a row dimension are concatenated / chunked along dim 0; scalars (the
 optimizer's step count) and the counters are the same on every rank and taken from the first.

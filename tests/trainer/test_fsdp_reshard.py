@@ -1,4 +1,5 @@
-"""A sharded (FSDP2) checkpoint resumed on another number of ranks (``offload.row_recut``): 4 sharded ranks
+"""A sharded (FSDP2) checkpoint resumed on another number of ranks (``offload.dcp_state``: each rank reads its
+rows from the checkpoint's DCP folder; ``offload.row_recut`` for 1 process -> N): 4 sharded ranks
 -> 2 sharded -> 1 process, and 1 process -> 2 sharded, each chain equal to an uninterrupted run within
 1e-5 in every mode (zenflow's column selections global, its column moments and stash rows)."""
 
@@ -49,7 +50,11 @@ def chains(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         ck = latest_checkpoint(root / f"four-{m}")
         assert ck is not None
         out[f"four-step-{m}"] = ck.step
-        out[f"four-shard-{m}"] = [load_rank_state(ck.path, r, 4)["engine"]["shard"] for r in range(4)]
+        shards = [load_rank_state(ck.path, r, 4)["engine"] for r in range(4)]
+        out[f"four-shard-{m}"] = [s["shard"] for s in shards]
+        # the rows are in DCP's folder, one file per rank: the shard files keep no engine state to load
+        out[f"four-rows-{m}"] = [s["mode_state"] for s in shards]
+        out[f"four-dcp-{m}"] = sorted(p.name for p in (ck.path / "engine-dcp").iterdir())
     jobs = [Job(spec(root / f"four-{m}", data, valid, m, gpus=2), cancel_after=3) for m in RECUT]
     jobs += [Job(spec(root / f"one-{m}", data, valid, m, gpus=2)) for m in RECUT]
     two = train_on_ranks(jobs, world=2, timeout=500)
@@ -73,6 +78,8 @@ def test_four_sharded_then_two_sharded_then_one_equals_uninterrupted(
     assert chains[f"four-shard-{mode}"] == [
         {"rank": r, "world_size": 4, "row_sharded": True} for r in range(4)
     ]
+    assert chains[f"four-rows-{mode}"] == [None] * 4
+    assert chains[f"four-dcp-{mode}"] == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
     second = ok(chains["two"][f"four-{mode}"])  # type: ignore[index]
     assert second.cancelled
     # each leg resumed from the previous one's checkpoint and moved on
@@ -96,3 +103,7 @@ def test_one_process_then_two_sharded_equals_uninterrupted(mode: str, chains: di
     assert res.steps == STEPS and not res.cancelled
     assert res.train_loss == pytest.approx(single.train_loss, rel=1e-5)
     assert_close(weights(root / f"one-{mode}"), weights(root / f"single-{mode}"))
+    # finished sharded: its last checkpoint holds the DCP folder, the exported model does not
+    last = latest_checkpoint(root / f"one-{mode}")
+    assert last is not None and (last.path / "engine-dcp" / ".metadata").is_file()
+    assert not (root / f"one-{mode}" / "final" / "engine-dcp").exists()

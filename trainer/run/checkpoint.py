@@ -56,6 +56,8 @@ TENSORS_SUFFIX = ".safetensors"
 STATE_VERSIONS = (1, 2)
 WEIGHTS = "model.safetensors"
 FINAL_DIR = "final"
+#: A sharded run's engine rows: a ``torch.distributed.checkpoint`` folder (:mod:`offload.dcp_state`).
+ENGINE_DCP = "engine-dcp"
 RESULT_FILE = "result.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 _SHARD_RE = re.compile(r"^engine-rank(\d{5})-of-(\d{5})\.(pt|safetensors)$")

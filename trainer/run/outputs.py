@@ -32,6 +32,7 @@ Only rank 0 writes ``final/`` (the model files of the last checkpoint, no shard 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from trainer.events import CheckpointRemoved, CheckpointSaved, Event
 from trainer.model.lora import current_state, merged_lora_state
 from trainer.run.checkpoint import (
+    ENGINE_DCP,
     FINAL_DIR,
     MANIFEST,
     RESULT_FILE,
@@ -186,6 +188,18 @@ class RunOutputs:
             f"checkpoint {step}: {int(n_failed)} rank(s) could not write their engine shard"
         ) from problem
 
+    def _save_dcp(self, step: int, engine_state: dict[str, Any]) -> None:
+        """Every rank writes its engine rows into the staged DCP folder of checkpoint ``step``
+        (:mod:`offload.dcp_state`); rank 0 moves it in."""
+        from offload.dcp_state import engine_pieces, save_rows
+
+        assert self.dist is not None
+        pieces, skeleton = engine_pieces(self.built.engine, engine_state["mode_state"])
+        save_rows(self._staged_dcp(step), pieces, skeleton, self.dist.cpu_group or self.dist.group)
+
+    def _staged_dcp(self, step: int) -> Path:
+        return self.out / f"{checkpoint_name(step)}.tmp-{ENGINE_DCP}"
+
     def save_checkpoint(self, progress: Progress) -> None:
         """Write a checkpoint at ``progress.step``, record it in ``progress``, prune older ones."""
         built, dist, step = self.built, self.dist, progress.step
@@ -194,12 +208,16 @@ class RunOutputs:
         rng = rng_state()
         rank_state: dict[str, Any] = {}
         if dist is not None:
+            rank_engine = engine_state
+            if built.sharded:  # the rows through DCP, every rank its own; the shard file keeps the RNG
+                self._save_dcp(step, engine_state)
+                rank_engine = {**engine_state, "mode_state": None, "dcp": ENGINE_DCP}
             rank_state = {
                 "version": STATE_VERSION,
                 "step": step,
                 "rank": dist.rank,
                 "world_size": dist.world_size,
-                "engine": engine_state,
+                "engine": rank_engine,
                 "rng": rng,
             }
             self._stage_shards(step, rank_state)
@@ -259,6 +277,9 @@ class RunOutputs:
             tstate["engine"] = engine_state
         else:
             tstate["world_size"] = dist.world_size  # the engine state is in the per-rank shard files
+            if built.sharded:  # ... its rows in DCP's folder
+                tstate["engine_dcp"] = ENGINE_DCP
+                tstate["engine_header"] = {k: v for k, v in engine_state.items() if k != "mode_state"}
 
         def write(tmp: Path) -> None:
             adapter = None
@@ -304,6 +325,8 @@ class RunOutputs:
                     staged, name = self._staged(progress.step, r), engine_shard_name(r, dist.world_size)
                     os.replace(tensors_path(staged), tensors_path(tmp / name))
                     os.replace(staged, tmp / name)
+                if built.sharded:
+                    os.replace(self._staged_dcp(progress.step), tmp / ENGINE_DCP)
 
         manifest: dict[str, Any] = {
             "kind": "checkpoint",
@@ -320,6 +343,7 @@ class RunOutputs:
                 for r in range(1, dist.world_size):
                     self._staged(progress.step, r).unlink(missing_ok=True)
                     tensors_path(self._staged(progress.step, r)).unlink(missing_ok=True)
+                shutil.rmtree(self._staged_dcp(progress.step), ignore_errors=True)
 
     def _write_card(self, folder: Path, figures: dict[str, Any], *, adapter: bool) -> None:
         """The folder's README.md: trainer.run.model_card (base, data sizes, hyperparameters, losses)."""
@@ -344,8 +368,14 @@ class RunOutputs:
         def write(tmp: Path) -> None:
             for p in sorted(src.rglob("*")):
                 skip = (TRAINING_STATE, tensors_path(Path(TRAINING_STATE)).name, MANIFEST)
-                if p.is_file() and p.name not in skip and not is_engine_shard(p.name):
-                    link_or_copy(p, tmp / p.relative_to(src))
+                rel = p.relative_to(src)
+                if (
+                    p.is_file()
+                    and p.name not in skip
+                    and not is_engine_shard(p.name)
+                    and rel.parts[0] != ENGINE_DCP
+                ):
+                    link_or_copy(p, tmp / rel)
 
         def export() -> str:
             return str(

@@ -183,9 +183,14 @@ class _Restore:
         return self.engine[0] if isinstance(self.engine, list) else self.engine
 
 
-def _rank_restore(ckpt: CheckpointInfo, state: dict[str, Any], dist: DistContext | None) -> _Restore:
+def _rank_restore(
+    ckpt: CheckpointInfo, state: dict[str, Any], dist: DistContext | None, sharded: bool = False
+) -> _Restore:
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     saved = checkpoint_world_size(state)
+    if state.get("engine_dcp"):  # a sharded run's: each rank reads its rows, and its own shard file's RNG
+        rng = load_rank_state(ckpt.path, rank, saved).get("rng") if rank < saved else None
+        return _Restore(_dcp_engine(ckpt.path / state["engine_dcp"], state, dist, sharded), rng, saved)
 
     def shard(r: int) -> dict[str, Any]:
         return state if saved == 1 else load_rank_state(ckpt.path, r, saved)
@@ -196,6 +201,25 @@ def _rank_restore(ckpt: CheckpointInfo, state: dict[str, Any], dist: DistContext
     shards = [shard(r) for r in range(saved)]
     rng = shards[rank].get("rng") if rank < saved else None
     return _Restore([s["engine"] for s in shards], rng, saved)
+
+
+def _dcp_engine(
+    folder: Path, state: dict[str, Any], dist: DistContext | None, sharded: bool
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """This rank's engine state from a sharded checkpoint's DCP folder: its rows when ``sharded`` (the
+    engine loads it as its own), else the whole parameters' (one state of one process, re-cut by the
+    engine for replicated ranks)."""
+    from offload.dcp_state import join_rows, load_rows
+
+    rank, world = (dist.rank, dist.world_size) if dist is not None and sharded else (0, 1)
+    group = (dist.cpu_group or dist.group) if dist is not None and sharded else None
+    pieces, skeleton = load_rows(folder, rank, world, group)
+    engine = {
+        **state["engine_header"],
+        "mode_state": join_rows(skeleton, pieces),
+        "shard": {"rank": rank, "world_size": world, "row_sharded": sharded},
+    }
+    return engine if sharded else [engine]
 
 
 def _make_engine(model: Any, config: Any, dist: DistContext | None) -> ZenFlowEngine:
@@ -273,7 +297,7 @@ def build(
         reshard(model)
 
     found = _checkpoint_state(out, hp, dist) if resume else None
-    restore = _rank_restore(*found, dist) if found is not None else None
+    restore = _rank_restore(*found, dist, sharded) if found is not None else None
     threads = torch.get_num_threads()  # before the engine's core placement caps it
     resumed = restore.first if restore is not None else None
     config = spec.engine.engine_config(
