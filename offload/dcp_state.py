@@ -143,7 +143,9 @@ def save_rows(
     path: Path, pieces: dict[str, torch.Tensor], skeleton: dict[str, Any], group: ProcessGroup
 ) -> None:
     """Every rank of ``group`` (CPU, gloo) saves its pieces as ``Shard(0)`` DTensors and the skeleton
-    (each rank's; DCP keeps one) into DCP folder ``path``."""
+    (each rank's; DCP keeps one) into DCP folder ``path``. The mesh is the CPU group's, so pieces on a
+    GPU (device mode's state, zenflow's column moments) are copied to the host first; host pieces are
+    saved from their own storage."""
     import torch.distributed as tdist
     from torch.distributed.checkpoint.state_dict_saver import save
     from torch.distributed.device_mesh import DeviceMesh
@@ -157,7 +159,12 @@ def save_rows(
     for k, t in pieces.items():
         whole = (sum(r[k] for r in every if r is not None), *t.shape[1:])
         state[k] = DTensor.from_local(
-            t.contiguous(), mesh, [Shard(0)], shape=torch.Size(whole), stride=_stride(whole), run_check=False
+            t.detach().to("cpu").contiguous(),
+            mesh,
+            [Shard(0)],
+            shape=torch.Size(whole),
+            stride=_stride(whole),
+            run_check=False,
         )
     blob = io.BytesIO()
     torch.save(skeleton, blob)
