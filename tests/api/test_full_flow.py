@@ -3,6 +3,7 @@ succeeded -> checkpoints listed -> the model loads. And ``zenflow serve`` on emb
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import io
@@ -48,18 +49,24 @@ def flow_settings(settings: Settings, tmp_path: Path) -> Iterator[Settings]:
         r.delete(key)
 
 
-@pytest.fixture
-def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
+@contextlib.contextmanager
+def running_worker(
+    settings: Settings, tmp_path: Path, name: str, **extra_env: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A real Celery worker process on ``settings``' database, broker, data dir and queue (its log in
+    ``tmp_path/worker.log``), with none of this process's ZENFLOW_/WANDB_/MLFLOW_ settings but
+    ``extra_env``; stopped on exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZENFLOW_", "WANDB_", "MLFLOW_"))}
     env.update(
-        ZENFLOW_DATABASE_URL=flow_settings.database_url,
-        ZENFLOW_BROKER_URL=flow_settings.broker_url,
-        ZENFLOW_DATA_DIR=str(flow_settings.data_dir),
-        ZENFLOW_DEFAULT_QUEUE=flow_settings.default_queue,
+        ZENFLOW_DATABASE_URL=settings.database_url,
+        ZENFLOW_BROKER_URL=settings.broker_url,
+        ZENFLOW_DATA_DIR=str(settings.data_dir),
+        ZENFLOW_DEFAULT_QUEUE=settings.default_queue,
         ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="2",
         # The API tests' jobs in this database were "enqueued" by a recorder, never to Redis: the
         # worker's reaper is not to send them (worker.dispatch; tested in tests/worker/test_dispatch.py).
         ZENFLOW_DISPATCH_GRACE_SECONDS="86400",
+        **extra_env,
     )
     log = (tmp_path / "worker.log").open("wb")
     proc = subprocess.Popen(
@@ -71,8 +78,8 @@ def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subproces
             "worker",
             "--pool=solo",
             "--concurrency=1",
-            f"--queues={flow_settings.default_queue}",
-            f"--hostname=flow-{secrets.token_hex(3)}@%h",
+            f"--queues={settings.default_queue}",
+            f"--hostname={name}-{secrets.token_hex(3)}@%h",
             "--without-gossip",
             "--without-mingle",
             "--loglevel=INFO",
@@ -88,6 +95,12 @@ def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subproces
     finally:
         _stop(proc)
         log.close()
+
+
+@pytest.fixture
+def celery_worker(flow_settings: Settings, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with running_worker(flow_settings, tmp_path, "flow") as proc:
+        yield proc
 
 
 def test_upload_create_run_succeed_checkpoints_model_loads(

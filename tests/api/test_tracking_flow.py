@@ -5,10 +5,8 @@ MLflow run has one point per step of every step metric and the final model's id.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, ServerThread, make_team
-from tests.api.test_full_flow import _stop
+from tests.api.test_full_flow import running_worker
 from tests.mlflow_server import running_mlflow_server
 from worker.tracking.base import STEP_METRICS
 
@@ -49,44 +47,10 @@ def mlflow_uri(tmp_path: Path) -> Iterator[str]:
 def celery_worker(
     flow_settings: Settings, mlflow_uri: str, tmp_path: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZENFLOW_", "WANDB_", "MLFLOW_"))}
-    env.update(
-        ZENFLOW_DATABASE_URL=flow_settings.database_url,
-        ZENFLOW_BROKER_URL=flow_settings.broker_url,
-        ZENFLOW_DATA_DIR=str(flow_settings.data_dir),
-        ZENFLOW_DEFAULT_QUEUE=flow_settings.default_queue,
-        ZENFLOW_HEARTBEAT_INTERVAL_SECONDS="2",
-        ZENFLOW_DISPATCH_GRACE_SECONDS="86400",  # the other API tests' recorded jobs are not ours to send
-        ZENFLOW_MLFLOW_TRACKING_URI=mlflow_uri,
-        WANDB_MODE="offline",
-    )
-    log = (tmp_path / "worker.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "--app=worker:celery_app",
-            "worker",
-            "--pool=solo",
-            "--concurrency=1",
-            f"--queues={flow_settings.default_queue}",
-            f"--hostname=tracking-{secrets.token_hex(3)}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--loglevel=INFO",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
+    with running_worker(
+        flow_settings, tmp_path, "tracking", ZENFLOW_MLFLOW_TRACKING_URI=mlflow_uri, WANDB_MODE="offline"
+    ) as proc:
         yield proc
-    finally:
-        _stop(proc)
-        log.close()
 
 
 def test_sdk_job_with_mlflow_integration_runs_into_the_tracking_server(

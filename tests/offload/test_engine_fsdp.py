@@ -12,6 +12,7 @@ import torch
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
 from tests.dist_ranks import pinned_numerics, run_ranks
+from tests.offload.test_engine_distributed import _config as distributed_config
 
 STEPS = 20
 BATCH = 8  # the global batch; each rank takes its share
@@ -38,20 +39,8 @@ def _data(dtype: torch.dtype, out: int = 8) -> list[tuple[torch.Tensor, torch.Te
 
 
 def _config(mode: str, shard: bool, **kw: Any) -> EngineConfig:
-    base: dict[str, Any] = {
-        "mode": mode,
-        "lr": 3e-3,
-        "weight_decay": 0.01,
-        "bind_worker_cores": False,
-        "cpu_threads": 1,
-        "topk_ratio": 0.25,
-        "update_interval": 2,
-        "select_interval": 4,
-        "full_warm_up_rounds": 1,
-        "max_grad_norm": 0.5,  # small enough to clip: the norm must be the global one
-        "shard_params": shard,
-    }
-    return EngineConfig(**{**base, **kw})
+    """The replicated tests' settings, clipping small enough to bite (the norm must be the global one)."""
+    return distributed_config(mode, **{"max_grad_norm": 0.5, "shard_params": shard, **kw})
 
 
 def _train(engine: ZenFlowEngine, model: torch.nn.Module, dtype: torch.dtype, part: slice, out: int) -> None:
