@@ -2,7 +2,7 @@
 
 A team sees the built-in configs (trainer.model.catalog), the base models under ``Settings.model_roots``
 (named by folder relative to a root) and its own ``ft:`` models and checkpoints (store.model_ids).
-:func:`resolve_model` turns a name from a request into a :class:`ModelRef`; a name that looks like a
+:func:`team_model` turns a name from a request into a :class:`ModelRef`; a name that looks like a
 server path (absolute, ``..``, ``~``, a backslash) is a 400 (:class:`InvalidModelName`), anything else
 unknown, and every other team's id, the same 404 (:class:`ModelNotFound`). Built-in names win over a
 root's folder of the same name.
@@ -111,7 +111,7 @@ def team_owner(session: Session, team_id: str) -> str:
     return team.name if team is not None else team_id
 
 
-def resolve_model(
+def team_model(
     session: Session, team_id: str, model: str, settings: Settings, *, param: str | None = "model"
 ) -> ModelRef:
     """The model ``model`` names for this team; raises :class:`ModelNotFound` (404) or

@@ -1,9 +1,11 @@
 """Request and response bodies in the shape of the OpenAI files and fine-tuning API (plus our extras).
 
 Responses parse with the official ``openai`` SDK's types; requests accept what the SDK sends.
-Extras live beside the OpenAI fields: ``engine`` (offload.config.EngineConfig settings),
-``resources`` (trainer.spec.ResourceSpec: ``gpus``), ``queue_position`` and ``progress`` on jobs, and the per-step
-metrics list. No object shows a path on the server (events: api.jobs.public_paths).
+Extras live beside the OpenAI fields: ``engine`` (the engine's public settings, contract.engine) and
+``resources`` (contract.resources) in a create; on a job its settings as resolved (``hyperparameters``,
+``method``, ``engine``, ``resources``: every value concrete once decided), where each came from
+(``sources``) and when and why they were decided (``resolutions``), ``queue_position`` and ``progress``;
+the per-step metrics list. No object shows a path on the server (events: api.jobs.public_paths).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
+from contract.engine import EngineRequest
+from contract.resources import Resources
 from store.orm import as_utc
-from trainer.spec import EngineSettings
 from worker.tracking.spec import MAX_INTEGRATIONS, Integration, one_of_each
 
 T = TypeVar("T")
@@ -122,12 +125,13 @@ class JobCreate(BaseModel):
     #: Tracking integrations (OpenAI's ``wandb``, our ``mlflow``; worker.tracking.spec); the types a team
     #: may use are the server's ``allowed_integrations``.
     integrations: list[Integration] | None = Field(None, max_length=MAX_INTEGRATIONS)
-    #: The engine's settings (our extra): the fields a job may set, each ``mode`` and ``accumulate_on``
-    #: also ``auto`` (resolved by the job's plan); unset fields keep the model's or the engine's defaults.
-    engine: EngineSettings | None = None
-    #: What the job needs from its worker, validated by trainer.spec.ResourceSpec (our extra):
-    #: ``{"gpus": N}``, data-parallel ranks (1..64, default 1).
-    resources: dict[str, Any] | None = None
+    #: The engine's public settings (our extra, contract.engine.EngineRequest): ``mode``, ``accumulate_on``
+    #: and ``shard_params`` also ``auto`` (the job's plan decides); unset fields take the model's or the
+    #: contract's defaults. Another field (a worker's tuning) is refused, named.
+    engine: EngineRequest | None = None
+    #: What the job needs from its workers (our extra, contract.resources.Resources): ``gpus`` ranks on each
+    #: of ``nodes`` worker hosts (default 1 and 1).
+    resources: Resources | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -179,9 +183,10 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
-class Hyperparameters(BaseModel):
-    """OpenAI's three, then every other hyperparameter given and every resolved value (api.jobs.views.
-    job_hyperparameters): learning_rate, max_seq_length, lora, warmup_steps, total_steps, ..."""
+class HyperparametersObject(BaseModel):
+    """OpenAI's three, then every other hyperparameter: the resolved values once the job is resolved
+    (learning_rate, max_seq_length, lora, warmup_steps, total_steps, ...), the request's before
+    (api.jobs.views.job_hyperparameters)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -191,7 +196,7 @@ class Hyperparameters(BaseModel):
 
 
 class SupervisedOut(BaseModel):
-    hyperparameters: Hyperparameters
+    hyperparameters: HyperparametersObject
 
 
 class MethodOut(BaseModel):
@@ -209,13 +214,19 @@ class JobError(BaseModel):
     param: str | None = None
 
 
-class Resources(BaseModel):
-    """What a job runs on (trainer.spec.ResourceSpec, resolved): ``gpus``, its data-parallel ranks per
-    node, and ``nodes`` (shown when the request gave it) the worker hosts it spans."""
+class ResolutionObject(BaseModel):
+    """One decision of a job's settings (contract.job.Resolution): at create, or by a run that had to
+    decide again, and what it changed from the one before."""
 
-    model_config = ConfigDict(extra="allow")
-
-    gpus: int = 1
+    at: Literal["create", "run"]
+    reason: str
+    decided_at: int
+    #: The machine it was planned for (a GPU's name and its share of the host), or null (no plan).
+    planned_for: str | None = None
+    #: The plan's summary (fits, mode, memory, predicted s/step), or null.
+    plan: str | None = None
+    #: ``{"engine.mode": {"from": "zenflow", "to": "offload"}}`` against the previous resolution.
+    changes: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
 class Progress(BaseModel):
@@ -234,7 +245,7 @@ class FineTuningJobObject(BaseModel):
     fine_tuned_model: str | None = None
     organization_id: str
     status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
-    hyperparameters: Hyperparameters
+    hyperparameters: HyperparametersObject
     method: MethodOut
     training_file: str
     validation_file: str | None = None
@@ -248,8 +259,14 @@ class FineTuningJobObject(BaseModel):
     estimated_finish: int | None = None
     integrations: list[Integration] = Field(default_factory=list)
     # Extras.
+    #: The engine's settings: resolved (every value concrete) once the job is, else the request's.
     engine: dict[str, Any] = Field(default_factory=dict)
     resources: Resources = Field(default_factory=Resources)
+    #: Where each resolved value came from, by path (``engine.mode``: ``plan``; ``hyperparameters.n_epochs``:
+    #: ``data``): request, model, default, data, plan or resume (contract.job.Source); empty until resolved.
+    sources: dict[str, str] = Field(default_factory=dict)
+    #: Each decision of the settings, the first at create, the last current.
+    resolutions: list[ResolutionObject] = Field(default_factory=list)
     queue_position: int | None = None
     cancel_requested: bool = False
     progress: Progress = Field(default_factory=Progress)

@@ -50,7 +50,7 @@ import yaml
 
 BASE_MODES = ("device", "offload", "zenflow")
 #: The paper's fine-tuning defaults (and EngineConfig's).
-PAPER = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": "auto", "full_warm_up_rounds": 0}
+PAPER = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": "epoch", "full_warm_up_rounds": 0}
 SCALE_CPU_LR = {
     f"zf-u{ui}-{'sum' if on else 'plain'}": {
         "mode": "zenflow",

@@ -186,12 +186,14 @@ def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
     }
     if variant in ("device", "offload"):
         return EngineConfig(mode=variant, **common)
-    ui: int | str = "auto" if args.update_interval == "auto" else int(args.update_interval)
+    ui: int | str = args.update_interval if args.update_interval == "adaptive" else int(args.update_interval)
     return EngineConfig(
         mode="zenflow",
         topk_ratio=args.topk_ratio,
         update_interval=ui,
-        select_interval=args.select_interval if args.select_interval == "auto" else int(args.select_interval),
+        select_interval=args.select_interval
+        if args.select_interval == "epoch"
+        else int(args.select_interval),
         accumulate_on="device" if variant == "zenflow-dacc" else "host",
         **common,
     )
@@ -415,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", default="4")
-    ap.add_argument("--select-interval", default="auto")
+    ap.add_argument("--select-interval", default="epoch")
     ap.add_argument(
         "--epoch-steps",
         type=int,

@@ -24,7 +24,7 @@ so the device is not drained). On a CPU-only run ``.cpu()`` of a
 CPU tensor dispatches nothing, so the engine routes every read of device data through its counted
 paths; on CUDA (``bench/gpu_check.sh``) the dispatch-level counts see every real device-to-host copy.
 
-Reselections: the counted steps include them, as training does (``select_interval="auto"`` reselects
+Reselections: the counted steps include them, as training does (``select_interval="epoch"`` reselects
 at the first window end after ``engine.new_epoch()``, which this benchmark calls every
 ``--epoch-steps`` counted steps, by default at half of them; or give ``--select-interval N``).
 Reported per variant: mean kernels and host syncs per step, split into plain steps and window ends

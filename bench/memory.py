@@ -234,7 +234,7 @@ def speed_rows(gpus: list[str], host_gib: int = 128, cores: int = 32) -> list[di
     from transformers import LlamaConfig
 
     from trainer.plan.gpus import GiB, Machine
-    from trainer.plan.planner import plan_job
+    from trainer.resolve import plan_spec
     from trainer.spec import JobSpec
 
     rows = []
@@ -252,9 +252,9 @@ def speed_rows(gpus: list[str], host_gib: int = 128, cores: int = 32) -> list[di
             )
             for gpu in gpus:
                 machine = Machine.for_gpu(gpu, host_memory_bytes=host_gib * GiB, cores=cores)
-                plan = plan_job(spec, machine)
+                plan = plan_spec(spec, machine)
                 z, o, dv = plan.modes["zenflow"], plan.modes["offload"], plan.modes["device"]
-                zd = plan_job(dacc, machine).modes["zenflow"]
+                zd = plan_spec(dacc, machine).modes["zenflow"]
                 rows.append(
                     {
                         "model": name,
@@ -323,7 +323,7 @@ def deepspeed_rows(gpu: str = "h200") -> list[dict[str, Any]]:
     from transformers import LlamaConfig
 
     from trainer.plan.gpus import Machine
-    from trainer.plan.planner import plan_job
+    from trainer.resolve import plan_spec
     from trainer.spec import JobSpec
 
     rows = []
@@ -342,7 +342,7 @@ def deepspeed_rows(gpu: str = "h200") -> list[dict[str, Any]]:
                     hyperparameters={"batch_size": 8, "max_seq_length": 2048},
                     engine={"mode": mode},
                 )
-                plan = plan_job(spec, machine, num_examples=1000, advise=False)
+                plan = plan_spec(spec, machine, num_examples=1000, advise=False)
                 ds = deepspeed_estimates(plan.params, largest)
                 setup = _DS_MATCH[mode]
                 rows.append(

@@ -63,12 +63,12 @@ def measure(
 ) -> Throughput:
     """Forward + backward throughput of ``steps`` optimizer steps of ``data`` (see the module docstring)."""
     import torch
+    from contract.hyperparameters import RuntimeChoices
 
     from trainer.data.batching import epoch_order, loss_sum, micro_batches
     from trainer.data.dataset import load_examples
     from trainer.model.catalog import load_model, load_tokenizer
     from trainer.run.setup import apply_runtime, pick_device
-    from trainer.runtime import RuntimeChoices
 
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

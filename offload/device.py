@@ -11,7 +11,7 @@ allocator cannot hand their memory out again (``zero_grad(set_to_none=True)``) b
 On CPU ("the device is the CPU") the same calls copy synchronously and events are ``None``.
 
 Host reads. The engine never reads a device tensor's value on the training thread in a plain step:
-device scalars it needs (the gradient norm, whether the step is finite, "auto" window masses) go
+device scalars it needs (the gradient norm, whether the step is finite, "adaptive" window masses) go
 through :meth:`DeviceOps.read_later` (one stacked non-blocking copy into page-locked memory, queued
 before the step's optimizer kernels) and are read with :meth:`Landing.values` once the step's work is
 queued. A plain step does not synchronize the device first, so on CUDA that read may still wait for

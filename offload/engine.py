@@ -334,7 +334,7 @@ class ZenFlowEngine:
                 p.grad.zero_()
 
     def new_epoch(self) -> None:
-        """Signal an epoch boundary (``select_interval="auto"`` reselects at the next window end)."""
+        """Signal an epoch boundary (``select_interval="epoch"`` reselects at the next window end)."""
         self._mode.new_epoch()
 
     def flush(self) -> None:

@@ -12,7 +12,7 @@ the one it gathers from. What is global goes through a collective on the mesh's 
   norm summed over the ranks, then the norm of those as one process computes it);
 - zenflow's column importance (:func:`column_scores_`: each rank's per-column sums over its rows, added
   in one all-reduce of ``cols`` floats per weight, so every rank selects the same columns) and its
-  ``"auto"`` window masses (:func:`all_sum_`), so every rank ends its windows at the same steps.
+  ``"adaptive"`` window masses (:func:`all_sum_`), so every rank ends its windows at the same steps.
 
 A column is an index into dim 1 and rows are dim 0, so a row block holds every column: the same split
 into device columns and host rest on every rank. 1-D parameters are row-sharded too and stay whole-updated

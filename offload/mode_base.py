@@ -50,7 +50,7 @@ class Mode:
     #: The thread the mode runs its CPU optimizer on in the background (zenflow), if any.
     cpu_thread: CPUThread | None = None
     #: The group over which every parameter's rows are sharded (FSDP2, :mod:`offload.fsdp`): the mode's
-    #: parameters are this rank's row blocks and what must be global (zenflow's column scores and "auto"
+    #: parameters are this rank's row blocks and what must be global (zenflow's column scores and "adaptive"
     #: window masses) is summed over it. None: the parameters are whole.
     row_group: Any = None
 

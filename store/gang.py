@@ -34,7 +34,6 @@ from sqlalchemy.orm import Session
 
 from store import jobs
 from store.orm import FineTuningJob, JobNode, JobStatus, as_utc, utcnow
-from store.runs import job_gpus, job_nodes
 from store.settings import Settings
 
 
@@ -75,7 +74,7 @@ def _member(job: FineTuningJob, rows: list[JobNode], hostname: str) -> Member | 
     attempt = mine.attempt
     started = job.status == JobStatus.running.value and job.attempts == attempt
     return Member(
-        job.id, attempt, mine.node_rank, job_nodes(job.resources), rows[0].rdzv_endpoint or "", started
+        job.id, attempt, mine.node_rank, job.request.resources.nodes, rows[0].rdzv_endpoint or "", started
     )
 
 
@@ -115,7 +114,7 @@ def dissolve(session: Session, job: FineTuningJob, attempt: int, why: str) -> No
     jobs.add_event(
         session,
         job.id,
-        f"Gang released: {why}; the job waits for {job_nodes(job.resources)} workers again",
+        f"Gang released: {why}; the job waits for {job.request.resources.nodes} workers again",
         level="warning",
         data={"gang": "released", "attempt": attempt},
     )
@@ -139,7 +138,7 @@ def join(
     holding every node's GPUs); a claim that cancels or fails the job instead releases the slots.
     """
     now = now or utcnow()
-    nodes = job_nodes(job.resources)
+    nodes = job.request.resources.nodes
     if job.status != JobStatus.queued.value or nodes < 2 or job.cancel_requested or jobs.held_back(job, now):
         return None
     attempt = job.attempts + 1
@@ -173,7 +172,7 @@ def join(
             rows[0].worker_hostname,
             max_attempts=settings.max_job_attempts,
             heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
-            gpus=job_gpus(job.resources),
+            gpus=job.world_size,
         )
         if outcome is not jobs.Claim.claimed:
             session.execute(delete(JobNode).where(JobNode.job_id == job.id, JobNode.attempt == attempt))
@@ -226,7 +225,7 @@ def next_gang(
     own = session.get(FineTuningJob, message_job_id) if message_job_id else None
     if own is not None:
         queue = own.queue
-        if job_nodes(own.resources) > 1 and own.status == JobStatus.running.value:
+        if own.request.resources.nodes > 1 and own.status == JobStatus.running.value:
             locked = jobs.lock_job(session, own.id)
             if locked is not None and not jobs.heartbeat_is_fresh(
                 locked.heartbeat_at, settings.heartbeat_timeout_seconds, now
@@ -250,7 +249,7 @@ def next_gang(
     opened: list[Member] = []
 
     def take(job: FineTuningJob) -> jobs.Claim:
-        if job_nodes(job.resources) < 2:
+        if job.request.resources.nodes < 2:
             return jobs.claim(
                 session,
                 job,

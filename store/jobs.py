@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 from store import quotas
 from store.fairshare import WAITING, fair_order
 from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, as_utc, utcnow
-from store.runs import end_runs, job_gpus, open_run
+from store.runs import end_runs, open_run
 from store.settings import Settings
 
 #: Jobs waiting for a worker (they have a queue position).
@@ -215,7 +215,7 @@ def claim(
         JobStatus.running,
         message=f"Attempt {job.attempts}/{max_attempts} started on {hostname}{resume}",
     )
-    open_run(session, job, hostname, gpus=job_gpus(job.resources) if gpus is None else gpus)
+    open_run(session, job, hostname, gpus=job.world_size if gpus is None else gpus)
     return Claim.claimed
 
 

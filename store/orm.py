@@ -22,7 +22,9 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
+from contract.job import RESOLUTIONS, JobRequest, Resolution
 from store.ids import new_id
 
 NAMING_CONVENTION = {
@@ -41,6 +43,34 @@ def utcnow() -> datetime:
 def as_utc(dt: datetime | None) -> datetime | None:
     """``dt`` as an aware UTC datetime (SQLite hands timestamps back naive; PostgreSQL aware)."""
     return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+class RequestJSON(TypeDecorator[JobRequest]):
+    """A job's request (contract.job.JobRequest) as JSON: what it gave only (unset fields stay unset, so
+    a resolution can tell a value asked for from a default), validated by the contract when read."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value: JobRequest | None, dialect: Any) -> Any:
+        return None if value is None else value.model_dump(mode="json", exclude_unset=True)
+
+    def process_result_value(self, value: Any, dialect: Any) -> JobRequest | None:
+        return None if value is None else JobRequest.model_validate(value)
+
+
+class ResolutionsJSON(TypeDecorator[list[Resolution]]):
+    """A job's resolutions (contract.job.Resolution, the last one current) as JSON, validated by the
+    contract when read."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value: list[Resolution] | None, dialect: Any) -> Any:
+        return [] if value is None else RESOLUTIONS.dump_python(value, mode="json")
+
+    def process_result_value(self, value: Any, dialect: Any) -> list[Resolution]:
+        return [] if value is None else RESOLUTIONS.validate_python(value)
 
 
 class Base(DeclarativeBase):
@@ -124,13 +154,13 @@ class FineTuningJob(Base):
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="RESTRICT"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id", ondelete="RESTRICT"))
     status: Mapped[str] = mapped_column(String(32), default=JobStatus.validating_files.value, index=True)
-    #: Hyperparameters as requested (may hold "auto"); the resolved values are in resolved_hyperparameters.
-    hyperparameters: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    resolved_hyperparameters: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
-    #: Offload engine settings (offload.config.EngineConfig fields).
-    engine: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    #: What the job needs from its worker (trainer.spec.ResourceSpec fields: ``gpus``); NULL: the defaults.
-    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    #: What the client asked: method, hyperparameters, engine, resources (contract.job.JobRequest; the
+    #: model and the files are the columns of their own).
+    request: Mapped[JobRequest] = mapped_column(RequestJSON, nullable=True)  # written by every create
+    #: What the job is: its resolutions (contract.job.Resolution), the first made at create, one more each
+    #: time a run had to decide again; the last one is current. Empty only for a job created before
+    #: resolutions were recorded and not run since (its run resolves it).
+    resolutions: Mapped[list[Resolution]] = mapped_column(ResolutionsJSON, nullable=True, default=list)
     #: Tracking integrations as requested (worker.tracking.spec: ``[{"type": "mlflow", "mlflow": {...}}]``);
     #: NULL: none.
     integrations: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
@@ -170,6 +200,17 @@ class FineTuningJob(Base):
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", cascade="all, delete-orphan", passive_deletes=True
     )
+
+    @property
+    def resolution(self) -> Resolution | None:
+        """The current resolution (None: not resolved yet)."""
+        return self.resolutions[-1] if self.resolutions else None
+
+    @property
+    def world_size(self) -> int:
+        """Every rank the job runs on (resources: nodes x gpus)."""
+        return self.request.resources.world_size
+
     checkpoints: Mapped[list[JobCheckpoint]] = relationship(
         back_populates="job", cascade="all, delete-orphan", passive_deletes=True
     )

@@ -2,8 +2,8 @@
 
 A run is opened by the claim (:func:`store.jobs.claim`) and ended when the job leaves ``running``
 (:func:`store.jobs.set_status`, whatever the transition). GPU time is ``gpus`` x run time, ``gpus``
-being the ranks the job asks for (:func:`job_gpus` of its ``resources``: a job on 4 GPUs counts 4
-GPU-seconds per second, wherever it is claimed); a run still open counts up to now, so the GPU-hours
+being the ranks the job asks for (its ``world_size``, the request's nodes x gpus: a job on 4 GPUs counts
+4 GPU-seconds per second, wherever it is claimed); a run still open counts up to now, so the GPU-hours
 quota sees a long job while it runs (the claim and the job's own monitor check it, store.quotas). The
 last run's start per team and queue is what fair share orders teams by (:mod:`store.fairshare`).
 """
@@ -11,30 +11,11 @@ last run's start per team and queue is what fair share orders teams by (:mod:`st
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from store.orm import FineTuningJob, JobRun, as_utc, utcnow
-
-
-def _field(resources: dict[str, Any] | None, name: str) -> int:
-    try:
-        return max(1, int((resources or {}).get(name, 1)))
-    except (TypeError, ValueError):
-        return 1
-
-
-def job_nodes(resources: dict[str, Any] | None) -> int:
-    """The worker hosts a job row's ``resources`` spans: ``nodes``, at least 1 (missing: 1)."""
-    return _field(resources, "nodes")
-
-
-def job_gpus(resources: dict[str, Any] | None) -> int:
-    """The GPUs (ranks) a job row's ``resources`` asks for in all: ``nodes`` x ``gpus`` (each at least
-    1, missing: 1), so a gang's run holds every node's GPUs."""
-    return job_nodes(resources) * _field(resources, "gpus")
 
 
 def open_run(

@@ -125,6 +125,10 @@ class Settings(BaseSettings):
     default_worker_pcie_gbps: float | None = Field(None, gt=0, allow_inf_nan=False)
     #: RLIMIT_MEMLOCK of the default box; None: unlimited.
     default_worker_locked_memory_bytes: int | None = Field(None, ge=0)
+    #: The engine's tuning for this worker's machine, for every job it runs (``ZENFLOW_ENGINE_TUNING``, a JSON
+    #: object of offload.config.EngineConfig's tuning fields, e.g. ``{"cpu_chunk_elements": 4194304,
+    #: "bind_worker_cores": false}``; checked when the worker starts). None of them is a job's to set.
+    engine_tuning: dict[str, Any] = {}
     # --- tracking integrations (worker.tracking): the servers a job's ``integrations`` log to ---
     #: The integration types a job may name (``ZENFLOW_ALLOWED_INTEGRATIONS``: comma-separated or a JSON
     #: list; empty: none); another is a 400 at create naming it.

@@ -167,7 +167,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from trainer.spec import ResourceSpec, load_spec
+    from contract.resources import Resources
+    from trainer.spec import load_spec
 
     def refuse(msg: str) -> int:
         print(f"zenflow train: {msg}", file=sys.stderr)
@@ -184,7 +185,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         problems = _check_spec(spec)
         nproc = world if world > 1 else (args.nproc if args.nproc is not None else spec.resources.gpus)
         if nproc != spec.resources.gpus:
-            spec = spec.model_copy(update={"resources": ResourceSpec(gpus=nproc)})
+            spec = spec.model_copy(update={"resources": Resources(gpus=nproc)})
     except (OSError, ValueError, ValidationError) as e:
         return refuse(_bad_input(e) or f"invalid spec {args.spec}: {e}")
     if problems:

@@ -44,9 +44,16 @@ def skipped_step_warning(m: StepMetrics, step: int) -> LogEvent:
     )
 
 
-#: The key under which a job row's resolved hyperparameters (JSON) keep whether the run's weights were
-#: sharded (:attr:`RunStarted.sharded`); the API shows it as the job object's ``engine.shard_params``.
-RUN_SHARDED = "engine.shard_params"
+@dataclass(frozen=True)
+class Resolved(Event):
+    """The run decided the job's settings again (trainer.resolve.for_run): the new resolution, to be
+    recorded beside the job's earlier ones (the reporter appends it to the job's row)."""
+
+    type: ClassVar[str] = "resolved"
+    #: A contract.job.Resolution as JSON (``model_dump(mode="json")``).
+    resolution: dict[str, Any]
+    #: What changed from the resolution it replaces: ``{path: {"from": ..., "to": ...}}``.
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class RunStarted(Event):
     trainable_parameters: int
     num_examples: int
     num_validation_examples: int
-    #: The weights ran sharded over the ranks with FSDP2 (``engine.shard_params`` as the run resolved it).
+    #: The weights ran sharded over the ranks with FSDP2 (the resolution's ``engine.shard_params``).
     sharded: bool = False
     #: The job's ranks (data-parallel processes).
     world_size: int = 1

@@ -12,8 +12,10 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.hyperparameters import HyperparametersRequest
+from contract.values import MAX_COUNT
 from trainer.data.dataset import ExampleLimits
-from trainer.spec import MAX_COUNT, Hyperparameters, JobSpec
+from trainer.spec import JobSpec
 
 #: Messages of one chat example: a longer conversation is refused (its line named), so that no single
 #: line holds a check for long (ZENFLOW_MAX_EXAMPLE_MESSAGES).
@@ -57,7 +59,7 @@ class LimitError(NamedTuple):
     message: str
 
 
-def _steps_loc(hp: Hyperparameters) -> tuple[str, ...]:
+def _steps_loc(hp: HyperparametersRequest) -> tuple[str, ...]:
     """The field to blame for too many steps: max_steps when given, else n_epochs."""
     return ("hyperparameters", "max_steps" if hp.max_steps is not None else "n_epochs")
 
@@ -67,16 +69,11 @@ def model_limit_errors(spec: JobSpec) -> list[LimitError]:
     (trainer.model.catalog.model_max_length): a longer sequence crashes mid-run (learned position embeddings,
     GPT-2) or trains past what the model was made for (RoPE, Llama)."""
     from trainer.model.catalog import model_max_length
+    from trainer.resolve import max_seq_length
 
     model_max = model_max_length(spec.model)
     given = spec.hyperparameters.max_seq_length
-    length = (
-        given
-        if isinstance(given, int)
-        else spec.hyperparameters.resolve(
-            1, base_learning_rate=1.0, model_max_length=model_max
-        ).max_seq_length
-    )
+    length = max_seq_length(spec.model, spec.hyperparameters)
     if length <= model_max:
         return []
     what = "must be" if isinstance(given, int) else f"resolves to {length}; it must be"
@@ -96,9 +93,19 @@ def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None =
     LoRA ``target_modules`` are matched against the model's modules (built on torch's meta device:
     no weights are read; see trainer.model.lora.lora_target_problems).
     """
-    from trainer.model.catalog import model_max_length
+    errors = (
+        _value_errors(spec.hyperparameters, limits)
+        + _length_errors(spec, limits)
+        + _lora_errors(spec, limits)
+    )
+    if errors or num_examples is None:
+        return errors
+    return _total_errors(spec, limits, num_examples)
 
-    hp, errors = spec.hyperparameters, []
+
+def _value_errors(hp: HyperparametersRequest, limits: JobLimits) -> list[LimitError]:
+    """The values given over the server's maxima."""
+    errors: list[LimitError] = []
 
     def check(field: str, value: object, maximum: float, what: str = "must be") -> None:
         if isinstance(value, int | float) and value > maximum:
@@ -112,91 +119,101 @@ def limit_errors(spec: JobSpec, limits: JobLimits, *, num_examples: int | None =
     if isinstance(hp.warmup, int):
         check("warmup", hp.warmup, limits.max_total_steps, "warm-up steps must be")
     check("learning_rate", hp.learning_rate, limits.max_learning_rate)
-    length = hp.max_seq_length
+    return errors
+
+
+def _length_errors(spec: JobSpec, limits: JobLimits) -> list[LimitError]:
+    """``max_seq_length`` under the server's minimum, over its maximum, or over the model's limit."""
+    from trainer.model.catalog import model_max_length
+
+    length = spec.hyperparameters.max_seq_length
+    loc = ("hyperparameters", "max_seq_length")
     if isinstance(length, int) and length < limits.min_seq_length:
-        errors.append(
+        return [
             LimitError(
-                ("hyperparameters", "max_seq_length"),
-                (
-                    f"must be at least {limits.min_seq_length}: a shorter sequence cannot hold one example's "
-                    "prompt and answer with the chat template"
-                ),
+                loc,
+                f"must be at least {limits.min_seq_length}: a shorter sequence cannot hold one example's "
+                "prompt and answer with the chat template",
             )
-        )
-    elif (
+        ]
+    if (
         isinstance(length, int)
         and limits.max_seq_length < length
         and limits.max_seq_length <= model_max_length(spec.model)
     ):
-        check("max_seq_length", length, limits.max_seq_length)  # the server's limit is the lower one
-    else:
-        errors += model_limit_errors(spec)
-    if spec.lora is not None:
-        if spec.lora.r > limits.max_lora_rank:
-            errors.append(
-                LimitError(
-                    ("hyperparameters", "lora", "r"), f"must be at most {limits.max_lora_rank} on this server"
-                )
-            )
-        if isinstance(spec.lora.target_modules, list):
-            from trainer.model.lora import lora_target_problems
+        return [
+            LimitError(loc, f"must be at most {limits.max_seq_length:,} on this server")
+        ]  # the lower limit
+    return model_limit_errors(spec)
 
-            try:
-                problems = lora_target_problems(spec.model, spec.lora.target_modules)
-            except ValueError as exc:
-                problems = [str(exc)]
-            if problems:
-                errors.append(LimitError(("hyperparameters", "lora", "target_modules"), "; ".join(problems)))
-    if errors or num_examples is None:
-        return errors
+
+def _lora_errors(spec: JobSpec, limits: JobLimits) -> list[LimitError]:
+    """A LoRA rank over the server's maximum; target modules the model does not have."""
+    if spec.lora is None:
+        return []
+    errors = []
+    if spec.lora.r > limits.max_lora_rank:
+        errors.append(
+            LimitError(
+                ("hyperparameters", "lora", "r"), f"must be at most {limits.max_lora_rank} on this server"
+            )
+        )
+    if isinstance(spec.lora.target_modules, list):
+        from trainer.model.lora import lora_target_problems
+
+        try:
+            problems = lora_target_problems(spec.model, spec.lora.target_modules)
+        except ValueError as exc:
+            problems = [str(exc)]
+        if problems:
+            errors.append(LimitError(("hyperparameters", "lora", "target_modules"), "; ".join(problems)))
+    return errors
+
+
+def _total_errors(spec: JobSpec, limits: JobLimits, num_examples: int) -> list[LimitError]:
+    """The resolved totals over the server's maxima: learning rate, sequence length, steps, tokens."""
+    from trainer.resolve import resolve_hyperparameters
+
+    hp = spec.hyperparameters
     try:
-        r = spec.resolve(num_examples)
+        r, sources = resolve_hyperparameters(spec, num_examples)
     except ValueError as exc:
         return [LimitError(_steps_loc(hp), str(exc))]
+    errors = []
     if r.learning_rate > limits.max_learning_rate:
-        field = "learning_rate_multiplier" if hp.learning_rate_multiplier != "auto" else "learning_rate"
+        given_mult = sources["hyperparameters.learning_rate_multiplier"] == "request"
+        field = "learning_rate_multiplier" if given_mult else "learning_rate"
         errors.append(
             LimitError(
                 ("hyperparameters", field),
-                (
-                    f"the learning rate ({r.base_learning_rate:g} x multiplier {r.learning_rate_multiplier:g} = "
-                    f"{r.learning_rate:g}) must be at most {limits.max_learning_rate:g}"
-                ),
+                f"the learning rate ({r.base_learning_rate:g} x multiplier {r.learning_rate_multiplier:g} = "
+                f"{r.learning_rate:g}) must be at most {limits.max_learning_rate:g}",
             )
         )
     if r.max_seq_length > limits.max_seq_length:
         errors.append(
             LimitError(
                 ("hyperparameters", "max_seq_length"),
-                (
-                    f"resolves to {r.max_seq_length}, over this server's {limits.max_seq_length}: give a smaller value"
-                ),
+                f"resolves to {r.max_seq_length}, over this server's {limits.max_seq_length}: give a smaller value",
             )
         )
     if r.total_steps > limits.max_total_steps:
         errors.append(
             LimitError(
                 _steps_loc(hp),
-                (
-                    f"{r.total_steps:,} training steps ({r.n_epochs} epochs x {r.steps_per_epoch} steps of batch size "
-                    f"{r.batch_size} over {num_examples} examples) is over this server's limit of "
-                    f"{limits.max_total_steps:,}: lower n_epochs or set max_steps"
-                ),
+                f"{r.total_steps:,} training steps ({r.n_epochs} epochs x {r.steps_per_epoch} steps of batch size "
+                f"{r.batch_size} over {num_examples} examples) is over this server's limit of "
+                f"{limits.max_total_steps:,}: lower n_epochs or set max_steps",
             )
         )
     tokens = r.total_steps * r.batch_size * r.max_seq_length
     if not errors and tokens > limits.max_total_tokens:
-        given = [
-            f for f in ("max_seq_length", "batch_size", "max_steps") if getattr(hp, f) not in ("auto", None)
-        ]
-        field = given[0] if given else "n_epochs"
+        given = [f for f in ("max_seq_length", "batch_size", "max_steps") if isinstance(getattr(hp, f), int)]
         errors.append(
             LimitError(
-                ("hyperparameters", field),
-                (
-                    f"up to {tokens:,} token positions ({r.total_steps} steps x batch size {r.batch_size} x "
-                    f"max_seq_length {r.max_seq_length}) is over this server's limit of {limits.max_total_tokens:,}"
-                ),
+                ("hyperparameters", given[0] if given else "n_epochs"),
+                f"up to {tokens:,} token positions ({r.total_steps} steps x batch size {r.batch_size} x "
+                f"max_seq_length {r.max_seq_length}) is over this server's limit of {limits.max_total_tokens:,}",
             )
         )
     return errors

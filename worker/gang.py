@@ -19,7 +19,6 @@ from store import gang, jobs
 from store.db import session_scope
 from store.gang import Member
 from store.orm import FineTuningJob, JobStatus
-from store.runs import job_nodes
 from store.settings import Settings
 from worker.broker import enqueue_gang_join, enqueue_job
 from worker.dispatch import dispatch_job
@@ -129,9 +128,3 @@ def settle(member: Member, rc: int, hostname: str, node0: str, settings: Setting
     return settle_after_exit(
         member.job_id, rc, node0, settings, preempted=preempted, enqueue=lambda j, q: enqueue_job(j, queue=q)
     )
-
-
-def is_gang_job(job_id: str, settings: Settings) -> bool:
-    with session_scope(settings.resolved_database_url) as s:
-        job = s.get(FineTuningJob, job_id)
-        return job is not None and job_nodes(job.resources) > 1

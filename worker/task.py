@@ -58,7 +58,7 @@ from worker import gang as gang_worker
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
 from worker.dispatch import dispatch_job
 from worker.errors import public_message
-from worker.job.runner import HOSTNAME_ENV, JOB_RUNNER_MODULE, job_ranks
+from worker.job.runner import HOSTNAME_ENV, JOB_RUNNER_MODULE
 from worker.metrics.nvml import detect_gpus
 from worker.metrics.server import job_process_exited
 from worker.requeue import describe_exit, settle_after_exit
@@ -173,7 +173,7 @@ def claimed_ranks(job_id: str, settings: Settings) -> int:
     GPUs (store.jobs.claim opens it so already; a run opened with another count is corrected)."""
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(FineTuningJob, job_id)
-        ranks = job_ranks(job.resources if job is not None else None)
+        ranks = job.request.resources.gpus if job is not None else 1
         s.execute(
             update(JobRun)
             .where(JobRun.job_id == job_id, JobRun.ended_at.is_(None), JobRun.gpus != ranks)
@@ -363,7 +363,7 @@ def run_gang_member(job_id: str, hostname: str, settings: Settings, member: Memb
     if formed is None:
         return "released"
     node0 = gang_worker.node0_hostname(job_id, settings)
-    ranks = job_ranks(formed_resources(job_id, settings))
+    ranks = node_ranks(job_id, settings)
     log.info(
         "job %s: node %d of %d on %s (%s)", job_id, formed.node_rank, formed.nodes, hostname, formed.run_id
     )
@@ -380,10 +380,11 @@ def run_gang_member(job_id: str, hostname: str, settings: Settings, member: Memb
     return outcome
 
 
-def formed_resources(job_id: str, settings: Settings) -> dict[str, Any] | None:
+def node_ranks(job_id: str, settings: Settings) -> int:
+    """The ranks the job runs on each of its nodes (its request's ``resources.gpus``)."""
     with session_scope(settings.resolved_database_url) as s:
         job = s.get(FineTuningJob, job_id)
-        return job.resources if job is not None else None
+        return job.request.resources.gpus if job is not None else 1
 
 
 def run_job(self: Any, job_id: str, gang_join: bool = False) -> str:

@@ -138,6 +138,18 @@ def _clean_msg(msg: str) -> str:
     return msg
 
 
+def _unrecognized(param: str | None) -> str:
+    """An unknown field's message; one under ``engine`` lists the settings a job may give there."""
+    if param is None or not param.startswith("engine."):
+        return "unrecognized parameter"
+    from contract.engine import EngineRequest
+
+    return (
+        "not an engine setting a job may give (the job's engine settings: "
+        f"{', '.join(EngineRequest.model_fields)}); the engine's tuning is each worker's (ZENFLOW_ENGINE_TUNING)"
+    )
+
+
 def validation_error(
     errors: Iterable[Mapping[str, Any]], *, prefix: str | None = None, fields: Iterable[str] = ()
 ) -> APIError:
@@ -156,7 +168,7 @@ def validation_error(
         if e.get("type") == "missing":
             msg = "required parameter is missing"
         elif e.get("type") == "extra_forbidden":
-            msg = "unrecognized parameter"
+            msg = _unrecognized(param)
         if (param, msg) not in seen:
             seen.append((param, msg))
     if not seen:

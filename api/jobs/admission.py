@@ -1,4 +1,5 @@
-"""Admission by capacity at job create: refuse a job whose plan fits no live worker of its queue.
+"""Admission by capacity at job create: the job is resolved for the first live worker of its queue whose
+machine its plan fits (:func:`admit`), and refused when it fits none.
 
 A job on several ranks (``resources.gpus``) is first refused when no worker runs jobs of that size
 (:func:`check_gpus`, the message listing the sizes served); its queue is then the one of its size
@@ -7,8 +8,8 @@ fewer than M live workers of its queue and size could form its gang (:func:`chec
 The candidates are the queue's live workers (:func:`store.worker_registry.live_workers`, heartbeat within
 ``worker_live_seconds``) with the capacity each measured at start; with none registered, the
 configured default capacity (``ZENFLOW_DEFAULT_WORKER_*``, :func:`worker.capacity.measure.
-default_capacity`). The check itself (:func:`worker.capacity.fit.refusal`) is the one the worker
-repeats before it runs the job. A refusal is a 400 ``insufficient_capacity`` whose ``param`` names
+default_capacity`). The check itself is :func:`worker.capacity.fit.admit`; a worker whose machine differs
+from the one the job was resolved for resolves it again before it runs it. A refusal is a 400 ``insufficient_capacity`` whose ``param`` names
 the request field to change and whose message gives the numbers; it is raised before anything is
 written. Planning builds the model on torch's meta device, so the first create imports torch in the
 API process (once).
@@ -17,7 +18,6 @@ API process (once).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
@@ -26,7 +26,9 @@ from api.core.errors import APIError
 from api.jobs.checks import request_loc
 from store import worker_registry
 from store.settings import Settings
-from worker.capacity.fit import CODE, refusal
+from trainer.resolve import Counts
+from trainer.spec import JobSpec
+from worker.capacity.fit import CODE, Admitted, Refusal, admit
 from worker.capacity.measure import WorkerCapacity, default_capacity
 
 log = logging.getLogger(__name__)
@@ -100,23 +102,23 @@ def check_nodes(session: Session, nodes: int, gpus: int, queue: str, settings: S
     raise APIError(400, message, param="resources.nodes", code=CODE)
 
 
-def check_capacity(
+def admit_job(
     session: Session,
-    spec: Any,
+    spec: JobSpec,
     settings: Settings,
     *,
     queue: str,
-    num_examples: int | None,
+    counts: Counts,
     hyperparameters_param: str,
-) -> None:
-    """Raise a 400 naming the field when ``spec`` (a checked trainer JobSpec) fits no candidate of ``queue``."""
+) -> Admitted:
+    """The job resolved for the first candidate of ``queue`` it fits; a 400 naming the field when it fits none."""
     try:
-        refused = refusal(spec, candidates(session, queue, settings), num_examples=num_examples)
+        decided = admit(spec, candidates(session, queue, settings), counts, reason="the job was created")
     except ValueError as e:  # the model's config cannot be built on the meta device (UnknownModelError too)
         raise APIError(
             400, f"Cannot plan model {spec.model!r}: {e}", param="model", code="invalid_model"
         ) from e
-    if refused is None:
-        return
-    loc = request_loc(refused.loc, hyperparameters_param)
-    raise APIError(400, refused.message, param=".".join(str(p) for p in loc) or None, code=CODE)
+    if isinstance(decided, Refusal):
+        loc = request_loc(decided.loc, hyperparameters_param)
+        raise APIError(400, decided.message, param=".".join(str(p) for p in loc) or None, code=CODE)
+    return decided

@@ -18,20 +18,18 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.core.errors import APIError, validation_error
+from contract.engine import EngineRequest
+from contract.hyperparameters import HyperparametersRequest
+from contract.job import JobRequest
+from contract.lora import LoraSpec
+from contract.resources import Resources
 from store.settings import Settings
 from trainer.data.dataset import DatasetValidationError, ExampleLimits, validate_file
 from trainer.limits import JobLimits, LimitError, limit_errors
-from trainer.method import LoraSpec
 from trainer.model.folder_check import ModelFolderError
 from trainer.model.folder_check import check_model_folder as check_folder
-from trainer.spec import (
-    AUTO_BATCH_MAX,
-    EngineSettings,
-    Hyperparameters,
-    JobSpec,
-    ResourceSpec,
-    spec_from_job,
-)
+from trainer.resolve import AUTO_BATCH_MAX, resolve_hyperparameters
+from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +114,6 @@ def check_integrations(integrations: list[Any] | None, settings: Settings) -> li
     return [item.model_dump(mode="json", exclude_none=True) for item in integrations]
 
 
-def resolved_hyperparameters(spec: JobSpec, num_examples: int | None) -> dict[str, Any] | None:
-    """The values the job will run with (trainer.spec.ResolvedHyperparameters), known at create from the
-    training file's example count; the run records them again once it has read the data."""
-    return spec.resolve(num_examples).model_dump(mode="json") if num_examples else None
-
-
 def job_limits(settings: Settings) -> JobLimits:
     """The trainer's JobLimits from the service settings (``ZENFLOW_MAX_TOTAL_STEPS``, ...)."""
     return JobLimits(**{name: getattr(settings, name) for name in JobLimits.model_fields})
@@ -129,10 +121,10 @@ def job_limits(settings: Settings) -> JobLimits:
 
 def request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, ...]:
     """A spec location as the request spells it: hyperparameters (and the LoRA settings, which the
-    request gives inside them) under ``hyperparameters_param``."""
+    request gives inside them) under ``hyperparameters_param``; DPO's beta beside them there."""
     where = hyperparameters_param.split(".")
-    if loc[:2] == ("hyperparameters", "dpo") and hyperparameters_param.startswith("method.dpo"):
-        return (*where, *loc[2:])  # beta is given beside the others there
+    if loc[:1] == ("method",) and len(loc) > 1 and loc[-1] == "beta":
+        return (*where, "beta")  # given beside the others (the union's tag in between)
     if loc and loc[0] == "hyperparameters":
         return (*where, *loc[1:])
     if loc and loc[0] == "lora":
@@ -140,46 +132,53 @@ def request_loc(loc: tuple[Any, ...], hyperparameters_param: str) -> tuple[Any, 
     return loc
 
 
+#: Names a settings error may lead with (``select_interval: must be ...``), to point ``param`` at them.
+_FIELDS = (
+    set(EngineRequest.model_fields) | set(HyperparametersRequest.model_fields) | set(LoraSpec.model_fields)
+)
+
+
 def check_job_spec(
     *,
     model: str,
     training_file: Path,
     validation_file: Path | None,
+    method: dict[str, Any],
     hyperparameters: dict[str, Any],
     hyperparameters_param: str,
-    engine: dict[str, Any],
+    engine: EngineRequest | None,
+    resources: Resources | None,
     seed: int,
     output_dir: Path,
     limits: JobLimits | None = None,
     num_examples: int | None = None,
-    resources: dict[str, Any] | None = None,
 ) -> JobSpec:
-    """Build the trainer's JobSpec from the request so that every field is checked before any write
-    (returned, for the capacity check); a refusal is a 400 whose ``param`` is the field path
-    (``hyperparameters.max_steps``, ``engine.lr``).
+    """Build the trainer's JobSpec of the request so that every field is checked before any write
+    (returned, for the job's resolution); a refusal is a 400 whose ``param`` is the field path as the
+    request spells it (``method.supervised.hyperparameters.max_steps``, ``engine.topk_ratio``).
 
     With ``limits``, the service's bounds are checked too (trainer.limits.limit_errors: totals from
-    ``num_examples``, the training file's count; LoRA target modules against the model's modules).
-    ``resources`` (checked: :func:`check_resources`) gives the job's ranks, each of which needs at least
-    one example of every optimizer step (:func:`rank_batch_errors`).
+    ``num_examples``, the training file's count; LoRA target modules against the model's modules); each
+    of the job's ranks needs at least one example of every optimizer step (:func:`rank_batch_errors`).
     """
-    fields = set(EngineSettings.model_fields) | set(Hyperparameters.model_fields) | set(LoraSpec.model_fields)
     try:
-        spec = spec_from_job(
-            model=model,
-            training_file=training_file,
-            validation_file=validation_file,
-            hyperparameters=hyperparameters,
-            engine=engine,
-            seed=seed,
-            output_dir=output_dir,
-            resources=resources,
+        spec = JobSpec.model_validate(
+            {
+                "model": model,
+                "training_file": str(training_file),
+                "validation_file": str(validation_file) if validation_file else None,
+                "method": method,
+                "hyperparameters": {**hyperparameters, "seed": seed},
+                **({"engine": engine} if engine is not None else {}),
+                **({"resources": resources} if resources is not None else {}),
+                "output_dir": str(output_dir),
+            }
         )
     except ValidationError as exc:
         errors = [
             {**e, "loc": request_loc(tuple(e.get("loc", ())), hyperparameters_param)} for e in exc.errors()
         ]
-        raise validation_error(errors, fields=fields) from exc
+        raise validation_error(errors, fields=_FIELDS) from exc
     refused = limit_errors(spec, limits, num_examples=num_examples) if limits is not None else []
     refused = refused or rank_batch_errors(spec, num_examples) or micro_batch_errors(spec, num_examples)
     if refused:
@@ -187,21 +186,27 @@ def check_job_spec(
             {"loc": request_loc(r.loc, hyperparameters_param), "msg": r.message, "type": "value_error"}
             for r in refused
         ]
-        raise validation_error(errors, fields=fields)
+        raise validation_error(errors, fields=_FIELDS)
     return spec
 
 
-def check_resources(resources: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The request's ``resources`` checked by trainer.spec.ResourceSpec, strictly (``"2"`` or ``2.0`` is
-    no GPU count): the values given, or None when none were; else a 400 naming the field
-    (``resources.gpus``)."""
-    if resources is None:
-        return None
+def job_request(spec: JobSpec, *, model: str, training_file: str, validation_file: str | None) -> JobRequest:
+    """What the job's row keeps of its request: the API's model id, the files' ids, and the settings the
+    request gave (only those: what it left unset a resolution says came from elsewhere)."""
+    given = spec.model_fields_set & {"method", "hyperparameters", "engine", "resources"}
+    return JobRequest(
+        model=model,
+        training_file=training_file,
+        validation_file=validation_file,
+        **{k: getattr(spec, k) for k in given},
+    )
+
+
+def _resolved_batch(spec: JobSpec, num_examples: int) -> int | None:
     try:
-        checked = ResourceSpec.model_validate(resources, strict=True)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(), prefix="resources", fields=ResourceSpec.model_fields) from exc
-    return checked.model_dump(mode="json", exclude_unset=True)
+        return resolve_hyperparameters(spec, num_examples)[0].batch_size
+    except ValueError:  # more steps than a job can run: refused elsewhere
+        return None
 
 
 def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitError]:
@@ -213,14 +218,12 @@ def rank_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitErro
     batch = spec.hyperparameters.batch_size
     ranks = "resources.gpus" if spec.resources.nodes == 1 else "resources.nodes x resources.gpus"
     need = f"at least {ranks} ({gpus}): each rank needs one example or more per optimizer step"
-    if batch != "auto" and batch < gpus:
+    if isinstance(batch, int) and batch < gpus:
         return [LimitError(("hyperparameters", "batch_size"), f"is {batch}; it must be {need}")]
-    if not num_examples:
+    resolved = _resolved_batch(spec, num_examples) if num_examples else None
+    if resolved is None or resolved >= gpus:
         return []
-    resolved = spec.resolve(num_examples).batch_size
-    if resolved >= gpus:
-        return []
-    if batch == "auto":
+    if not isinstance(batch, int):
         return [
             LimitError(
                 ("hyperparameters", "batch_size"),
@@ -242,11 +245,10 @@ def micro_batch_errors(spec: JobSpec, num_examples: int | None) -> list[LimitErr
     itself would clamp it to the batch size silently; at create the request is answered instead."""
     hp = spec.hyperparameters
     micro = hp.micro_batch_size
-    if micro == "auto" or hp.batch_size != "auto":
+    if not isinstance(micro, int) or isinstance(hp.batch_size, int):
         return []
-    try:
-        resolved = spec.resolve(num_examples).batch_size if num_examples else None
-    except ValueError:  # more steps than a job can run: refused elsewhere
+    resolved = _resolved_batch(spec, num_examples) if num_examples else None
+    if num_examples and resolved is None:
         return []
     if resolved is not None:
         batch, what = resolved, f"'auto' resolves to {resolved} for {num_examples} examples"

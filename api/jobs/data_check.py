@@ -36,10 +36,13 @@ from api.core.errors import APIError
 from api.jobs.check_pool import CheckCancelled, CheckPool, CheckTimeout
 from api.jobs.check_worker import MAX_REPORTED_ERRORS, CheckRequest
 from api.jobs.checks import public_errors
+from contract.hyperparameters import HyperparametersRequest
+from contract.method import MethodName
 from store.orm import File
 from store.settings import Settings
 from trainer.data.dataset import DataOptions, DatasetReport, ExampleLimits
-from trainer.spec import Hyperparameters, JobSpec
+from trainer.resolve import Counts
+from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +74,11 @@ def example_limits(settings: Settings) -> ExampleLimits:
     )
 
 
-def data_max_length(model: str, hyperparameters: Hyperparameters) -> int:
-    """The max_seq_length examples are cut at (resolved as the run resolves it: it does not depend on
-    the example count)."""
-    from trainer.model.catalog import model_max_length
+def data_max_length(model: str, hyperparameters: HyperparametersRequest) -> int:
+    """The max_seq_length examples are cut at (as the job's resolution has it: no example count changes it)."""
+    from trainer.resolve import max_seq_length
 
-    return hyperparameters.resolve(
-        1, base_learning_rate=1.0, model_max_length=model_max_length(model)
-    ).max_seq_length
+    return max_seq_length(model, hyperparameters)
 
 
 def model_identity(model: str) -> str:
@@ -112,22 +112,22 @@ def plan_check(
     row: File | None,
     path: Path,
     model: str,
-    hyperparameters: Hyperparameters,
+    hyperparameters: HyperparametersRequest,
     settings: Settings,
     *,
     sha256: str,
     size: int,
-    any_method: bool = False,
+    method: MethodName | None = None,
 ) -> FileCheck:
-    """The check of one file (a stored ``row``, or an upload not stored yet) with its kept outcome.
-    ``any_method``: an upload's, whose records may be a supervised job's or a DPO job's (a job's check
-    takes its method's only). Reads the model's folder: call it off the event loop."""
-    options = DataOptions.of(hyperparameters)
+    """The check of one file (a stored ``row``, or an upload not stored yet) with its kept outcome, for a
+    job of ``method`` (None: an upload's, whose records may be any method's). Reads the model's folder:
+    call it off the event loop."""
+    options = DataOptions(hyperparameters.truncation, hyperparameters.system_message, method)
     request = CheckRequest(
         path=str(path),
         model=model,
         max_seq_length=data_max_length(model, hyperparameters),
-        options=replace(options, method=None) if any_method else options,
+        options=options,
         limits=example_limits(settings),
         budget_seconds=settings.data_check_timeout_seconds,
     )
@@ -166,6 +166,7 @@ def plan_job_checks(
             settings,
             sha256=row.sha256,
             size=row.bytes,
+            method=spec.method.type,
         )
         for param, row in files
         if row is not None
@@ -265,16 +266,20 @@ def invalid(param: str, model_name: str, errors: list[dict[str, Any]], *, code: 
     )
 
 
-async def check_job_data(request: Request, team_id: str, model_name: str, checks: list[FileCheck]) -> None:
+async def check_job_data(
+    request: Request, team_id: str, model_name: str, checks: list[FileCheck]
+) -> Counts | None:
     """Check the job's files (see the module docstring), the kept outcomes reused; a 400
     ``invalid_training_file`` / ``invalid_validation_file`` naming the lines. Then, should the client
-    have gone meanwhile, a 499: no job is created for a request nobody waits for."""
+    have gone meanwhile, a 499: no job is created for a request nobody waits for. The training file's
+    counts as checked (examples after drops, tokens), for the job's resolution."""
     deadline = asyncio.get_running_loop().time() + request.app.state.settings.data_check_timeout_seconds
     advice = (
         "upload it with `model` and the job's data options to have it checked once, before jobs "
         "use it, or split it into smaller files"
     )
     done: dict[str, dict[str, Any]] = {}  # by key: a validation file that is the training file
+    counts = None
     for check in checks:
         outcome = done.get(check.key) or await run_check(
             request, team_id, check, deadline=deadline, model_name=model_name, advice=advice
@@ -282,8 +287,12 @@ async def check_job_data(request: Request, team_id: str, model_name: str, checks
         done[check.key] = outcome
         if not outcome["ok"]:
             raise invalid(check.param, model_name, outcome["errors"], code=f"invalid_{check.param}")
+        if check.param == "training_file":
+            report = outcome.get("report") or {}
+            counts = Counts(int(report.get("num_examples") or 1), report.get("num_tokens"))
     if await request.is_disconnected():
         raise _cancelled("disconnected")
+    return counts
 
 
 async def check_upload(

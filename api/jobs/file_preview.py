@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from api.jobs.check_worker import tokenizer_for
-from trainer.data.chat_format import ChatRenderer, RecordRefused, SystemMessage, check_chat_record
+from contract.hyperparameters import SystemMessage
+from trainer.data.chat_format import ChatRenderer, RecordRefused, check_chat_record
 from trainer.data.dataset import ExampleLimits, tokenize_record
 from trainer.data.jsonl import parse_line, read_lines
 

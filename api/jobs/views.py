@@ -16,10 +16,10 @@ from api.core.errors import not_found
 from api.core.pagination import after_clause
 from api.jobs.public_paths import PublicPaths
 from api.schemas import FineTuningJobObject, JobCheckpointObject, JobEventObject, StepMetric, unix
+from contract.job import JobRequest, Resolution
 from store.fairshare import fair_order
 from store.jobs import PENDING, lock_job
 from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, JobStepMetric, as_utc
-from trainer.events import RUN_SHARDED
 
 # --- queue position ----------------------------------------------------------------------------------
 
@@ -52,8 +52,8 @@ JOB_COLUMNS = (
     FineTuningJob.fine_tuned_model,
     FineTuningJob.team_id,
     FineTuningJob.status,
-    FineTuningJob.hyperparameters,
-    FineTuningJob.resolved_hyperparameters,
+    FineTuningJob.request,
+    FineTuningJob.resolutions,
     FineTuningJob.training_file_id,
     FineTuningJob.validation_file_id,
     FineTuningJob.trained_tokens,
@@ -62,8 +62,6 @@ JOB_COLUMNS = (
     FineTuningJob.seed,
     FineTuningJob.suffix,
     FineTuningJob.user_metadata,
-    FineTuningJob.engine,
-    FineTuningJob.resources,
     FineTuningJob.integrations,
     FineTuningJob.cancel_requested,
     FineTuningJob.global_step,
@@ -159,50 +157,63 @@ def _error(job: Any, paths: PublicPaths | None) -> dict[str, Any] | None:
 OPENAI_HYPERPARAMETERS = ("n_epochs", "batch_size", "learning_rate_multiplier")
 
 
-def job_hyperparameters(job: Any) -> dict[str, Any]:
-    """What the job runs with: OpenAI's three first, then every other hyperparameter the request gave,
-    each replaced by its resolved value once known (trainer.spec.ResolvedHyperparameters, recorded at
-    create from the file's example count and again when the run starts), then the other resolved
-    values (learning_rate, max_seq_length, lora, warmup_steps, total_steps, ...)."""
+def _current(job: Any) -> Resolution | None:
+    resolutions: list[Resolution] = job.resolutions or []
+    return resolutions[-1] if resolutions else None
+
+
+def job_hyperparameters(request: JobRequest, current: Resolution | None) -> dict[str, Any]:
+    """What the job runs with: OpenAI's three first, then every other hyperparameter: the resolved values
+    once the job is resolved (contract.hyperparameters.ResolvedHyperparameters: learning_rate,
+    max_seq_length, lora, warmup_steps, total_steps, ...), the request's (``auto`` where it left them)
+    before."""
     hp: dict[str, Any] = dict.fromkeys(OPENAI_HYPERPARAMETERS, "auto")
-    hp.update(job.hyperparameters or {})
-    hp.update(job.resolved_hyperparameters or {})
-    hp.pop(RUN_SHARDED, None)  # the run's engine.shard_params (job_engine)
+    if current is None:
+        hp.update(request.hyperparameters.model_dump(mode="json", exclude_unset=True))
+    else:
+        hp.update(current.job.hyperparameters.model_dump(mode="json"))
     return hp
 
 
-def job_engine(job: Any) -> dict[str, Any]:
-    """The engine settings the request gave, with ``shard_params`` as the run resolved it (a bool: the
-    weights were sharded over the ranks) once the run has started."""
-    engine = dict(job.engine or {})
-    resolved = (job.resolved_hyperparameters or {}).get(RUN_SHARDED)
-    if isinstance(resolved, bool):
-        engine["shard_params"] = resolved
-    return engine
+def job_method(request: JobRequest, current: Resolution | None, hp: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``method``: its type, and the hyperparameters under it (DPO's ``beta`` among them)."""
+    method = current.job.method if current is not None else request.method
+    own = method.model_dump(mode="json", exclude={"type"})
+    return {"type": method.type, method.type: {"hyperparameters": {**hp, **own}}}
 
 
-def job_method(hp: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``method``: DPO (its ``beta`` beside the others) when the hyperparameters carry ``dpo``."""
-    dpo = hp.get("dpo")
-    if isinstance(dpo, dict):
-        return {"type": "dpo", "dpo": {"hyperparameters": {**hp, "beta": dpo.get("beta", "auto")}}}
-    return {"type": "supervised", "supervised": {"hyperparameters": hp}}
-
-
-#: A job's resources when its row gives none (trainer.spec.ResourceSpec's defaults).
-DEFAULT_RESOURCES: dict[str, Any] = {"gpus": 1}
-
-
-def job_resources(job: Any) -> dict[str, Any]:
-    """What the job runs on: the resources the request gave over the defaults (``{"gpus": 1}``)."""
-    return {**DEFAULT_RESOURCES, **(job.resources or {})}
+def resolution_objects(resolutions: list[Resolution]) -> list[dict[str, Any]]:
+    """Each decision of the job's settings as the job object shows it, with what it changed."""
+    out = []
+    for i, r in enumerate(resolutions):
+        machine = r.machine or {}
+        planned_for = (
+            f"{machine.get('gpu_name')}: {machine.get('host_memory_bytes', 0) / 2**30:.1f} GiB host, "
+            f"{machine.get('cores')} cores"
+            if machine
+            else None
+        )
+        out.append(
+            {
+                "at": r.at,
+                "reason": r.reason,
+                "decided_at": unix(r.decided_at) or 0,
+                "planned_for": planned_for,
+                "plan": r.plan.summary if r.plan is not None else None,
+                "changes": r.job.changes(resolutions[i - 1].job) if i else {},
+            }
+        )
+    return out
 
 
 def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -> dict[str, Any]:
     """The job object's fields from a job row (ORM object or a Row of ``JOB_COLUMNS``), as plain data:
     validated once, as a whole response, by the endpoint's response model. With ``paths``, server paths
     in the error's message become public names (a job's error may quote its model folder)."""
-    hp = job_hyperparameters(job)
+    request: JobRequest = job.request
+    current = _current(job)
+    hp = job_hyperparameters(request, current)
+    settings = current.job if current is not None else request
     return {
         "id": job.id,
         "created_at": unix(job.created_at) or 0,
@@ -212,7 +223,7 @@ def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -
         "organization_id": job.team_id,
         "status": job.status,
         "hyperparameters": hp,
-        "method": job_method(hp),
+        "method": job_method(request, current, hp),
         "training_file": job.training_file_id,
         "validation_file": job.validation_file_id,
         "trained_tokens": job.trained_tokens,
@@ -224,8 +235,10 @@ def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -
         "metadata": job.user_metadata,
         "estimated_finish": estimated_finish(job),
         "integrations": list(job.integrations or []),
-        "engine": job_engine(job),
-        "resources": job_resources(job),
+        "engine": settings.engine.model_dump(mode="json"),
+        "resources": settings.resources.model_dump(mode="json"),
+        "sources": dict(current.job.sources) if current is not None else {},
+        "resolutions": resolution_objects(job.resolutions or []),
         "queue_position": position,
         "cancel_requested": job.cancel_requested,
         "progress": {

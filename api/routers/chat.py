@@ -15,7 +15,7 @@ from api.inference.schemas import (
     TextCompletionObject,
 )
 from api.inference.service import InferenceService
-from api.model_names import resolve_model
+from api.model_names import team_model
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=error_responses(400, 401, 404, 429, 503, 504))
 
@@ -44,7 +44,7 @@ async def create_chat_completion(
 ) -> Any:
     """A reply to ``messages`` from a base model or one of the team's fine-tuned models, through the
     model's chat template."""
-    ref = await run_db(request, resolve_model, team.team_id, body.model, settings)
+    ref = await run_db(request, team_model, team.team_id, body.model, settings)
     return await _service(request).chat(request, ref, body, team.team_id)
 
 
@@ -64,5 +64,5 @@ async def create_completion(
     body: CompletionRequest, request: Request, team: TeamDep, settings: SettingsDep
 ) -> Any:
     """A continuation of ``prompt`` as it is (no chat template), for prompt-style models."""
-    ref = await run_db(request, resolve_model, team.team_id, body.model, settings)
+    ref = await run_db(request, team_model, team.team_id, body.model, settings)
     return await _service(request).completion(request, ref, body, team.team_id)

@@ -17,16 +17,16 @@ from api.core.errors import APIError, error_responses, not_found, validation_err
 from api.core.pagination import MAX_LIMIT, list_object, page
 from api.jobs import checks, data_check
 from api.jobs import file_preview as file_preview_job
-from api.model_names import ModelNotFound, ModelRef, resolve_model, spec_model_name
+from api.model_names import ModelNotFound, ModelRef, spec_model_name, team_model
 from api.schemas import FileDeleted, FileObject, FileStatus, ListObject, unix
 from api.storage import LocalFileStore, ReceivedUpload
 from api.upload_quota import check_upload_fits, receive_within_quota
+from contract.hyperparameters import HyperparametersRequest
 from store.ids import new_id
 from store.orm import File, FineTuningJob, JobStatus
 from store.results import RESULTS_PURPOSE
 from store.settings import Settings
 from store.usage import DELETED_FILE_STATUS
-from trainer.spec import Hyperparameters
 
 router = APIRouter(prefix="/v1", tags=["files"], responses=error_responses(401, 503))
 
@@ -182,7 +182,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
 DATA_OPTION_FIELDS = ("max_seq_length", "truncation", "system_message")
 
 
-def _data_options(fields: dict[str, str]) -> Hyperparameters:
+def _data_options(fields: dict[str, str]) -> HyperparametersRequest:
     """The data options an upload gives (form fields, as the job's hyperparameters); 400 naming one."""
     given = {k: fields[k] for k in DATA_OPTION_FIELDS if fields.get(k)}
     if given and not fields.get("model"):
@@ -194,7 +194,7 @@ def _data_options(fields: dict[str, str]) -> Hyperparameters:
             code="invalid_value",
         )
     try:
-        return Hyperparameters.model_validate(given)
+        return HyperparametersRequest.model_validate(given)
     except ValidationError as exc:
         raise validation_error(exc.errors(), fields=DATA_OPTION_FIELDS) from exc
 
@@ -204,13 +204,13 @@ def _plan_model_check(
     team_id: str,
     settings: Settings,
     name: str,
-    options: Hyperparameters,
+    options: HyperparametersRequest,
     upload: ReceivedUpload,
 ) -> tuple[ModelRef, data_check.FileCheck]:
     """The check of an upload with a model the team may name (api.jobs.data_check); 400/404 naming the
     cause."""
     with request.app.state.sessionmaker() as session:
-        ref = resolve_model(session, team_id, name, settings)
+        ref = team_model(session, team_id, name, settings)
     checks.check_model_folder(ref.path, name)
     check = data_check.plan_check(
         "file",
@@ -221,7 +221,6 @@ def _plan_model_check(
         settings,
         sha256=upload.sha256,
         size=upload.bytes,
-        any_method=True,
     )
     return ref, check
 
@@ -363,7 +362,7 @@ async def file_preview(
                 code="missing_required_parameter",
             )
         try:
-            ref = resolve_model(session, team.team_id, model, settings)
+            ref = team_model(session, team.team_id, model, settings)
         except ModelNotFound as exc:
             raise APIError(400, exc.message, param="model", code="model_not_found") from exc
         return row, ref, model
@@ -374,7 +373,7 @@ async def file_preview(
         checks.check_model_folder(ref.path, named)
         _require_content(row.storage_path, file_id)
         name = spec_model_name(ref)
-        options = Hyperparameters()
+        options = HyperparametersRequest()
         try:
             return file_preview_job.build_preview(
                 file_preview_job.PreviewRequest(

@@ -25,7 +25,7 @@ from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.jobs import admission, checks, data_check
-from api.jobs.method import requested_hyperparameters
+from api.jobs.method import requested_method
 from api.jobs.public_paths import PublicPaths
 from api.jobs.views import (
     GET_JOB,
@@ -38,7 +38,7 @@ from api.jobs.views import (
     queued_message,
     step_metric_object,
 )
-from api.model_names import ModelRef, resolve_model, spec_model_name
+from api.model_names import ModelRef, spec_model_name, team_model
 from api.schemas import (
     FineTuningJobObject,
     JobCheckpointObject,
@@ -51,7 +51,9 @@ from store.ids import new_id
 from store.jobs import add_event, mark_dispatched, request_cancel
 from store.orm import File, FineTuningJob, JobCheckpoint, JobStatus, JobStepMetric
 from store.settings import Settings
+from trainer.resolve import Counts
 from trainer.spec import JobSpec
+from worker.capacity.fit import Admitted
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +64,10 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], response
 
 
 def _request_hash(body: JobCreate) -> str:
-    canon = body.model_dump(mode="json", exclude_none=True)
-    if body.engine is not None:  # the settings given, not the defaults filled in (as the request said them)
-        canon["engine"] = _engine(body)
+    # the settings given, not the defaults filled in (as the request said them)
+    canon = body.model_dump(mode="json", exclude_none=True, exclude_unset=True)
     text = json.dumps(canon, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _engine(body: JobCreate) -> dict[str, Any]:
-    """The engine settings the request gives (unset fields keep the trainer's defaults)."""
-    return body.engine.model_dump(mode="json", exclude_unset=True) if body.engine else {}
 
 
 def _check_file(session: Session, team_id: str, file_id: str, param: str) -> File:
@@ -113,8 +109,20 @@ def _replay(session: Session, team_id: str, key: str, digest: str) -> FineTuning
 _INSERT_ATTEMPTS = 3
 
 
+def plan_event_row(admitted: Admitted) -> tuple[str, dict[str, Any]]:
+    """The create's plan event: the plan the job's settings were decided by, for which worker."""
+    plan = admitted.plan
+    text = f"{plan.summary()} ({admitted.worker})" + "".join(f". {r}" for r in plan.reasons)
+    return text, {"plan": plan.as_dict()}
+
+
 def _insert_or_replay(
-    session: Session, job: FineTuningJob, idempotency_key: str | None, digest: str, queued: str
+    session: Session,
+    job: FineTuningJob,
+    idempotency_key: str | None,
+    digest: str,
+    queued: str,
+    plan: tuple[str, dict[str, Any]],
 ) -> FineTuningJob | None:
     """Insert and commit ``job`` with its first events; or, when a concurrent request with the same
     ``Idempotency-Key`` got there first, the job that request made (the caller replays it).
@@ -129,6 +137,7 @@ def _insert_or_replay(
         try:
             session.flush()
             add_event(session, job.id, f"Created fine-tuning job: {job.id}", data={"status": job.status})
+            add_event(session, job.id, plan[0], data=plan[1])
             add_event(session, job.id, queued, data={"status": job.status, "queue": job.queue})
             session.commit()
             return None
@@ -177,7 +186,8 @@ async def create_job(
     # Every example rendered with the model's template, in a check process (api.jobs.check_pool), not in a
     # database thread; an outcome kept on the file's row is reused: 400 naming lines; the client gone: no job
     model_name = Path(prepared.spec.model).name
-    await data_check.check_job_data(request, team.team_id, model_name, prepared.data_checks)
+    counts = await data_check.check_job_data(request, team.team_id, model_name, prepared.data_checks)
+    prepared.counts = counts or prepared.counts
     return await run_db(request, _create_job, request, body, team, settings, idempotency_key, prepared)
 
 
@@ -186,16 +196,15 @@ class _Prepared:
     """What a create's checks before the data hand to its insert after it."""
 
     digest: str
-    hyperparameters: dict[str, Any]
     hp_param: str
     model: ModelRef
-    engine: dict[str, Any]
-    resources: dict[str, Any] | None
     seed: int
     job_id: str
     spec: JobSpec
     queue: str
     data_checks: list[data_check.FileCheck]
+    #: The training data's counts: the file's example count until the data check counts them.
+    counts: Counts
 
 
 def _prepare_job(
@@ -215,8 +224,8 @@ def _prepare_job(
                 headers={"Idempotent-Replayed": "true"},
             )
 
-    hyperparameters, hp_param = requested_hyperparameters(body)
-    model = resolve_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
+    method, hyperparameters, hp_param = requested_method(body)
+    model = team_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
     checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")
     validation = (
@@ -224,8 +233,6 @@ def _prepare_job(
         if body.validation_file
         else None
     )
-    engine = _engine(body)
-    resources = checks.check_resources(body.resources)  # 400 naming resources.gpus
     checks.check_integrations(body.integrations, settings)  # 400: a type the server does not allow
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     job_id = new_id("ftjob")
@@ -233,22 +240,22 @@ def _prepare_job(
         model=spec_model_name(model),
         training_file=Path(training.storage_path),
         validation_file=Path(validation.storage_path) if validation else None,
+        method=method,
         hyperparameters=hyperparameters,
         hyperparameters_param=hp_param,
-        engine=engine,
+        engine=body.engine,
+        resources=body.resources,
         seed=seed,
         output_dir=settings.resolved_jobs_dir / job_id,
         limits=checks.job_limits(settings),
         num_examples=training.num_examples or None,
-        resources=resources,
     )
     admission.check_gpus(session, spec.resources.gpus, settings)  # 400: no live worker runs jobs this large
     queue = checks.job_queue(spec.resources.gpus, settings)
     admission.check_nodes(session, spec.resources.nodes, spec.resources.gpus, queue, settings)  # 400: no gang
     planned = data_check.plan_job_checks(spec, training, validation, settings)
-    return _Prepared(
-        digest, hyperparameters, hp_param, model, engine, resources, seed, job_id, spec, queue, planned
-    )
+    counts = Counts(training.num_examples or 1)
+    return _Prepared(digest, hp_param, model, seed, job_id, spec, queue, planned, counts)
 
 
 def _create_job(
@@ -262,16 +269,11 @@ def _create_job(
 ) -> JSONResponse | FineTuningJobObject:
     digest, spec, queue, hp_param = prepared.digest, prepared.spec, prepared.queue, prepared.hp_param
     # The files again, as the data check may have taken a while: still the team's and ready.
-    training = _check_file(session, team.team_id, body.training_file, "training_file")
+    _check_file(session, team.team_id, body.training_file, "training_file")
     if body.validation_file:
         _check_file(session, team.team_id, body.validation_file, "validation_file")
-    admission.check_capacity(
-        session,
-        spec,
-        settings,
-        queue=queue,  # 400: fits no worker of its queue
-        num_examples=training.num_examples or None,
-        hyperparameters_param=hp_param,
+    admitted = admission.admit_job(  # resolved for the first worker it fits; 400: it fits none
+        session, spec, settings, queue=queue, counts=prepared.counts, hyperparameters_param=hp_param
     )
     # Quotas, counted under the team's row lock (held to the commit): racing creates go one by one.
     quotas.lock_team(session, team.team_id)
@@ -290,9 +292,13 @@ def _create_job(
         training_file_id=body.training_file,
         validation_file_id=body.validation_file,
         status=JobStatus.queued.value,
-        hyperparameters=prepared.hyperparameters,
-        engine=prepared.engine,
-        resources=prepared.resources,
+        request=checks.job_request(
+            spec,
+            model=prepared.model.id,
+            training_file=body.training_file,
+            validation_file=body.validation_file,
+        ),
+        resolutions=[admitted.resolution],
         integrations=checks.check_integrations(body.integrations, settings),
         suffix=body.suffix or None,
         seed=prepared.seed,
@@ -300,10 +306,10 @@ def _create_job(
         idempotency_key=idempotency_key,
         request_hash=digest,
         queue=queue,
-        resolved_hyperparameters=checks.resolved_hyperparameters(spec, training.num_examples),
     )
     queued = queued_message(queue, [c for _, c in admission.candidates(session, queue, settings)])
-    prior = _insert_or_replay(session, job, idempotency_key, digest, queued)
+    plan = plan_event_row(admitted)
+    prior = _insert_or_replay(session, job, idempotency_key, digest, queued, plan)
     if prior is not None:  # a concurrent request with the same key won the race
         return JSONResponse(
             job_out(session, prior, PublicPaths.of(settings)).model_dump(mode="json"),

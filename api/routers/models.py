@@ -34,7 +34,7 @@ from api import model_download as dl
 from api.byte_ranges import RangeNotSatisfiable, http_date, if_range_holds, parse_range
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
-from api.model_names import ModelRef, available_models, resolve_model, with_usability
+from api.model_names import ModelRef, available_models, team_model, with_usability
 from api.schemas import ErrorResponse, ListObject, ModelDeleted, ModelObject
 from store.model_ids import find_model
 from store.orm import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
@@ -194,7 +194,7 @@ def _download_of(
     session: Session, team_id: str, model: str, settings: Settings, fmt: dl.DownloadFormat
 ) -> tuple[ModelRef, str | None]:
     """The model to download and the tar's cached checksum (None before its first download)."""
-    ref = resolve_model(session, team_id, model, settings)
+    ref = team_model(session, team_id, model, settings)
     row = find_model(session, team_id, ref.id) if ref.kind in ("fine-tuned", "checkpoint") else None
     if row is None:
         return ref, None
@@ -216,7 +216,7 @@ def _cache_digest(session: Session, team_id: str, model_id: str, fmt: dl.Downloa
 async def retrieve_model(
     model: str, request: Request, team: TeamDep, settings: SettingsDep
 ) -> dict[str, Any]:
-    ref = await run_db(request, resolve_model, team.team_id, model, settings)
+    ref = await run_db(request, team_model, team.team_id, model, settings)
     return model_object(await anyio.to_thread.run_sync(with_usability, ref))
 
 
@@ -227,7 +227,7 @@ async def delete_model(model: str, request: Request, team: TeamDep, settings: Se
 
 
 def _delete_model(session: Session, team_id: str, model: str, settings: Settings) -> ModelDeleted:
-    ref = resolve_model(session, team_id, model, settings)
+    ref = team_model(session, team_id, model, settings)
     if ref.kind in ("builtin", "base"):
         raise APIError(
             403,
@@ -236,7 +236,7 @@ def _delete_model(session: Session, team_id: str, model: str, settings: Settings
             code="model_not_deletable",
         )
     row = session.get(RegisteredModel, ref.id, with_for_update=True)
-    assert row is not None  # resolve_model found it
+    assert row is not None  # team_model found it
     job = session.get(FineTuningJob, row.job_id)
     if job is not None and not JobStatus(job.status).terminal:
         raise APIError(

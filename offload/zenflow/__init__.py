@@ -7,7 +7,7 @@ columns (:mod:`offload.selection`) are updated on the device every step by
 Everything else (1-D params, and 2-D weights whose every column is selected, e.g. ``topk_ratio=1``)
 is owned by the device optimizer outright.
 
-Windows. Steps are grouped into windows ``v = 1, 2, ...`` of ``update_interval`` steps (or "auto",
+Windows. Steps are grouped into windows ``v = 1, 2, ...`` of ``update_interval`` steps (or "adaptive",
 below); the selection ``S_v`` is fixed within a window. Every step, after global clipping:
 
 1. the device updates the selected columns (and the device-only params);
@@ -27,7 +27,7 @@ a. waits for ``R_{v-1}``, the CPU AdamW result of the previous window (the only 
 b. writes into the CPU master the stashed device values of the columns dropped from the selection
    at the previous boundary (the device was authoritative for them; this must wait for ``R_{v-1}``;
    :mod:`offload.zenflow.handover`);
-c. reselects if due (``select_interval`` steps since the last selection; "auto": when the caller
+c. reselects if due (``select_interval`` steps since the last selection; "epoch": when the caller
    called ``new_epoch()``, or every ``select_interval_fallback`` steps if it never does), every
    split weight batched with fixed shapes on the device. Columns that stay keep their device
    moments; new columns start at zero moments, step 0, their fp32 device master taken from the CPU
@@ -52,7 +52,7 @@ waits for window ``v``'s CPU step and applies it at once (no staleness, the CPU 
 column that becomes selected loses the CPU update of the window it was selected in (the device takes
 over from its value at that boundary).
 
-"auto" window length: a window ends when the summed squared norm of the unselected gradient over
+"adaptive" window length: a window ends when the summed squared norm of the unselected gradient over
 the window reaches the mean squared norm of the selected gradient per step, i.e. when the update
 waiting on the CPU weighs as much as one step of what the device applies; at most
 ``max_update_interval`` steps. The two norms leave the device in a non-blocking copy queued before

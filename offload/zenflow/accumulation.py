@@ -3,7 +3,7 @@
 Host accumulation (default): every step the CPU thread adds the split weights' whole gradients into
 the window's host accumulator (``bufs[acc_i]`` of each store, in the parameters' dtype, fp32 for fp16
 parameters: summed in fp32, rounded once per step; each gradient times ``1/update_interval``, so the
-accumulator holds the window *mean*; for "auto" the boundary divides the sum by the window length).
+accumulator holds the window *mean*; for "adaptive" the boundary divides the sum by the window length).
 Loss-scaled fp16 gradients (:mod:`offload.guard`) are added times ``alpha`` and the step's landed
 gradient factor in one fp32 multiply, so nothing underflows on the way. On CUDA the gradients
 stream off the device through a two-slot page-locked ring of ``cpu_chunk_elements`` (D2H stream,

@@ -2,7 +2,7 @@
 :mod:`offload.zenflow`'s docstring).
 
 :class:`ZenFlowMode` keeps the schedule (warm-up rounds left, the window's index, length, learning
-rates and "auto" masses, steps since the selection, the epoch signal) and the CPU result in flight,
+rates and "adaptive" masses, steps since the selection, the epoch signal) and the CPU result in flight,
 and drives its parts in order each step: the reduction (:mod:`offload.zenflow.reduction`), the device
 optimizer (:mod:`offload.zenflow.selective_adamw`), the accumulation
 (:mod:`offload.zenflow.accumulation`) and, at a boundary, the window update
@@ -75,7 +75,7 @@ class ZenFlowMode(Mode):
         self.win_lr = 0.0  # sum of the learning rates of those steps (scale_cpu_lr)
         self.since_select = 0
         self.reselections = 0  # reselections after the first selection (not persisted)
-        self.win_sel = 0.0  # "auto": summed selected / unselected squared norms in the window
+        self.win_sel = 0.0  # "adaptive": summed selected / unselected squared norms in the window
         self.win_unsel = 0.0
         self.epoch_seen = False  # the caller has called new_epoch() at least once
         self.epoch_flag = False  # ... and not since the last selection
@@ -125,7 +125,7 @@ class ZenFlowMode(Mode):
         starting = not self.started
         if starting:
             self._start(stats)
-        auto = self.cfg.update_interval == "auto"
+        auto = self.cfg.update_interval == "adaptive"
         # 1. queue the device work (gated on the device: nothing here waits for the verdict)
         staged = None
         if not self.on_device:
@@ -159,7 +159,7 @@ class ZenFlowMode(Mode):
             self._boundary(stats, lr, sync=not self.cfg.overlap_step, reselect=True)
 
     def _masses(self, sq: tuple[torch.Tensor, torch.Tensor], gate: Gate) -> Landing:
-        """Start copying this step's selected and unselected gradient masses to the host ("auto"; fp16
+        """Start copying this step's selected and unselected gradient masses to the host ("adaptive"; fp16
         gradients times the gate's factor, as the device optimizer sees them)."""
         full_sq, cols_sq = sq  # the device's gradient parts: whole tensors, selected columns
         grads = [g for g in (s.param.grad for s in self.splits) if g is not None]
@@ -230,7 +230,7 @@ class ZenFlowMode(Mode):
 
     def _reselect_due(self) -> bool:
         si = self.cfg.select_interval
-        if si == "auto":
+        if si == "epoch":
             if self.epoch_seen:
                 return self.epoch_flag
             return self.since_select >= self.cfg.select_interval_fallback
@@ -265,7 +265,7 @@ class ZenFlowMode(Mode):
         cfg = self.cfg
         acc_i = self._acc_index()
         n = self.win_len
-        scale = 1.0 / n if cfg.update_interval == "auto" and n > 1 else None
+        scale = 1.0 / n if cfg.update_interval == "adaptive" and n > 1 else None
         # scale_cpu_lr: the window's steps' learning rates summed (= lr * n at a constant lr; the sum, not
         # lr * n at the boundary, which would overshoot during warm-up).
         win_lr = self.win_lr if self.win_lr == self.win_lr else lr * n  # NaN: restored from an old state

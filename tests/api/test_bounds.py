@@ -315,7 +315,8 @@ def test_micro_batch_size_within_batch_size_passes(
 
 def test_micro_batch_errors_without_a_file_count_use_the_most_auto_resolves_to() -> None:
     from api.jobs.checks import micro_batch_errors
-    from trainer.spec import AUTO_BATCH_MAX, JobSpec
+    from trainer.resolve import AUTO_BATCH_MAX
+    from trainer.spec import JobSpec
 
     def spec(hp: dict[str, Any]) -> JobSpec:
         return JobSpec(model="tiny-llama", training_file="t.jsonl", hyperparameters=hp)

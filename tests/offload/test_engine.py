@@ -426,7 +426,7 @@ def test_consolidated_state_dict_is_newest_and_leaves_trajectory_alone():
     "cfg",
     [
         _zen_cfg(update_interval=3, select_interval=3, full_warm_up_rounds=2),
-        _zen_cfg(update_interval="auto", max_update_interval=3, select_interval=4),
+        _zen_cfg(update_interval="adaptive", max_update_interval=3, select_interval=4),
         _zen_cfg(overlap_step=False),
         _zen_cfg(accumulate_on="device", full_warm_up_rounds=1),
         EngineConfig(mode="device", **HYPER),
@@ -510,9 +510,9 @@ def _scaled_linear_run(big: float, steps: int, **cfg_kw) -> ZenFlowEngine:
 
 def test_auto_update_interval_follows_gradient_mass():
     kw = {
-        "update_interval": "auto",
+        "update_interval": "adaptive",
         "max_update_interval": 5,
-        "select_interval": "auto",
+        "select_interval": "epoch",
         "max_grad_norm": None,
     }
     with _scaled_linear_run(30.0, 20, **kw) as skewed:
@@ -524,7 +524,7 @@ def test_auto_update_interval_follows_gradient_mass():
 
 def test_select_interval_auto_reselects_on_new_epoch():
     model = _mlp()
-    cfg = _zen_cfg(select_interval="auto", select_interval_fallback=10**5)
+    cfg = _zen_cfg(select_interval="epoch", select_interval_fallback=10**5)
     with ZenFlowEngine(model, cfg) as eng:
         for i in range(4):
             _train_step(model, eng, i)

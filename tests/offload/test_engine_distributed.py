@@ -132,7 +132,7 @@ def test_two_ranks_with_half_the_batch_equal_one_process(tmp_path: Path, mode: s
     [
         ("zenflow", {}),
         ("zenflow", {"accumulate_on": "device"}),
-        ("zenflow", {"update_interval": "auto"}),
+        ("zenflow", {"update_interval": "adaptive"}),
         ("offload", {}),
     ],
 )

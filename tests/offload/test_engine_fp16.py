@@ -295,7 +295,7 @@ def test_fp16_sharded_is_exactly_the_single_process(tmp_path: Any, mode: str, cf
     [
         {"mode": "zenflow"},
         {"mode": "zenflow", "accumulate_on": "device"},
-        {"mode": "zenflow", "update_interval": "auto", "max_update_interval": 3},
+        {"mode": "zenflow", "update_interval": "adaptive", "max_update_interval": 3},
         {"mode": "device"},
         {"mode": "offload"},
     ],
@@ -306,7 +306,7 @@ def test_fp16_loss_scaling_adds_no_host_sync(kw: dict[str, Any]) -> None:
     sync on any step and the engine's own reads only where a selection needs fp32 master values."""
     from tests.offload.test_engine_syncs import _count_steps
 
-    base: dict[str, Any] = {"lr": 1e-2, "topk_ratio": 0.25, "update_interval": 2, "select_interval": "auto"}
+    base: dict[str, Any] = {"lr": 1e-2, "topk_ratio": 0.25, "update_interval": 2, "select_interval": "epoch"}
     rows = _count_steps(EngineConfig(**{**base, **kw}), torch.float16, 12, epochs=(5,))
     for i, r in enumerate(rows):
         assert r["syncs"] == 0, (i, r["sync_ops"])
@@ -316,10 +316,10 @@ def test_fp16_loss_scaling_adds_no_host_sync(kw: dict[str, Any]) -> None:
 
 
 def test_fp16_auto_windows_end_where_fp32_ones_do() -> None:
-    """update_interval="auto" weighs selected against unselected gradient mass: with loss-scaled fp16
+    """update_interval="adaptive" weighs selected against unselected gradient mass: with loss-scaled fp16
     gradients both are taken in the same (unscaled) units, so the windows end at the steps an fp32
     engine given the same gradients ends them."""
-    cfg = {"mode": "zenflow", "topk_ratio": 0.25, "update_interval": "auto", "max_update_interval": 6}
+    cfg = {"mode": "zenflow", "topk_ratio": 0.25, "update_interval": "adaptive", "max_update_interval": 6}
     ends: dict[torch.dtype, list[float]] = {}
     for dtype in (torch.float16, torch.float32):
         named = [(n, torch.nn.Parameter(p.detach().to(dtype))) for n, p in _params()]

@@ -144,7 +144,7 @@ def _check(
         ("zenflow", {}),
         pytest.param("zenflow", {"accumulate_on": "device"}, marks=pytest.mark.slow),
         pytest.param(
-            "zenflow", {"update_interval": "auto", "select_interval": "auto"}, marks=pytest.mark.slow
+            "zenflow", {"update_interval": "adaptive", "select_interval": "epoch"}, marks=pytest.mark.slow
         ),
     ],
 )

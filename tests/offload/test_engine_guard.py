@@ -61,7 +61,7 @@ CONFIGS = {
     "offload": EngineConfig(mode="offload", **HYPER),
     "zenflow": _zen(),
     "zenflow-device-acc": _zen(accumulate_on="device"),
-    "zenflow-auto": _zen(update_interval="auto", max_update_interval=3, select_interval=3),
+    "zenflow-auto": _zen(update_interval="adaptive", max_update_interval=3, select_interval=3),
     "zenflow-warm-up": _zen(full_warm_up_rounds=2),
     "zenflow-no-overlap": _zen(overlap_step=False, update_interval=3, select_interval=3),
 }

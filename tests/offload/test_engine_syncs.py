@@ -149,7 +149,7 @@ def _count_steps(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"accumulate_on": "device"}, {"update_interval": "auto", "max_update_interval": 3}],
+    [{}, {"accumulate_on": "device"}, {"update_interval": "adaptive", "max_update_interval": 3}],
     ids=["host-acc", "device-acc", "auto"],
 )
 def test_no_host_sync_on_plain_steps_and_window_ends_at_most_one_per_reselection(
@@ -160,7 +160,7 @@ def test_no_host_sync_on_plain_steps_and_window_ends_at_most_one_per_reselection
         lr=1e-2,
         topk_ratio=0.25,
         update_interval=kw.pop("update_interval", 2),
-        select_interval="auto",
+        select_interval="epoch",
         **kw,
     )
     rows = _count_steps(cfg, dtype, 16, epochs=(5, 10))

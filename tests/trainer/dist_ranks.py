@@ -67,6 +67,7 @@ class _Watch:
 
 def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
     """One rank: each job through ``run_training`` in the process group the harness joined."""
+    import trainer.method.supervised
     import trainer.run.loop
     import trainer.run.step
     from trainer.run.distributed import init_from_env
@@ -83,6 +84,9 @@ def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
 
     trainer.run.step.all_sum = counting("step", trainer.run.step.all_sum)  # type: ignore[attr-defined]
     trainer.run.loop.all_sum = counting("loop", trainer.run.loop.all_sum)  # type: ignore[attr-defined]
+    # a supervised job's validation sums, the loop's too
+    supervised = trainer.method.supervised
+    supervised.all_sum = counting("loop", supervised.all_sum)  # type: ignore[attr-defined]
 
     ctx = init_from_env(device="cpu", timeout_seconds=120)  # the harness's group, as a DistContext
     outcomes = []

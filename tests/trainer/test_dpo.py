@@ -19,7 +19,8 @@ from trainer.data.dataset import DataOptions, DatasetValidationError, validate_f
 from trainer.data.example import IGNORE_INDEX, PreferencePair
 from trainer.data.preference import check_preference_record
 from trainer.events import EvalEvent, LogEvent, RunStarted, StepEvent
-from trainer.run.dpo import REFERENCE_FILE, DpoObjective
+from trainer.method.dpo import REFERENCE_FILE, DpoObjective
+from trainer.resolve import Counts, resolve
 from trainer.run.loop import run_training
 from trainer.spec import JobSpec
 
@@ -47,8 +48,8 @@ def dpo_spec(out: Path, data: Path, valid: Path | None = None, **hp: Any) -> Job
             "model": "tiny-llama",
             "training_file": str(data),
             "validation_file": str(valid) if valid else None,
+            "method": {"type": "dpo", "beta": "auto"},
             "hyperparameters": {
-                "dpo": {"beta": "auto"},
                 "n_epochs": 4,
                 "batch_size": 8,
                 "micro_batch_size": 4,
@@ -154,8 +155,8 @@ def test_dpo_refuses_packing_and_resolves_beta() -> None:
     with pytest.raises(ValidationError) as e:
         dpo_spec(Path("/tmp/x"), Path("/tmp/x"), packing=True)
     assert e.value.errors()[0]["loc"] == ("hyperparameters", "packing")
-    hp = dpo_spec(Path("/tmp/x"), Path("/tmp/x")).resolve(16)
-    assert hp.dpo is not None and hp.dpo.beta == 0.1 and hp.packing is False
+    job = resolve(dpo_spec(Path("/tmp/x"), Path("/tmp/x")), None, Counts(16), at="run", reason="t")[0].job
+    assert job.method.type == "dpo" and job.method.beta == 0.1 and job.hyperparameters.packing is False
 
 
 # --- runs --------------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path: Path) -> None:
 
 def test_the_plan_counts_two_rows_a_pair_and_the_reference() -> None:
     from trainer.plan.gpus import Machine
-    from trainer.plan.planner import plan_job
+    from trainer.resolve import plan_spec
 
     machine = Machine.for_gpu("h100")
 
@@ -257,7 +258,7 @@ def test_the_plan_counts_two_rows_a_pair_and_the_reference() -> None:
                 "engine": {"mode": "device"},
             }
         )
-        return plan_job(spec, machine, num_examples=1000)
+        return plan_spec(spec, machine, num_examples=1000)
 
     sft, full, lora = plan(), plan(dpo={}), plan(dpo={}, lora={"r": 8})
     assert full.activations["saved"] == pytest.approx(2 * sft.activations["saved"], rel=0.01)  # both rows
@@ -273,7 +274,7 @@ def test_dpo_trains_without_dropout() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.run.dpo import disable_dropout
+    from trainer.method.dpo import disable_dropout
 
     torch.manual_seed(0)
     config = LlamaConfig(

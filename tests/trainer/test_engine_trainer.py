@@ -11,8 +11,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+import trainer.method.supervised
 import trainer.run.loop as loop
-import trainer.run.step
 from offload.metrics import StepMetrics
 from trainer.events import Event, LogEvent, StepEvent
 from trainer.spec import JobSpec
@@ -63,7 +63,7 @@ def _spec(out: Path, n: int = 32, *, seed: int = 0, **hp_extra: Any) -> JobSpec:
 
 
 def _poison_calls(monkeypatch: pytest.MonkeyPatch, bad: set[int]) -> None:
-    real = trainer.run.step.loss_sum
+    real = trainer.method.supervised.loss_sum
     calls = {"n": 0}
 
     def loss_sum(model: Any, batch: Any) -> Any:
@@ -71,7 +71,7 @@ def _poison_calls(monkeypatch: pytest.MonkeyPatch, bad: set[int]) -> None:
         calls["n"] += 1
         return (_InfGrad.apply(ls) if calls["n"] in bad else ls), count
 
-    monkeypatch.setattr(trainer.run.step, "loss_sum", loss_sum)
+    monkeypatch.setattr(trainer.method.supervised, "loss_sum", loss_sum)
 
 
 def test_a_skipped_step_warns_and_the_run_finishes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,6 @@ from tests.trainer.test_distributed_run import HP, MODES, STEPS, assert_close, o
 from tests.trainer.test_loop import arithmetic_file, make_spec
 from trainer.run.checkpoint import FINAL_DIR, latest_checkpoint, load_rank_state
 from trainer.run.loop import TrainResult, run_training
-from trainer.run.sharding import resolve_shard_params
 from trainer.spec import JobSpec
 
 LORA = {"r": 4}
@@ -144,34 +143,41 @@ def test_shard_params_resolution(tmp_path: Path) -> None:
     an 8B in device mode replicated on 4 H100s (does not fit: sharded) and on 2 H200s (fits: not)."""
     from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
     from trainer.plan.gpus import Machine
-    from trainer.plan.planner import plan_job
+    from trainer.resolve import Counts, plan_spec, resolve
 
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     hp = {"batch_size": 16, "max_seq_length": 2048}
-    big = plan_job(
+    big = plan_spec(
         _spec(d, hyperparameters=hp, resources={"gpus": 4}, engine={"mode": "device"}),
         Machine.for_gpu("h100"),
     )
-    fits = plan_job(_spec(d, hyperparameters=hp, resources={"gpus": 2}), Machine.for_gpu("h200"))
-    assert resolve_shard_params("auto", 4, big) is True
-    assert resolve_shard_params("auto", 2, fits) is False
-    assert resolve_shard_params("auto", 8, None) is False  # no plan: replicated
-    assert resolve_shard_params(True, 1, big) is False  # one rank: nothing to shard with
-    assert resolve_shard_params(True, 2, fits) is True
-    assert resolve_shard_params(False, 4, big) is False
+    fits = plan_spec(_spec(d, hyperparameters=hp, resources={"gpus": 2}), Machine.for_gpu("h200"))
+    assert big.settings.shard_params is True and fits.settings.shard_params is False
+
+    def shard(setting: object, gpus: int, machine: Machine | None) -> bool:
+        spec = _spec(
+            d,
+            hyperparameters=hp,
+            resources={"gpus": gpus},
+            engine={"mode": "device", "shard_params": setting},
+        )
+        return resolve(spec, machine, Counts(1000), at="create", reason="t")[0].job.engine.shard_params
+
+    assert shard("auto", 4, Machine.for_gpu("h100")) is True
+    assert shard("auto", 2, Machine.for_gpu("h200")) is False
+    assert shard("auto", 8, None) is False  # no plan: replicated
+    assert shard(True, 1, Machine.for_gpu("h100")) is False  # one rank: nothing to shard with
+    assert shard(True, 2, Machine.for_gpu("h200")) is True
+    assert shard(False, 4, Machine.for_gpu("h100")) is False
 
 
 def test_shard_params_auto_is_a_job_setting_not_an_engine_one() -> None:
-    from trainer.model.catalog import default_engine_settings
+    from trainer.resolve import Counts, engine_knobs, resolve
 
-    assert (
-        JobSpec.model_validate(
-            {"model": "tiny-llama", "training_file": "x.jsonl", "engine": {"shard_params": "auto"}}
-        )
-        .engine.engine_config(1e-3)
-        .shard_params
-        is False
+    spec = JobSpec.model_validate(
+        {"model": "tiny-llama", "training_file": "x.jsonl", "engine": {"shard_params": "auto"}}
     )
+    assert resolve(spec, None, Counts(10), at="run", reason="t")[0].job.engine.shard_params is False
     # an explicit "auto" does not make the model's own engine defaults look like conflicts
-    given = default_engine_settings("tiny-llama", {"shard_params": "auto"})
-    assert given == default_engine_settings("tiny-llama", {}) | {"shard_params": "auto"}
+    plain = JobSpec.model_validate({"model": "tiny-llama", "training_file": "x.jsonl"})
+    assert engine_knobs(spec)[0] == engine_knobs(plain)[0]

@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from contract.hyperparameters import HyperparametersRequest as Hyperparameters
+from contract.values import MAX_COUNT
 from offload.config import EngineConfig
 from trainer.limits import JobLimits, limit_errors
-from trainer.spec import MAX_COUNT, Hyperparameters, spec_from_job
+from trainer.resolve import resolve_hyperparameters
+from trainer.spec import JobSpec
 
 
 def _locs(exc: ValidationError) -> set[tuple[Any, ...]]:
@@ -47,7 +50,7 @@ def test_engine_fields_are_bounded(field: str, value: Any) -> None:
 
 def test_engine_bounds_keep_the_documented_defaults_and_auto() -> None:
     cfg = EngineConfig(update_interval="auto", select_interval=10_000_000, max_update_interval=10_000_000)
-    assert cfg.update_interval == "auto" and EngineConfig().update_interval == 4
+    assert cfg.update_interval == "adaptive" and EngineConfig().update_interval == 4
     with pytest.raises(ValidationError) as info:
         EngineConfig(betas=(0.9, float("inf")))
     assert ("betas", 1) in {tuple(e["loc"]) for e in info.value.errors()}
@@ -77,18 +80,12 @@ def test_hyperparameters_have_hard_bounds(field: str, value: Any) -> None:
 
 def test_resolve_refuses_more_steps_than_a_job_row_holds() -> None:
     with pytest.raises(ValueError, match="more than a job can run"):
-        Hyperparameters(n_epochs=MAX_COUNT, batch_size=1).resolve(10, base_learning_rate=1e-3)
+        resolve_hyperparameters(_spec(n_epochs=MAX_COUNT, batch_size=1), 10)
 
 
 def _spec(model: str = "tiny-llama", **hp: Any) -> Any:
-    return spec_from_job(
-        model=model,
-        training_file="train.jsonl",
-        validation_file=None,
-        hyperparameters=hp,
-        engine=None,
-        seed=1,
-        output_dir="out",
+    return JobSpec(
+        model=model, training_file="train.jsonl", hyperparameters={**hp, "seed": 1}, output_dir="out"
     )
 
 

@@ -13,15 +13,16 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from contract.hyperparameters import ResolvedHyperparameters, RuntimeChoices
 from tests.trainer.test_loop import Recorder, arithmetic_file, make_spec
 from trainer.data.batching import collate, loss_sum, micro_batches
 from trainer.data.dataset import IGNORE_INDEX, Example
 from trainer.data.packing import pack_rows, use_packing_attention
 from trainer.model.catalog import load_model
+from trainer.resolve import resolve_hyperparameters
 from trainer.run.loop import run_training
 from trainer.run.setup import apply_runtime
-from trainer.runtime import RuntimeChoices
-from trainer.spec import Hyperparameters, JobSpec, ResolvedHyperparameters
+from trainer.spec import JobSpec
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 CPU = torch.device("cpu")
@@ -208,16 +209,18 @@ def test_micro_batch_size_validation() -> None:
         assert ei.value.errors()[0]["loc"][:2] == ("hyperparameters", field)
 
 
+def _resolved(n: int, planned: RuntimeChoices | None = None, **hp: Any) -> ResolvedHyperparameters:
+    spec = JobSpec(model="tiny-llama", training_file="t.jsonl", hyperparameters=hp)
+    return resolve_hyperparameters(spec, n, planned)[0]
+
+
 def test_runtime_resolution() -> None:
-    r = Hyperparameters().resolve(1000, base_learning_rate=1e-3)
+    r = _resolved(1000)
     assert (r.micro_batch_size, r.gradient_checkpointing, r.packing) == (r.batch_size, False, False)
     # A batch size lowered to the examples (or auto) clamps the micro-batch with it.
-    assert (
-        Hyperparameters(batch_size=16, micro_batch_size=16).resolve(5, base_learning_rate=1).micro_batch_size
-        == 5
-    )
+    assert _resolved(5, batch_size=16, micro_batch_size=16).micro_batch_size == 5
     plan = RuntimeChoices(micro_batch_size=64, gradient_checkpointing=True, packing=True)
-    r = Hyperparameters(batch_size=8, packing=False).resolve(100, base_learning_rate=1, planned=plan)
+    r = _resolved(100, plan, batch_size=8, packing=False)
     assert (r.micro_batch_size, r.gradient_checkpointing, r.packing) == (
         8,
         True,
@@ -228,12 +231,10 @@ def test_runtime_resolution() -> None:
 
 def test_checkpoint_without_runtime_fields_resumes() -> None:
     """A checkpoint recorded before these fields ran one forward/backward per step; it still matches."""
-    r = Hyperparameters(batch_size=4).resolve(40, base_learning_rate=1e-3)
+    r = _resolved(40, batch_size=4)
     old = r.model_dump(exclude={"micro_batch_size", "gradient_checkpointing", "packing"})
     back = ResolvedHyperparameters(**old)
     assert (back.micro_batch_size, back.gradient_checkpointing, back.packing) == (4, False, False)
     assert back.training_signature() == r.training_signature()
-    other = Hyperparameters(batch_size=4, micro_batch_size=2, packing=True).resolve(
-        40, base_learning_rate=1e-3
-    )
+    other = _resolved(40, batch_size=4, micro_batch_size=2, packing=True)
     assert other.training_signature() == back.training_signature()

@@ -14,6 +14,7 @@ import pytest
 from tests.model_folders import write_model_folder
 from trainer.limits import JobLimits, limit_errors
 from trainer.model.folder_check import ModelFolderError, check_model_folder, position_limit
+from trainer.resolve import resolve_hyperparameters
 from trainer.samples import TRAIN_FILE
 from trainer.spec import JobSpec, load_spec
 
@@ -122,7 +123,10 @@ def test_position_limit_of_each_architecture_bounds_max_seq_length(
     assert [e.loc for e in errors] == [("hyperparameters", "max_seq_length")]
     assert "at most 96, the model's maximum sequence length" in errors[0].message
     auto = JobSpec(model=str(folder), training_file=TRAIN_FILE)
-    assert limit_errors(auto, JobLimits(), num_examples=8) == [] and auto.resolve(8).max_seq_length == 96
+    assert (
+        limit_errors(auto, JobLimits(), num_examples=8) == []
+        and resolve_hyperparameters(auto, 8)[0].max_seq_length == 96
+    )
 
 
 def test_position_limit_keys_nesting_and_tokenizer_fallback() -> None:
@@ -143,7 +147,7 @@ def test_lora_under_hyperparameters_in_yaml_and_the_old_place_warns(tmp_path: Pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s = load_spec(spec)
-    assert s.lora is not None and s.lora.r == 4 and s.resolve(8).lora == s.lora
+    assert s.lora is not None and s.lora.r == 4 and resolve_hyperparameters(s, 8)[0].lora == s.lora
     old = tmp_path / "old.yaml"
     old.write_text(f"model: tiny-llama\ntraining_file: {TRAIN_FILE}\nlora: {{r: 2}}\n")
     with pytest.warns(FutureWarning, match="put it under 'hyperparameters:'"):

@@ -14,12 +14,13 @@ import torch
 from transformers import LlamaConfig
 
 from bench.memory import engine_measured, padded_batch, saved_activation_bytes
+from contract.lora import LoraSpec
 from offload.config import EngineConfig
-from trainer.method import LoraSpec
 from trainer.plan.engine import engine_bytes
 from trainer.plan.gpus import GiB, Machine, find_gpu, parse_bytes
-from trainer.plan.planner import Plan, plan_job
+from trainer.plan.planner import Plan
 from trainer.plan.shapes import activation_bytes, model_shape
+from trainer.resolve import Counts, plan_spec, resolve
 from trainer.spec import JobSpec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "samples"
@@ -145,27 +146,35 @@ def test_activations_match_saved_tensors_with_lora(checkpointing: bool) -> None:
 
 
 @pytest.mark.parametrize("accumulate_on", ["host", "device"])
-def test_a_resumed_run_keeps_its_checkpoints_engine_layout(accumulate_on: str) -> None:
-    from offload.engine import ZenFlowEngine
-    from trainer.model.catalog import load_model
-    from trainer.plan.in_run import engine_choices
+def test_a_resumed_run_keeps_its_checkpoints_engine_layout(tmp_path: Path, accumulate_on: str) -> None:
+    """A run stopped in a zenflow window, resumed with ``engine.mode: auto`` (the plan would take device
+    mode here): the new run's resolution keeps the checkpoint's mode and accumulator (source ``resume``)."""
+    from trainer.events import Event, Resolved
+    from trainer.run.checkpoint import checkpoint_pins
+    from trainer.run.loop import run_training
 
-    model = load_model("tiny-llama", dtype=torch.float32, seed=0)
-    cfg = EngineConfig(
-        mode="zenflow",
-        accumulate_on=accumulate_on,
-        update_interval=4,  # type: ignore[arg-type]
-        bind_worker_cores=False,
+    hp = {"max_steps": 6, "batch_size": 4, "max_seq_length": 64, "checkpoint_every": 100}
+    first = JobSpec(
+        model="tiny-llama",
+        training_file=SAMPLES / "capitals_train.jsonl",
+        output_dir=tmp_path,
+        hyperparameters=hp,
+        engine={"mode": "zenflow", "accumulate_on": accumulate_on, "update_interval": 4},
+        engine_tuning={"bind_worker_cores": False},
     )
-    with ZenFlowEngine(model, cfg) as engine:
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        engine.step()  # one step into a window of 4: the checkpoint holds its gradients
-        state = engine.state_dict()
-    plan = plan_job(_spec("tiny-llama"), Machine.for_gpu("h100", host_memory_bytes=64 * GiB))
-    assert plan.settings.mode == "device"
-    assert engine_choices(plan) == {"mode": "device", "accumulate_on": "host"}
-    assert engine_choices(plan, state) == {"mode": "zenflow", "accumulate_on": accumulate_on}
+    steps: list[Event] = []
+    run_training(first, on_event=steps.append, should_cancel=lambda: len(steps) > 12, progress=False)
+    pins = checkpoint_pins(tmp_path)
+    assert pins is not None and (pins.mode, pins.accumulate_on) == ("zenflow", accumulate_on)
+    auto = first.model_copy(
+        update={"engine": first.engine.model_copy(update={"mode": "auto", "accumulate_on": "auto"})}
+    )
+    events: list[Event] = []
+    run_training(auto, on_event=events.append, progress=False)
+    (resolved,) = [e for e in events if isinstance(e, Resolved)]
+    job = resolved.resolution["job"]
+    assert (job["engine"]["mode"], job["engine"]["accumulate_on"]) == ("zenflow", accumulate_on)
+    assert job["sources"]["engine.mode"] == job["sources"]["engine.accumulate_on"] == "resume"
 
 
 @pytest.mark.parametrize(
@@ -190,7 +199,7 @@ def test_engine_bytes_match_what_the_engine_reports(mode: str, accumulate_on: st
 def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     spec = _spec(d, hyperparameters={"batch_size": 8, "max_seq_length": 2048})
-    plan = plan_job(spec, Machine.for_gpu("h200"), num_examples=1000)  # a DGX H200's share: 256 GiB
+    plan = plan_spec(spec, Machine.for_gpu("h200"), num_examples=1000)  # a DGX H200's share: 256 GiB
     assert plan.params == 8_030_261_248 and plan.trainable_params == plan.params
     assert plan.fits and plan.problems == []
     assert plan.settings.mode == "zenflow" and plan.modes["zenflow"].fits
@@ -200,7 +209,7 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     # (DeepSpeed's estimator: 20 B/param, 149.6 GiB)
     assert not plan.modes["device"].fits and plan.modes["device"].device_bytes > 149 * GiB
     # 128 GiB of host: host accumulation's 126.4 GiB does not fit beside the host reserve
-    tight = plan_job(spec, Machine.for_gpu("h200", host_memory_bytes=128 * GiB), num_examples=1000)
+    tight = plan_spec(spec, Machine.for_gpu("h200", host_memory_bytes=128 * GiB), num_examples=1000)
     assert tight.host_reserve_bytes == int(0.05 * 128 * GiB)
     assert tight.modes["zenflow"].host_bytes > tight.host_capacity_bytes and tight.settings.mode == "offload"
     norms = 65 * 4096  # 1-D weights stay on the device; every 2-D weight is split
@@ -215,28 +224,36 @@ def test_llama3_8b_on_an_h200_fits_in_zenflow_mode(tmp_path: Path) -> None:
     assert modes["offload"].step_seconds > modes["zenflow"].step_seconds > 0
     # on an H100 a micro-batch of 2 x 2048 needs activation checkpointing; 4 x 2048 does not fit at all
     h100 = Machine.for_gpu("h100")  # a DGX H100's share of its host: 256 GiB, 14 cores
-    two = plan_job(
+    two = plan_spec(
         _spec(d, hyperparameters={"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 2}), h100
     )
     assert two.fits and two.settings.gradient_checkpointing and two.settings.micro_batch_size == 2
     hp4 = {"batch_size": 8, "max_seq_length": 2048, "micro_batch_size": 4}
-    four = plan_job(_spec(d, hyperparameters=hp4, engine={"mode": "zenflow"}), h100)
-    # the fixes in the order of what the user loses least: 2 GPUs (weights sharded) before a micro-batch of 1
-    assert not four.fits and [p.loc for p in four.problems] == [("resources", "gpus")]
-    message = four.problems[0].message
+    four = plan_spec(_spec(d, hyperparameters=hp4, engine={"mode": "zenflow"}), h100)
+    # 4 x 2048 fits only without zenflow's landing buffers: the plan drops them, and says so
+    assert four.fits and not four.settings.landing_buffers and "landing_buffers" not in four.device
+    assert any("landing buffers dropped" in r for r in four.reasons)
+    eight = plan_spec(
+        _spec(d, hyperparameters={**hp4, "micro_batch_size": 8}, engine={"mode": "zenflow"}), h100
+    )
+    # the fixes in the order of what the user loses least: GPUs (weights sharded) before a micro-batch of 1
+    assert not eight.fits and [p.loc for p in eight.problems] == [("resources", "gpus")]
+    message = eight.problems[0].message
     assert (
         "set resources.gpus 2 (planned: fits" in message
         and "set micro_batch_size 1 (planned: fits" in message
     )
     assert message.index("resources.gpus 2") < message.index("micro_batch_size 1")
-    # with engine.mode auto it runs in offload mode instead (no device-side column state or buffers)
-    assert plan_job(_spec(d, hyperparameters=hp4), h100).settings.mode == "offload"
+    # with engine.mode auto it runs in zenflow mode without the landing buffers: faster than offload
+    auto = plan_spec(_spec(d, hyperparameters=hp4), h100)
+    assert auto.settings.mode == "zenflow" and not auto.settings.landing_buffers
+    assert auto.modes["zenflow"].step_seconds < auto.modes["offload"].step_seconds
 
 
 def test_a_too_small_host_names_the_field_and_the_numbers(tmp_path: Path) -> None:
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     machine = Machine.for_gpu("h100", host_memory_bytes=64 * GiB)
-    plan = plan_job(_spec(d, engine={"mode": "zenflow"}), machine)
+    plan = plan_spec(_spec(d, engine={"mode": "zenflow"}), machine)
     assert not plan.fits
     (problem,) = plan.problems
     # every fix offered was planned and fits: accumulate_on device (96 GiB) does not, 4 ranks' shards do
@@ -249,12 +266,12 @@ def test_a_too_small_host_names_the_field_and_the_numbers(tmp_path: Path) -> Non
         and "accumulate_on device" not in problem.message
     )
     # a device too small for device mode: more GPUs (sharded weights) and LoRA are planned and fit
-    plan = plan_job(_spec(d, engine={"mode": "device"}), machine)
+    plan = plan_spec(_spec(d, engine={"mode": "device"}), machine)
     assert not plan.fits and plan.problems[0].loc == ("resources", "gpus")
     assert "of device memory" in plan.problems[0].message and "use LoRA" in plan.problems[0].message
     # a locked-memory limit below the pinned state is noted, not refused (cudaHostAlloc ignores it)
     locked = Machine.for_gpu("h200", host_memory_bytes=256 * GiB, locked_memory_bytes=8 * GiB)
-    plan = plan_job(_spec(d), locked)
+    plan = plan_spec(_spec(d), locked)
     assert plan.fits and not plan.problems
     assert any("locked-memory limit" in r for r in plan.reasons)
 
@@ -262,19 +279,21 @@ def test_a_too_small_host_names_the_field_and_the_numbers(tmp_path: Path) -> Non
 def test_engine_mode_auto_picks_device_for_lora_and_small_models(tmp_path: Path) -> None:
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     machine = Machine.for_gpu("h100", host_memory_bytes=128 * GiB)
-    lora = plan_job(_spec(d, lora={"r": 16}), machine)
+    lora = plan_spec(_spec(d, lora={"r": 16}), machine)
     assert lora.settings.mode == "device" and lora.fits and lora.trainable_params < lora.params // 100
     assert lora.reasons[0].startswith("engine.mode auto -> device")
-    explicit = plan_job(_spec(d, lora={"r": 16}, engine={"mode": "zenflow"}), machine)
+    explicit = plan_spec(_spec(d, lora={"r": 16}, engine={"mode": "zenflow"}), machine)
     assert explicit.settings.mode == "zenflow"
     assert explicit.modes == lora.modes  # every mode is planned alike, whichever the job names
-    small = plan_job(_spec("tiny-llama"), machine)
+    small = plan_spec(_spec("tiny-llama"), machine)
     assert small.settings.mode == "device"
     assert JobSpec(model="tiny-llama", training_file="t.jsonl").engine.mode == "auto"
     given = JobSpec(
         model="tiny-llama", training_file="t.jsonl", engine={"mode": "auto", "accumulate_on": "auto"}
     )
-    assert given.engine.topk_ratio == 0.25  # an explicit auto keeps the model's engine defaults
+    resolved = resolve(given, machine, Counts(100), at="create", reason="t")[0].job
+    assert resolved.engine.topk_ratio == 0.25  # an explicit auto keeps the model's engine defaults
+    assert resolved.engine.mode == "device" and resolved.sources["engine.mode"] == "plan"
 
 
 def test_engine_mode_auto_falls_back_to_offload_when_only_offload_fits(tmp_path: Path) -> None:
@@ -283,10 +302,10 @@ def test_engine_mode_auto_falls_back_to_offload_when_only_offload_fits(tmp_path:
     refused with engine.mode named as the field to change."""
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     l40s = Machine.for_gpu("l40s", host_memory_bytes=128 * GiB)
-    plan = plan_job(_spec(d, hyperparameters={"max_seq_length": 4096}), l40s)
+    plan = plan_spec(_spec(d, hyperparameters={"max_seq_length": 4096}), l40s)
     assert plan.fits and plan.settings.mode == "offload"
     assert not plan.modes["zenflow"].fits and any("auto -> offload" in r for r in plan.reasons)
-    named = plan_job(_spec(d, hyperparameters={"max_seq_length": 4096}, engine={"mode": "zenflow"}), l40s)
+    named = plan_spec(_spec(d, hyperparameters={"max_seq_length": 4096}, engine={"mode": "zenflow"}), l40s)
     assert not named.fits and named.problems[0].loc == ("resources", "gpus")  # sharded on 2 GPUs
     assert "set engine.mode offload (planned: fits" in named.problems[0].message
 
@@ -312,8 +331,7 @@ def test_run_records_its_plan_and_runs_the_chosen_mode(tmp_path: Path) -> None:
 
 
 def test_a_config_the_plan_cannot_build(tmp_path: Path) -> None:
-    from trainer.events import Event, LogEvent
-    from trainer.plan.in_run import engine_choices, plan_for_run, planned_runtime
+    from trainer.resolve import Counts, resolve
 
     d = tmp_path / "broken"
     d.mkdir()
@@ -330,16 +348,13 @@ def test_a_config_the_plan_cannot_build(tmp_path: Path) -> None:
         )
     )
     with pytest.raises(ValueError, match="cannot build the model from its config"):
-        plan_job(_spec(d), Machine.for_gpu("h100", host_memory_bytes=64 * GiB))
-    events: list[Event] = []
-    assert plan_for_run(_spec(d), "cpu", num_examples=10, num_tokens=None, emit=events.append) is None
-    (warning,) = events
-    assert (
-        isinstance(warning, LogEvent)
-        and warning.level == "warning"
-        and "No memory and speed plan" in warning.message
+        plan_spec(_spec(d), Machine.for_gpu("h100", host_memory_bytes=64 * GiB))
+    # the job is still resolved (a run of `zenflow train` warns): the plan's choices take their defaults
+    resolution, plan = resolve(
+        _spec(d), Machine.for_cpu(host_memory_bytes=16 * GiB, cores=2), Counts(10), at="run", reason="t"
     )
-    assert planned_runtime(None) is None and engine_choices(None) == {}
+    assert plan is None and resolution.plan is None
+    assert resolution.job.engine.mode == "zenflow" and resolution.job.sources["engine.mode"] == "default"
 
 
 def test_cli_json(tmp_path: Path) -> None:

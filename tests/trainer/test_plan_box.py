@@ -13,9 +13,10 @@ import pytest
 from transformers import LlamaConfig
 
 from trainer.plan.gpus import KNOWN_GPUS, GiB, Machine, gpu_named, usable_cores
-from trainer.plan.planner import AUTO_MIN_GAIN, plan_job
+from trainer.plan.planner import MODE_MIN_GAIN
 from trainer.plan.shapes import model_shape
 from trainer.plan.speed import DEVICE_ADAM_BYTES_PER_PARAM, compute_seconds
+from trainer.resolve import plan_spec
 from trainer.spec import JobSpec
 
 from .test_plan import LLAMA3_8B
@@ -114,14 +115,14 @@ def test_cli_plans_the_named_box_not_this_machine(models: dict[str, Path], tmp_p
 
 def test_auto_picks_the_fastest_mode_that_fits(models: dict[str, Path]) -> None:
     h200 = Machine.for_gpu("h200")
-    small = plan_job(_spec(models["3b"], hyperparameters=HP), h200, num_examples=1000)
+    small = plan_spec(_spec(models["3b"], hyperparameters=HP), h200, num_examples=1000)
     assert small.settings.mode == "device" and small.fits
     assert small.modes["device"].step_seconds < min(
         small.modes["zenflow"].step_seconds, small.modes["offload"].step_seconds
     )
     # an 8B full fine-tune: device mode needs 20 B/param with its fp32 gradient copies at the step
     # (DeepSpeed's estimator says 149.6 GiB for 8.03B params), over the 126.4 GiB usable
-    big = plan_job(_spec(models["8b"], hyperparameters=HP), h200, num_examples=1000)
+    big = plan_spec(_spec(models["8b"], hyperparameters=HP), h200, num_examples=1000)
     dev = big.modes["device"]
     assert not dev.fits and dev.device_bytes >= 8_030_261_248 * 20 - 2 * GiB
     assert big.settings.mode == "zenflow" and big.fits
@@ -136,7 +137,7 @@ def test_zenflow_pays_for_its_column_work(models: dict[str, Path]) -> None:
     hp = {**HP, "micro_batch_size": 4, "gradient_checkpointing": False}
     shape = model_shape(str(models["3b"]), None)
     for acc in ("host", "device"):
-        plan = plan_job(
+        plan = plan_spec(
             _spec(models["3b"], hyperparameters=hp, engine={"accumulate_on": acc}), h200, num_examples=1000
         )
         dev, zen = plan.modes["device"], plan.modes["zenflow"]
@@ -152,26 +153,26 @@ def test_zenflow_pays_for_its_column_work(models: dict[str, Path]) -> None:
         )
         columns = 0.25 * shape.trainable_params * DEVICE_ADAM_BYTES_PER_PARAM / (h200.gpu_memory_gbps * 1e9)
         assert zen.gpu_seconds > compute + columns  # the column AdamW and more are charged
-    # auto's choice when the micro-batches differ: zenflow must be AUTO_MIN_GAIN faster to be taken
-    free = plan_job(
+    # auto's choice when the micro-batches differ: zenflow must be MODE_MIN_GAIN faster to be taken
+    free = plan_spec(
         _spec(models["3b"], hyperparameters=HP, engine={"accumulate_on": "device"}), h200, num_examples=1000
     )
     if free.settings.mode != "device":
         assert (
             free.modes[free.settings.mode].step_seconds
-            < (1 - AUTO_MIN_GAIN) * free.modes["device"].step_seconds
+            < (1 - MODE_MIN_GAIN) * free.modes["device"].step_seconds
         )
 
 
 def test_an_l4_full_fine_tune_is_told_to_use_lora_which_was_planned(models: dict[str, Path]) -> None:
     l4 = Machine.for_gpu("l4")
-    plan = plan_job(_spec(models["8b"], hyperparameters=HP), l4, num_examples=1000)
+    plan = plan_spec(_spec(models["8b"], hyperparameters=HP), l4, num_examples=1000)
     assert not plan.fits
     first = plan.problems[0]
     # more GPUs (sharded weights) lose the user the least, then LoRA; shorter sequences are not needed
     assert first.loc == ("resources", "gpus") and "max_seq_length" not in first.message
     assert "use LoRA (hyperparameters.lora: {r: 16}) (planned: fits in device mode" in first.message
-    lora = plan_job(_spec(models["8b"], hyperparameters={**HP, "lora": {"r": 16}}), l4, num_examples=1000)
+    lora = plan_spec(_spec(models["8b"], hyperparameters={**HP, "lora": {"r": 16}}), l4, num_examples=1000)
     assert lora.fits and f"device {lora.device_bytes / GiB:.1f} GiB" in first.message
     # accumulate_on device does not fit the L4's 32 GiB host: not offered
     assert all("accumulate_on device" not in p.message for p in plan.problems)
@@ -179,7 +180,7 @@ def test_an_l4_full_fine_tune_is_told_to_use_lora_which_was_planned(models: dict
 
 def test_no_single_setting_fits_says_why(models: dict[str, Path]) -> None:
     tiny = Machine.for_gpu("l4", gpu_memory_bytes=4 * GiB, host_memory_bytes=8 * GiB)
-    plan = plan_job(_spec(models["8b"], hyperparameters=HP), tiny, num_examples=1000)
+    plan = plan_spec(_spec(models["8b"], hyperparameters=HP), tiny, num_examples=1000)
     assert not plan.fits and "no single setting fits this box:" in plan.problems[0].message
     assert "use LoRA (hyperparameters.lora: {r: 16}): still needs device" in plan.problems[0].message
 
@@ -188,7 +189,7 @@ def test_reserves_are_kept_and_stated(models: dict[str, Path]) -> None:
     # 136 GiB: with a checkpoint's peak counted (the embedding and zenflow's device state copied out,
     # 11 GiB for 8B), accumulate_on device needs 122.4 GiB, over a 128 GiB host's 121.6 usable
     m = Machine.for_gpu("h200", host_memory_bytes=136 * GiB)
-    plan = plan_job(_spec(models["8b"], hyperparameters=HP), m, num_examples=1000)
+    plan = plan_spec(_spec(models["8b"], hyperparameters=HP), m, num_examples=1000)
     assert (
         plan.host_reserve_bytes == int(0.05 * 136 * GiB)
         and plan.host_capacity_bytes == 136 * GiB - plan.host_reserve_bytes

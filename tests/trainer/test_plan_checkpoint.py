@@ -7,12 +7,12 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from trainer.method import LoraSpec
+from contract.lora import LoraSpec
 from trainer.plan.candidates import checkpoint_bytes
 from trainer.plan.cli import format_plan
 from trainer.plan.gpus import GiB, Machine
-from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
+from trainer.resolve import plan_spec
 from trainer.spec import JobSpec
 
 from .test_plan import LLAMA3_8B
@@ -21,7 +21,7 @@ from .test_plan import LLAMA3_8B
 def test_checkpoint_peak_is_the_largest_tensor_and_is_in_the_host_total(tmp_path: Path) -> None:
     LlamaConfig(**LLAMA3_8B).save_pretrained(tmp_path)
     spec = JobSpec(model=str(tmp_path), training_file="train.jsonl", hyperparameters={"max_seq_length": 1024})  # type: ignore[arg-type]
-    plan = plan_job(spec, Machine.for_gpu("h200", host_memory_bytes=512 * GiB), num_examples=1000)
+    plan = plan_spec(spec, Machine.for_gpu("h200", host_memory_bytes=512 * GiB), num_examples=1000)
     embed = LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"] * 4  # type: ignore[operator]
     # the embedding in fp32 (2 GB), plus zenflow's device optimizer state copied out whole; not the
     # 16 B/param state

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from tests.trainer.test_plan import LLAMA3_8B
 from trainer.plan.candidates import rank_machine
 from trainer.plan.gpus import GiB, Machine
-from trainer.plan.planner import plan_job
+from trainer.resolve import plan_spec
 from trainer.spec import JobSpec
 
 
@@ -23,8 +23,8 @@ def test_ranks_shard_the_host_state_and_split_the_batch(tmp_path: Path) -> None:
     LlamaConfig(**LLAMA3_8B).save_pretrained(d)  # config.json only
     h100 = Machine.for_gpu("h100", host_memory_bytes=64 * GiB)  # one GPU's share of its host
     hp = {"batch_size": 8, "max_seq_length": 2048}
-    one = plan_job(_spec(d, hyperparameters=hp, engine={"mode": "zenflow"}), h100, num_examples=1000)
-    four = plan_job(_spec(d, 4, hyperparameters=hp, engine={"mode": "zenflow"}), h100, num_examples=1000)
+    one = plan_spec(_spec(d, hyperparameters=hp, engine={"mode": "zenflow"}), h100, num_examples=1000)
+    four = plan_spec(_spec(d, 4, hyperparameters=hp, engine={"mode": "zenflow"}), h100, num_examples=1000)
     assert not one.fits and one.problems[0].loc == ("resources", "gpus")  # 96 GB of state alone
     assert "set resources.gpus 4 (planned: fits" in one.problems[0].message
     assert four.fits and four.problems == []
@@ -43,5 +43,5 @@ def test_cpu_ranks_share_the_host() -> None:
     assert half.cpu_adam_gbps == cpu.cpu_adam_gbps / 2 and half.gpu_flops == cpu.gpu_flops / 2
     gpu = Machine.for_gpu("h100", host_memory_bytes=64 * GiB)
     assert rank_machine(gpu, 4) == gpu and rank_machine(cpu, 1) == cpu
-    plan = plan_job(_spec("tiny-llama", 2, hyperparameters={"batch_size": 4}), cpu, num_examples=64)
+    plan = plan_spec(_spec("tiny-llama", 2, hyperparameters={"batch_size": 4}), cpu, num_examples=64)
     assert plan.fits and plan.host_capacity_bytes == 6 * GiB and plan.host_reserve_bytes == 2 * GiB

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from contract.engine import EngineRequest
 from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
 from trainer.plan.gpus import KNOWN_GPUS, GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
 from trainer.plan.sharding import blocks, row_shard, traffic_bytes
-from trainer.spec import EngineSettings
+from trainer.resolve import plan_query, plan_spec
 
 #: The issue's must-show: Llama-3-70B's shape as a config.json beside this spec (no weights).
 EXAMPLE_70B = Path(__file__).resolve().parents[2] / "docs" / "examples" / "llama-3-70b-full.yaml"
@@ -28,8 +29,8 @@ def test_a_rank_holds_row_shards_and_two_gathered_blocks(tmp_path: Path) -> None
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     h200 = Machine.for_gpu("h200")
     engine = {"mode": "zenflow", "shard_params": False}
-    whole = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=engine), h200)
-    cut = plan_job(
+    whole = plan_spec(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=engine), h200)
+    cut = plan_spec(
         _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**engine, "shard_params": True}), h200
     )
     shape = model_shape(str(d))
@@ -58,38 +59,34 @@ def test_a_rank_holds_row_shards_and_two_gathered_blocks(tmp_path: Path) -> None
     assert cut.device_bytes < whole.device_bytes
 
 
-def test_sharded_landing_buffers_are_the_jobs_choice(tmp_path: Path) -> None:
+def test_sharded_landing_buffers_are_the_plans_choice(tmp_path: Path) -> None:
     """Replicated ranks need zenflow's landing buffers (views of the gathered replica); a sharded rank's are
-    a copy of its own rows the job may leave out, so the plan counts them only when it keeps them, and
-    offers leaving them out."""
+    a copy of its own rows the plan may leave out, so it counts them only when it keeps them."""
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     h200 = Machine.for_gpu("h200")
     engine = {"mode": "zenflow", "shard_params": True}
-    kept = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=engine), h200)
-    left = plan_job(
-        _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**engine, "landing_buffers": False}), h200
-    )
+    query = plan_query(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=engine))
+    kept, left = plan_job(query, h200), plan_job(query._replace(landing_buffers=False), h200)
     # the rank's rows of the split (2-D) weights, bf16: all but the norms
-    assert kept.device["landing_buffers"] == pytest.approx(kept.device["weights"], rel=1e-3)
+    assert kept.settings.landing_buffers and kept.device["landing_buffers"] == pytest.approx(
+        kept.device["weights"], rel=1e-3
+    )
     assert "landing_buffers" not in left.device or left.device["landing_buffers"] == 0
     assert left.device_bytes == kept.device_bytes - kept.device["landing_buffers"]
-    replicated = plan_job(
-        _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**engine, "shard_params": False,
-              "landing_buffers": False}), h200,
-    )  # fmt: skip
-    # kept whatever the job says: the gathered replica of the split weights
+    replicated = plan_job(query._replace(shard_params=False, landing_buffers=False), h200)
+    # kept whatever is asked: the gathered replica of the split weights
     assert replicated.device["landing_buffers"] == pytest.approx(replicated.device["weights"], rel=1e-3)
 
 
 def test_shard_params_auto_keeps_replicas_that_fit(tmp_path: Path) -> None:
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     h200 = Machine.for_gpu("h200")
-    plan = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 2}), h200)
+    plan = plan_spec(_spec(d, hyperparameters=HP, resources={"gpus": 2}), h200)
     assert plan.fits and not plan.settings.shard_params and not plan.fits_only_sharded
     assert any(
         r.startswith("engine.shard_params auto -> false: replicated weights fit") for r in plan.reasons
     )
-    one = plan_job(_spec(d, hyperparameters=HP), h200)  # one rank: nothing to shard across
+    one = plan_spec(_spec(d, hyperparameters=HP), h200)  # one rank: nothing to shard across
     assert not one.settings.shard_params and not any("shard_params" in r for r in one.reasons)
 
 
@@ -97,13 +94,13 @@ def test_shard_params_auto_shards_what_does_not_fit_replicated(tmp_path: Path) -
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     h100 = Machine.for_gpu("h100")
     device = {"mode": "device"}  # 16 B of device optimizer state per parameter: 120 GiB of an 8B
-    auto = plan_job(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=device), h100)
+    auto = plan_spec(_spec(d, hyperparameters=HP, resources={"gpus": 4}, engine=device), h100)
     assert auto.fits and auto.settings.shard_params and auto.fits_only_sharded
     assert any(
         r.startswith("engine.shard_params auto -> true: replicated weights do not fit") for r in auto.reasons
     )
     # told not to shard: the fixes are planned, sharding among them (after LoRA, in the order of what it costs)
-    off = plan_job(
+    off = plan_spec(
         _spec(d, hyperparameters=HP, resources={"gpus": 4}, engine={**device, "shard_params": False}), h100
     )
     assert not off.fits and not off.settings.shard_params
@@ -114,12 +111,11 @@ def test_shard_params_auto_shards_what_does_not_fit_replicated(tmp_path: Path) -
 
 
 def test_shard_params_is_a_job_setting() -> None:
-    assert EngineSettings().shard_params == "auto"
-    assert EngineSettings(shard_params=True).shard_params is True
+    assert EngineRequest().shard_params == "auto"
+    assert EngineRequest(shard_params=True).shard_params is True
     with pytest.raises(ValidationError) as e:
-        EngineSettings(shard_params="maybe")  # type: ignore[arg-type]
+        EngineRequest(shard_params="maybe")  # type: ignore[arg-type]
     assert "shard_params" in str(e.value)
-    assert EngineSettings(shard_params=False).engine_config(1e-4, mode="device").mode == "device"
 
 
 def _cli(*argv: str) -> tuple[int, str]:

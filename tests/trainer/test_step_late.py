@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainer.data.batching as batching
+import trainer.method.supervised as supervised
 import trainer.run.loop as loop
 import trainer.run.step as step_mod
 from tests.trainer.test_engine_trainer import _spec as engine_trainer_spec
@@ -45,7 +46,7 @@ def test_the_loss_reported_for_step_n_is_the_loss_computed_at_step_n(
                 computed.append(float(loss))
             super().__init__(loss)
 
-    monkeypatch.setattr(step_mod, "loss_sum", loss_sum)
+    monkeypatch.setattr(supervised, "loss_sum", loss_sum)
     monkeypatch.setattr(step_mod, "LateLoss", Late)
     events: list[Event] = []
     res = loop.run_training(_spec(tmp_path, micro), on_event=events.append, progress=False)

@@ -30,8 +30,9 @@ from __future__ import annotations
 import json
 import reprlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from contract.hyperparameters import SystemMessage
 from trainer.data.chat_spans import loss_spans
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SYSTEM_ROLES = ("system", "developer")
-SystemMessage = Literal["keep", "fold"]
 #: (field, detail): one problem of a record, the caller adds the line.
 Problem = tuple[str | None, str]
 

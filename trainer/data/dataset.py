@@ -38,20 +38,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainer.data.chat_format import ChatRenderer, RecordRefused, SystemMessage, check_chat_record
+from contract.hyperparameters import SystemMessage, Truncation
+from contract.method import MethodName
+from trainer.data.chat_format import ChatRenderer, RecordRefused, check_chat_record
 from trainer.data.example import IGNORE_INDEX as IGNORE_INDEX  # re-exported: its old home
 from trainer.data.example import Example as Example
 from trainer.data.example import PreferencePair
 from trainer.data.jsonl import DataError, parse_line, read_lines
 from trainer.data.jsonl import data_error as _err
 from trainer.data.preference import chat_records, check_preference_record, is_preference
-from trainer.method import Method
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 Format = Literal["chat", "prompt_completion", "preference"]
-Truncation = Literal["truncate", "drop", "error"]
 #: Line numbers a report lists per kind (truncated, dropped); the counts are complete.
 MAX_LISTED_LINES = 100
 
@@ -64,12 +64,11 @@ class DataOptions:
     system_message: SystemMessage = "keep"
     #: The job's method: ``dpo`` takes preference pairs only, ``supervised`` chat or prompt/completion
     #: records only; None (an upload's check) takes any one format.
-    method: Method | None = None
+    method: MethodName | None = None
 
     @classmethod
-    def of(cls, hyperparameters: Any) -> DataOptions:
-        """The options a job's (requested or resolved) hyperparameters give."""
-        method: Method = "dpo" if getattr(hyperparameters, "dpo", None) is not None else "supervised"
+    def of(cls, hyperparameters: Any, method: MethodName) -> DataOptions:
+        """The options a job's (requested or resolved) hyperparameters give, for its ``method``."""
         return cls(hyperparameters.truncation, hyperparameters.system_message, method)
 
 
@@ -199,7 +198,7 @@ FORMAT_NAMES = {
 _WHOLE = {"chat": "messages", "prompt_completion": "prompt+completion", "preference": "input"}
 
 
-def _method_problem(rf: Format, method: Method | None) -> DataError | None:
+def _method_problem(rf: Format, method: MethodName | None) -> DataError | None:
     """A record of the wrong kind for the job's method (None: fine)."""
     if method == "dpo" and rf != "preference":
         return _err(None, "input", f"a DPO job trains on preference pairs, not {FORMAT_NAMES[rf]} records")

@@ -5,7 +5,7 @@ tokenizer; nothing is downloaded, for the demo and tests) or a local directory h
 causal-LM checkpoint (``config.json`` + weights + tokenizer files), loaded with
 ``local_files_only=True``. Anything else raises :class:`UnknownModelError`.
 
-:func:`resolve_model`, :func:`default_learning_rate` and :func:`model_max_length` do not import torch
+:func:`find_model`, :func:`default_learning_rate` and :func:`model_max_length` do not import torch
 (the API checks a model name at job creation); :func:`load_tokenizer` and :func:`load_model` do.
 """
 
@@ -33,7 +33,7 @@ class BuiltinModel:
     learning_rate: float = 1e-3
     lora_learning_rate: float = 3e-3
     #: Engine settings a job on this model gets for the fields it leaves unset (see
-    #: :func:`default_engine_settings`); empty = offload.config.EngineConfig's own defaults.
+    #: :func:`model_engine_defaults`); empty = the contract's own defaults.
     engine_defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,7 +101,7 @@ class UnknownModelError(ValueError):
         )
 
 
-def resolve_model(name: str) -> BuiltinModel | Path:
+def find_model(name: str) -> BuiltinModel | Path:
     """The built-in entry or the local directory for ``name``; raises UnknownModelError."""
     if name in BUILTIN_MODELS:
         return BUILTIN_MODELS[name]
@@ -119,50 +119,24 @@ def check_model(name: str) -> ModelFolder | None:
     raising ModelFolderError with the cause); None for a built-in model."""
     from trainer.model.folder_check import check_model_folder
 
-    m = resolve_model(name)
+    m = find_model(name)
     return None if isinstance(m, BuiltinModel) else check_model_folder(m)
 
 
 def default_learning_rate(name: str, *, lora: bool) -> float:
     """Base learning rate used when the job says ``learning_rate: auto``."""
-    m = resolve_model(name)
+    m = find_model(name)
     if isinstance(m, BuiltinModel):
         return m.lora_learning_rate if lora else m.learning_rate
     return PRETRAINED_LORA_LEARNING_RATE if lora else PRETRAINED_LEARNING_RATE
 
 
-def default_engine_settings(name: str, given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` (the engine fields a job sets) over the model's own engine defaults.
-
-    The model's defaults only fill gaps: a field the job sets always wins, and when the job's own
-    fields do not fit with a default (``update_interval: 4`` against a default ``select_interval: 1``,
-    say) the conflicting defaults are left out, so a job is never refused for a value it did not give.
-    Local checkpoints have no defaults of their own (offload.config.EngineConfig's apply).
-    """
-    from pydantic import ValidationError
-
-    from offload.config import EngineConfig
-
-    m = resolve_model(name)
-    defaults = m.engine_defaults if isinstance(m, BuiltinModel) else {}
-    merged = dict(given)
-    for key, value in defaults.items():
-        if key in given:
-            continue
-        trial = {**merged, key: value}
-        # "auto" (engine mode, accumulate_on, shard_params: the job's plan resolves it) is checked as the
-        # engine's default
-        explicit = {
-            k: v
-            for k, v in trial.items()
-            if v != "auto" or k not in ("mode", "accumulate_on", "shard_params")
-        }
-        try:
-            EngineConfig.model_validate(explicit)
-        except ValidationError:
-            continue  # conflicts with what the job gave (or the job's own fields are invalid)
-        merged = trial
-    return merged
+def model_engine_defaults(name: str) -> dict[str, Any]:
+    """The model's own defaults of the public engine settings (contract.engine.EngineKnobs fields), for
+    those a job leaves unset: a built-in random-init config's measured zenflow settings; none for a local
+    checkpoint (trainer.resolve applies them: a field the job gives always wins)."""
+    m = find_model(name)
+    return dict(m.engine_defaults) if isinstance(m, BuiltinModel) else {}
 
 
 def pretrained_placement(device: torch.device) -> dict[str, Any]:
@@ -176,7 +150,7 @@ def model_max_length(name: str) -> int:
     name for it (trainer.model.folder_check.position_limit), else 2048."""
     from trainer.model.folder_check import folder_position_limit
 
-    m = resolve_model(name)
+    m = find_model(name)
     if isinstance(m, BuiltinModel):
         return int(m.config["max_position_embeddings"])
     return folder_position_limit(m) or 2048
@@ -186,7 +160,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The model directory's tokenizer (with pad token and chat template ensured), or the byte one."""
     from trainer.data.tokenizer import build_byte_tokenizer, ensure_chat_ready
 
-    m = resolve_model(name)
+    m = find_model(name)
     if isinstance(m, BuiltinModel):
         return build_byte_tokenizer(model_max_length=int(m.config["max_position_embeddings"]))
     from trainer.model.folder_check import load_folder_tokenizer
@@ -234,7 +208,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     target = torch.device("cpu" if device is None else device)
-    m = resolve_model(name)
+    m = find_model(name)
     model: PreTrainedModel
     if isinstance(m, BuiltinModel):
         with torch.random.fork_rng(devices=[]):

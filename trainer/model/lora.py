@@ -99,9 +99,9 @@ def _module_table(model: str, config_stamp: float) -> tuple[tuple[str, str, bool
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.model.catalog import BuiltinModel, builtin_config, resolve_model
+    from trainer.model.catalog import BuiltinModel, builtin_config, find_model
 
-    m = resolve_model(model)
+    m = find_model(model)
     config = (
         builtin_config(model)
         if isinstance(m, BuiltinModel)
@@ -120,9 +120,9 @@ def lora_target_problems(model: str, targets: list[str]) -> list[str]:
     Matching is peft's for a list: a module whose name equals the entry or ends with ``"." + entry``.
     Raises ValueError when the model cannot be built from its config at all.
     """
-    from trainer.model.catalog import BuiltinModel, resolve_model
+    from trainer.model.catalog import BuiltinModel, find_model
 
-    m = resolve_model(model)
+    m = find_model(model)
     stamp = 0.0 if isinstance(m, BuiltinModel) else (m / "config.json").stat().st_mtime
     try:
         table = _module_table(model, stamp)

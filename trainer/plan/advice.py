@@ -1,18 +1,19 @@
-"""What the plan tells the user beside its numbers: why it chose each ``auto`` setting, a faster
-accumulator when one fits, the problems of a job that does not fit (what does not fit, with the
+"""What the plan tells the user beside its numbers: why it chose each setting it was left to choose, a
+faster accumulator when one fits, the problems of a job that does not fit (what does not fit, with the
 numbers), the fixes (:func:`planned_fixes`: each single change is planned before it is offered, and
 only those that fit are, in the order of what the user loses least -- more GPUs (their weights sharded
 when replicas do not fit), LoRA, sharded weights, checkpointing and the other memory settings (a
-micro-batch of 1, the accumulator, landing buffers, another engine mode), shorter sequences; or the plan
-says that no single setting fits this box and why), whether the weights are sharded and why
-(:func:`shard_reasons`), and the locked-memory note."""
+micro-batch of 1, the accumulator, another engine mode), shorter sequences; or the plan says that no
+single setting fits this box and why), whether the weights are sharded and why (:func:`shard_reasons`),
+and the locked-memory note."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import NamedTuple
 
-from trainer.method import LoraSpec
+from contract.engine import ENGINE_MODES, Accumulator
+from contract.lora import LoraSpec
 from trainer.plan.candidates import (
     Candidate,
     JobShape,
@@ -24,39 +25,40 @@ from trainer.plan.candidates import (
     options,
 )
 from trainer.plan.gpus import Machine, format_bytes
-from trainer.plan.records import MODES, Accumulator, Plan, Problem
-from trainer.spec import JobSpec
+from trainer.plan.query import PlanQuery
+from trainer.plan.records import Plan, Problem
 
 
-def setting_reasons(spec: JobSpec, c: Candidate) -> list[str]:
+def setting_reasons(q: PlanQuery, c: Candidate) -> list[str]:
+    """Why the settings the plan chose (the micro-batch and checkpointing, the accumulator, the window)."""
     s, out = c.settings, []
-    if (
-        spec.hyperparameters.micro_batch_size == "auto"
-        or spec.hyperparameters.gradient_checkpointing == "auto"
-    ):
+    if q.micro_batch_size is None or q.gradient_checkpointing is None:
         how = "the fastest that fits" if c.fits_device else "the least device memory"
         out.append(
             f"micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
             f"{'on' if s.gradient_checkpointing else 'off'}: {how} "
             f"(activations {format_bytes(c.activations.peak_bytes)} at the peak)"
         )
-    if s.mode == "zenflow" and spec.engine.accumulate_on == "auto":
+    if s.mode == "zenflow" and q.accumulate_on is None:
         out.append(f"engine.accumulate_on auto -> {s.accumulate_on}")
-    if s.mode == "zenflow" and s.update_interval == "auto" and c.time.update_interval:
+    if s.mode == "zenflow" and not s.landing_buffers and q.landing_buffers is None:
+        out.append("zenflow's landing buffers dropped: the job fits only without them")
+    if s.mode == "zenflow" and s.update_interval == "adaptive" and c.time.update_interval:
         out.append(
-            f"engine.update_interval auto: the engine sizes its windows; the step time assumes "
+            f"engine.update_interval adaptive: the engine sizes its windows; the step time assumes "
             f"{c.time.update_interval} steps (the shortest that hides the CPU work)"
         )
     return out
 
 
-def shard_reasons(spec: JobSpec, job: JobShape, replicated: Candidate, chosen: Candidate) -> list[str]:
+def shard_reasons(q: PlanQuery, job: JobShape, replicated: Candidate, chosen: Candidate) -> list[str]:
     """Why the weights are (not) sharded: ``replicated`` is the best candidate with whole replicas."""
     if job.ranks == 1 and not job.shard:
         return []
-    setting = spec.engine.shard_params
-    head = f"engine.shard_params {str(setting).lower()}" + (
-        f" -> {str(job.shard).lower()}" if setting == "auto" else ""
+    head = (
+        f"engine.shard_params auto -> {str(job.shard).lower()}"
+        if q.shard_params is None
+        else f"engine.shard_params {str(q.shard_params).lower()}"
     )
     cap = format_bytes(device_capacity(job.machine))
     if not job.shard:
@@ -78,8 +80,8 @@ def shard_reasons(spec: JobSpec, job: JobShape, replicated: Candidate, chosen: C
 
 def accumulator_hint(job: JobShape, c: Candidate) -> list[str]:
     """A faster ``accumulate_on`` than the job's own, when zenflow with it fits (the job's value is
-    kept); ``c`` is the chosen candidate (zenflow, or the mode ``auto`` fell back to)."""
-    other: Accumulator = "device" if job.spec.engine.accumulate_on == "host" else "host"
+    kept); ``c`` is the chosen candidate (zenflow, or the mode the plan fell back to)."""
+    other: Accumulator = "device" if job.query.accumulate_on == "host" else "host"
     alt = best([candidate(job, "zenflow", mb, ckpt, other) for mb, ckpt, _ in options(job, "zenflow")])
     if not alt.fits or alt.time.step_seconds > 0.9 * c.time.step_seconds:
         return []
@@ -90,56 +92,58 @@ def accumulator_hint(job: JobShape, c: Candidate) -> list[str]:
     ]
 
 
+def _parts(components: dict[str, int]) -> str:
+    return ", ".join(
+        f"{k} {format_bytes(v)}" for k, v in sorted(components.items(), key=lambda kv: -kv[1]) if v
+    )
+
+
+def _device_loc(q: PlanQuery, c: Candidate, m: Machine, offload_fits: bool) -> tuple[str, ...]:
+    """The job's own setting that most likely keeps it off the device."""
+    if q.micro_batch_size is not None and c.settings.micro_batch_size > 1:
+        return ("hyperparameters", "micro_batch_size")
+    if q.gradient_checkpointing is False:
+        return ("hyperparameters", "gradient_checkpointing")
+    if q.mode is not None and m.device_type == "cuda" and (q.mode == "device" or offload_fits):
+        return ("engine", "mode")
+    if q.lora is None:
+        return ("hyperparameters", "lora")
+    return ("model",)
+
+
+def _host_loc(q: PlanQuery, c: Candidate) -> tuple[str, ...]:
+    """The job's own setting that most likely overfills the host."""
+    if c.settings.mode == "zenflow" and q.accumulate_on == "host":
+        return ("engine", "accumulate_on")
+    if q.mode in ("offload", "zenflow"):
+        return ("engine", "mode")
+    return ("hyperparameters", "lora")
+
+
 def problems(job: JobShape, c: Candidate, *, offload_fits: bool) -> list[Problem]:
     """What does not fit, with the numbers; the field is the job's own setting that most likely
     causes it (:func:`with_fixes` replaces it by the first planned fix that fits)."""
-    spec, m = job.spec, job.machine
+    q, m = job.query, job.machine
     out: list[Problem] = []
-    loc: tuple[str, ...]
     if not c.fits_device:
-        need, have = format_bytes(c.device_total), format_bytes(device_capacity(m))
         where = "device" if m.device_type == "cuda" else "host"
-        parts = ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in sorted(c.device.items(), key=lambda kv: -kv[1]) if v
-        )
-        if isinstance(spec.hyperparameters.micro_batch_size, int) and c.settings.micro_batch_size > 1:
-            loc = ("hyperparameters", "micro_batch_size")
-        elif spec.hyperparameters.gradient_checkpointing is False:
-            loc = ("hyperparameters", "gradient_checkpointing")
-        elif (
-            spec.engine.mode != "auto"
-            and m.device_type == "cuda"
-            and (spec.engine.mode == "device" or offload_fits)
-        ):
-            loc = ("engine", "mode")
-        elif spec.lora is None:
-            loc = ("hyperparameters", "lora")
-        else:
-            loc = ("model",)
         reserve = (
             f" (after a {format_bytes(m.gpu_memory_bytes - device_capacity(m))} reserve)"
             if m.device_type == "cuda"
             else ""
         )
+        need, have = format_bytes(c.device_total), format_bytes(device_capacity(m))
         out.append(
             Problem(
-                loc, f"needs {need} of {where} memory ({parts}), the {m.gpu_name} has {have} usable{reserve}"
+                _device_loc(q, c, m, offload_fits),
+                f"needs {need} of {where} memory ({_parts(c.device)}), the {m.gpu_name} has {have} usable{reserve}",
             )
         )
     if not c.fits_host and m.device_type == "cuda":
-        parts = ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in sorted(c.host.items(), key=lambda kv: -kv[1]) if v
-        )
-        if c.settings.mode == "zenflow" and spec.engine.accumulate_on == "host":
-            loc = ("engine", "accumulate_on")
-        elif spec.engine.mode in ("offload", "zenflow"):
-            loc = ("engine", "mode")
-        else:
-            loc = ("hyperparameters", "lora")
         out.append(
             Problem(
-                loc,
-                f"needs {format_bytes(c.host_total)} of host memory ({parts}), the machine has "
+                _host_loc(q, c),
+                f"needs {format_bytes(c.host_total)} of host memory ({_parts(c.host)}), the machine has "
                 f"{format_bytes(m.host_memory_bytes)}, {format_bytes(host_capacity(m))} usable after a "
                 f"{format_bytes(host_reserve(m))} reserve for the OS, driver and page cache",
             )
@@ -157,11 +161,11 @@ def locked_memory_note(c: Candidate, m: Machine) -> str:
 
 
 class Fix(NamedTuple):
-    """One change to a job that does not fit: the field, the change in words, the changed spec."""
+    """One change to a job that does not fit: the field, the change in words, the changed query."""
 
     loc: tuple[str, ...]
     change: str
-    spec: JobSpec
+    query: PlanQuery
 
 
 #: LoRA rank a fix proposes (peft's usual; the adapters' size hardly matters to the plan).
@@ -171,134 +175,91 @@ FIX_MAX_GPUS = 8
 FIX_MIN_SEQ = 256
 
 
-def _hp(spec: JobSpec, **update: object) -> JobSpec:
-    return spec.model_copy(update={"hyperparameters": spec.hyperparameters.model_copy(update=update)})
+def _more_gpus(q: PlanQuery) -> list[Fix]:
+    gpus = [g for g in (2, 4, 8) if q.resources.gpus < g <= FIX_MAX_GPUS]
+    return [
+        Fix(
+            ("resources", "gpus"),
+            f"set resources.gpus {g}",
+            q._replace(resources=q.resources.model_copy(update={"gpus": g})),
+        )
+        for g in gpus
+    ]
 
 
-def _engine(spec: JobSpec, **update: object) -> JobSpec:
-    return spec.model_copy(update={"engine": spec.engine.model_copy(update=update)})
-
-
-def fix_groups(spec: JobSpec, seq: int) -> list[list[Fix]]:
-    """Single changes that may make ``spec`` fit, in the order they are offered (what the user loses
-    least first: more GPUs, LoRA, sharded weights, checkpointing and the other memory settings, shorter
-    sequences); within a group the first that fits is enough (more GPUs, shorter sequences: the least
-    change)."""
-    hp, eng = spec.hyperparameters, spec.engine
+def _memory_settings(q: PlanQuery) -> list[list[Fix]]:
+    """One group each: sharded weights, checkpointing, a micro-batch of 1, the device accumulator."""
     groups: list[list[Fix]] = []
-    n = spec.resources.gpus
-    gpus = [g for g in (2, 4, 8) if n < g <= FIX_MAX_GPUS]
-    if gpus:
+    if q.shard_params is False and q.resources.world_size > 1:
         groups.append(
-            [
-                Fix(
-                    ("resources", "gpus"),
-                    f"set resources.gpus {g}",
-                    spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpus": g})}),
-                )
-                for g in gpus
-            ]
+            [Fix(("engine", "shard_params"), "set engine.shard_params auto", q._replace(shard_params=None))]
         )
-    if spec.lora is None:
+    if q.gradient_checkpointing is False:
+        fix = q._replace(gradient_checkpointing=True)
         groups.append(
-            [
-                Fix(
-                    ("hyperparameters", "lora"),
-                    f"use LoRA (hyperparameters.lora: {{r: {FIX_LORA_RANK}}})",
-                    _hp(spec, lora=LoraSpec(r=FIX_LORA_RANK)),
-                )
-            ]
+            [Fix(("hyperparameters", "gradient_checkpointing"), "set gradient_checkpointing true", fix)]
         )
-    if eng.shard_params is False and n > 1:
-        groups.append(
-            [
-                Fix(
-                    ("engine", "shard_params"),
-                    "set engine.shard_params auto",
-                    _engine(spec, shard_params="auto"),
-                )
-            ]
-        )
-    if hp.gradient_checkpointing is False:
-        groups.append(
-            [
-                Fix(
-                    ("hyperparameters", "gradient_checkpointing"),
-                    "set gradient_checkpointing true",
-                    _hp(spec, gradient_checkpointing=True),
-                )
-            ]
-        )
-    if isinstance(hp.micro_batch_size, int) and hp.micro_batch_size > 1:
-        groups.append(
-            [
-                Fix(
-                    ("hyperparameters", "micro_batch_size"),
-                    "set micro_batch_size 1",
-                    _hp(spec, micro_batch_size=1),
-                )
-            ]
-        )
-    if eng.accumulate_on == "host":
-        groups.append(
-            [
-                Fix(
-                    ("engine", "accumulate_on"),
-                    "set engine.accumulate_on device",
-                    _engine(spec, accumulate_on="device"),
-                )
-            ]
-        )
-    optional = spec.resources.world_size == 1 or eng.shard_params is not False  # replicas need the replica
-    if eng.landing_buffers and eng.mode in ("zenflow", "auto") and optional:
-        # zenflow's device copy of the split weights (offload.config.EngineConfig.landing_buffers); with
-        # sharded weights a copy of the rank's rows, planned (the fix is kept only if it makes the job fit)
-        groups.append(
-            [
-                Fix(
-                    ("engine", "landing_buffers"),
-                    "set engine.landing_buffers false",
-                    _engine(spec, landing_buffers=False),
-                )
-            ]
-        )
-    if eng.mode != "auto":
-        groups += [
-            [Fix(("engine", "mode"), f"set engine.mode {m}", _engine(spec, mode=m))]
-            for m in MODES
-            if m != eng.mode
-        ]
+    if q.micro_batch_size is not None and q.micro_batch_size > 1:
+        fix = q._replace(micro_batch_size=1)
+        groups.append([Fix(("hyperparameters", "micro_batch_size"), "set micro_batch_size 1", fix)])
+    if q.accumulate_on == "host":
+        fix = q._replace(accumulate_on="device")
+        groups.append([Fix(("engine", "accumulate_on"), "set engine.accumulate_on device", fix)])
+    return groups
+
+
+def _shorter_sequences(q: PlanQuery, seq: int) -> list[Fix]:
     seqs = []
     s = seq // 2
     while s >= FIX_MIN_SEQ:
         seqs.append(s)
         s //= 2
-    if seqs:
+    return [
+        Fix(("hyperparameters", "max_seq_length"), f"set max_seq_length {s}", q._replace(max_seq_length=s))
+        for s in seqs
+    ]
+
+
+def fix_groups(q: PlanQuery, seq: int) -> list[list[Fix]]:
+    """Single changes that may make ``q`` fit, in the order they are offered (what the user loses least
+    first: more GPUs, LoRA, sharded weights, checkpointing and the other memory settings, another mode,
+    shorter sequences); within a group the first that fits is enough (more GPUs, shorter sequences:
+    the least change)."""
+    groups = [_more_gpus(q)]
+    if q.lora is None:
+        lora = q._replace(lora=LoraSpec(r=FIX_LORA_RANK))
         groups.append(
             [
                 Fix(
-                    ("hyperparameters", "max_seq_length"),
-                    f"set max_seq_length {s}",
-                    _hp(spec, max_seq_length=s),
+                    ("hyperparameters", "lora"),
+                    f"use LoRA (hyperparameters.lora: {{r: {FIX_LORA_RANK}}})",
+                    lora,
                 )
-                for s in seqs
             ]
         )
-    return groups
+    groups += _memory_settings(q)
+    if q.mode is not None:
+        groups += [
+            [Fix(("engine", "mode"), f"set engine.mode {m}", q._replace(mode=m))]
+            for m in ENGINE_MODES
+            if m != q.mode
+        ]
+    groups.append(_shorter_sequences(q, seq))
+    return [g for g in groups if g]
 
 
 def planned_fixes(
-    spec: JobSpec, seq: int, replan: Callable[[JobSpec], Plan]
+    q: PlanQuery, seq: int, replan: Callable[[PlanQuery], Plan]
 ) -> tuple[list[tuple[Fix, Plan]], list[str]]:
     """Each fix of :func:`fix_groups` planned with ``replan``: those that fit (with their plans) and,
     for the groups where none did, why not (one line each)."""
     fitting: list[tuple[Fix, Plan]] = []
     failed: list[str] = []
-    for group in fix_groups(spec, seq):
+    for group in fix_groups(q, seq):
         last: tuple[Fix, Plan] | None = None
         for fix in group:
             try:
-                plan = replan(fix.spec)
+                plan = replan(fix.query)
             except ValueError:
                 continue
             last = (fix, plan)

@@ -11,13 +11,15 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
-from trainer.plan.engine import EngineBytes, engine_bytes
+from contract.engine import Accumulator, EngineMode
+from offload.config import EngineConfig
+from trainer.plan.engine import EngineBytes, engine_bytes, engine_config
 from trainer.plan.gpus import GiB, Machine
-from trainer.plan.records import Accumulator, Mode, Settings
+from trainer.plan.query import PlanQuery
+from trainer.plan.records import PlanChoices
 from trainer.plan.shapes import Activations, ModelShape, activation_bytes
 from trainer.plan.sharding import gather_bytes, reduce_scatter_bytes, row_shards, shard_numel, traffic_bytes
 from trainer.plan.speed import StepTime, step_times
-from trainer.spec import JobSpec
 
 #: Fraction of device memory the plan leaves free (the device reserve): the caching allocator's
 #: fragmentation, cuBLAS/NCCL workspaces and kernels' temporaries the components do not list.
@@ -41,10 +43,13 @@ DATA_BYTES_PER_TOKEN = 72
 #: Examples assumed when the count is unknown (``batch_size: auto`` resolves to its largest, 32).
 DEFAULT_NUM_EXAMPLES = 3200
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+#: The CPU optimizer's share of the cores the plan assumes: the engine's own default (a worker's tuning
+#: may differ, ZENFLOW_ENGINE_TUNING).
+CPU_OPTIMIZER_SHARE: float = EngineConfig.model_fields["cpu_optimizer_cores_ratio"].default
 
 
 class Candidate(NamedTuple):
-    settings: Settings
+    settings: PlanChoices
     device: dict[str, int]
     host: dict[str, int]
     activations: Activations
@@ -64,7 +69,7 @@ class Candidate(NamedTuple):
 
 
 class JobShape(NamedTuple):
-    spec: JobSpec
+    query: PlanQuery
     machine: Machine
     shape: ModelShape
     dtype_bytes: int
@@ -82,14 +87,19 @@ class JobShape(NamedTuple):
 SHARDED_HOST = ("engine_state", "engine_accumulators")
 
 
-def engine_bytes_on_rank(job: JobShape, mode: Mode, acc: Accumulator) -> EngineBytes:
-    """The engine's bytes on one rank with the job's settings in ``mode`` with accumulator ``acc`` (the
-    job's own values or another candidate's): with N ranks, its shard of the CPU optimizer state; with
-    sharded weights, the engine of its row shards (its device state too)."""
-    update: dict[str, object] = {"mode": mode, "accumulate_on": acc}
-    if job.ranks > 1 and not job.shard:  # replicated: the landing buffers view the gathered replica
-        update["landing_buffers"] = True
-    config = job.spec.engine.engine_config(1.0).model_copy(update=update)
+def landing_optional(job: JobShape) -> bool:
+    """Whether zenflow's landing buffers are the job's to drop: in one process, or a sharded rank's copy
+    of its own rows; replicated ranks keep the gathered replica whatever is asked."""
+    return job.ranks == 1 or job.shard
+
+
+def engine_bytes_on_rank(
+    job: JobShape, mode: EngineMode, acc: Accumulator, landing: bool = True
+) -> EngineBytes:
+    """The engine's bytes on one rank with the job's knobs in ``mode`` with accumulator ``acc`` and
+    ``landing`` buffers (the job's own values or another candidate's): with N ranks, its shard of the CPU
+    optimizer state; with sharded weights, the engine of its row shards (its device state too)."""
+    config = engine_config(job.query.knobs, mode, acc, landing=landing or not landing_optional(job))
     cuda = job.machine.device_type == "cuda"
     if job.shard:
         return engine_bytes(config, row_shards(job.shape.trainable, job.ranks), job.dtype_bytes, cuda=cuda)
@@ -115,15 +125,17 @@ def rank_machine(machine: Machine, ranks: int) -> Machine:
     )
 
 
-def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) -> Candidate:
-    spec, m, shape, e = job.spec, job.machine, job.shape, job.dtype_bytes
+def candidate(
+    job: JobShape, mode: EngineMode, mb: int, ckpt: bool, acc: Accumulator, landing: bool = True
+) -> Candidate:
+    q, m, shape, e = job.query, job.machine, job.shape, job.dtype_bytes
     cuda = m.device_type == "cuda"
-    eng = engine_bytes_on_rank(job, mode, acc)
-    # DPO (trainer.run.dpo): a pair is two rows in one forward and backward; with LoRA the reference is
+    eng = engine_bytes_on_rank(job, mode, acc, landing)
+    # DPO (trainer.method.dpo): a pair is two rows in one forward and backward; with LoRA the reference is
     # one more forward of them without grad (a third more work), without it a table of 8 B a pair
-    dpo = spec.hyperparameters.dpo is not None
+    dpo = q.method == "dpo"
     rows = 2 if dpo else 1
-    work = rows * (4 / 3 if dpo and spec.lora is not None else 1.0)
+    work = rows * (4 / 3 if dpo and q.lora is not None else 1.0)
     act = activation_bytes(shape, mb * rows, job.seq, e, checkpointing=ckpt)
     n = job.ranks if job.shard else 1
     params, trainable = shape.params, shape.trainable_params
@@ -141,18 +153,7 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         device["step_fp32_gradients"] = max(0, 4 * trainable - act.peak_bytes)
     if cuda:
         device["runtime"] = CUDA_RUNTIME_BYTES
-    tokens = job.num_tokens if job.num_tokens is not None else job.num_examples * job.seq // 2
-    host = {
-        **eng.host,
-        "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
-        # zenflow's device optimizer state (selected columns, small weights) is copied out whole
-        "checkpoint": checkpoint_bytes(
-            shape, e, copied=eng.device.get("optimizer_state", 0) if mode == "zenflow" else 0
-        ),
-        "data": tokens * DATA_BYTES_PER_TOKEN,
-        "process": HOST_PROCESS_BYTES,
-        **({"dpo_reference": 8 * job.num_examples} if dpo and spec.lora is None else {}),
-    }
+    host = _host_bytes(job, eng, mode, dpo)
     dev_total, host_total = sum(device.values()), sum(host.values())
     if cuda:
         fits_device = dev_total <= device_capacity(m)
@@ -161,7 +162,7 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         fits_device = fits_host = dev_total + host_total <= host_capacity(m)
     pinned = eng.host_total if cuda else 0
     fits_locked = m.locked_memory_bytes is None or pinned <= m.locked_memory_bytes
-    interval = spec.engine.update_interval
+    interval = q.knobs.update_interval
     split = eng.host_params if mode == "zenflow" else engine_bytes_on_rank(job, "zenflow", acc).host_params
     times = step_times(
         shape,
@@ -174,27 +175,46 @@ def candidate(job: JobShape, mode: Mode, mb: int, ckpt: bool, acc: Accumulator) 
         host_params={"offload": trainable, "zenflow": split},
         trainable_params=trainable,
         accumulate_on=acc,
-        update_interval=None if interval == "auto" else int(interval),
-        max_update_interval=spec.engine.max_update_interval,
-        cpu_share=spec.engine.cpu_optimizer_cores_ratio,
-        overlap_step=spec.engine.overlap_step,
-        topk_ratio=spec.engine.engine_config(1.0).topk_ratio,
+        update_interval=None if interval == "adaptive" else int(interval),
+        max_update_interval=q.knobs.max_update_interval,
+        cpu_share=CPU_OPTIMIZER_SHARE,
+        overlap_step=q.knobs.overlap_step,
+        topk_ratio=q.knobs.topk_ratio,
         split_weights=sum(1 for w in shape.trainable if len(w.shape) == 2),
         interconnect_bytes=traffic_bytes(shape, e, n, -(-job.batch // mb)) if job.shard else 0.0,
+        landing_buffers=landing or not landing_optional(job),
     )
-    packing = spec.hyperparameters.packing
-    settings = Settings(
+    settings = PlanChoices(
         mode=mode,
         micro_batch_size=mb,
         gradient_checkpointing=ckpt,
-        packing=packing if isinstance(packing, bool) else False,
+        packing=q.packing,
         accumulate_on=acc,
         update_interval=interval,
         shard_params=job.shard,
+        landing_buffers=landing or not landing_optional(job),
     )
     return Candidate(
         settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked
     )
+
+
+def _host_bytes(job: JobShape, eng: EngineBytes, mode: EngineMode, dpo: bool) -> dict[str, int]:
+    """One rank's host bytes: the engine's, loading the weights, writing a checkpoint, the tokenized data,
+    the process, and a full fine-tune's DPO reference table."""
+    shape, e = job.shape, job.dtype_bytes
+    tokens = job.num_tokens if job.num_tokens is not None else job.num_examples * job.seq // 2
+    return {
+        **eng.host,
+        "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
+        # zenflow's device optimizer state (selected columns, small weights) is copied out whole
+        "checkpoint": checkpoint_bytes(
+            shape, e, copied=eng.device.get("optimizer_state", 0) if mode == "zenflow" else 0
+        ),
+        "data": tokens * DATA_BYTES_PER_TOKEN,
+        "process": HOST_PROCESS_BYTES,
+        **({"dpo_reference": 8 * job.num_examples} if dpo and job.query.lora is None else {}),
+    }
 
 
 def checkpoint_bytes(shape: ModelShape, dtype_bytes: int, *, copied: int = 0) -> int:
@@ -230,22 +250,30 @@ def device_capacity(m: Machine) -> int:
     return int(m.gpu_memory_bytes * (1 - DEVICE_MARGIN))
 
 
-def options(job: JobShape, mode: Mode) -> list[tuple[int, bool, Accumulator]]:
-    mb = job.spec.hyperparameters.micro_batch_size
+def options(job: JobShape, mode: EngineMode) -> list[tuple[int, bool, Accumulator]]:
+    """The micro-batch sizes, checkpointing and accumulators to plan ``mode`` with: the job's own value of
+    each, or every candidate where the plan chooses."""
+    q = job.query
     mbs = (
-        [min(mb, job.batch)]
-        if isinstance(mb, int)
+        [min(q.micro_batch_size, job.batch)]
+        if q.micro_batch_size is not None
         else sorted({min(c, job.batch) for c in MICRO_BATCH_CANDIDATES if c <= job.batch} | {job.batch})
     )
-    gc = job.spec.hyperparameters.gradient_checkpointing
-    ckpts = [gc] if isinstance(gc, bool) else [False, True]
-    acc = job.spec.engine.accumulate_on
+    ckpts = [q.gradient_checkpointing] if q.gradient_checkpointing is not None else [False, True]
     accs: list[Accumulator]
-    if acc in ("host", "device"):
-        accs = [acc]
+    if q.accumulate_on is not None:
+        accs = [q.accumulate_on]
     else:  # on a CPU machine both accumulators are host memory: keep the worker doing the adds
         accs = ["host", "device"] if mode == "zenflow" and job.machine.device_type == "cuda" else ["host"]
     return list(itertools.product(mbs, ckpts, accs))
+
+
+def landings(job: JobShape, mode: EngineMode) -> list[bool]:
+    """zenflow's landing buffers to plan with: kept, or the job's own choice; dropped only as a fallback
+    (:func:`trainer.plan.planner.plan_job` tries that when nothing fits with them)."""
+    if mode != "zenflow" or job.machine.device_type != "cuda" or not landing_optional(job):
+        return [True]
+    return [job.query.landing_buffers if job.query.landing_buffers is not None else True]
 
 
 def best(cands: list[Candidate]) -> Candidate:

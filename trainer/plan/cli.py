@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.plan.gpus import KNOWN_GPUS, Machine, format_bytes, host_memory_bytes, parse_bytes, usable_cores
-from trainer.plan.planner import Plan, plan_job
+from trainer.plan.records import Plan
 
 EXIT_FITS = 0
 EXIT_BAD_INPUT = 2
@@ -189,8 +189,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             resources = spec.resources.model_validate({**spec.resources.model_dump(), "gpus": args.gpus})
             spec = spec.model_copy(update={"resources": resources})
         machine = _machine(args, spec.resources.gpus)
+        from trainer.resolve import plan_spec
+
         n = args.num_examples or _count_examples(spec.training_file)
-        plan = plan_job(spec, machine, num_examples=n)
+        plan = plan_spec(spec, machine, num_examples=n)
     except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError
         print(f"zenflow plan: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from contract.engine import Accumulator, EngineKnobs, EngineMode
+from offload.config import EngineConfig
 from trainer.plan.shapes import Weight
-
-if TYPE_CHECKING:
-    from offload.config import EngineConfig
 
 _HOST_PARTS = {
     "master": "engine_state",
@@ -53,6 +51,13 @@ class EngineBytes:
 def _add(out: dict[str, int], key: str, value: int) -> None:
     if value:
         out[key] = out.get(key, 0) + value
+
+
+def engine_config(
+    knobs: EngineKnobs, mode: EngineMode, accumulate_on: Accumulator, *, landing: bool = True
+) -> EngineConfig:
+    """The engine's config the plan counts bytes with: the job's knobs in ``mode``."""
+    return EngineConfig(**knobs.model_dump(), mode=mode, accumulate_on=accumulate_on, landing_buffers=landing)
 
 
 def engine_bytes(

@@ -1,4 +1,4 @@
-"""What a plan says: :class:`Plan`, the settings it resolves (:class:`Settings`), each engine mode's
+"""What a plan says: :class:`Plan`, the choices it makes (:class:`PlanChoices`), each engine mode's
 estimate (:class:`ModeEstimate`) and what keeps a job from fitting (:class:`Problem`)."""
 
 from __future__ import annotations
@@ -7,11 +7,10 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+from contract.engine import ENGINE_MODES, Accumulator, EngineMode
 from trainer.plan.gpus import Machine, format_bytes
 
-Mode = Literal["device", "offload", "zenflow"]
-MODES: tuple[Mode, ...] = ("device", "offload", "zenflow")
-Accumulator = Literal["host", "device"]
+__all__ = ["ENGINE_MODES", "Accumulator", "EngineMode", "ModeEstimate", "Plan", "PlanChoices", "Problem"]
 
 
 class Problem(NamedTuple):
@@ -21,20 +20,22 @@ class Problem(NamedTuple):
     message: str
 
 
-class Settings(BaseModel):
-    """The settings a run uses: the job's own values, its ``auto`` ones resolved by the plan."""
+class PlanChoices(BaseModel):
+    """The settings a run would use on the machine: the job's own values and the plan's choices."""
 
     model_config = ConfigDict(frozen=True)
 
-    mode: Mode
+    mode: EngineMode
     micro_batch_size: int
     gradient_checkpointing: bool
     packing: bool
     accumulate_on: Accumulator
-    #: The engine's window: an int, or ``auto`` (the engine's adaptive window; see step time's assumption).
-    update_interval: int | Literal["auto"]
+    #: The engine's window: steps, or ``adaptive`` (the step time assumes the shortest that hides the CPU work).
+    update_interval: int | Literal["adaptive"]
     #: Weights, gradients and optimizer state sharded across the job's ranks (FSDP2; ``engine.shard_params``).
     shard_params: bool = False
+    #: zenflow's device copy of the split weights (``EngineConfig.landing_buffers``).
+    landing_buffers: bool = True
 
 
 class ModeEstimate(BaseModel):
@@ -43,7 +44,7 @@ class ModeEstimate(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     fits: bool
-    settings: Settings
+    settings: PlanChoices
     device_bytes: int
     host_bytes: int
     step_seconds: float
@@ -72,7 +73,7 @@ class Plan(BaseModel):
     batch_size: int
     max_seq_length: int
     tokens_per_step: int
-    settings: Settings
+    settings: PlanChoices
     #: Device memory the plan may use (the GPU's memory less the device reserve; usable host memory on
     #: a CPU machine).
     device_capacity_bytes: int
@@ -85,12 +86,11 @@ class Plan(BaseModel):
     #: One rank's device and host bytes (the whole job's host: :attr:`host_bytes_all_ranks`).
     device_bytes: int
     host_bytes: int
-    #: The job's ranks (``resources.gpus``) and the host bytes of all of them (N x one rank's: the ranks
-    #: of a job share one host).
+    #: The job's ranks (``resources``: nodes x gpus) and the host bytes of all of them.
     ranks: int = 1
     host_bytes_all_ranks: int = 0
-    #: The settings' ``shard_params`` is true because the replicated weights do not fit (``auto``) or
-    #: would not (set true): the job fits with sharded weights only.
+    #: ``shard_params`` is true because the replicated weights do not fit (``auto``) or would not (set
+    #: true): the job fits with sharded weights only.
     fits_only_sharded: bool = False
     #: Per component: weights, gradients, optimizer_state, landing_buffers, accumulator, engine_scratch,
     #: activations, runtime, with sharded weights gather_buffers and reduce_scatter_buffer (device); engine_state, engine_accumulators, engine_transfer, model_loading,
@@ -102,7 +102,7 @@ class Plan(BaseModel):
     step_seconds: float
     tokens_per_second: float
     #: Per engine mode: its best configuration, whether it fits, predicted step time.
-    modes: dict[Mode, ModeEstimate]
+    modes: dict[EngineMode, ModeEstimate]
     #: Why these settings (one sentence each).
     reasons: list[str]
     problems: list[Problem]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.method import LoraSpec
+    from contract.lora import LoraSpec
 
 #: Linear modules of a Llama-family decoder layer that ``all-linear`` LoRA adapts.
 _LAYER_LINEARS = 7
@@ -101,9 +101,9 @@ class Activations:
 def _config_of(model: str) -> Any:
     from transformers import AutoConfig
 
-    from trainer.model.catalog import BuiltinModel, builtin_config, resolve_model
+    from trainer.model.catalog import BuiltinModel, builtin_config, find_model
 
-    m = resolve_model(model)
+    m = find_model(model)
     if isinstance(m, BuiltinModel):
         return builtin_config(model)
     return AutoConfig.from_pretrained(str(m), local_files_only=True)
@@ -191,9 +191,9 @@ def model_shape(model: str, lora: LoraSpec | None = None) -> ModelShape:
     """The shape of a built-in model or a local directory's config (with ``lora`` applied through
     peft), built on the meta device; raises UnknownModelError or ValueError for a config that cannot
     be built."""
-    from trainer.model.catalog import BuiltinModel, resolve_model
+    from trainer.model.catalog import BuiltinModel, find_model
 
-    m = resolve_model(model)
+    m = find_model(model)
     stamp = 0.0 if isinstance(m, BuiltinModel) else (m / "config.json").stat().st_mtime
     key = None if lora is None else json.dumps(lora.model_dump(), sort_keys=True)
     try:

@@ -131,16 +131,18 @@ def step_times(
     max_update_interval: int,
     cpu_share: float,
     overlap_step: bool,
-    topk_ratio: float = 0.25,
+    topk_ratio: float,
     split_weights: int = 0,
     interconnect_bytes: float = 0.0,
     trainable_params: int | None = None,
+    landing_buffers: bool = True,
 ) -> dict[str, StepTime]:
     """Predicted step time of each mode. ``host_params``: parameters the CPU updates per mode
     (offload: all trainable, zenflow: the split weights); ``update_interval`` None: the shortest
-    window that hides the CPU work (at most ``max_update_interval``: the engine's ``auto``);
+    window that hides the CPU work (at most ``max_update_interval``: the engine's ``adaptive``);
     ``interconnect_bytes``: what a rank sends per step with sharded weights; ``trainable_params``: the
-    trainable parameters this rank's device optimizer updates (default: all of the model's)."""
+    trainable parameters this rank's device optimizer updates (default: all of the model's);
+    ``landing_buffers`` False: zenflow's merge uploads each window's CPU result while the GPU waits."""
     trainable = shape.trainable_params if trainable_params is None else trainable_params
     compute = compute_seconds(
         shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq, checkpointing=checkpointing
@@ -214,5 +216,9 @@ def step_times(
         total = max(g, p, c - split * ADAM_BYTES_PER_PARAM / interval / worker) + (
             split * ADAM_BYTES_PER_PARAM / interval / worker
         )
+    if (
+        not landing_buffers and machine.device_type == "cuda"
+    ):  # the result comes up at the boundary, waited for
+        total += split * dtype_bytes / interval / pcie
     add("zenflow", g, p, c, total, interval)
     return out

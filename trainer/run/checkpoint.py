@@ -44,9 +44,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from contract.engine import ENGINE_MODES
+from contract.hyperparameters import ResolvedHyperparameters
+from contract.job import ResolvedJob
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from trainer.resolve import Pins
 
 MANIFEST = "zenflow_checkpoint.json"
 TRAINING_STATE = "training_state.pt"
@@ -224,6 +230,39 @@ def latest_checkpoint(output_dir: Path) -> CheckpointInfo | None:
     """The newest complete checkpoint, or None."""
     cks = list_checkpoints(output_dir)
     return cks[-1] if cks else None
+
+
+#: The manifest key of the engine settings a checkpoint was made with (what a resumed run keeps).
+MANIFEST_ENGINE = "engine"
+
+
+def checkpoint_pins(output_dir: Path) -> Pins | None:
+    """What a run resuming from ``output_dir``'s newest checkpoint keeps of it: its engine mode and
+    accumulator (the manifest's; None without a checkpoint or for one made before they were recorded)."""
+    from trainer.resolve import Pins
+
+    ckpt = latest_checkpoint(output_dir)
+    engine = ckpt.manifest.get(MANIFEST_ENGINE) if ckpt is not None else None
+    if not isinstance(engine, dict) or engine.get("mode") not in ENGINE_MODES:
+        return None
+    acc = engine.get("accumulate_on")
+    return Pins(engine["mode"], acc if acc in ("host", "device") and engine["mode"] == "zenflow" else None)
+
+
+def training_signature(of: ResolvedJob | dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed exactly, of a resolved job or of a checkpoint's
+    training state: the hyperparameters' signature and the method (a state recorded before methods were
+    their own names DPO in its hyperparameters' ``dpo``)."""
+    if isinstance(of, ResolvedJob):
+        return {**of.hyperparameters.training_signature(), "method": of.method.model_dump(mode="json")}
+    hp = of["hyperparameters"]
+    legacy_dpo = hp.get("dpo") if isinstance(hp, dict) else None
+    method = of.get("method") or (
+        {"type": "dpo", "beta": legacy_dpo["beta"]}
+        if isinstance(legacy_dpo, dict)
+        else {"type": "supervised"}
+    )
+    return {**ResolvedHyperparameters(**hp).training_signature(), "method": method}
 
 
 def _mib(n: int) -> str:

@@ -28,9 +28,12 @@ with the offload/zenflow modes, fp32 otherwise; LoRA through peft when asked) an
 - at the end: ``engine.flush()``, last checkpoint, ``final/`` (the model only: safetensors, config,
   tokenizer; the merged model plus ``adapter/`` for LoRA) and ``result.json``.
 
-A DPO job (``hyperparameters.dpo``) runs the same loop over preference pairs: its micro-batches, loss,
-reference and reward statistics are :mod:`trainer.run.dpo`'s; its validation is the pairs' mean DPO loss
-and preference accuracy.
+Every method runs this loop: its micro-batches, loss, per-step metrics and validation are its own
+(:mod:`trainer.method`; a DPO job's over preference pairs, with its reference and reward statistics).
+
+The run's settings are its resolution (:mod:`trainer.resolve`): the one given (the service's, made at
+create) while it holds for this machine, data and checkpoint, else one made here (reported as a
+:class:`~trainer.events.Resolved` event).
 
 With ``resume=True`` (default) a run continues from the newest complete checkpoint in output_dir
 (refused when its hyperparameters differ) and a finished run returns its recorded result at once;
@@ -71,11 +74,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.data.batching import epoch_order, evaluate, evaluate_sums, micro_batches, rank_part
+from contract.job import Resolution
+from trainer.data.batching import epoch_order, rank_part
 from trainer.data.dataset import DatasetValidationError
 from trainer.events import (
     ErrorEvent,
-    EvalEvent,
     Event,
     EventCallback,
     LogEvent,
@@ -85,6 +88,7 @@ from trainer.events import (
     StepEvent,
     skipped_step_warning,
 )
+from trainer.plan.gpus import Machine
 from trainer.run.checkpoint import (
     FINAL_DIR,
     RESULT_FILE,
@@ -93,7 +97,6 @@ from trainer.run.checkpoint import (
     remove_outputs,
 )
 from trainer.run.distributed import DistContext, all_sum, barrier, broadcast_object
-from trainer.run.dpo import DpoObjective, eval_result, pair_micro_batches
 from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
 from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
 from trainer.run.step import LateLoss, StepOutcome, optimizer_step, step_totals
@@ -145,13 +148,16 @@ def run_training(
     resume: bool = True,
     progress: bool | None = None,
     dist: DistContext | None = None,
+    resolution: Resolution | None = None,
+    machine: Machine | None = None,
 ) -> TrainResult:
     """Run one job to completion (or cancellation) and return its result; see the module docstring.
 
     ``on_event`` receives every :mod:`trainer.events` record (with ranks: see the module docstring);
     ``progress`` shows a tqdm bar (default: when stderr is a TTY; rank 0 only). ``dist``: this process is
-    one of the job's data-parallel ranks (None: the only process). Raises DatasetValidationError for bad
-    data, UnknownModelError, and any training error (after an ErrorEvent).
+    one of the job's data-parallel ranks (None: the only process). ``resolution``: the job's (None: decided
+    here), for ``machine`` (None: this one as detected). Raises DatasetValidationError for bad data,
+    UnknownModelError, and any training error (after an ErrorEvent).
     """
     if spec.output_dir is None:
         raise ValueError("spec.output_dir is required")
@@ -188,7 +194,7 @@ def run_training(
             emit(ev)
 
     try:
-        data = load_data(spec, emit, dist)
+        data = load_data(spec, emit, dist, resolution=resolution, machine=machine, resume=resume)
         built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
         try:
             return _Run(
@@ -248,120 +254,21 @@ class _Run:
         self.should_cancel = should_cancel or (lambda: False)
         self.progress = progress
         self.skipped_in_a_row = 0
-        dpo = self.hp.dpo
-        self.dpo = DpoObjective(dpo.beta_value, built.reference) if dpo is not None else None
+        self.method = built.method
+        self.bar: Any = None
+        self.order: list[int] = []
+        self.order_epoch = -1
+        #: With ranks: the last step, its event waiting for the global loss.
+        self.pending: _Done | None = None
 
     def train(self) -> TrainResult:
-        hp, data, built, state = self.hp, self.data, self.built, self.state
-        model, engine = built.model, built.engine
-        n_params = sum(p.numel() for p in model.parameters())
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.emit(
-            RunStarted(
-                total_steps=hp.total_steps,
-                start_step=state.step,
-                hyperparameters=hp.model_dump(),
-                device=str(built.device),
-                dtype=str(built.dtype).removeprefix("torch."),
-                mode=engine.mode,
-                num_parameters=n_params,
-                trainable_parameters=n_train,
-                num_examples=len(data.train),
-                num_validation_examples=len(data.valid),
-                sharded=built.sharded,
-                world_size=self.dist.world_size if self.dist is not None else 1,
-            )
-        )
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=hp.total_steps, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr
-            )
-        cancelled = False
-        order: list[int] = []
-        order_epoch = -1
-        pending: _Done | None = None  # with ranks: the last step, its event waiting for the global loss
+        self._announce()
         try:
-            while state.step < hp.total_steps:
-                epoch, b = divmod(state.step, hp.steps_per_epoch)
-                if epoch != order_epoch:
-                    order, order_epoch = epoch_order(len(data.train), hp.seed, epoch), epoch
-                engine.begin_step()  # the step's device work starts here (stall accounting)
-                t0 = time.perf_counter()
-                idx = order[b * hp.batch_size : (b + 1) * hp.batch_size]
-                if self.dist is not None:
-                    idx = rank_part(idx, self.dist.rank, self.dist.world_size)
-                micro = list(self._micro_batches(idx))
-                prev = pending.loss if pending is not None else None
-                totals = step_totals(
-                    self.dist, micro, cancel=self.should_cancel(), prev_loss=prev, count_micro=built.sharded
-                )
-                if pending is not None:
-                    assert totals.prev_loss is not None
-                    self._report(pending, totals.prev_loss, bar)
-                    pending = None
-                if totals.cancel:
-                    cancelled = True
-                    break
-                if b == 0:
-                    engine.new_epoch()
-                lr = hp.lr_at(state.step)
-                loss_fn = self.dpo.loss if self.dpo is not None else None
-                filler = next(self._micro_batches([0])) if built.sharded else None
-                done = optimizer_step(
-                    model, engine, micro, lr, totals, dist=self.dist, loss_fn=loss_fn, filler=filler
-                )
-                pref = self.dpo.take_step(self.dist) if self.dpo is not None else None
-                m = done.metrics
-                if self.dist is None:
-                    _check_loss(done.loss.value(), state.step + 1)
-                self.skipped_in_a_row = self.skipped_in_a_row + 1 if m.skipped else 0
-                if m.skipped:  # gradient norm not finite: nothing was updated
-                    self.emit(skipped_step_warning(m, state.step + 1))
-                if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    raise FloatingPointError(
-                        f"gradient norm not finite for {self.skipped_in_a_row} steps in a row"
-                    )
-                dt = time.perf_counter() - t0
-                state.step += 1
-                state.trained_tokens += done.tokens
-                pending = _Done(state.step, epoch, lr, dt, done, pref)
-                eval_due = bool(
-                    data.valid
-                    and hp.eval_every
-                    and state.step % hp.eval_every == 0
-                    and state.step < hp.total_steps
-                )
-                save_due = state.step % hp.checkpoint_every == 0 and state.step < hp.total_steps
-                if self.dist is None or eval_due or save_due or state.step >= hp.total_steps:
-                    loss = done.loss.value()  # landed: no wait
-                    if self.dist is not None:
-                        loss = all_sum(self.dist, [loss])[0]
-                    self._report(pending, loss, bar)
-                    pending = None
-                if eval_due:
-                    self._eval()
-                if save_due:
-                    self.outputs.save_checkpoint(state)
-            if cancelled:
-                if state.step > 0 and state.last_saved != state.step:
-                    self.outputs.save_checkpoint(state)
-                self.emit(LogEvent(f"Cancelled at step {state.step}"))
-                result = self._result(None, cancelled=True)
-            else:
-                engine.flush()
-                if data.valid and hp.eval_every:
-                    self._eval()  # on the flushed (final) weights
-                if state.last_saved != state.step:
-                    self.outputs.save_checkpoint(state)
-                final = self.outputs.export_final(state)
-                result = self._result(str(final), cancelled=False)
-                self.outputs.write_result(result.as_dict())
+            cancelled = self._steps()
+            result = self._cancelled() if cancelled else self._finish()
         finally:
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
         if self.dist is not None:
             result = broadcast_object(self.dist, result)  # the same result on every rank: rank 0's
         self.emit(
@@ -377,7 +284,132 @@ class _Run:
         barrier(self.dist)  # no rank leaves while another still works on the outputs
         return result
 
-    def _report(self, p: _Done, loss: float, bar: Any) -> None:
+    def _announce(self) -> None:
+        """RunStarted, and the progress bar."""
+        hp, data, built, state = self.hp, self.data, self.built, self.state
+        model = built.model
+        self.emit(
+            RunStarted(
+                total_steps=hp.total_steps,
+                start_step=state.step,
+                hyperparameters=hp.model_dump(),
+                device=str(built.device),
+                dtype=str(built.dtype).removeprefix("torch."),
+                mode=built.engine.mode,
+                num_parameters=sum(p.numel() for p in model.parameters()),
+                trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                num_examples=len(data.train),
+                num_validation_examples=len(data.valid),
+                sharded=built.sharded,
+                world_size=self.dist.world_size if self.dist is not None else 1,
+            )
+        )
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=hp.total_steps, initial=state.step, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
+
+    def _steps(self) -> bool:
+        """The optimizer steps up to the total; True when cancelled (every rank alike)."""
+        hp, state = self.hp, self.state
+        while state.step < hp.total_steps:
+            epoch, b = divmod(state.step, hp.steps_per_epoch)
+            if epoch != self.order_epoch:
+                self.order, self.order_epoch = epoch_order(len(self.data.train), hp.seed, epoch), epoch
+            if self._step(epoch, b):
+                return True
+            self._after_step()
+        return False
+
+    def _step(self, epoch: int, b: int) -> bool:
+        """One optimizer step (its event perhaps pending); True when a rank asked to cancel before it."""
+        hp, state, built, engine = self.hp, self.state, self.built, self.built.engine
+        engine.begin_step()  # the step's device work starts here (stall accounting)
+        t0 = time.perf_counter()
+        idx = self.order[b * hp.batch_size : (b + 1) * hp.batch_size]
+        if self.dist is not None:
+            idx = rank_part(idx, self.dist.rank, self.dist.world_size)
+        micro = list(self._micro_batches(idx))
+        prev = self.pending.loss if self.pending is not None else None
+        totals = step_totals(
+            self.dist, micro, cancel=self.should_cancel(), prev_loss=prev, count_micro=built.sharded
+        )
+        if self.pending is not None:
+            assert totals.prev_loss is not None
+            self._report(self.pending, totals.prev_loss)
+            self.pending = None
+        if totals.cancel:
+            return True
+        if b == 0:
+            engine.new_epoch()
+        lr = hp.lr_at(state.step)
+        filler = next(self._micro_batches([0])) if built.sharded else None
+        done = optimizer_step(
+            built.model, engine, micro, lr, totals, dist=self.dist, loss_fn=self.method.loss, filler=filler
+        )
+        pref = self.method.step_metrics(self.dist)
+        self._check_skipped(done, state.step + 1)
+        state.step += 1
+        state.trained_tokens += done.tokens
+        self.pending = _Done(state.step, epoch, lr, time.perf_counter() - t0, done, pref)
+        return False
+
+    def _check_skipped(self, done: StepOutcome, step: int) -> None:
+        """A non-finite loss ends the run; a skipped step (non-finite gradient norm) is warned about,
+        and too many in a row end it."""
+        m = done.metrics
+        if self.dist is None:
+            _check_loss(done.loss.value(), step)
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if m.skipped else 0
+        if m.skipped:  # gradient norm not finite: nothing was updated
+            self.emit(skipped_step_warning(m, step))
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise FloatingPointError(f"gradient norm not finite for {self.skipped_in_a_row} steps in a row")
+
+    def _after_step(self) -> None:
+        """The step's event when its loss is due (with ranks: at an evaluation, a checkpoint or the end),
+        then the evaluation and checkpoint due at this step."""
+        hp, state, data = self.hp, self.state, self.data
+        eval_due = bool(
+            data.valid and hp.eval_every and state.step % hp.eval_every == 0 and state.step < hp.total_steps
+        )
+        save_due = state.step % hp.checkpoint_every == 0 and state.step < hp.total_steps
+        if self.pending is not None and (
+            self.dist is None or eval_due or save_due or state.step >= hp.total_steps
+        ):
+            loss = self.pending.loss.value()  # landed: no wait
+            if self.dist is not None:
+                loss = all_sum(self.dist, [loss])[0]
+            self._report(self.pending, loss)
+            self.pending = None
+        if eval_due:
+            self._eval()
+        if save_due:
+            self.outputs.save_checkpoint(state)
+
+    def _cancelled(self) -> TrainResult:
+        state = self.state
+        if state.step > 0 and state.last_saved != state.step:
+            self.outputs.save_checkpoint(state)
+        self.emit(LogEvent(f"Cancelled at step {state.step}"))
+        return self._result(None, cancelled=True)
+
+    def _finish(self) -> TrainResult:
+        """The end of a run that was not cancelled: flush, validate, checkpoint, export ``final/``."""
+        state = self.state
+        self.built.engine.flush()
+        if self.data.valid and self.hp.eval_every:
+            self._eval()  # on the flushed (final) weights
+        if state.last_saved != state.step:
+            self.outputs.save_checkpoint(state)
+        final = self.outputs.export_final(state)
+        result = self._result(str(final), cancelled=False)
+        self.outputs.write_result(result.as_dict())
+        return result
+
+    def _report(self, p: _Done, loss: float) -> None:
         """Step ``p``'s loss is in: keep it and emit its StepEvent."""
         _check_loss(loss, p.step)
         state, m, tokens, dt = self.state, p.outcome.metrics, p.outcome.tokens, p.seconds
@@ -399,65 +431,20 @@ class _Run:
                 preference=p.preference,
             )
         )
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{p.lr:.2e}", tok_s=f"{tokens / dt:.0f}")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{p.lr:.2e}", tok_s=f"{tokens / dt:.0f}")
 
     def _micro_batches(self, idx: list[int]) -> Iterator[Any]:
-        hp, examples = self.hp, [self.data.train[i] for i in idx]
-        if self.dpo is not None:  # Batch-like PairBatches: chosen and rejected rows in one forward
-            return pair_micro_batches(
-                examples, idx, hp.micro_batch_size, pad_id=self.data.pad_id, device=self.built.device
-            )
-        return micro_batches(
-            examples,
-            hp.micro_batch_size,
-            pad_id=self.data.pad_id,
-            device=self.built.device,
-            packing=hp.packing,
-            max_seq_length=hp.max_seq_length,
-        )
+        return self.method.micro_batches([self.data.train[i] for i in idx], idx, self.built.batching)
 
     def _eval(self) -> None:
-        hp, data, built, dist = self.hp, self.data, self.built, self.dist
-        kw: dict[str, Any] = {
-            "pad_id": data.pad_id,
-            "device": built.device,
-            "packing": hp.packing,
-            "max_seq_length": hp.max_seq_length,
-        }
-        if self.dpo is not None:
-            self._eval_dpo(self.dpo)
-            return
-        if dist is None or built.sharded:  # sharded: every rank runs every pass (FSDP's gathers), all alike
-            loss, n = evaluate(built.model, data.valid, hp.micro_batch_size, **kw)
-        else:  # each rank its part; the summed losses and counts added up
-            part = rank_part(data.valid, dist.rank, dist.world_size)
-            s_total, n_total = all_sum(dist, evaluate_sums(built.model, part, hp.micro_batch_size, **kw))
-            n = int(n_total)
-            loss = s_total / n if n else float("nan")
-        self.state.valid_loss = loss
-        self.emit(EvalEvent(self.state.step, loss, n))
-
-    def _eval_dpo(self, dpo: DpoObjective) -> None:
-        """The validation pairs' mean DPO loss and preference metrics (each rank its part; with sharded
-        weights every rank runs every pair, as FSDP's gathers need all ranks in every pass)."""
-        data, dist = self.data, self.dist
-        split = dist if dist is not None and not self.built.sharded else None
-        index = list(range(len(data.valid)))
-        if split is not None:
-            index = rank_part(index, split.rank, split.world_size)
-        sums = dpo.evaluate_sums(
-            self.built.model,
-            [data.valid[i] for i in index],
-            index,
-            self.hp.micro_batch_size,
-            pad_id=data.pad_id,
-            device=self.built.device,
+        built = self.built
+        ev = self.method.evaluate(
+            built.model, self.data.valid, built.batching, self.dist, built.sharded, self.state.step
         )
-        loss, metrics, n = eval_result(all_sum(split, sums))
-        self.state.valid_loss = loss
-        self.emit(EvalEvent(self.state.step, loss, n, metrics))
+        self.state.valid_loss = ev.valid_loss
+        self.emit(ev)
 
     def _result(self, final: str | None, *, cancelled: bool) -> TrainResult:
         return TrainResult(

@@ -43,6 +43,7 @@ from trainer.run.checkpoint import (
     ENGINE_DCP,
     FINAL_DIR,
     MANIFEST,
+    MANIFEST_ENGINE,
     RESULT_FILE,
     TRAINING_STATE,
     DiskFullError,
@@ -268,6 +269,7 @@ class RunOutputs:
             "version": STATE_VERSION,
             "step": progress.step,
             "hyperparameters": data.hp.model_dump(),
+            "method": data.job.method.model_dump(mode="json"),
             "rng": rng,
             "losses": progress.losses[-LOSS_WINDOW:],
             "trained_tokens": progress.trained_tokens,
@@ -333,6 +335,7 @@ class RunOutputs:
             "step": progress.step,
             "base_model": self.spec.model,
             "metrics": figures,
+            MANIFEST_ENGINE: {"mode": built.engine.mode, "accumulate_on": data.job.engine.accumulate_on},
         }
         if dist is not None:
             manifest["world_size"] = dist.world_size

@@ -1,5 +1,5 @@
-"""A job's weights sharded over its ranks with PyTorch FSDP2 (``engine.shard_params``): whether to, the
-model wrapped, and its whole weights gathered back for the exported model.
+"""A job's weights sharded over its ranks with PyTorch FSDP2 (the resolution's ``engine.shard_params``):
+the model wrapped, and its whole weights gathered back for the exported model.
 
 Every rank builds the same model (same seed or folder), then :func:`shard_model` applies ``fully_shard``
 to each decoder block (the classes transformers names in ``_no_split_modules``) and then to the root, on a
@@ -12,7 +12,7 @@ as the replicated engine does, so the loss normalisation of :mod:`trainer.run.st
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from trainer.events import LogEvent
 from trainer.run.distributed import all_gather_object
@@ -22,19 +22,7 @@ if TYPE_CHECKING:
 
     from offload.engine import ZenFlowEngine
     from offload.memory import EngineMemory
-    from trainer.plan.records import Plan
     from trainer.run.distributed import DistContext
-
-
-def resolve_shard_params(setting: Literal["auto"] | bool, world: int, plan: Plan | None = None) -> bool:
-    """Whether this run shards its weights: never on one rank (nothing to shard with); ``auto``: the
-    plan's choice (``plan.settings.shard_params``: when the replicated weights do not fit a device but
-    the sharded ones do); without a plan, replicated."""
-    if world <= 1:
-        return False
-    if setting == "auto":
-        return plan is not None and plan.settings.shard_params
-    return bool(setting)
 
 
 def _blocks(model: Any) -> Iterator[Any]:

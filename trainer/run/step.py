@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.data.batching import loss_sum
 from trainer.run.distributed import DistContext, all_sum
 
 if TYPE_CHECKING:  # torch is imported where it is used: importing the training library stays light
@@ -71,17 +70,13 @@ class LateLoss:
 
 class MicroBatch(Protocol):
     """What a step counts of a micro-batch: a :class:`~trainer.data.batching.Batch`, or a DPO job's
-    :class:`~trainer.run.dpo.PairBatch` (whose ``num_learned`` is its pairs: the loss's units)."""
+    :class:`~trainer.method.dpo.PairBatch` (whose ``num_learned`` is its pairs: the loss's units)."""
 
     @property
     def num_tokens(self) -> int: ...
 
     @property
     def num_learned(self) -> int: ...
-
-
-def _token_loss(model: Any, mb: Any) -> torch.Tensor:
-    return loss_sum(model, mb)[0]
 
 
 @dataclass(frozen=True)
@@ -148,16 +143,16 @@ def optimizer_step(
     lr: float,
     totals: StepTotals,
     *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
     dist: DistContext | None = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     filler: MicroBatch | None = None,
 ) -> StepOutcome:
     """Run one optimizer step at learning rate ``lr``; ``micro_batches`` are this rank's part of the
     step and ``totals`` its counts over all ranks (:func:`step_totals`). ``loss_fn(model, micro_batch)``
-    is a micro-batch's summed loss over its ``num_learned`` units (default: the token loss; a DPO job's:
-    :meth:`trainer.run.dpo.DpoObjective.loss`). ``filler`` (sharded weights): a micro-batch this rank
+    is a micro-batch's summed loss over its ``num_learned`` units (the method's,
+    :meth:`trainer.method.base.TrainingMethod.loss`: tokens, or a DPO job's pairs). ``filler`` (sharded weights): a micro-batch this rank
     runs with a zero loss until it has run ``totals.most_micro`` passes, as every rank."""
-    loss_of = loss_fn or _token_loss
+    loss_of = loss_fn
     engine.set_lr(lr)
     scale = float(dist.world_size) if dist is not None else 1.0
     learned = max(1, totals.learned)

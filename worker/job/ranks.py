@@ -1,5 +1,5 @@
 """The ranks of a job on N > 1 GPUs beside rank 0's runner (:mod:`worker.job.runner`): rank 0 hands
-its JobSpec to the others (:class:`Announce`), which train it without touching the database
+its JobSpec and resolution to the others (:class:`Announce`), which train it without touching the database
 (:func:`run_peer_rank`); :func:`peer_lost` tells a rank's own failure from its collective breaking
 because another rank died.
 """
@@ -18,20 +18,20 @@ log = logging.getLogger("zenflow.job_runner")
 
 
 class Announce:
-    """Rank 0 tells the other ranks, once, whether the job runs: its JobSpec, or None (not ours, refused,
-    invalid, failed to start); a no-op without a group."""
+    """Rank 0 tells the other ranks, once, whether the job runs: its (JobSpec, Resolution), or None (not
+    ours, refused, invalid, failed to start); a no-op without a group."""
 
     def __init__(self, dist: Any) -> None:
         self.dist, self.done = dist, dist is None
 
-    def __call__(self, spec: Any) -> None:
+    def __call__(self, job: Any) -> None:
         if self.done:
             return
         self.done = True
         from trainer.run.distributed import broadcast_object
 
         try:
-            broadcast_object(self.dist, spec)
+            broadcast_object(self.dist, job)
         except Exception:  # the peers are gone: the supervisor settles the group
             log.exception("could not hand the job to the other ranks")
 
@@ -63,7 +63,8 @@ def peer_lost(e: BaseException) -> bool:
 
 
 def run_peer_rank(job_id: str, dist: Any) -> int:
-    """Rank > 0 of a job's group: train the JobSpec rank 0 hands over (none: exit at once) and report
+    """Rank > 0 of a job's group: train the JobSpec rank 0 hands over, with its resolution (none: exit at
+    once) and report
     only this rank's step metrics, to Prometheus. Exit 0 when the run ends (done, cancelled, or an
     input error rank 0 reports), 74 on a full disk, 1 on any other failure (logged here)."""
     from trainer.data.dataset import DatasetValidationError
@@ -77,11 +78,14 @@ def run_peer_rank(job_id: str, dist: Any) -> int:
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # preempted: stop with the others
     try:
-        spec = broadcast_object(dist, None)
-        if spec is None:
+        job = broadcast_object(dist, None)
+        if job is None:
             return EXIT_DONE
-        with track_job(job_id, base_model=spec.model, mode=spec.engine.mode, count=False) as tj:
-            run_training(spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist)
+        spec, resolution = job
+        with track_job(job_id, base_model=spec.model, mode=resolution.job.engine.mode, count=False) as tj:
+            run_training(
+                spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist, resolution=resolution
+            )
     except (DatasetValidationError, UnknownModelError, ModelFolderError) as e:
         log.info("job %s rank %d: %s (rank 0 reports it)", job_id, dist.rank, e)
     except Exception as e:

@@ -4,7 +4,8 @@ Each :mod:`trainer.events` class has its handler, which describes the rows the e
 :class:`~worker.job.writer.Write`: messages become ``fine_tuning_job_events`` rows (a ``metrics``
 event per step), each step a ``fine_tuning_job_step_metrics`` row, each checkpoint a
 ``fine_tuning_job_checkpoints`` row (removed again when the checkpoint is pruned); the job row gets
-total_steps, resolved_hyperparameters, global_step and last_checkpoint_path. The
+total_steps, global_step and last_checkpoint_path, and a resolution the run made is appended to its
+resolutions. The
 :class:`~worker.job.writer.ReportWriter` writes them in order in the background, waiting out
 database outages; a step replayed after a resume updates its metrics row and gets no second event.
 An ErrorEvent makes a row only for a full disk (a warning: the job is re-queued); a failure's one error
@@ -20,13 +21,13 @@ from typing import Any
 
 from store.orm import utcnow
 from trainer.events import (
-    RUN_SHARDED,
     CheckpointRemoved,
     CheckpointSaved,
     ErrorEvent,
     EvalEvent,
     Event,
     LogEvent,
+    Resolved,
     RunStarted,
     StepEvent,
 )
@@ -50,6 +51,7 @@ class DBReporter:
             CheckpointSaved: self._on_checkpoint,
             CheckpointRemoved: self._on_checkpoint_removed,
             ErrorEvent: self._on_error,
+            Resolved: self._on_resolved,
         }
 
     def __call__(self, ev: Event) -> None:
@@ -76,7 +78,7 @@ class DBReporter:
         return Write(events=[event_row(ev.message, level=ev.level, data=ev.data or None)])
 
     def _on_run_started(self, ev: RunStarted) -> Write:
-        """The row's step count and resolved hyperparameters, with whether the weights ran sharded."""
+        """The row's step count, and the run's start as an event."""
         self.total_steps = ev.total_steps
         self.on_cuda = ev.device.startswith("cuda")
         what = f"Training resumed at step {ev.start_step}" if ev.start_step else "Training started"
@@ -84,15 +86,11 @@ class DBReporter:
             f"{what}: {ev.total_steps} steps, {ev.num_examples} examples, {ev.trainable_parameters:,} trainable "
             f"parameters on {ev.device} ({ev.dtype}, engine mode {ev.mode})"
         )
-        return Write(
-            # the run's resolved sharding rides in the resolved hyperparameters' JSON (api.jobs.views
-            # shows it as the job object's engine.shard_params)
-            job={
-                "total_steps": ev.total_steps,
-                "resolved_hyperparameters": {**ev.hyperparameters, RUN_SHARDED: ev.sharded},
-            },
-            events=[event_row(msg, data=ev.as_dict())],
-        )
+        return Write(job={"total_steps": ev.total_steps}, events=[event_row(msg, data=ev.as_dict())])
+
+    def _on_resolved(self, ev: Resolved) -> Write:
+        """A resolution the run made, appended to the job's (the job object shows it and what changed)."""
+        return Write(resolution=ev.resolution)
 
     def _on_step(self, ev: StepEvent) -> Write:
         eng = ev.engine

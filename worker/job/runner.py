@@ -1,7 +1,10 @@
 """Run one job from the database: ``python -m worker.job.runner JOB_ID``.
 
 The worker task spawns this as a subprocess (a killable PID, CUDA initialised only here). It loads the
-job and file rows, builds the JobSpec (:func:`trainer.spec.spec_from_job`), makes the job's checkpoint
+job and file rows, builds the JobSpec of its request (:func:`trainer.spec.spec_of_request`), takes its
+resolution for this worker (a new one when the worker's machine differs from the one it was resolved for,
+or the checkpoint it resumes pins another engine mode: recorded on the job; a refusal when it does not fit
+here, :mod:`worker.capacity.fit`), makes the job's checkpoint
 rows match its output directory, runs :func:`trainer.run.loop.run_training` with a
 :class:`~worker.job.reporter.DBReporter` (events -> rows, written in order by a
 :class:`~worker.job.writer.ReportWriter` that waits out database outages; a job's tracking
@@ -35,19 +38,21 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.orm import Session
 
+from contract.job import Resolution
 from store import jobs, model_ids
 from store.db import session_scope
 from store.orm import File, FineTuningJob, JobStatus, utcnow
 from store.results import add_results_file
-from store.runs import job_gpus
 from store.settings import Settings, get_settings
 from trainer.model.catalog import BUILTIN_MODELS
 from worker.capacity import fit
+from worker.capacity.measure import to_machine
 from worker.errors import public_message, scrub
 from worker.job.exits import (
     EXIT_DB_UNAVAILABLE,
@@ -67,6 +72,10 @@ from worker.retry import DatabaseUnavailable, retry_db
 from worker.tracking.base import Tracking
 from worker.tracking.job import open_tracking
 
+if TYPE_CHECKING:
+    from trainer.plan.gpus import Machine
+    from trainer.spec import JobSpec
+
 log = logging.getLogger("zenflow.job_runner")
 
 HOSTNAME_ENV = "ZENFLOW_WORKER_HOSTNAME"
@@ -76,7 +85,7 @@ JOB_RUNNER_MODULE = "worker.job.runner"
 #: saved to the spool file.
 _LAST_TRY_SECONDS = 10.0
 
-__all__ = ["HOSTNAME_ENV", "JOB_RUNNER_MODULE", "job_ranks", "run_job_process", "run_rank"]
+__all__ = ["HOSTNAME_ENV", "JOB_RUNNER_MODULE", "run_job_process", "run_rank"]
 
 EndState = Callable[[Session, FineTuningJob], None]
 
@@ -154,18 +163,19 @@ def _claim_standalone(s: Session, job: FineTuningJob, hostname: str, settings: S
     )
 
 
-def job_ranks(resources: dict[str, Any] | None) -> int:
-    """The ranks a job row's ``resources`` asks for on one node (``gpus``; missing: one)."""
-    try:
-        return max(1, int((resources or {}).get("gpus", 1)))
-    except (TypeError, ValueError):
-        return 1
+@dataclass(frozen=True)
+class _Loaded:
+    """What the runner reads of the job: its spec's parts, its current resolution, the data files' params."""
+
+    spec: dict[str, Any]
+    resolution: Resolution | None
+    #: The training file's example count (a job resolved before resolutions were recorded has no other).
+    num_examples: int
+    paths: dict[str, str]
 
 
-def _load(
-    url: str, job_id: str, hostname: str, settings: Settings, *, world: int = 1
-) -> int | tuple[dict[str, Any], dict[str, str]]:
-    """The spec's fields and the data files' params, or the exit code when the job is not to run here."""
+def _load(url: str, job_id: str, hostname: str, settings: Settings, *, world: int = 1) -> int | _Loaded:
+    """The job's spec parts and resolution, or the exit code when the job is not to run here."""
     with session_scope(url) as s:
         job = jobs.lock_job(s, job_id)
         if job is None:
@@ -173,8 +183,8 @@ def _load(
             return EXIT_DONE
         if JobStatus(job.status).terminal:
             return EXIT_DONE
-        if job_gpus(job.resources) != world:  # never run a job on other ranks than it asks for (all nodes')
-            log.error("job %s asks for %d rank(s); this group has %d", job_id, job_gpus(job.resources), world)
+        if job.world_size != world:  # never run a job on other ranks than it asks for (all nodes')
+            log.error("job %s asks for %d rank(s); this group has %d", job_id, job.world_size, world)
             return EXIT_WRONG_RANKS
         if not _claim_standalone(s, job, hostname, settings):
             log.warning("job %s is %s on %s: not ours", job_id, job.status, job.worker_hostname)
@@ -188,32 +198,30 @@ def _load(
         validation = s.get(File, job.validation_file_id) if job.validation_file_id else None
         output_dir = Path(job.output_dir) if job.output_dir else settings.resolved_jobs_dir / job.id
         job.output_dir = str(output_dir)
-        fields: dict[str, Any] = dict(
+        request = job.request
+        hp = request.hyperparameters.model_copy(update={"seed": job.seed})  # the seed the create drew
+        files = {
+            "training_file": training.storage_path if training else "",
+            "validation_file": validation.storage_path if validation else None,
+        }
+        spec: dict[str, Any] = dict(
+            request=request.model_copy(update={"hyperparameters": hp}),
             model=model,
             model_name=job.model,  # the API's id: the adapter and model card name it, not the folder
-            training_file=training.storage_path if training else "",
-            validation_file=validation.storage_path if validation else None,
-            hyperparameters=job.hyperparameters,
-            engine=job.engine,
-            seed=job.seed,
+            **files,
             output_dir=output_dir,
-            resources=job.resources,
+            engine_tuning=settings.engine_tuning,
         )
-    paths = {
-        str(Path(p)): name
-        for p, name in (
-            (fields["training_file"], "training_file"),
-            (fields["validation_file"], "validation_file"),
-        )
-        if p
-    }
-    return fields, paths
+        num_examples = (training.num_examples if training else 0) or 1
+        resolution = job.resolution
+    paths = {str(Path(p)): name for name, p in files.items() if p}
+    return _Loaded(spec, resolution, num_examples, paths)
 
 
 def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any = None) -> int:
     """Run the job to an end state; see the module docstring for the exit codes. ``dist``: this is rank
     0 of the job's :class:`trainer.run.distributed.DistContext` (None: the only process)."""
-    from trainer.spec import spec_from_job
+    from trainer.spec import spec_of_request
 
     settings = settings or get_settings()
     url, window = settings.resolved_database_url, settings.job_db_outage_seconds
@@ -232,32 +240,30 @@ def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any 
             return EXIT_DB_UNAVAILABLE
         if isinstance(loaded, int):
             return loaded
-        fields, paths = loaded
-
         try:
-            spec = spec_from_job(**fields)
+            spec = spec_of_request(**loaded.spec)
         except Exception as e:
             msg = scrub(str(e))
             announce(None)
             return _finish(
                 url, job_id, hostname, _failed("invalid_job", msg, event=f"Invalid job: {msg}"), window
             )
-        return _supervised(spec, job_id, url, hostname, paths, settings, dist, announce)
+        return _supervised(spec, loaded, job_id, url, hostname, settings, dist, announce)
     finally:
         announce(None)  # whatever stopped the job before it ran: the other ranks exit
 
 
 def _supervised(
-    spec: Any,
+    spec: JobSpec,
+    loaded: _Loaded,
     job_id: str,
     url: str,
     hostname: str,
-    paths: dict[str, str],
     settings: Settings,
     dist: Any,
     announce: Announce,
 ) -> int:
-    """The claimed job with its monitor and writer running: the admission recheck, then the run."""
+    """The claimed job with its monitor and writer running: its resolution for this worker, then the run."""
     window = settings.job_db_outage_seconds
     interrupted = threading.Event()  # the database away for longer than the window
     monitor = JobMonitor(
@@ -287,19 +293,22 @@ def _supervised(
     monitor.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: monitor.preempted.set())
     try:
-        # Rather than run out of memory halfway: the job's plan against this worker's capacity. After
-        # the heartbeat has started: planning (and measuring a capacity the worker has not registered
-        # yet) can take seconds, longer than a short heartbeat timeout.
-        if (refused := fit.recheck(url, job_id, hostname, spec, window=window)) is not None:
+        # Rather than run out of memory halfway: the job's resolution for this worker's machine (a new
+        # one, planned, when the worker differs from the one it was resolved for). After the heartbeat
+        # has started: planning (and measuring a capacity the worker has not registered yet) can take
+        # seconds, longer than a short heartbeat timeout.
+        decided = _resolution_here(spec, loaded, url, hostname, writer, window)
+        if isinstance(decided, fit.Refusal):
             monitor.stop()
             announce(None)
             return _finish(
                 url,
                 job_id,
                 hostname,
-                _failed(fit.CODE, refused.message, param=refused.param, event=refused.message),
+                _failed(fit.CODE, decided.message, param=decided.param, event=decided.message),
                 window,
             )
+        assert spec.output_dir is not None
         if (short := _space_short(spec.output_dir, writer, window)) is not None:
             monitor.stop()
             announce(None)
@@ -308,12 +317,55 @@ def _supervised(
             monitor.stop()
             announce(None)
             return _finish(url, job_id, hostname, monitor.quota.end_state(), window)
-        announce(spec)
-        return _Run(spec, job_id, url, hostname, monitor, writer, paths, settings, dist).run()
+        announce((spec, decided[0]))
+        run = _Run(spec, job_id, url, hostname, monitor, writer, loaded.paths, settings, dist)
+        return run.run(*decided)
     finally:
         signal.signal(signal.SIGTERM, previous)
         monitor.stop()
         writer.close()
+
+
+def _resolution_here(
+    spec: JobSpec, loaded: _Loaded, url: str, hostname: str, writer: ReportWriter, window: float
+) -> tuple[Resolution, Machine] | fit.Refusal:
+    """The job's resolution on this worker's machine and the machine: the job's own while it holds (the
+    machine it was planned for, the checkpoint it resumes), else a new one, recorded on the job; the
+    refusal when the job does not fit here."""
+    from trainer.resolve import Counts, for_run
+    from trainer.run.checkpoint import checkpoint_pins
+    from trainer.run.setup import plan_event
+
+    capacity = fit.worker_capacity(url, hostname, window=window)
+    machine = to_machine(capacity)
+    given = loaded.resolution
+    counts = (
+        Counts(given.num_examples, given.num_tokens) if given is not None else Counts(loaded.num_examples)
+    )
+    assert spec.output_dir is not None
+    resolution, plan, new = for_run(spec, given, machine, counts, checkpoint_pins(spec.output_dir))
+    if not new:
+        return resolution, machine
+    if plan is not None and not plan.fits:
+        refused = fit.refusal_here(spec, hostname, capacity, counts)
+        if refused is not None:
+            return refused
+    changes = resolution.job.changes(given.job) if given is not None else {}
+    shown = "; ".join(f"{k} {v['from']} -> {v['to']}" for k, v in changes.items())
+    events = [plan_event(plan)] if plan is not None else []
+    text = f"Settings decided again on worker {hostname}: {resolution.reason}" + (
+        f" ({shown})" if shown else ""
+    )
+    writer.put(
+        Write(
+            resolution=resolution.model_dump(mode="json"),
+            events=[
+                *(event_row(e.message, level=e.level, data=e.data) for e in events),
+                event_row(text, level="warning" if given is not None else "info", data={"changes": changes}),
+            ],
+        )
+    )
+    return resolution, machine
 
 
 def _space_short(output_dir: Path, writer: ReportWriter, window: float) -> int | None:
@@ -353,15 +405,15 @@ class _Run:
         self.out = Path(spec.output_dir)
         self.spool = self.out / SPOOL_NAME
 
-    def run(self) -> int:
+    def run(self, resolution: Resolution, machine: Machine) -> int:
         """The run with its tracking (worker.tracking), closed before the end state on success."""
         tracking = open_tracking(self.url, self.job_id, self.settings, self.writer, self.out)
         try:
-            return self._train(tracking)
+            return self._train(tracking, resolution, machine)
         finally:
             tracking.close(succeeded=False)  # a no-op once closed
 
-    def _train(self, tracking: Tracking) -> int:
+    def _train(self, tracking: Tracking, resolution: Resolution, machine: Machine) -> int:
         from trainer.data.dataset import DatasetValidationError
         from trainer.model.catalog import UnknownModelError
         from trainer.model.folder_check import ModelFolderError
@@ -382,9 +434,14 @@ class _Run:
         try:
             try:
                 # Prometheus telemetry of this run sees every event after the database.
-                with track_job(self.job_id, base_model=spec.model, mode=spec.engine.mode) as tj:
+                with track_job(self.job_id, base_model=spec.model, mode=resolution.job.engine.mode) as tj:
                     result = run_training(
-                        spec, on_event=tj.wrap(on_event), should_cancel=monitor.should_stop, dist=self.dist
+                        spec,
+                        on_event=tj.wrap(on_event),
+                        should_cancel=monitor.should_stop,
+                        dist=self.dist,
+                        resolution=resolution,
+                        machine=machine,
                     )
             finally:
                 monitor.stop()

@@ -38,6 +38,7 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
+from contract.job import Resolution
 from store import model_ids
 from store.db import session_scope
 from store.ids import new_id
@@ -95,6 +96,8 @@ class Write:
     #: The complete checkpoints on disk, ``[{"step", "path", "metrics"}]``: rows are made for those
     #: without one, and rows of checkpoints not on disk deleted.
     checkpoints_on_disk: list[dict[str, Any]] | None = None
+    #: A resolution the run made (contract.job.Resolution as JSON), appended to the job's resolutions.
+    resolution: dict[str, Any] | None = None
     #: From a spool: may have been written already (its event ids are checked first).
     replayed: bool = False
 
@@ -119,6 +122,23 @@ _METRIC_COLUMNS: dict[str, Any] = {
 }
 
 
+def _append_resolutions(s: Session, job_id: str, made: list[dict[str, Any]]) -> None:
+    """The run's new resolutions after the job's (one written already, by a batch whose commit went
+    through before its connection dropped, is not added twice)."""
+    if not made:
+        return
+    current = list(s.scalar(select(FineTuningJob.resolutions).where(FineTuningJob.id == job_id)) or [])
+    for r in (Resolution.model_validate(m) for m in made):
+        if r not in current:
+            current.append(r)
+    s.execute(
+        update(FineTuningJob)
+        .where(FineTuningJob.id == job_id)
+        .values(resolutions=current)
+        .execution_options(synchronize_session=False)
+    )
+
+
 def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, maybe_written: bool) -> None:
     """Write ``batch`` in order in the session's transaction, in a few statements whatever its size (a
     transaction that must fit between two dropped connections); JobLost when the job is no longer ours."""
@@ -138,6 +158,7 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
     assert isinstance(res, CursorResult)
     if res.rowcount != 1:
         raise JobLost(job_id)
+    _append_resolutions(s, job_id, [w.resolution for w in batch if w.resolution is not None])
     if maybe_written:
         ids = [e["id"] for w in batch for e in w.events]
         done = set(s.scalars(select(JobEvent.id).where(JobEvent.id.in_(ids)))) if ids else set()

@@ -399,7 +399,7 @@ def track_job(
 ) -> Iterator[TrackedJob]:
     """Telemetry of one job run, for the job runner::
 
-        with track_job(job.id, base_model=spec.model, mode=spec.engine.mode) as tj:
+        with track_job(job.id, base_model=spec.model, mode=resolution.job.engine.mode) as tj:
             result = run_training(spec, on_event=tj.wrap(reporter), should_cancel=...)
 
     ``zenflow_worker_current_job`` is 1 inside the block; on the way out the job is counted in

@@ -28,6 +28,19 @@ log = logging.getLogger("zenflow.tracking")
 _LOAD_SECONDS = 30.0
 
 
+def _settings(job: FineTuningJob) -> dict[str, Any]:
+    """The job's settings as resolved (its request's, for a job not resolved yet)."""
+    if job.resolution is not None:
+        resolved = job.resolution.job
+        return {
+            "method": resolved.method.model_dump(mode="json"),
+            "hyperparameters": resolved.hyperparameters.model_dump(mode="json"),
+            "engine": resolved.engine.model_dump(mode="json"),
+            "resources": resolved.resources.model_dump(mode="json"),
+        }
+    return job.request.model_dump(mode="json", include={"method", "hyperparameters", "engine", "resources"})
+
+
 def _load(url: str, job_id: str, output_dir: Path) -> tuple[list[Any], TrackingContext] | None:
     with session_scope(url) as s:
         job = s.get(FineTuningJob, job_id)
@@ -39,9 +52,7 @@ def _load(url: str, job_id: str, output_dir: Path) -> tuple[list[Any], TrackingC
             "validation_file": job.validation_file_id,
             "seed": job.seed,
             "suffix": job.suffix,
-            "hyperparameters": job.hyperparameters or {},
-            "engine": job.engine or {},
-            "resources": job.resources or {"gpus": 1},
+            **_settings(job),
         }
         ctx = TrackingContext(job.id, job.team_id, model_ids.job_model_id(s, job), output_dir, params)
         return list(job.integrations), ctx

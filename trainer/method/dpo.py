@@ -1,5 +1,5 @@
-"""DPO's objective (Rafailov et al. 2023): the sigmoid loss over a pair's chosen and rejected
-completions against a frozen reference model.
+"""Direct preference optimization (Rafailov et al. 2023): the sigmoid loss over a pair's chosen and
+rejected completions against a frozen reference model (:class:`DpoTraining`, the method in a run).
 
 For a pair, ``logp`` is the summed log-probability of a completion's learned tokens (its assistant output;
 the shared input is masked, :mod:`trainer.data.preference`), ``r = beta * (logp_policy - logp_reference)``
@@ -34,14 +34,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.data.batching import Batch, collate
+from contract.method import ResolvedDpo, ResolvedMethod
+from trainer.data.batching import Batch, collate, rank_part
 from trainer.data.example import IGNORE_INDEX, Example, PreferencePair
-from trainer.events import PreferenceMetrics
+from trainer.events import EvalEvent, LogEvent, PreferenceMetrics
+from trainer.method.base import Batching, MethodSetup
 from trainer.run.distributed import DistContext, all_sum
 
 if TYPE_CHECKING:
     import torch
 
+#: What ``beta: "auto"`` resolves to: the DPO paper's (Rafailov et al. 2023) and TRL's default. It is the
+#: KL penalty's weight: 0.1 lets the policy move well away from the reference in a few hundred steps
+#: (0.5 holds it close, 0.01 lets it drift into degenerate text); no data-dependent rule is known to beat it.
+AUTO_DPO_BETA = 0.1
 #: The reference log-probabilities of a full fine-tuning DPO job, in its output directory.
 REFERENCE_FILE = "dpo-reference.safetensors"
 
@@ -212,8 +218,6 @@ def reference_table(
     import torch
     from safetensors.torch import load_file, save_file
 
-    from trainer.data.batching import rank_part
-
     path = out / REFERENCE_FILE
     fp = _fingerprint(model_name, str(next(model.parameters()).dtype), sets)
     if path.is_file():
@@ -243,3 +247,70 @@ def reference_table(
         save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp), metadata={"fingerprint": fp})
         tmp.replace(path)
     return tables, True
+
+
+class DpoTraining:
+    """:class:`trainer.method.base.TrainingMethod` of ``dpo``: pairs in micro-batches, the DPO loss against
+    the reference, the reward statistics of each step and validation."""
+
+    def __init__(self, beta: float) -> None:
+        self.objective = DpoObjective(beta, None)
+
+    @classmethod
+    def of(cls, resolved: ResolvedMethod) -> DpoTraining:
+        assert isinstance(resolved, ResolvedDpo)
+        return cls(resolved.beta)
+
+    def prepare(self, setup: MethodSetup) -> None:
+        """Dropout off (the policy's and the reference's forwards agree at step 0); a full fine-tune's
+        reference table, before the engine or a checkpoint touches the weights (LoRA jobs disable the
+        adapter instead). With sharded weights every rank computes every pair (FSDP's gathers)."""
+        disable_dropout(setup.model)
+        if setup.lora:
+            return
+        sets = {"train": setup.train, **({"valid": setup.valid} if setup.valid else {})}
+        table, computed = reference_table(
+            setup.model,
+            sets,
+            setup.out,
+            model_name=setup.model_name,
+            micro_batch_size=setup.batching.hp.micro_batch_size,
+            pad_id=setup.batching.pad_id,
+            device=setup.batching.device,
+            dist=setup.dist,
+            split=not setup.sharded,
+        )
+        self.objective.table = table
+        how = "computed in a pass before training" if computed else "read back"
+        pairs = sum(len(v) for v in sets.values())
+        setup.emit(LogEvent(f"DPO reference log-probabilities of {pairs} pairs {how} ({REFERENCE_FILE})"))
+
+    def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[PairBatch]:
+        return pair_micro_batches(examples, index, b.hp.micro_batch_size, pad_id=b.pad_id, device=b.device)
+
+    def loss(self, model: Any, mb: Any) -> torch.Tensor:
+        return self.objective.loss(model, mb)
+
+    def step_metrics(self, dist: DistContext | None) -> PreferenceMetrics | None:
+        return self.objective.take_step(dist)
+
+    def evaluate(
+        self,
+        model: Any,
+        valid: list[Example],
+        b: Batching,
+        dist: DistContext | None,
+        sharded: bool,
+        step: int,
+    ) -> EvalEvent:
+        """The validation pairs' mean DPO loss and preference metrics (each rank its part; with sharded
+        weights every rank runs every pair, as FSDP's gathers need all ranks in every pass)."""
+        split = dist if dist is not None and not sharded else None
+        index = list(range(len(valid)))
+        if split is not None:
+            index = rank_part(index, split.rank, split.world_size)
+        sums = self.objective.evaluate_sums(
+            model, [valid[i] for i in index], index, b.hp.micro_batch_size, pad_id=b.pad_id, device=b.device
+        )
+        loss, metrics, n = eval_result(all_sum(split, sums))
+        return EvalEvent(step, loss, n, metrics)

@@ -1,0 +1,79 @@
+"""What a fine-tuning method owns in a run (:class:`TrainingMethod`): its set-up before the engine is
+built, its micro-batches, its loss, what each step and each validation report. The loop
+(:mod:`trainer.run.loop`) and the step (:mod:`trainer.run.step`) are the same for every method."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from trainer.data.example import Example
+from trainer.events import EvalEvent, Event, PreferenceMetrics
+from trainer.run.distributed import DistContext
+
+if TYPE_CHECKING:
+    import torch
+
+    from contract.hyperparameters import ResolvedHyperparameters
+    from trainer.run.step import MicroBatch
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the run cuts examples into micro-batches: the resolved runtime and the device."""
+
+    hp: ResolvedHyperparameters
+    pad_id: int
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class MethodSetup:
+    """What a method may prepare before the engine is built (the model as the run will train it)."""
+
+    model: Any
+    train: list[Example]
+    valid: list[Example]
+    out: Path
+    batching: Batching
+    #: The base model's name (a reference table's fingerprint) and whether LoRA trains.
+    model_name: str
+    lora: bool
+    dist: DistContext | None
+    #: The weights are row-sharded over the ranks (every rank runs every pass).
+    sharded: bool
+    emit: Callable[[Event], None]
+
+
+class TrainingMethod(Protocol):
+    """A fine-tuning method in a run (see the module doc)."""
+
+    def prepare(self, setup: MethodSetup) -> None:
+        """Before the engine or a checkpoint touches the weights (DPO: dropout off, the reference)."""
+        ...
+
+    def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[MicroBatch]:
+        """``examples`` (at ``index`` in the training set) as this method's micro-batches."""
+        ...
+
+    def loss(self, model: Any, mb: Any) -> torch.Tensor:
+        """A micro-batch's summed loss over its ``num_learned`` units (tokens, pairs), with grad."""
+        ...
+
+    def step_metrics(self, dist: DistContext | None) -> PreferenceMetrics | None:
+        """What the finished step reports beside its loss (collective with ranks)."""
+        ...
+
+    def evaluate(
+        self,
+        model: Any,
+        valid: list[Example],
+        b: Batching,
+        dist: DistContext | None,
+        sharded: bool,
+        step: int,
+    ) -> EvalEvent:
+        """The validation set's loss (and the method's metrics) on the current weights."""
+        ...
