@@ -98,19 +98,21 @@ def run_one(
     max_steps: int | None,
     dtype: str | None = None,
 ) -> Run:
+    from contract.engine import EngineRequest
+    from contract.hyperparameters import HyperparametersRequest
     from trainer.run.loop import run_training
-    from trainer.spec import EngineSettings, Hyperparameters, load_spec
+    from trainer.spec import load_spec
 
     with tempfile.TemporaryDirectory(prefix="zenflow-convergence-") as tmp:
         spec = load_spec(spec_path, output_dir=tmp)
-        hp = spec.hyperparameters.model_dump()
+        hp = spec.hyperparameters.model_dump(exclude_unset=True)
         hp["seed"] = seed
         if max_steps is not None:
             hp["max_steps"] = max_steps
-        settings = EngineSettings(**{**spec.engine.model_dump(exclude={"lr"}), **engine})
+        settings = EngineRequest(**{**spec.engine.model_dump(exclude_unset=True), **engine})
         update: dict[str, Any] = {
             "engine": settings,
-            "hyperparameters": Hyperparameters(**hp),
+            "hyperparameters": HyperparametersRequest(**hp),
             "device": device,
         }
         if dtype is not None:

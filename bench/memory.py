@@ -17,7 +17,7 @@ Measured, per built-in model (fp32 on the CPU, a padded micro-batch of ``--micro
 - engine: ``ZenFlowEngine.memory()`` (measured from its tensors) and ``StepMetrics.host_bytes`` after
   one step, per mode, against :func:`trainer.plan.engine.engine_bytes`.
 
-Speed ratios: :func:`trainer.plan.planner.plan_job` on each GPU with 128 GiB of host memory and 32 cores,
+Speed ratios: :func:`trainer.resolve.plan_spec` on each GPU with 128 GiB of host memory and 32 cores,
 batch 8 x 2048, engine defaults (and zenflow with ``accumulate_on: device``); the ratio is offload's
 predicted step time over zenflow's (a prediction: ``bench/gpu_check.sh`` measures it on a GPU).
 DeepSpeed: the plan's model-state bytes (weights, gradients, optimizer state; on the host the engine's

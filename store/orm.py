@@ -73,6 +73,15 @@ class ResolutionsJSON(TypeDecorator[list[Resolution]]):
         return [] if value is None else RESOLUTIONS.validate_python(value)
 
 
+def _bare_request(context: Any) -> JobRequest:
+    """The request of a row inserted without one: its model and files, every setting left unset (a
+    create always writes the request it was given)."""
+    row = context.get_current_parameters()
+    return JobRequest(
+        model=row["model"], training_file=row["training_file_id"], validation_file=row.get("validation_file_id")
+    )
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
@@ -156,7 +165,7 @@ class FineTuningJob(Base):
     status: Mapped[str] = mapped_column(String(32), default=JobStatus.validating_files.value, index=True)
     #: What the client asked: method, hyperparameters, engine, resources (contract.job.JobRequest; the
     #: model and the files are the columns of their own).
-    request: Mapped[JobRequest] = mapped_column(RequestJSON, nullable=True)  # written by every create
+    request: Mapped[JobRequest] = mapped_column(RequestJSON, nullable=True, default=_bare_request)
     #: What the job is: its resolutions (contract.job.Resolution), the first made at create, one more each
     #: time a run had to decide again; the last one is current. Empty only for a job created before
     #: resolutions were recorded and not run since (its run resolves it).

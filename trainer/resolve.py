@@ -74,12 +74,13 @@ class _Sourced:
         self.sources: dict[str, Source] = {}
 
     def pick(self, path: str, given: Any, fallback: Any, source: Source, *, asked: bool = True) -> Any:
-        """``given`` when the request gave it (``asked``, not ``auto``), else ``fallback`` from ``source``."""
-        if asked and given != "auto":
-            self.sources[path] = "request"
-            return given
-        self.sources[path] = source
-        return fallback
+        """``given`` unless it is ``auto``, then ``fallback`` from ``source``; a value given is the
+        request's when it asked for it (``asked``), else the contract's default."""
+        if given == "auto":
+            self.sources[path] = source
+            return fallback
+        self.sources[path] = "request" if asked else "default"
+        return given
 
 
 # --- hyperparameters ------------------------------------------------------------------------------

@@ -11,23 +11,23 @@ import pytest
 from api.core.errors import APIError
 from api.jobs import checks
 from api.jobs.views import job_hyperparameters, planned_total_steps, queued_message
+from trainer.resolve import Counts, resolve
 from trainer.run.setup import engine_memory_text
+from trainer.spec import JobSpec
 from worker.capacity.measure import WorkerCapacity
 
 
-def _job(total_steps: int | None, resolved: dict[str, object] | None) -> SimpleNamespace:
-    return SimpleNamespace(
-        total_steps=total_steps, hyperparameters={"n_epochs": 3}, resolved_hyperparameters=resolved
-    )
+def _job(total_steps: int | None, resolved: bool) -> tuple[SimpleNamespace, dict[str, object]]:
+    spec = JobSpec(model="tiny-llama", training_file="t.jsonl", hyperparameters={"n_epochs": 3, "batch_size": 8})
+    request = checks.job_request(spec, model="tiny-llama", training_file="file-1", validation_file=None)
+    current = resolve(spec, None, Counts(400), at="create", reason="t")[0] if resolved else None
+    return SimpleNamespace(total_steps=total_steps), job_hyperparameters(request, current)
 
 
 def test_a_queued_job_shows_the_resolved_total_steps() -> None:
-    queued = _job(None, {"n_epochs": 3, "batch_size": 8, "total_steps": 150})
-    assert planned_total_steps(queued, job_hyperparameters(queued)) == 150
-    running = _job(192, {"total_steps": 150})  # the run's own count once it has started
-    assert planned_total_steps(running, job_hyperparameters(running)) == 192
-    unknown = _job(None, None)
-    assert planned_total_steps(unknown, job_hyperparameters(unknown)) is None
+    assert planned_total_steps(*_job(None, True)) == 150
+    assert planned_total_steps(*_job(192, True)) == 192  # the run's own count once it has started
+    assert planned_total_steps(*_job(None, False)) is None
 
 
 @pytest.mark.parametrize(

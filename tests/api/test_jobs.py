@@ -68,7 +68,16 @@ def test_create_job_shape_and_enqueue(
     assert job["method"] == {"type": "supervised", "supervised": {"hyperparameters": job["hyperparameters"]}}
     assert job["seed"] == 7 and job["suffix"] == "demo" and job["user_provided_suffix"] == "demo"
     assert job["metadata"] == {"owner": "ml"} and job["integrations"] == [] and job["finished_at"] is None
-    assert job["engine"] == {"mode": "zenflow", "topk_ratio": 0.05}
+    # the engine as resolved at create: every value concrete, with where it came from
+    engine, sources = job["engine"], job["sources"]
+    assert engine["mode"] == "zenflow" and engine["topk_ratio"] == 0.05 and engine["update_interval"] == 1
+    assert sources["engine.mode"] == sources["engine.topk_ratio"] == "request"
+    assert sources["engine.update_interval"] == "model" and sources["engine.eps"] == "default"
+    assert sources["engine.accumulate_on"] == "default" and sources["hyperparameters.n_epochs"] == "request"
+    assert sources["hyperparameters.learning_rate"] == "model" and sources["hyperparameters.total_steps"] == "data"
+    assert {k for k in sources if k.startswith("engine.")} == {f"engine.{k}" for k in engine}
+    (first,) = job["resolutions"]
+    assert first["at"] == "create" and first["changes"] == {} and first["plan"].startswith("Plan: fits")
     assert job["queue_position"] >= 1 and job["error"] is None
     assert (job["id"], settings.default_queue) in enqueued.calls
     assert client.get(f"{JOBS}/{job['id']}", headers=team.headers).json()["id"] == job["id"]
@@ -85,14 +94,31 @@ def test_create_job_shape_and_enqueue(
 def test_engine_auto_is_accepted_at_create(
     client: TestClient, team: TeamKey, fid: str, engine: dict[str, Any]
 ) -> None:
-    """``auto`` (documented, and the console's default choice) is resolved by the job's plan, not refused."""
+    """``auto`` (documented, and the console's default choice) is resolved by the job's plan at create: the
+    job object shows the value and the plan as its source, never ``auto``."""
     r = create(client, team, {"model": "tiny-llama", "training_file": fid, "engine": engine})
     assert r.status_code == 200, r.text
-    assert r.json()["engine"] == engine  # as given: the plan resolves it when the job runs
+    job = r.json()
+    for field, given in engine.items():
+        assert job["engine"][field] == given if given != "auto" else job["engine"][field] != "auto"
+        assert job["sources"][f"engine.{field}"] == ("request" if given != "auto" else "plan")
+    assert "auto" not in job["engine"].values()
+
+
+def test_an_engine_tuning_field_is_refused_naming_it(client: TestClient, team: TeamKey, fid: str) -> None:
+    """The engine's internal knobs are each worker's tuning, not a job's: a create naming one is a 400
+    naming it (and the settings a job may give), nothing written."""
+    for field in ("cpu_chunk_elements", "bind_worker_cores", "landing_buffers"):
+        r = create(client, team, {"model": "tiny-llama", "training_file": fid, "engine": {field: 1}})
+        assert r.status_code == 400, r.text
+        err = error_of(r)
+        assert err["param"] == f"engine.{field}" and "not an engine setting a job may give" in err["message"]
+        assert "topk_ratio" in err["message"] and "ZENFLOW_ENGINE_TUNING" in err["message"]
+    assert client.get(JOBS, headers=team.headers).json()["data"] == []
 
 
 def test_openapi_shows_the_engine_fields(client: TestClient) -> None:
-    """The request body's ``engine`` is the job library's EngineSettings, so clients see its fields."""
+    """The request body's ``engine`` is the contract's EngineRequest: its public fields, no worker tuning."""
     spec = client.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
     engine = schemas["JobCreate"]["properties"]["engine"]
@@ -100,6 +126,8 @@ def test_openapi_shows_the_engine_fields(client: TestClient) -> None:
     fields = schemas[ref]["properties"]
     assert {"mode", "accumulate_on", "topk_ratio", "update_interval", "select_interval"} <= set(fields)
     assert set(fields["mode"]["enum"]) == {"auto", "device", "offload", "zenflow"}
+    assert not {"cpu_chunk_elements", "bind_worker_cores", "landing_buffers", "lr"} & set(fields)
+    assert "the fastest mode that fits" in " ".join(fields["mode"]["description"].split())
 
 
 def test_create_commits_then_enqueues_then_stamps_dispatched_at(

@@ -37,11 +37,10 @@ def _another_job(url: str, like: str) -> str:
             model=src.model,
             training_file_id=src.training_file_id,
             status=JobStatus.queued.value,
-            hyperparameters=src.hyperparameters,
-            engine=src.engine,
+            request=src.request,
+            resolutions=src.resolutions,
             seed=src.seed,
             queue=src.queue,
-            resources=src.resources,
         )
         s.add(job)
         s.flush()

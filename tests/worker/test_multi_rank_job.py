@@ -192,7 +192,6 @@ def test_launcher_refuses_more_ranks_than_gpus() -> None:
 
 def test_rank_labels_and_peer_loss(monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.job.ranks import peer_lost
-    from worker.job.runner import job_ranks
     from worker.metrics.telemetry import gpu_label
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -219,7 +218,6 @@ def test_rank_labels_and_peer_loss(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("checkpoint 10 failed on rank 0") from e
     except RuntimeError as wrapped:
         assert peer_lost(wrapped)
-    assert (job_ranks(None), job_ranks({}), job_ranks({"gpus": 2})) == (1, 1, 2)
 
 
 # --- a real 2-rank job ---------------------------------------------------------------------------

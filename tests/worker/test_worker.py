@@ -23,6 +23,7 @@ import pytest
 from sqlalchemy import func, select
 
 from store.db import session_scope
+from contract.job import JobRequest
 from store.orm import (
     File,
     FineTuningJob,
@@ -91,13 +92,24 @@ def make_job(
             "checkpoint_every": 5,
             **(hyperparameters or {}),
         }
+        resources = cols.pop("resources", None)
+        method = hp.pop("dpo", None)
+        request = JobRequest.model_validate(
+            {
+                "model": "tiny-llama",
+                "training_file": f.id,
+                "hyperparameters": hp,
+                "engine": engine or {"mode": "device"},
+                **({"resources": resources} if resources else {}),
+                **({"method": {"type": "dpo", **method}} if method is not None else {}),
+            }
+        )
         job = FineTuningJob(
             team_id=team.id,
             model="tiny-llama",
             training_file_id=f.id,
             status=status,
-            hyperparameters=hp,
-            engine=engine or {"mode": "device"},
+            request=request,  # not resolved: the worker resolves it, as a job created before resolutions
             seed=1,
             queue=queue,
             **cols,
@@ -325,7 +337,11 @@ def test_job_runner_reports_to_the_database(settings: Settings, tmp_path: Path) 
     assert run_job_process(job_id) == 0
     job = get_job(url, job_id)
     assert job.status == "succeeded" and job.attempts == 1 and job.global_step == job.total_steps == 10
-    assert job.resolved_hyperparameters["batch_size"] == 4 and job.trained_tokens  # type: ignore[index]
+    assert job.trained_tokens and job.resolution is not None
+    # made without a resolution (as a job created before they were recorded): the worker resolved it
+    (run,) = job.resolutions
+    assert run.at == "run" and run.job.hyperparameters.batch_size == 4 and run.job.engine.mode == "device"
+    assert run.job.sources["engine.mode"] == "request" and run.machine is not None and run.num_examples == 40
     assert job.output_dir == str(settings.resolved_jobs_dir / job_id)
     assert job.fine_tuned_model and job.fine_tuned_model.startswith("ft:tiny-llama:t-")
     assert job.fine_tuned_model.endswith(f"::{job_id}")

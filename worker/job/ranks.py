@@ -82,7 +82,8 @@ def run_peer_rank(job_id: str, dist: Any) -> int:
         if job is None:
             return EXIT_DONE
         spec, resolution = job
-        with track_job(job_id, base_model=spec.model, mode=resolution.job.engine.mode, count=False) as tj:
+        mode = resolution.job.engine.mode if resolution is not None else "unknown"
+        with track_job(job_id, base_model=spec.model, mode=mode, count=False) as tj:
             run_training(
                 spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist, resolution=resolution
             )

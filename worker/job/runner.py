@@ -169,8 +169,6 @@ class _Loaded:
 
     spec: dict[str, Any]
     resolution: Resolution | None
-    #: The training file's example count (a job resolved before resolutions were recorded has no other).
-    num_examples: int
     paths: dict[str, str]
 
 
@@ -212,10 +210,9 @@ def _load(url: str, job_id: str, hostname: str, settings: Settings, *, world: in
             output_dir=output_dir,
             engine_tuning=settings.engine_tuning,
         )
-        num_examples = (training.num_examples if training else 0) or 1
         resolution = job.resolution
     paths = {str(Path(p)): name for name, p in files.items() if p}
-    return _Loaded(spec, resolution, num_examples, paths)
+    return _Loaded(spec, resolution, paths)
 
 
 def run_job_process(job_id: str, *, settings: Settings | None = None, dist: Any = None) -> int:
@@ -328,10 +325,11 @@ def _supervised(
 
 def _resolution_here(
     spec: JobSpec, loaded: _Loaded, url: str, hostname: str, writer: ReportWriter, window: float
-) -> tuple[Resolution, Machine] | fit.Refusal:
+) -> tuple[Resolution | None, Machine] | fit.Refusal:
     """The job's resolution on this worker's machine and the machine: the job's own while it holds (the
     machine it was planned for, the checkpoint it resumes), else a new one, recorded on the job; the
-    refusal when the job does not fit here."""
+    refusal when the job does not fit here. A job not resolved yet (created before resolutions were
+    recorded) is resolved by its run, once its data is counted."""
     from trainer.resolve import Counts, for_run
     from trainer.run.checkpoint import checkpoint_pins
     from trainer.run.setup import plan_event
@@ -339,9 +337,9 @@ def _resolution_here(
     capacity = fit.worker_capacity(url, hostname, window=window)
     machine = to_machine(capacity)
     given = loaded.resolution
-    counts = (
-        Counts(given.num_examples, given.num_tokens) if given is not None else Counts(loaded.num_examples)
-    )
+    if given is None:
+        return None, machine
+    counts = Counts(given.num_examples, given.num_tokens)
     assert spec.output_dir is not None
     resolution, plan, new = for_run(spec, given, machine, counts, checkpoint_pins(spec.output_dir))
     if not new:
@@ -350,7 +348,7 @@ def _resolution_here(
         refused = fit.refusal_here(spec, hostname, capacity, counts)
         if refused is not None:
             return refused
-    changes = resolution.job.changes(given.job) if given is not None else {}
+    changes = resolution.job.changes(given.job)
     shown = "; ".join(f"{k} {v['from']} -> {v['to']}" for k, v in changes.items())
     events = [plan_event(plan)] if plan is not None else []
     text = f"Settings decided again on worker {hostname}: {resolution.reason}" + (
@@ -361,7 +359,7 @@ def _resolution_here(
             resolution=resolution.model_dump(mode="json"),
             events=[
                 *(event_row(e.message, level=e.level, data=e.data) for e in events),
-                event_row(text, level="warning" if given is not None else "info", data={"changes": changes}),
+                event_row(text, level="warning", data={"changes": changes}),
             ],
         )
     )
@@ -405,7 +403,7 @@ class _Run:
         self.out = Path(spec.output_dir)
         self.spool = self.out / SPOOL_NAME
 
-    def run(self, resolution: Resolution, machine: Machine) -> int:
+    def run(self, resolution: Resolution | None, machine: Machine) -> int:
         """The run with its tracking (worker.tracking), closed before the end state on success."""
         tracking = open_tracking(self.url, self.job_id, self.settings, self.writer, self.out)
         try:
@@ -413,7 +411,7 @@ class _Run:
         finally:
             tracking.close(succeeded=False)  # a no-op once closed
 
-    def _train(self, tracking: Tracking, resolution: Resolution, machine: Machine) -> int:
+    def _train(self, tracking: Tracking, resolution: Resolution | None, machine: Machine) -> int:
         from trainer.data.dataset import DatasetValidationError
         from trainer.model.catalog import UnknownModelError
         from trainer.model.folder_check import ModelFolderError
@@ -434,7 +432,8 @@ class _Run:
         try:
             try:
                 # Prometheus telemetry of this run sees every event after the database.
-                with track_job(self.job_id, base_model=spec.model, mode=resolution.job.engine.mode) as tj:
+                mode = resolution.job.engine.mode if resolution is not None else "unknown"
+                with track_job(self.job_id, base_model=spec.model, mode=mode) as tj:
                     result = run_training(
                         spec,
                         on_event=tj.wrap(on_event),
