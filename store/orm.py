@@ -78,7 +78,9 @@ def _bare_request(context: Any) -> JobRequest:
     create always writes the request it was given)."""
     row = context.get_current_parameters()
     return JobRequest(
-        model=row["model"], training_file=row["training_file_id"], validation_file=row.get("validation_file_id")
+        model=row["model"],
+        training_file=row["training_file_id"],
+        validation_file=row.get("validation_file_id"),
     )
 
 

@@ -18,7 +18,9 @@ from worker.capacity.measure import WorkerCapacity
 
 
 def _job(total_steps: int | None, resolved: bool) -> tuple[SimpleNamespace, dict[str, object]]:
-    spec = JobSpec(model="tiny-llama", training_file="t.jsonl", hyperparameters={"n_epochs": 3, "batch_size": 8})
+    spec = JobSpec(
+        model="tiny-llama", training_file="t.jsonl", hyperparameters={"n_epochs": 3, "batch_size": 8}
+    )
     request = checks.job_request(spec, model="tiny-llama", training_file="file-1", validation_file=None)
     current = resolve(spec, None, Counts(400), at="create", reason="t")[0] if resolved else None
     return SimpleNamespace(total_steps=total_steps), job_hyperparameters(request, current)

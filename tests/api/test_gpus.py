@@ -84,11 +84,19 @@ def test_two_gpu_job_is_stored_shown_and_queued_by_size(
     r = _create(client, team, uploaded_id(client, team), {"gpus": 2})
     assert r.status_code == 200, r.text
     job = r.json()
-    assert job["resources"] == {"gpus": 2, "nodes": 1} and job["status"] == "queued" and job["queue_position"] == 1
+    assert (
+        job["resources"] == {"gpus": 2, "nodes": 1}
+        and job["status"] == "queued"
+        and job["queue_position"] == 1
+    )
     assert (job["id"], x2) in enqueued.calls
     with session_scope(pg_url) as s:
         row = s.get(FineTuningJob, job["id"])
-        assert row is not None and row.request.resources.model_dump(exclude_unset=True) == {"gpus": 2} and row.queue == x2
+        assert (
+            row is not None
+            and row.request.resources.model_dump(exclude_unset=True) == {"gpus": 2}
+            and row.queue == x2
+        )
         assert row.dispatched_at is not None
         events = [e.message for e in s.query(JobEvent).filter(JobEvent.job_id == job["id"])]
     assert f"Job queued on {x2}" in events
@@ -107,7 +115,11 @@ def test_a_job_without_resources_runs_on_one_gpu_of_the_default_queue(
     assert (r.json()["id"], settings.default_queue) in enqueued.calls
     with session_scope(pg_url) as s:
         row = s.get(FineTuningJob, r.json()["id"])
-        assert row is not None and "resources" not in row.request.model_fields_set and row.queue == settings.default_queue
+        assert (
+            row is not None
+            and "resources" not in row.request.model_fields_set
+            and row.queue == settings.default_queue
+        )
     # an explicit one GPU is the same queue
     r = _create(client, team, uploaded_id(client, team), {"gpus": 1})
     assert r.status_code == 200 and r.json()["resources"] == {"gpus": 1, "nodes": 1}
@@ -262,7 +274,10 @@ def test_idempotent_replay_sees_the_resources(
     first = client.post("/v1/fine_tuning/jobs", headers=headers, json=body)
     assert first.status_code == 200, first.text
     again = client.post("/v1/fine_tuning/jobs", headers=headers, json=body)
-    assert again.headers.get("Idempotent-Replayed") == "true" and again.json()["resources"] == {"gpus": 2, "nodes": 1}
+    assert again.headers.get("Idempotent-Replayed") == "true" and again.json()["resources"] == {
+        "gpus": 2,
+        "nodes": 1,
+    }
     other = client.post("/v1/fine_tuning/jobs", headers=headers, json={**body, "resources": {"gpus": 1}})
     assert other.status_code == 409
 
@@ -532,5 +547,9 @@ def test_a_job_on_more_nodes_than_live_workers_of_its_size_is_refused_and_writes
     assert r.json()["resources"] == {"gpus": 1, "nodes": 2}
     with session_scope(pg_url) as s:
         row = s.get(FineTuningJob, r.json()["id"])
-        assert row is not None and row.request.resources.model_dump(exclude_unset=True) == {"nodes": 2, "gpus": 1} and row.queue == queue
+        assert (
+            row is not None
+            and row.request.resources.model_dump(exclude_unset=True) == {"nodes": 2, "gpus": 1}
+            and row.queue == queue
+        )
     assert _create(client, team, file_id, {"nodes": 17}).status_code == 400  # at most 16 nodes

@@ -74,7 +74,10 @@ def test_create_job_shape_and_enqueue(
     assert sources["engine.mode"] == sources["engine.topk_ratio"] == "request"
     assert sources["engine.update_interval"] == "model" and sources["engine.eps"] == "default"
     assert sources["engine.accumulate_on"] == "default" and sources["hyperparameters.n_epochs"] == "request"
-    assert sources["hyperparameters.learning_rate"] == "model" and sources["hyperparameters.total_steps"] == "data"
+    assert (
+        sources["hyperparameters.learning_rate"] == "model"
+        and sources["hyperparameters.total_steps"] == "data"
+    )
     assert {k for k in sources if k.startswith("engine.")} == {f"engine.{k}" for k in engine}
     (first,) = job["resolutions"]
     assert first["at"] == "create" and first["changes"] == {} and first["plan"].startswith("Plan: fits")

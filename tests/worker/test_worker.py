@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from store.db import session_scope
 from contract.job import JobRequest
+from store.db import session_scope
 from store.orm import (
     File,
     FineTuningJob,
