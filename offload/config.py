@@ -101,3 +101,14 @@ TUNING_FIELDS: tuple[str, ...] = (
     "loss_scale_backoff_factor",
     "loss_scale_growth_interval",
 )
+
+
+def check_tuning(values: dict[str, object]) -> None:
+    """Raise ValueError naming the field when ``values`` is not a valid engine tuning: fields of
+    :data:`TUNING_FIELDS` only, each within its bounds."""
+    unknown = sorted(set(values) - set(TUNING_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"not engine tuning fields: {', '.join(unknown)} (they are: {', '.join(TUNING_FIELDS)})"
+        )
+    EngineConfig.model_validate(values)  # a ValidationError (a ValueError) naming the field

@@ -19,7 +19,7 @@ from store.orm import FineTuningJob, JobRun, as_utc, utcnow
 
 
 def open_run(
-    session: Session, job: FineTuningJob, hostname: str, *, gpus: int = 1, now: datetime | None = None
+    session: Session, job: FineTuningJob, hostname: str, *, gpus: int, now: datetime | None = None
 ) -> JobRun:
     """Start a run of ``job`` on ``hostname`` (the caller has just claimed it)."""
     run = JobRun(

@@ -112,14 +112,9 @@ class JobSpec(BaseModel):
     @field_validator("engine_tuning")
     @classmethod
     def _tuning(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from offload.config import TUNING_FIELDS, EngineConfig
+        from offload.config import check_tuning
 
-        unknown = sorted(set(v) - set(TUNING_FIELDS))
-        if unknown:
-            raise ValueError(
-                f"not engine tuning fields: {', '.join(unknown)} (they are: {', '.join(TUNING_FIELDS)})"
-            )
-        EngineConfig.model_validate(v)  # each value within its bounds, the error naming the field
+        check_tuning(v)  # each value within its bounds, the error naming the field
         return v
 
     @property

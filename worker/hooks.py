@@ -3,7 +3,8 @@ row in the worker registry (capacity and heartbeat, :mod:`worker.capacity.presen
 the running job on a warm shutdown.
 
 Connected when this module is imported: through ``worker.celery_app`` (what ``celery -A
-worker`` loads) or the embedded worker. A metrics problem never stops a worker.
+worker`` loads) or the embedded worker. A metrics problem never stops a worker; an engine tuning
+(``ZENFLOW_ENGINE_TUNING``) the engine refuses does, at once, naming the field, before any job is taken.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from typing import Any
 
 from celery import signals
 
+from offload.config import check_tuning
+from store.settings import get_settings
 from worker import task
 from worker.capacity.presence import WorkerPresence, start_presence
 from worker.metrics.server import serve_worker_metrics
 from worker.reaper import ReaperThread, start_reaper_thread
 
 log = logging.getLogger("zenflow.worker")
+
+check_tuning(get_settings().engine_tuning)  # ValueError: ZENFLOW_ENGINE_TUNING names no valid tuning
 
 _reaper: ReaperThread | None = None
 _presence: WorkerPresence | None = None

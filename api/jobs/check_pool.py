@@ -180,23 +180,46 @@ class CheckPool:
             if loop.time() >= deadline:
                 raise CheckTimeout
 
+        slot, executor, flags = await self._lease(team, still_wanted, deadline)
+        future = self._submit(
+            slot, team, executor, replace(request, budget_seconds=max(0.0, deadline - loop.time()))
+        )
+        await self._wait(future, still_wanted, flags, slot)
+        return self._outcome(future, executor)
+
+    async def _lease(
+        self, team: str, still_wanted: Callable[[], Awaitable[None]], deadline: float
+    ) -> tuple[int, ProcessPoolExecutor, Any]:
+        """A slot of the team's share, waited for while the check is still wanted."""
+        loop = asyncio.get_running_loop()
         while True:
             await still_wanted()
             if (lease := self._take(team)) is not None:
-                break
+                return lease
             await asyncio.sleep(min(POLL_SECONDS, max(0.0, deadline - loop.time())))
-        slot, executor, flags = lease
-        budget = max(0.0, deadline - loop.time())
+
+    def _submit(
+        self, slot: int, team: str, executor: ProcessPoolExecutor, request: CheckRequest
+    ) -> Future[dict[str, Any]]:
+        """The check sent to the slot's process; the slot freed when it is done (or could not be sent)."""
         try:
-            future: Future[dict[str, Any]] = executor.submit(
-                run_check, slot, replace(request, budget_seconds=budget)
-            )
+            future: Future[dict[str, Any]] = executor.submit(run_check, slot, request)
         except BaseException:  # the pool broke, or shut down, in between
             self._release(slot, team, executor)
             self._broken(executor)
             raise
         self.submitted += 1
         future.add_done_callback(lambda _f: self._release(slot, team, executor))
+        return future
+
+    async def _wait(
+        self,
+        future: Future[dict[str, Any]],
+        still_wanted: Callable[[], Awaitable[None]],
+        flags: Any,
+        slot: int,
+    ) -> None:
+        """Until the check is done; a check no longer wanted is told to stop (its slot's flag)."""
         waiter = asyncio.wrap_future(future)
         done = False
         try:
@@ -210,6 +233,9 @@ class CheckPool:
                 flags[slot] = 1
                 waiter.cancel()  # and the process's future, when it has not started
                 self.outcomes["abandoned"] += 1
+
+    def _outcome(self, future: Future[dict[str, Any]], executor: ProcessPoolExecutor) -> dict[str, Any]:
+        """The finished check's outcome, counted; a stopped one as the timeout or cancel it was."""
         try:
             outcome = future.result()
         except BrokenProcessPool:

@@ -122,7 +122,7 @@ def _insert_or_replay(
     idempotency_key: str | None,
     digest: str,
     queued: str,
-    plan: tuple[str, dict[str, Any]],
+    plan: tuple[str, dict[str, Any]] | None = None,
 ) -> FineTuningJob | None:
     """Insert and commit ``job`` with its first events; or, when a concurrent request with the same
     ``Idempotency-Key`` got there first, the job that request made (the caller replays it).
@@ -137,7 +137,8 @@ def _insert_or_replay(
         try:
             session.flush()
             add_event(session, job.id, f"Created fine-tuning job: {job.id}", data={"status": job.status})
-            add_event(session, job.id, plan[0], data=plan[1])
+            if plan is not None:
+                add_event(session, job.id, plan[0], data=plan[1])
             add_event(session, job.id, queued, data={"status": job.status, "queue": job.queue})
             session.commit()
             return None

@@ -138,13 +138,13 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
                         "checkpoint_every": 4,
                         "eval_every": 4,
                     },
-                    "engine": {"mode": "zenflow", "topk_ratio": 0.1, "update_interval": 2},
+                    "engine": {"mode": "auto", "topk_ratio": 0.1, "update_interval": 2},
                 },
             )
             assert r.status_code == 200, r.text
             job_id = r.json()["id"]
 
-            messages, deadline = [], time.monotonic() + 600
+            messages, deadline, running = [], time.monotonic() + 600, None
             with http.stream(
                 "GET",
                 f"/v1/fine_tuning/jobs/{job_id}/events",
@@ -156,6 +156,14 @@ def test_upload_create_run_succeed_checkpoints_model_loads(
                         break
                     if line.startswith("data: "):
                         messages.append(json.loads(line[6:])["message"])
+                        if running is None and messages[-1].startswith("Step "):
+                            running = http.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+            # the running job shows its engine as resolved (never auto), with where each value came from
+            assert running is not None and running["status"] == "running", running
+            engine, sources = running["engine"], running["sources"]
+            assert engine["mode"] in ("device", "offload", "zenflow") and sources["engine.mode"] == "plan"
+            assert engine["topk_ratio"] == 0.1 and sources["engine.topk_ratio"] == "request"
+            assert {f"engine.{k}" for k in engine} <= set(sources) and "auto" not in engine.values()
             job = http.get(f"/v1/fine_tuning/jobs/{job_id}").json()
             assert job["status"] == "succeeded", (
                 job,

@@ -159,6 +159,34 @@ def run_training(
     here), for ``machine`` (None: this one as detected). Raises DatasetValidationError for bad data,
     UnknownModelError, and any training error (after an ErrorEvent).
     """
+    dist = _group(spec, dist)
+    main = dist is None or dist.is_main
+    assert spec.output_dir is not None
+    out = Path(spec.output_dir).resolve()
+
+    def emit(ev: Event) -> None:
+        if on_event is not None and (main or isinstance(ev, StepEvent | ErrorEvent)):
+            on_event(ev)
+
+    done = _tidy_outputs(out, resume=resume, main=main, dist=dist)
+    if done is not None:
+        emit(LogEvent(f"Run already finished; final model at {done.final_model_dir}"))
+        return done
+    try:
+        data = load_data(spec, emit, dist, resolution=resolution, machine=machine, resume=resume)
+        built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
+        try:
+            show = main and _use_progress(progress)
+            return _Run(spec, out, data, built, emit, should_cancel, show, dist).train()
+        finally:
+            release(built)
+    except Exception as e:
+        _report_error(emit, e)
+        raise
+
+
+def _group(spec: JobSpec, dist: DistContext | None) -> DistContext | None:
+    """The run's process group, checked against the ranks the job asks for (a group of one is None)."""
     if spec.output_dir is None:
         raise ValueError("spec.output_dir is required")
     if dist is not None and dist.world_size != spec.resources.world_size:
@@ -166,16 +194,13 @@ def run_training(
             f"the job asks for {spec.resources.world_size} rank(s) (resources.nodes x resources.gpus) "
             f"but runs in a group of {dist.world_size}"
         )
-    if dist is not None and dist.world_size == 1:
-        dist = None  # a group of one is a single process
-    main = dist is None or dist.is_main
-    out = Path(spec.output_dir).resolve()
+    return None if dist is None or dist.world_size == 1 else dist
+
+
+def _tidy_outputs(out: Path, *, resume: bool, main: bool, dist: DistContext | None) -> TrainResult | None:
+    """Rank 0 tidies ``out`` (a half-written checkpoint removed; everything, without ``resume``); the
+    result of a run that already finished there (every rank gets rank 0's, after it has tidied)."""
     out.mkdir(parents=True, exist_ok=True)
-
-    def emit(ev: Event) -> None:
-        if on_event is not None and (main or isinstance(ev, StepEvent | ErrorEvent)):
-            on_event(ev)
-
     done: TrainResult | None = None
     if main:
         cleanup_partial(out)
@@ -185,29 +210,17 @@ def run_training(
             done = _finished_result(out)
     if dist is not None:  # also keeps the other ranks off output_dir until rank 0 has tidied it
         done = broadcast_object(dist, done)
-    if done is not None:
-        emit(LogEvent(f"Run already finished; final model at {done.final_model_dir}"))
-        return done
+    return done
 
-    def emit_error(ev: ErrorEvent) -> None:
-        with contextlib.suppress(Exception):  # the callback itself may be what failed
-            emit(ev)
 
-    try:
-        data = load_data(spec, emit, dist, resolution=resolution, machine=machine, resume=resume)
-        built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
-        try:
-            return _Run(
-                spec, out, data, built, emit, should_cancel, main and _use_progress(progress), dist
-            ).train()
-        finally:
-            release(built)
-    except DatasetValidationError as e:
-        emit_error(ErrorEvent(str(e), type(e).__name__, errors=[dict(x) for x in e.errors]))
-        raise
-    except Exception as e:
-        emit_error(ErrorEvent(f"{type(e).__name__}: {e}", type(e).__name__))
-        raise
+def _report_error(emit: Callable[[Event], None], e: Exception) -> None:
+    """The run's ErrorEvent (a data error's lines with it); never raises (the callback may be what failed)."""
+    if isinstance(e, DatasetValidationError):
+        ev = ErrorEvent(str(e), type(e).__name__, errors=[dict(x) for x in e.errors])
+    else:
+        ev = ErrorEvent(f"{type(e).__name__}: {e}", type(e).__name__)
+    with contextlib.suppress(Exception):
+        emit(ev)
 
 
 @dataclass
