@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from sqlalchemy import text
 
 from api import migrate
 from store.db import make_engine
-from tests.support import create_database, drop_database
 
 ROWS = [
     "INSERT INTO teams (id, name, created_at) VALUES ('team-1', 'ML team', '2026-01-01 00:00:00+00')",
@@ -31,7 +29,8 @@ CKPT = (
 )
 
 
-def _check(url: str, outputs: Path) -> None:
+def check(url: str, tmp: Path) -> None:
+    outputs = tmp / "out"
     final, ckpt = outputs / "final", outputs / "checkpoint-000004"
     (final / "adapter").mkdir(parents=True)
     ckpt.mkdir()
@@ -130,16 +129,3 @@ def _check(url: str, outputs: Path) -> None:
             ) == {4: str(ckpt), 2: str(outputs / "other")}
     finally:
         engine.dispose()
-
-
-@pytest.mark.services
-def test_postgresql(tmp_path: Path) -> None:
-    url = create_database("zf_api_mig5")
-    try:
-        _check(url, tmp_path)
-    finally:
-        drop_database(url)
-
-
-def test_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite:///{tmp_path / 'zenflow.db'}", tmp_path / "out")

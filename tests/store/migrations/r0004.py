@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from sqlalchemy import inspect, text
 
 from api import migrate
 from store.db import make_engine
-from tests.support import create_database, drop_database
 
 ROWS = [
     "INSERT INTO teams (id, name, created_at) VALUES ('team-1', 't', '2026-01-01 00:00:00+00')",
@@ -26,7 +24,7 @@ JOB = (
 )
 
 
-def _check(url: str) -> None:
+def check(url: str, tmp: Path) -> None:
     migrate.upgrade(url, "0003")
     engine = make_engine(url)
     try:
@@ -52,16 +50,3 @@ def _check(url: str) -> None:
         }
     finally:
         engine.dispose()
-
-
-@pytest.mark.services
-def test_postgresql() -> None:
-    url = create_database("zf_api_mig4")
-    try:
-        _check(url)
-    finally:
-        drop_database(url)
-
-
-def test_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite:///{tmp_path / 'zenflow.db'}")

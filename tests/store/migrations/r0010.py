@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from sqlalchemy import text
 
 from api import migrate
 from store.db import make_engine
-from tests.store.test_migration_0005 import JOB, ROWS
-from tests.support import create_database, drop_database
+from tests.store.migrations.r0005 import JOB, ROWS
 
 
-def _check(url: str, outputs: Path) -> None:
+def check(url: str, tmp: Path) -> None:
+    outputs = tmp / "out"
     (outputs / "final").mkdir(parents=True)
     migrate.upgrade(url, "0004")
     engine = make_engine(url)
@@ -36,16 +35,3 @@ def _check(url: str, outputs: Path) -> None:
         migrate.downgrade(url, "0009")
     finally:
         engine.dispose()
-
-
-@pytest.mark.services
-def test_postgresql(tmp_path: Path) -> None:
-    url = create_database("zf_api_mig10")
-    try:
-        _check(url, tmp_path)
-    finally:
-        drop_database(url)
-
-
-def test_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite:///{tmp_path / 'zenflow.db'}", tmp_path)

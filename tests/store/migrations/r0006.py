@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from sqlalchemy import inspect, text
 
 from api import migrate
 from store.db import make_engine
-from tests.support import create_database, drop_database
 
 
-def _check(url: str) -> None:
+def check(url: str, tmp: Path) -> None:
     migrate.upgrade(url, "0005")
     engine = make_engine(url)
     try:
@@ -46,16 +44,3 @@ def _check(url: str) -> None:
         assert "workers" not in tables and "teams" in tables
     finally:
         engine.dispose()
-
-
-@pytest.mark.services
-def test_postgresql() -> None:
-    url = create_database("zf_api_mig6")
-    try:
-        _check(url)
-    finally:
-        drop_database(url)
-
-
-def test_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite:///{tmp_path / 'zenflow.db'}")

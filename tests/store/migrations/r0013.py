@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from sqlalchemy import text
 
 from api import migrate
 from contract.job import RESOLUTIONS, JobRequest
 from store.db import make_engine
-from tests.store.test_migration_0005 import ROWS
-from tests.support import create_database, drop_database
+from tests.store.migrations.r0005 import ROWS
 
 RESOLVED = {
     "n_epochs": 2, "batch_size": 4, "learning_rate": 3e-3, "base_learning_rate": 3e-3,
@@ -83,7 +81,7 @@ def _read(url: str, sql: str) -> dict[str, tuple[object, ...]]:
         engine.dispose()
 
 
-def _check(url: str) -> None:
+def check(url: str, tmp: Path) -> None:
     migrate.upgrade(url, "0012")
     _seed(url)
     migrate.upgrade(url)
@@ -120,16 +118,3 @@ def _check(url: str) -> None:
         and resolved["total_steps"] == 20
     )
     assert old["ftjob-waits"][3] is None
-
-
-@pytest.mark.services
-def test_postgresql() -> None:
-    url = create_database("zf_api_mig13")
-    try:
-        _check(url)
-    finally:
-        drop_database(url)
-
-
-def test_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite:///{tmp_path / 'zenflow.db'}")
