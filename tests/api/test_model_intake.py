@@ -100,9 +100,13 @@ def test_job_object_shows_what_will_run(mclient: tuple[FastAPI, TestClient]) -> 
     assert r.status_code == 200, r.text
     hp = client.get(f"{JOBS}/{r.json()['id']}", headers=team.headers).json()["hyperparameters"]
     assert list(hp)[:3] == ["n_epochs", "batch_size", "learning_rate_multiplier"]
-    # Sent values stay (warmup), "auto" ones show what they resolve to (8 examples: batch 4, 2 steps an epoch).
+    # The values as resolved at create, "auto" ones too (8 examples: batch 4, 2 steps an epoch), and whence
+    job = client.get(f"{JOBS}/{r.json()['id']}", headers=team.headers).json()
     assert hp["n_epochs"] == 2 and hp["batch_size"] == 4 and hp["learning_rate_multiplier"] == 1.0
-    assert hp["warmup"] == 0.1 and hp["warmup_steps"] == 0 and hp["total_steps"] == 4
+    assert hp["warmup_steps"] == 0 and hp["total_steps"] == 4 and "warmup" not in hp
+    sources = job["sources"]
+    assert sources["hyperparameters.warmup_steps"] == sources["hyperparameters.lora"] == "request"
+    assert sources["hyperparameters.batch_size"] == "data" and sources["hyperparameters.learning_rate"] == "model"
     assert (
         hp["learning_rate"] == 2e-4 and hp["max_seq_length"] == 256
     )  # LoRA's default rate; GPT-2's n_positions

@@ -64,7 +64,6 @@ def test_queue_positions_in_one_query(
                 status=st,
                 queue=q,
                 created_at=ts,
-                hyperparameters={},
             )
             for t, q, st, ts, _ in specs
         ]
