@@ -209,8 +209,8 @@ class WorkerTelemetry:
             self.current_job.labels(*self._base, *self._job).set(1)
 
     def job_finished(self, status: str | None) -> None:
-        """The running job ended (``succeeded``, ``failed``, ``cancelled`` or ``interrupted``; None: not
-        counted here, as on a job's ranks > 0, whose rank 0 counts it)."""
+        """The running job ended (``succeeded``, ``failed``, ``cancelled``, ``paused`` or ``interrupted``;
+        None: not counted here, as on a job's ranks > 0, whose rank 0 counts it)."""
         with self._lock:
             if status is not None:
                 self.jobs_finished.labels(*self._base, str(status)).inc()
@@ -404,7 +404,8 @@ def track_job(
 
     ``zenflow_worker_current_job`` is 1 inside the block; on the way out the job is counted in
     ``zenflow_worker_jobs_total{status}`` (failed on an exception, ``interrupted`` when the run
-    stopped without finishing, e.g. preempted); ``count=False`` (a job's ranks > 0, which see neither
+    stopped without finishing, e.g. preempted; the runner sets ``tj.status`` to ``paused`` for a run
+    stopped by a pause, which RunFinished reports as cancelled); ``count=False`` (a job's ranks > 0, which see neither
     RunFinished nor its end state) does not count it. Telemetry problems never break the run.
     """
     tel = telemetry or worker_telemetry()
