@@ -1,6 +1,6 @@
 """``/v1/fine_tuning/jobs``: create (idempotent), list, retrieve, cancel, checkpoints, and our per-step
-``metrics`` extra. The events list and stream: :mod:`api.routers.events`; how rows become API objects:
-:mod:`api.jobs.views`."""
+``metrics`` extra. The events list and stream: :mod:`api.routers.events`; pause and resume:
+:mod:`api.routers.pause`; how rows become API objects: :mod:`api.jobs.views`."""
 
 from __future__ import annotations
 

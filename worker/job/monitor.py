@@ -75,6 +75,10 @@ class JobMonitor(threading.Thread):
         asked = self.cancel.is_set() or self.pause.is_set()
         return asked or self.preempted.is_set() or self.interrupted.is_set() or quota
 
+    def paused(self) -> bool:
+        """Whether the run stops for a user's pause (a cancel asked too wins: the job is cancelled)."""
+        return self.pause.is_set() and not self.cancel.is_set()
+
     def beat(self) -> None:
         with session_scope(self.url) as s:
             jobs.beat(s, self.job_id, self.hostname)
