@@ -244,7 +244,7 @@ class FineTuningJobObject(BaseModel):
     model: str
     fine_tuned_model: str | None = None
     organization_id: str
-    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    status: Literal["validating_files", "queued", "running", "paused", "succeeded", "failed", "cancelled"]
     hyperparameters: HyperparametersObject
     method: MethodOut
     training_file: str
@@ -269,6 +269,8 @@ class FineTuningJobObject(BaseModel):
     resolutions: list[ResolutionObject] = Field(default_factory=list)
     queue_position: int | None = None
     cancel_requested: bool = False
+    #: A pause of the running job is pending: it stops at its next step and becomes ``paused``.
+    pause_requested: bool = False
     progress: Progress = Field(default_factory=Progress)
 
 

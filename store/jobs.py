@@ -14,6 +14,8 @@ function            from -> to                                 callers
 :func:`fail`        any -> failed, with an error object        worker, reaper, job runner
 :func:`succeed`     running -> succeeded                       the job runner
 :func:`cancel`      any -> cancelled                           API, worker, reaper, job runner
+:func:`pause`       waiting or running -> paused               API, job runner, worker, reaper
+store.pause.resume  paused -> queued (its place kept)          API
 ==================  =========================================  ==================================
 
 :func:`set_status` is the one primitive under them all (timestamps, ``dispatched_at``, the event,
@@ -29,13 +31,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from store import quotas
 from store.fairshare import WAITING, fair_order
-from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobStatus, as_utc, utcnow
+from store.orm import FineTuningJob, JobCheckpoint, JobEvent, JobNode, JobStatus, as_utc, utcnow
 from store.runs import end_runs, open_run
 from store.settings import Settings
 
@@ -73,10 +75,12 @@ def set_status(
 ) -> None:
     """Move a job to ``status`` and record an event (its data: ``status`` and ``data``); terminal states
     stamp finished_at, queued clears dispatched_at (the new wait needs a message), leaving running ends
-    the job's run (store.runs)."""
+    the job's run (store.runs), paused and terminal states end a pending pause request."""
     if job.status == JobStatus.running.value:
         end_runs(session, job.id)
     job.status = status.value
+    if status is JobStatus.paused or status.terminal:
+        job.pause_requested = False
     if status is JobStatus.queued:
         job.dispatched_at = None  # a new wait in the queue: its message is still to be sent
     if status is JobStatus.running and job.started_at is None:
@@ -148,6 +152,8 @@ class Claim(enum.StrEnum):
     running_elsewhere = "running-elsewhere"
     cancelled = "cancelled"
     failed = "failed"
+    #: The job is paused (a paused job is never claimed), or was paused now: its pause was pending.
+    paused = "paused"
     #: claim_next: only jobs of teams at their max_running_jobs or gpu_hours quota wait (or teams being
     #: claimed for).
     held = "held"
@@ -173,15 +179,18 @@ def claim(
 
     A terminal job is left alone; a job running on another node with a fresh heartbeat is left to it
     (a redelivered message never starts a second run); a job marked running by this same node is taken
-    over (that run is dead: a node runs one job at a time); a pending cancel cancels it; with
-    ``max_attempts`` used up it fails; else the attempt is counted and the job runs here. The run opened
-    in the ledger holds ``gpus`` GPUs (None: the ranks the job asks for, its ``resources.gpus``).
+    over (that run is dead: a node runs one job at a time); a paused job is left paused; a pending cancel
+    cancels it, a pending pause pauses it; with ``max_attempts`` used up it fails; else the attempt is
+    counted and the job runs here. The run opened in the ledger holds ``gpus`` GPUs (None: the ranks the
+    job asks for, its ``resources.gpus``).
     """
     if job is None:
         return Claim.missing
     status = JobStatus(job.status)
     if status.terminal:
         return Claim.terminal
+    if status is JobStatus.paused:
+        return Claim.paused
     if (
         status is JobStatus.running
         and job.worker_hostname != hostname
@@ -191,6 +200,9 @@ def claim(
     if job.cancel_requested:
         cancel(session, job, "Job cancelled before it started")
         return Claim.cancelled
+    if job.pause_requested:
+        pause(session, job, "Job paused: its pause was pending when a worker took it")
+        return Claim.paused
     if job.attempts >= max_attempts:
         fail(session, job, "max_attempts_exceeded", f"gave up after {job.attempts} attempts")
         return Claim.failed
@@ -369,21 +381,25 @@ def _tell_held(
 
 def requeue(session: Session, job: FineTuningJob, why: str) -> str:
     """Put a running job back on its queue to resume from its last checkpoint; the queue to send it to.
+    A job whose pause was pending is paused instead (a message sent for it then claims nothing for it).
 
     The caller sends the message after committing (``worker.dispatch.dispatch_job``).
     """
+    if job.pause_requested:
+        pause(session, job, f"{why}; paused as requested, {resume_words(session, job)} when resumed")
+        return job.queue
     job.worker_hostname = None
     job.heartbeat_at = None
-    step = resume_step(session, job)
-    where = (
-        "to resume from its last checkpoint"
-        if step is None
-        else f"to resume from step {step}"
-        if step
-        else "to restart from step 0 (no checkpoint yet)"
-    )
-    set_status(session, job, JobStatus.queued, message=f"{why}; re-queued {where}")
+    set_status(session, job, JobStatus.queued, message=f"{why}; re-queued {resume_words(session, job)}")
     return job.queue
+
+
+def resume_words(session: Session, job: FineTuningJob) -> str:
+    """Where the job's next run starts, in words: "to resume from step 60"."""
+    step = resume_step(session, job)
+    if step is None:
+        return "to resume from its last checkpoint"
+    return f"to resume from step {step}" if step else "to restart from step 0 (no checkpoint yet)"
 
 
 def resume_step(session: Session, job: FineTuningJob) -> int | None:
@@ -444,12 +460,14 @@ def cancel(session: Session, job: FineTuningJob, message: str) -> None:
 
 
 def request_cancel(session: Session, job: FineTuningJob) -> None:
-    """A user's cancel: a waiting job is cancelled at once, a running one is flagged and stops at its
-    next step (its runner writes ``cancelled``). The caller refuses terminal jobs first."""
+    """A user's cancel: a waiting or paused job is cancelled at once, a running one is flagged and stops
+    at its next step (its runner writes ``cancelled``). The caller refuses terminal jobs first."""
     if job.cancel_requested:
         return
     job.cancel_requested = True
-    if job.status in PENDING:
+    if job.status == JobStatus.paused.value:
+        cancel(session, job, "Job cancelled while paused")
+    elif job.status in PENDING:
         cancel(session, job, "Job cancelled before it started")
     else:
         add_event(
@@ -458,3 +476,16 @@ def request_cancel(session: Session, job: FineTuningJob) -> None:
             "Cancellation requested; the job stops after the current step",
             data={"status": job.status, "cancel_requested": True},
         )
+
+
+def pause(session: Session, job: FineTuningJob, message: str) -> None:
+    """Mark a job paused: a running one once its runner stopped (its checkpoint kept, its run ended), a
+    waiting one at once (a gang forming for it released). A run's attempt is given back, as for a
+    preemption: a pause is no failure, and pausing often must not use up the attempts."""
+    if job.status == JobStatus.running.value:
+        job.attempts = max(0, job.attempts - 1)
+    session.execute(delete(JobNode).where(JobNode.job_id == job.id, JobNode.attempt == job.attempts + 1))
+    job.worker_hostname, job.heartbeat_at = None, None
+    set_status(
+        session, job, JobStatus.paused, message=message, data={"resume_step": resume_step(session, job)}
+    )

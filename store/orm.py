@@ -19,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -96,6 +97,9 @@ class JobStatus(enum.StrEnum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
+    #: Stopped on a user's request (``POST .../pause``), its checkpoint kept: neither waiting nor running
+    #: (no worker claims it, no quota counts it) until a resume puts it back in its queue. Not terminal.
+    paused = "paused"
 
     @property
     def terminal(self) -> bool:
@@ -194,6 +198,9 @@ class FineTuningJob(Base):
 
     queue: Mapped[str] = mapped_column(String(64), default="gpu-default")
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    #: A user asked a running job to pause: its runner stops at the next step, checkpointing there, and
+    #: writes ``paused`` (store.jobs.pause clears it). Revision 0014.
+    pause_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     global_step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer)

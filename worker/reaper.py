@@ -5,7 +5,8 @@ A worker killed outright (SIGKILL, node loss) cannot report; its training subpro
 finds running jobs whose heartbeat is older than ``heartbeat_timeout_seconds`` and, under the row
 lock (re-checked, so concurrent reapers do not double-enqueue), re-queues each to resume from its
 last checkpoint, or fails it when ``max_job_attempts`` is used up, or marks it cancelled when a
-cancel was pending. ``own_hostname`` additionally reaps jobs recorded as running on that worker node
+cancel was pending, paused when a pause was (paused jobs are not running: the reaper and the
+dispatcher leave them alone). ``own_hostname`` additionally reaps jobs recorded as running on that worker node
 with a heartbeat from before ``own_before`` (the worker's start), however fresh: a worker calls it so
 once at start-up, since a restarted node is not running any job it had.
 
@@ -76,6 +77,8 @@ def reap_stale_jobs(
             why = f"Worker {job.worker_hostname} lost (no heartbeat for {age})"
             if job.cancel_requested:
                 jobs.cancel(s, job, f"{why}; job cancelled")
+            elif job.pause_requested:
+                jobs.pause(s, job, f"{why}; paused as requested, {jobs.resume_words(s, job)} when resumed")
             elif job.attempts >= settings.max_job_attempts:
                 jobs.fail(
                     s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}"
@@ -115,6 +118,8 @@ def reap_gangs(
             why = "A node of its gang was lost (no heartbeat)"
             if job.cancel_requested:
                 jobs.cancel(s, job, f"{why}; job cancelled")
+            elif job.pause_requested:
+                jobs.pause(s, job, f"{why}; paused as requested, {jobs.resume_words(s, job)} when resumed")
             elif job.attempts >= settings.max_job_attempts:
                 jobs.fail(
                     s, job, "worker_lost", f"{why} on attempt {job.attempts}/{settings.max_job_attempts}"

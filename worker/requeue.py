@@ -1,6 +1,7 @@
 """What the worker task does once a job's runner has exited (:func:`settle_after_exit`).
 
-A terminal job is left alone; a job taken away meanwhile too; a pending cancel is carried out. Else the
+A terminal job is left alone; a job taken away meanwhile (or paused by its runner) too; a pending cancel
+is carried out, then a pending pause (store.pause: the job is paused, its checkpoint kept). Else the
 job is re-queued to resume from its last checkpoint:
 
 - preempted (exit 75, or SIGTERM from a worker shutting down): the attempt is given back;
@@ -145,16 +146,23 @@ def _catch_up_with_disk(job: FineTuningJob, *, exact: bool = False) -> Path | No
 
 
 def _ours(s: Session, job_id: str, hostname: str) -> FineTuningJob | str:
-    """The locked job row when it is still running here (a pending cancel is carried out), else what
-    became of it: "done", "not-ours" or "cancelled"."""
+    """The locked job row when it is still running here (a pending cancel or pause is carried out), else
+    what became of it: "done", "paused", "not-ours" or "cancelled"."""
     job = jobs.lock_job(s, job_id)
     if job is None or JobStatus(job.status).terminal:
         return "done"
+    if job.status == JobStatus.paused.value:
+        return "paused"
     if job.status != JobStatus.running.value or job.worker_hostname != hostname:
         return "not-ours"
     if job.cancel_requested:
         jobs.cancel(s, job, f"Job cancelled at step {job.global_step}")
         return "cancelled"
+    if job.pause_requested:
+        _catch_up_with_disk(job)  # it resumes from the newest checkpoint on disk: say which
+        why = "Training process ended before it could pause"
+        jobs.pause(s, job, f"{why}; paused as requested, {jobs.resume_words(s, job)} when resumed")
+        return "paused"
     return job
 
 

@@ -11,8 +11,8 @@
    jobs) under torch's elastic agent (:class:`trainer.run.launch.Ranks`: the agent in a child process
    of the worker, dying with it, each rank in a fresh process, so CUDA is initialised only there; rank r
    on the worker's r-th GPU, or gloo CPU ranks on a worker without GPUs where ``cpu_ranks`` allows), and
-   waits, escalating a cancel the runner does not honour within ``CANCEL_GRACE_SECONDS`` to SIGTERM and
-   then SIGKILL. The agent takes the group down when a rank dies; that rank's exit code is the job's. A
+   waits, escalating a cancel or a pause the runner does not honour within ``CANCEL_GRACE_SECONDS`` to
+   SIGTERM and then SIGKILL (the job is then cancelled or paused by :mod:`worker.requeue`). The agent takes the group down when a rank dies; that rank's exit code is the job's. A
    job asking for more ranks than this worker has is never run on fewer: it goes back to its queue (the
    one of its size) with the attempt counted, or fails when none are left;
 3. if the subprocess ended without a terminal state (crash, OOM kill, preemption), re-queues the job
@@ -65,7 +65,8 @@ from worker.requeue import describe_exit, settle_after_exit
 
 log = logging.getLogger("zenflow.worker")
 
-#: After cancel_requested, how long the runner may take to checkpoint and stop before it is killed.
+#: After cancel_requested (or pause_requested), how long the runner may take to checkpoint and stop
+#: before it is killed.
 CANCEL_GRACE_SECONDS = 120.0
 _POLL_SECONDS = 1.0
 
@@ -269,11 +270,15 @@ def _beat_job(job_id: str, hostname: str, settings: Settings) -> None:
         jobs.beat(s, job_id, hostname)
 
 
-def _cancel_requested(job_id: str, settings: Settings) -> bool:
+def _stop_requested(job_id: str, settings: Settings) -> bool:
+    """A user's cancel or pause of the job is pending (its runner is to stop at its next step)."""
     with session_scope(settings.resolved_database_url) as s:
-        return bool(
-            s.execute(select(FineTuningJob.cancel_requested).where(FineTuningJob.id == job_id)).scalar()
-        )
+        row = s.execute(
+            select(FineTuningJob.cancel_requested, FineTuningJob.pause_requested).where(
+                FineTuningJob.id == job_id
+            )
+        ).first()
+        return row is not None and bool(row.cancel_requested or row.pause_requested)
 
 
 def run_child(
@@ -330,13 +335,15 @@ def run_child(
             if now - last_check >= 5 * _POLL_SECONDS:
                 last_check = now
                 try:
-                    if cancel_seen is None and _cancel_requested(job_id, settings):
+                    if cancel_seen is None and _stop_requested(job_id, settings):
                         cancel_seen = now
                 except Exception as e:  # the database is away: try again next round
                     log.warning("job %s: cancel check failed: %s", job_id, public_message(e))
             if cancel_seen is not None and now - cancel_seen > cancel_grace:
                 log.warning(
-                    "job %s: runner ignored the cancel for %.0fs; terminating it", job_id, cancel_grace
+                    "job %s: runner ignored the cancel or pause for %.0fs; terminating it",
+                    job_id,
+                    cancel_grace,
                 )
                 group.terminate()
                 terminated = now

@@ -89,7 +89,7 @@ ERROR_DESCRIPTIONS = {
     401: "No API key, or a malformed, unknown or revoked one (`invalid_api_key`)",
     403: "The operation is not allowed on this object (`model_not_deletable`: a base model of the service)",
     404: "No such object for the calling team (`not_found`; another team's id answers the same)",
-    409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `file_in_use`, `job_not_finished`)",
+    409: "Conflicts with the current state (`idempotency_key_reused`, `job_not_cancellable`, `job_not_pausable`, `job_not_paused`, `file_in_use`, `job_not_finished`)",
     413: "The upload is over `max_upload_bytes` (`file_too_large`), or another body over `max_body_bytes` (`request_too_large`)",
     415: "The upload is not multipart/form-data (`invalid_multipart`)",
     429: "A quota of the team is used up (`quota_exceeded`; `param` names it), or every inference slot is taken (`rate_limit_exceeded`); retry after `Retry-After` seconds when given",

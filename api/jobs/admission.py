@@ -12,19 +12,21 @@ default_capacity`). The check itself is :func:`worker.capacity.fit.admit`; a wor
 from the one the job was resolved for resolves it again before it runs it. A refusal is a 400 ``insufficient_capacity`` whose ``param`` names
 the request field to change and whose message gives the numbers; it is raised before anything is
 written. Planning builds the model on torch's meta device, so the first create imports torch in the
-API process (once).
+API process (once). A job entering its queue (a create, a resume) is also held to its team's quotas
+(:func:`admit_quotas`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from api.core.errors import APIError
 from api.jobs.checks import request_loc
-from store import worker_registry
+from store import quotas, worker_registry
 from store.settings import Settings
 from trainer.resolve import Counts
 from trainer.spec import JobSpec
@@ -122,3 +124,16 @@ def admit_job(
         loc = request_loc(decided.loc, hyperparameters_param)
         raise APIError(400, decided.message, param=".".join(str(p) for p in loc) or None, code=CODE)
     return decided
+
+
+def admit_quotas(session: Session, team_id: str, settings: Settings) -> None:
+    """The team's quotas (store.quotas) for a job entering its queue (a create, a resume) as API errors:
+    429 ``quota_exceeded`` for limits that free up by themselves (with ``Retry-After`` when known), 400
+    for hard ones; ``param`` names the quota. Call under the team's row lock (``quotas.lock_team``)."""
+    try:
+        quotas.admit_job(session, team_id, settings)
+    except quotas.QuotaExceeded as exc:
+        headers = {"Retry-After": str(math.ceil(exc.retry_after))} if exc.retry_after is not None else None
+        raise APIError(
+            exc.status_code, exc.message, param=exc.quota, code="quota_exceeded", headers=headers
+        ) from exc

@@ -64,6 +64,7 @@ JOB_COLUMNS = (
     FineTuningJob.user_metadata,
     FineTuningJob.integrations,
     FineTuningJob.cancel_requested,
+    FineTuningJob.pause_requested,
     FineTuningJob.global_step,
     FineTuningJob.total_steps,
     FineTuningJob.attempts,
@@ -241,6 +242,7 @@ def job_dict(job: Any, position: int | None, paths: PublicPaths | None = None) -
         "resolutions": resolution_objects(job.resolutions or []),
         "queue_position": position,
         "cancel_requested": job.cancel_requested,
+        "pause_requested": job.pause_requested,
         "progress": {
             "step": job.global_step or 0,
             "total_steps": planned_total_steps(job, hp),

@@ -1,13 +1,12 @@
 """``/v1/fine_tuning/jobs``: create (idempotent), list, retrieve, cancel, checkpoints, and our per-step
-``metrics`` extra. The events list and stream: :mod:`api.routers.events`; how rows become API objects:
-:mod:`api.jobs.views`."""
+``metrics`` extra. The events list and stream: :mod:`api.routers.events`; pause and resume:
+:mod:`api.routers.pause`; how rows become API objects: :mod:`api.jobs.views`."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import math
 import secrets
 from dataclasses import dataclass
 from operator import itemgetter
@@ -155,18 +154,6 @@ def _insert_or_replay(
     raise AssertionError("unreachable")
 
 
-def _admit(session: Session, team_id: str, settings: Settings) -> None:
-    """The team's quotas (store.quotas) as API errors: 429 ``quota_exceeded`` for limits that free up
-    by themselves (with ``Retry-After`` when known), 400 for hard ones; ``param`` names the quota."""
-    try:
-        quotas.admit_job(session, team_id, settings)
-    except quotas.QuotaExceeded as exc:
-        headers = {"Retry-After": str(math.ceil(exc.retry_after))} if exc.retry_after is not None else None
-        raise APIError(
-            exc.status_code, exc.message, param=exc.quota, code="quota_exceeded", headers=headers
-        ) from exc
-
-
 @router.post("", response_model=FineTuningJobObject, responses=error_responses(400, 404, 409, 413, 429))
 async def create_job(
     body: JobCreate,
@@ -284,7 +271,7 @@ def _create_job(
             job_out(session, prior, PublicPaths.of(settings)).model_dump(mode="json"),
             headers={"Idempotent-Replayed": "true"},
         )
-    _admit(session, team.team_id, settings)
+    admission.admit_quotas(session, team.team_id, settings)
 
     job = FineTuningJob(
         id=prepared.job_id,

@@ -55,7 +55,7 @@ def running_worker(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A real Celery worker process on ``settings``' database, broker, data dir and queue (its log in
     ``tmp_path/worker.log``), with none of this process's ZENFLOW_/WANDB_/MLFLOW_ settings but
-    ``extra_env``; stopped on exit."""
+    ``extra_env`` (which may override the defaults below); stopped on exit."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZENFLOW_", "WANDB_", "MLFLOW_"))}
     env.update(
         ZENFLOW_DATABASE_URL=settings.database_url,
@@ -66,8 +66,8 @@ def running_worker(
         # The API tests' jobs in this database were "enqueued" by a recorder, never to Redis: the
         # worker's reaper is not to send them (worker.dispatch; tested in tests/worker/test_dispatch.py).
         ZENFLOW_DISPATCH_GRACE_SECONDS="86400",
-        **extra_env,
     )
+    env.update(extra_env)
     log = (tmp_path / "worker.log").open("wb")
     proc = subprocess.Popen(
         [

@@ -50,6 +50,7 @@ def db(tmp_path: Path):
             ("queued", "gpu-default"),
             ("running", "gpu-default"),
             ("failed", "gpu-default"),
+            ("paused", "gpu-default"),  # neither running nor waiting: not in the queue depth
         ]:
             s.add(
                 FineTuningJob(
@@ -139,6 +140,7 @@ def test_metrics_endpoint_jobs_and_queue(db) -> None:
         "validating_files": 0,
         "queued": 3,
         "running": 1,
+        "paused": 1,
         "succeeded": 0,
         "failed": 1,
         "cancelled": 0,

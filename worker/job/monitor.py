@@ -1,4 +1,5 @@
-"""The job process's watch over its own row: heartbeats, and polling for a cancel or a lost claim.
+"""The job process's watch over its own row: heartbeats, and polling for a cancel, a pause or a lost
+claim (a cancel or a pause request makes ``should_stop`` true: the loop stops at its next step).
 
 While the database is unreachable the monitor keeps trying every poll interval. An outage longer than
 ``outage_seconds`` sets ``interrupted`` (the run stops as interrupted). One longer than the reaper's
@@ -39,7 +40,7 @@ def exit_lost(job_id: str) -> NoReturn:
 
 
 class JobMonitor(threading.Thread):
-    """Heartbeats and cancel polling for one running job, in the background."""
+    """Heartbeats and cancel and pause polling for one running job, in the background."""
 
     def __init__(
         self,
@@ -59,6 +60,8 @@ class JobMonitor(threading.Thread):
         self.poll_interval = min(poll_interval, heartbeat_interval)
         self.outage_seconds = outage_seconds
         self.cancel = threading.Event()
+        #: A user asked the job to pause (``pause_requested``): it stops as for a cancel, then is paused.
+        self.pause = threading.Event()
         self.lost = threading.Event()
         self.preempted = threading.Event()
         #: Set when the database has been unreachable for longer than outage_seconds.
@@ -69,7 +72,12 @@ class JobMonitor(threading.Thread):
 
     def should_stop(self) -> bool:
         quota = self.quota is not None and self.quota.stop.is_set()
-        return self.cancel.is_set() or self.preempted.is_set() or self.interrupted.is_set() or quota
+        asked = self.cancel.is_set() or self.pause.is_set()
+        return asked or self.preempted.is_set() or self.interrupted.is_set() or quota
+
+    def paused(self) -> bool:
+        """Whether the run stops for a user's pause (a cancel asked too wins: the job is cancelled)."""
+        return self.pause.is_set() and not self.cancel.is_set()
 
     def beat(self) -> None:
         with session_scope(self.url) as s:
@@ -79,7 +87,10 @@ class JobMonitor(threading.Thread):
         with session_scope(self.url) as s:
             row = s.execute(
                 select(
-                    FineTuningJob.status, FineTuningJob.cancel_requested, FineTuningJob.worker_hostname
+                    FineTuningJob.status,
+                    FineTuningJob.cancel_requested,
+                    FineTuningJob.pause_requested,
+                    FineTuningJob.worker_hostname,
                 ).where(FineTuningJob.id == self.job_id)
             ).one_or_none()
         if row is None or row.status != JobStatus.running.value or row.worker_hostname != self.hostname:
@@ -95,6 +106,8 @@ class JobMonitor(threading.Thread):
             exit_lost(self.job_id)
         if row.cancel_requested:
             self.cancel.set()
+        if row.pause_requested:
+            self.pause.set()
 
     def run(self) -> None:
         last_beat = 0.0

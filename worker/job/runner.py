@@ -10,10 +10,10 @@ rows match its output directory, runs :func:`trainer.run.loop.run_training` with
 :class:`~worker.job.writer.ReportWriter` that waits out database outages; a job's tracking
 integrations get the same events, :func:`worker.tracking.job.open_tracking`) inside
 :func:`~worker.metrics.telemetry.track_job` (Prometheus), while a
-:class:`~worker.job.monitor.JobMonitor` beats the heartbeat and polls for a cancel, and writes the
-end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
-registered by :mod:`store.model_ids`,
-``trained_tokens``, the metrics CSV as a result file), cancelled, or failed with ``error = {code,
+:class:`~worker.job.monitor.JobMonitor` beats the heartbeat and polls for a cancel or a pause, and writes
+the end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
+registered by :mod:`store.model_ids`, ``trained_tokens``, the metrics CSV as a result file), cancelled,
+paused (stopped at a step as a cancel is, its checkpoint kept: store.pause), or failed with ``error = {code,
 message, param}``; data errors name the file param; a job stopped by its team's GPU-hour or storage
 quota fails ``quota_exceeded`` (:mod:`worker.job.quota_watch`). Every database write is retried across
 connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries
@@ -433,7 +433,7 @@ class _Run:
             try:
                 # Prometheus telemetry of this run sees every event after the database.
                 mode = resolution.job.engine.mode if resolution is not None else "unknown"
-                with track_job(self.job_id, base_model=spec.model, mode=mode) as tj:
+                with track_job(self.job_id, base_model=spec.model, mode=mode, paused=monitor.paused) as tj:
                     result = run_training(
                         spec,
                         on_event=tj.wrap(on_event),
@@ -469,6 +469,8 @@ class _Run:
         else:
             if result.cancelled and monitor.cancel.is_set():
                 end = lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")  # noqa: E731
+            elif result.cancelled and monitor.paused():  # a user's pause: before a quota's stop
+                end = lambda s, job: jobs.pause(s, job, f"Job paused at step {result.steps}")  # noqa: E731
             elif result.cancelled and monitor.quota is not None and monitor.quota.reached is not None:
                 end = monitor.quota.end_state()
             elif result.cancelled:  # preempted, or the database away for too long (interrupted)

@@ -209,8 +209,8 @@ class WorkerTelemetry:
             self.current_job.labels(*self._base, *self._job).set(1)
 
     def job_finished(self, status: str | None) -> None:
-        """The running job ended (``succeeded``, ``failed``, ``cancelled`` or ``interrupted``; None: not
-        counted here, as on a job's ranks > 0, whose rank 0 counts it)."""
+        """The running job ended (``succeeded``, ``failed``, ``cancelled``, ``paused`` or ``interrupted``;
+        None: not counted here, as on a job's ranks > 0, whose rank 0 counts it)."""
         with self._lock:
             if status is not None:
                 self.jobs_finished.labels(*self._base, str(status)).inc()
@@ -371,15 +371,18 @@ def model_label(model: str) -> str:
 
 class TrackedJob:
     """What :func:`track_job` yields: ``wrap(callback)`` tees every training event into the telemetry and
-    remembers how the run ended (RunFinished -> succeeded/cancelled, ErrorEvent -> failed)."""
+    remembers how the run ended (RunFinished -> succeeded/cancelled, or paused when ``paused()`` says a
+    user's pause stopped it; ErrorEvent -> failed)."""
 
-    def __init__(self, telemetry: WorkerTelemetry) -> None:
+    def __init__(self, telemetry: WorkerTelemetry, paused: Callable[[], bool] | None = None) -> None:
         self.telemetry = telemetry
         self.status: str | None = None
+        self.paused = paused
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, RunFinished):
-            self.status = "cancelled" if event.cancelled else "succeeded"
+            stopped = "paused" if self.paused is not None and self.paused() else "cancelled"
+            self.status = stopped if event.cancelled else "succeeded"
         elif isinstance(event, ErrorEvent):
             self.status = "failed"
         self.telemetry.on_event(event)
@@ -395,7 +398,13 @@ class TrackedJob:
 
 @contextlib.contextmanager
 def track_job(
-    job_id: str, *, base_model: str, mode: str, telemetry: WorkerTelemetry | None = None, count: bool = True
+    job_id: str,
+    *,
+    base_model: str,
+    mode: str,
+    telemetry: WorkerTelemetry | None = None,
+    count: bool = True,
+    paused: Callable[[], bool] | None = None,
 ) -> Iterator[TrackedJob]:
     """Telemetry of one job run, for the job runner::
 
@@ -404,11 +413,12 @@ def track_job(
 
     ``zenflow_worker_current_job`` is 1 inside the block; on the way out the job is counted in
     ``zenflow_worker_jobs_total{status}`` (failed on an exception, ``interrupted`` when the run
-    stopped without finishing, e.g. preempted); ``count=False`` (a job's ranks > 0, which see neither
+    stopped without finishing, e.g. preempted; ``paused`` for a run a user's pause stopped, which
+    RunFinished reports as cancelled: the runner passes ``paused``); ``count=False`` (a job's ranks > 0, which see neither
     RunFinished nor its end state) does not count it. Telemetry problems never break the run.
     """
     tel = telemetry or worker_telemetry()
-    tj = TrackedJob(tel)
+    tj = TrackedJob(tel, paused)
     try:
         tel.job_started(job_id, base_model=base_model, mode=mode)
     except Exception:

@@ -25,6 +25,8 @@ function kvRows(tbody, entries) {
 const LEVELS = { all: ["info", "warn", "error"], warn: ["warn", "error"], error: ["error"] };
 
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
+/** What a pause applies to (a paused job is resumed instead). */
+const PAUSABLE = new Set(["validating_files", "queued", "running"]);
 const MAX_LOG_LINES = 500;
 const REFRESH_MS = 1000;
 const RECONNECT_MS = 2000;
@@ -48,6 +50,7 @@ export function initFollow(bus) {
     const status = $("#job-status");
     status.className = `status-${job.status}`;
     setChildren(status, job.status, job.cancel_requested && !TERMINAL.has(job.status) ? " (cancel requested)" : "",
+      job.pause_requested && job.status === "running" ? " (pause requested)" : "",
       job.queue_position ? ` (position ${job.queue_position} in the queue)` : "");
     const { step = 0, total_steps: total = 0 } = job.progress ?? {};
     const bar = $("#job-progress");
@@ -63,6 +66,9 @@ export function initFollow(bus) {
     error.className = "error";
     const done = job.status === "succeeded" && Boolean(job.fine_tuned_model);
     $("#cancel-job").disabled = TERMINAL.has(job.status);
+    $("#pause-job").hidden = !PAUSABLE.has(job.status);
+    $("#pause-job").disabled = Boolean(job.pause_requested || job.cancel_requested);
+    $("#resume-job").hidden = job.status !== "paused";
     $("#download-model").hidden = !done;
     $("#download-adapter").hidden = !(done && job.hyperparameters?.lora);
     $("#chat-with-job").hidden = !done;
@@ -71,7 +77,7 @@ export function initFollow(bus) {
     const end = job.finished_at ?? (TERMINAL.has(job.status) ? null : Date.now() / 1000);
     setChildren($("#job-duration"), end ? `${duration(end - job.created_at)}${job.finished_at ? "" : " so far"}` : "");
     const eta = job.estimated_finish;
-    setChildren($("#job-eta"), TERMINAL.has(job.status) ? "finished"
+    setChildren($("#job-eta"), TERMINAL.has(job.status) ? "finished" : job.status === "paused" ? "paused"
       : eta ? `${when(eta)} (in ${duration(Math.max(0, eta - Date.now() / 1000))})` : "not estimated yet");
     const hp = job.hyperparameters ?? {};
     kvRows($("#job-hyperparameters tbody"), [
@@ -234,7 +240,8 @@ export function initFollow(bus) {
       "#checkpoints-table tbody", "#job-hyperparameters tbody", "#job-data tbody", "#job-status",
       "#job-base-model", "#job-result-model", "#job-tokens", "#job-progress-text", "#job-created", "#job-duration",
       "#job-eta", "#job-data-errors"]) setChildren($(sel));
-    for (const sel of ["#download-model", "#download-adapter", "#chat-with-job", "#compare-with-base"]) $(sel).hidden = true;
+    for (const sel of ["#download-model", "#download-adapter", "#chat-with-job", "#compare-with-base", "#pause-job",
+      "#resume-job"]) $(sel).hidden = true;
     setChildren($("#job-plan"), h("p", { class: "hint" }, "No plan recorded yet."));
     setChildren($("#job-id"), id);
     const state = { id, ctl: new AbortController(), charts: new MetricCharts($("#charts")), job: null,
@@ -246,14 +253,16 @@ export function initFollow(bus) {
     streamEvents(state);
   }
 
-  $("#cancel-job").addEventListener("click", async () => {
-    if (!current) return;
-    try {
-      renderJob(await apiJson(`/fine_tuning/jobs/${seg(current.id)}/cancel`, { method: "POST" }));
-    } catch (err) {
-      showError($("#job-error"), err);
-    }
-  });
+  for (const action of ["cancel", "pause", "resume"]) {
+    $(`#${action}-job`).addEventListener("click", async () => {
+      if (!current) return;
+      try {
+        renderJob(await apiJson(`/fine_tuning/jobs/${seg(current.id)}/${action}`, { method: "POST" }));
+      } catch (err) {
+        showError($("#job-error"), err);
+      }
+    });
+  }
   $("#download-model").addEventListener("click", () => downloadModel(current.job.fine_tuned_model, downloadStatus));
   $("#download-adapter").addEventListener("click",
     () => downloadModel(current.job.fine_tuned_model, downloadStatus, { adapter: true }));

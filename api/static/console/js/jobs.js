@@ -70,7 +70,7 @@ export function initJobs(bus) {
         h("td", { class: "id" }, h("a", { href: href("jobs", j.id) }, j.id)), h("td", { class: "mono" }, j.model),
         h("td", { class: `status-${j.status}` }, j.status), h("td", {}, when(j.created_at)),
         h("td", {}, j.finished_at ? duration(j.finished_at - j.created_at)
-          : ["queued", "running", "validating_files"].includes(j.status) ? `${duration(now - j.created_at)} so far` : ""),
+          : ["queued", "running", "paused", "validating_files"].includes(j.status) ? `${duration(now - j.created_at)} so far` : ""),
         h("td", { class: "id" }, j.fine_tuned_model ?? ""),
         h("td", {}, h("button", {
           type: "button", "aria-label": `Follow job ${j.id}`,
