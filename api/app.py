@@ -29,7 +29,7 @@ from api.docs_pages import install_docs
 from api.inference.service import InferenceService
 from api.jobs import checks
 from api.jobs.check_pool import CheckPool
-from api.routers import chat, events, files, health, jobs, models, pause, quotas
+from api.routers import chat, events, files, health, jobs, models, quotas
 from api.storage import LocalFileStore
 from store.db import make_engine
 from store.settings import Settings, get_settings
@@ -111,7 +111,6 @@ def create_app(
     # events ahead of the other /v1/fine_tuning/jobs routes: none can shadow it
     app.include_router(events.router, dependencies=ids_checked)
     app.include_router(jobs.router, dependencies=ids_checked)
-    app.include_router(pause.router, dependencies=ids_checked)
     app.include_router(models.router, dependencies=ids_checked)
     app.include_router(quotas.router)
     app.include_router(chat.router)

@@ -15,8 +15,25 @@ function            from -> to                                 callers
 :func:`succeed`     running -> succeeded                       the job runner
 :func:`cancel`      any -> cancelled                           API, worker, reaper, job runner
 :func:`pause`       waiting or running -> paused               API, job runner, worker, reaper
-store.pause.resume  paused -> queued (its place kept)          API
+request_pause       waiting -> paused; running: pause_requested  API
+:func:`resume`      paused -> queued (its place kept)          API
 ==================  =========================================  ==================================
+
+A user's pause and resume (``POST /v1/fine_tuning/jobs/{id}/pause`` and ``/resume``): a paused job
+(``JobStatus.paused``, not terminal) is off the queue and off the GPUs: no worker claims it
+(:func:`claim`), the dispatcher and the reaper leave it alone (they look at queued and running jobs),
+fair share does not rank it and the quotas count it neither as running nor as waiting. It keeps
+everything it needs to go on: its row (request, resolutions, ``created_at``, attempts), its output
+directory with its checkpoints, its files. :func:`request_pause` pauses a waiting job at once; a
+running one gets ``pause_requested`` and an event, and its runner, which polls the flag
+(worker.job.monitor), stops at its next step as a cancel does (checkpointing there) and writes
+``paused`` ("Job paused at step N"), its run ended in the ledger; a run that ends otherwise while the
+pause is pending (its process killed, its worker lost) is paused rather than re-queued. :func:`resume`
+puts a paused job back in its queue as the same job (the caller admits it by its team's quotas first,
+as a create, and sends it after the commit); it keeps its ``created_at``, by which fair share orders a
+team's waiting jobs (store.fairshare), and its next run resumes from the checkpoint it paused at, with
+its current resolution while the worker's machine is the one it was resolved for. A cancel of a paused
+job cancels it at once (:func:`request_cancel`).
 
 :func:`set_status` is the one primitive under them all (timestamps, ``dispatched_at``, the event,
 and the run ledger: a job leaving ``running`` ends its run, see store.runs).
@@ -489,3 +506,34 @@ def pause(session: Session, job: FineTuningJob, message: str) -> None:
     set_status(
         session, job, JobStatus.paused, message=message, data={"resume_step": resume_step(session, job)}
     )
+
+
+#: The statuses a pause applies to (the others: 409 ``job_not_pausable``, or a no-op for ``paused``).
+PAUSABLE = (*PENDING, JobStatus.running.value)
+
+
+def request_pause(session: Session, job: FineTuningJob) -> None:
+    """A user's pause of ``job`` (row locked by the caller): a waiting job is paused at once (its message,
+    when a worker takes it, claims another job or none), a running one is flagged and stops at its next
+    step; a paused job or a pending pause is left as it is. The caller refuses the other statuses (not
+    :data:`PAUSABLE`) and a pending cancel first."""
+    if job.status == JobStatus.paused.value or job.pause_requested:
+        return
+    if job.status in PENDING:
+        pause(session, job, "Job paused while waiting in its queue")
+        return
+    job.pause_requested = True
+    add_event(
+        session,
+        job.id,
+        "Pause requested; the job stops after the current step, checkpointing there",
+        data={"status": job.status, "pause_requested": True},
+    )
+
+
+def resume(session: Session, job: FineTuningJob) -> str:
+    """Put a paused job (row locked by the caller) back in its queue; the queue to send it to."""
+    if job.status != JobStatus.paused.value:
+        raise ValueError(f"job {job.id} is {job.status}, not paused")
+    set_status(session, job, JobStatus.queued, message=f"Job resumed: queued {resume_words(session, job)}")
+    return job.queue

@@ -1,7 +1,7 @@
 """What the worker task does once a job's runner has exited (:func:`settle_after_exit`).
 
 A terminal job is left alone; a job taken away meanwhile (or paused by its runner) too; a pending cancel
-is carried out, then a pending pause (store.pause: the job is paused, its checkpoint kept). Else the
+is carried out, then a pending pause (store.jobs.request_pause: the job is paused, its checkpoint kept). Else the
 job is re-queued to resume from its last checkpoint:
 
 - preempted (exit 75, or SIGTERM from a worker shutting down): the attempt is given back;

@@ -7,7 +7,7 @@ this revision reads false (the server default).
 
 Revision ID: 0014
 Revises: 0013
-Create Date: 2026-12-12 09:00:00+00:00
+Create Date: 2026-12-06 15:00:00+00:00
 """
 
 from __future__ import annotations

@@ -106,7 +106,10 @@ def test_job_object_shows_what_will_run(mclient: tuple[FastAPI, TestClient]) -> 
     assert hp["warmup_steps"] == 0 and hp["total_steps"] == 4 and "warmup" not in hp
     sources = job["sources"]
     assert sources["hyperparameters.warmup_steps"] == sources["hyperparameters.lora"] == "request"
-    assert sources["hyperparameters.batch_size"] == "data" and sources["hyperparameters.learning_rate"] == "model"
+    assert (
+        sources["hyperparameters.batch_size"] == "data"
+        and sources["hyperparameters.learning_rate"] == "model"
+    )
     assert (
         hp["learning_rate"] == 2e-4 and hp["max_seq_length"] == 256
     )  # LoRA's default rate; GPT-2's n_positions

@@ -1,4 +1,4 @@
-"""Pause and resume as job state changes (store.pause, store.jobs.pause) against the real PostgreSQL: a
+"""Pause and resume as job state changes (store.jobs: request_pause, pause, resume) against the real PostgreSQL: a
 waiting job is paused at once and no claim, dispatch, reaper or quota counts it; a running one is flagged
 and paused once its run stops (its run ended, its attempt given back); a pause pending when the run ends
 otherwise still pauses it; a resume puts it back where fair share ranked it."""
@@ -16,8 +16,8 @@ from sqlalchemy import select
 from store import jobs, quotas
 from store.db import session_scope
 from store.fairshare import fair_order
+from store.jobs import request_pause, resume
 from store.orm import FineTuningJob, JobRun, JobStatus, utcnow
-from store.pause import request_pause, resume
 from store.settings import Settings
 from tests.worker.claims import claim_job
 from tests.worker.test_worker import get_job, make_job, messages, sums_file

@@ -13,8 +13,8 @@ from sqlalchemy import select
 
 from store import jobs
 from store.db import session_scope
+from store.jobs import request_pause, resume
 from store.orm import JobCheckpoint, JobRun
-from store.pause import request_pause, resume
 from store.settings import Settings
 from tests.worker.test_worker import get_job, make_job, messages, sums_file, wait_for
 

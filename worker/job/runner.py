@@ -13,7 +13,7 @@ integrations get the same events, :func:`worker.tracking.job.open_tracking`) ins
 :class:`~worker.job.monitor.JobMonitor` beats the heartbeat and polls for a cancel or a pause, and writes
 the end state through :mod:`store.jobs`: succeeded (``fine_tuned_model`` = the final model's ``ft:`` id,
 registered by :mod:`store.model_ids`, ``trained_tokens``, the metrics CSV as a result file), cancelled,
-paused (stopped at a step as a cancel is, its checkpoint kept: store.pause), or failed with ``error = {code,
+paused (stopped at a step as a cancel is, its checkpoint kept: store.jobs.request_pause), or failed with ``error = {code,
 message, param}``; data errors name the file param; a job stopped by its team's GPU-hour or storage
 quota fails ``quota_exceeded`` (:mod:`worker.job.quota_watch`). Every database write is retried across
 connection drops for up to ``Settings.job_db_outage_seconds``; a message a user sees never carries

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from sqlalchemy import text
 
 from api import migrate
 from store.db import make_engine
-from tests.store.test_migration_0005 import ROWS
-from tests.support import create_database, drop_database
+from tests.store.migrations.r0005 import ROWS
 
 JOB = (
     "INSERT INTO fine_tuning_jobs (id, team_id, model, training_file_id, status, request, resolutions, seed, "
@@ -22,7 +20,7 @@ JOB = (
 )
 
 
-def _check(url: str) -> None:
+def check(url: str, tmp: Path) -> None:
     migrate.upgrade(url, "0013")
     engine = make_engine(url)
     try:
@@ -50,16 +48,3 @@ def _check(url: str) -> None:
         migrate.check(url)
     finally:
         engine.dispose()
-
-
-@pytest.mark.services
-def test_postgresql() -> None:
-    url = create_database("zf_api_mig14")
-    try:
-        _check(url)
-    finally:
-        drop_database(url)
-
-
-def test_sqlite(tmp_path: Path) -> None:
-    _check(f"sqlite:///{tmp_path / 'zenflow.db'}")
