@@ -63,8 +63,8 @@ def measure(
 ) -> Throughput:
     """Forward + backward throughput of ``steps`` optimizer steps of ``data`` (see the module docstring)."""
     import torch
-    from contract.hyperparameters import RuntimeChoices
 
+    from contract.hyperparameters import RuntimeChoices
     from trainer.data.batching import epoch_order, loss_sum, micro_batches
     from trainer.data.dataset import load_examples
     from trainer.model.catalog import load_model, load_tokenizer

@@ -69,7 +69,9 @@ def admit(
         machine = to_machine(capacity)
         if machine in planned:
             continue
-        plan = plan_spec(spec, machine, num_examples=counts.num_examples, num_tokens=counts.num_tokens, advise=False)
+        plan = plan_spec(
+            spec, machine, num_examples=counts.num_examples, num_tokens=counts.num_tokens, advise=False
+        )
         if plan.fits:
             resolution, _ = resolve(spec, machine, counts, at="create", reason=reason, plan=plan)
             return Admitted(resolution, plan, name)
@@ -103,7 +105,11 @@ def _closest_refusal(
 def refusal_here(spec: JobSpec, worker: str, capacity: WorkerCapacity, counts: Counts) -> Refusal | None:
     """The refusal of a job that does not fit this worker (None: it fits), worded as admission's."""
     plan = plan_spec(
-        spec, to_machine(capacity), num_examples=counts.num_examples, num_tokens=counts.num_tokens, advise=False
+        spec,
+        to_machine(capacity),
+        num_examples=counts.num_examples,
+        num_tokens=counts.num_tokens,
+        advise=False,
     )
     if plan.fits:
         return None
