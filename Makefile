@@ -8,7 +8,7 @@ bootstrap:
 	@bash scripts/bootstrap.sh
 
 run: bootstrap
-	@.venv/bin/python -m api.demo
+	@.venv/bin/python -m demo
 
 test: bootstrap
 	@bash scripts/test.sh

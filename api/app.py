@@ -8,8 +8,8 @@ import gc
 import importlib
 import json
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -50,24 +50,41 @@ def create_app(
     settings = settings or get_settings()
     api_settings = api_settings or get_api_settings()
     url = settings.resolved_database_url
+    app = FastAPI(
+        title="ZenFlow fine-tuning API",
+        version="0.1.0",
+        description="OpenAI-compatible files and fine-tuning jobs, run on the ZenFlow offload engine.",
+        lifespan=_lifespan(settings, api_settings, url, with_broker=enqueue is None),
+        # FastAPI's pages load their scripts from a CDN; ours are vendored, under a CSP (api.docs_pages)
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
+    )
+    _set_state(app, settings, api_settings, url, enqueue)
+    install_error_handlers(app)
+    _include_routers(app)
+    install_console(app)  # the static self-serve console at /console (api/console.py)
+    install_docs(app)  # Swagger UI at /docs, vendored (api/docs_pages.py)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
+    _install_metrics(app)
+    app.add_middleware(
+        HeaderLimitMiddleware,
+        max_count=api_settings.max_header_count,
+        max_bytes=api_settings.max_header_bytes,
+    )
+    _install_openapi(app)
+    return app
+
+
+def _lifespan(
+    settings: Settings, api_settings: ApiSettings, url: str, *, with_broker: bool
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's start (migrations, stale uploads swept, the ML stack imported, the data checks'
+    pool, the heap frozen, the retention loop) and its end (each stopped, the database pool closed)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if api_settings.migrate_on_start:
-            from api.migrate import upgrade_with_retry
-
-            await run_in_threadpool(upgrade_with_retry, url)
-        settings.resolved_files_dir.mkdir(parents=True, exist_ok=True)
-        swept = await run_in_threadpool(
-            LocalFileStore(settings.resolved_files_dir).sweep_incoming, api_settings.stale_upload_seconds
-        )
-        if swept:
-            log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
-        await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
-        app.state.data_checks.open()
-        app.state.data_checks.hook_signals()  # SIGTERM stops running data checks (api.jobs.check_pool)
-        if api_settings.gc_freeze:
-            freeze_startup_heap(with_broker=enqueue is None)
+        await _start(app, settings, api_settings, url, with_broker=with_broker)
         retention = (
             asyncio.create_task(_retention_loop(app)) if api_settings.retention_interval_seconds else None
         )
@@ -82,16 +99,34 @@ def create_app(
             app.state.data_checks.close()  # running data checks stop at their next line
             app.state.engine.dispose()
 
-    app = FastAPI(
-        title="ZenFlow fine-tuning API",
-        version="0.1.0",
-        description="OpenAI-compatible files and fine-tuning jobs, run on the ZenFlow offload engine.",
-        lifespan=lifespan,
-        # FastAPI's pages load their scripts from a CDN; ours are vendored, under a CSP (api.docs_pages)
-        docs_url=None,
-        redoc_url=None,
-        swagger_ui_oauth2_redirect_url=None,
+    return lifespan
+
+
+async def _start(
+    app: FastAPI, settings: Settings, api_settings: ApiSettings, url: str, *, with_broker: bool
+) -> None:
+    if api_settings.migrate_on_start:
+        from api.migrate import upgrade_with_retry
+
+        await run_in_threadpool(upgrade_with_retry, url)
+    settings.resolved_files_dir.mkdir(parents=True, exist_ok=True)
+    swept = await run_in_threadpool(
+        LocalFileStore(settings.resolved_files_dir).sweep_incoming, api_settings.stale_upload_seconds
     )
+    if swept:
+        log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
+    await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
+    app.state.data_checks.open()
+    app.state.data_checks.hook_signals()  # SIGTERM stops running data checks (api.jobs.check_pool)
+    if api_settings.gc_freeze:
+        freeze_startup_heap(with_broker=with_broker)
+
+
+def _set_state(
+    app: FastAPI, settings: Settings, api_settings: ApiSettings, url: str, enqueue: Enqueue | None
+) -> None:
+    """What the routes share: settings, the database, the enqueue, the key cache, the limiter, the
+    inference service and the data checks' pool (processes and models start on first use)."""
     engine = make_engine(url)
     app.state.settings = settings
     app.state.api_settings = api_settings
@@ -103,7 +138,8 @@ def create_app(
     app.state.inference = InferenceService(api_settings)  # models load on first use
     app.state.data_checks = CheckPool(settings.data_check_workers)  # processes start on first use
 
-    install_error_handlers(app)
+
+def _include_routers(app: FastAPI) -> None:
     app.include_router(health.router)
     # Authenticated routers: an id with a NUL byte answers 404 on every database (api.core.guards).
     ids_checked = [Depends(no_nul_in_ids)]
@@ -114,17 +150,6 @@ def create_app(
     app.include_router(models.router, dependencies=ids_checked)
     app.include_router(quotas.router)
     app.include_router(chat.router)
-    install_console(app)  # the static self-serve console at /console (api/console.py)
-    install_docs(app)  # Swagger UI at /docs, vendored (api/docs_pages.py)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=api_settings.max_body_bytes)
-    _install_metrics(app)
-    app.add_middleware(
-        HeaderLimitMiddleware,
-        max_count=api_settings.max_header_count,
-        max_bytes=api_settings.max_header_bytes,
-    )
-    _install_openapi(app)
-    return app
 
 
 #: What requests use (upload validation, create's checks), imported before the heap is frozen; with

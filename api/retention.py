@@ -84,41 +84,8 @@ def apply_retention(session: Session, job: FineTuningJob, *, keep: int, jobs_dir
     out = _output_dir(job, jobs_dir)
     if out is None:
         return result
-    kept: list[CheckpointInfo] = []
-    if out.is_dir():
-        before = directory_bytes(out)
-        result.removed += [str(p) for p in cleanup_partial(out)]
-        checkpoints = list_checkpoints(out)
-        split = max(0, len(checkpoints) - keep)
-        for ck in checkpoints[:split]:
-            shutil.rmtree(ck.path, ignore_errors=True)
-            result.removed.append(str(ck.path))
-        kept = checkpoints[split:]
-        if result.removed:
-            result.freed_bytes = max(0, before - directory_bytes(out))
-            OUTPUT_SIZES.forget(out)
-    rows = {
-        r.step_number: r for r in session.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job.id))
-    }
-    for step, row in rows.items():
-        if step not in {ck.step for ck in kept}:
-            session.delete(row)
-            model_ids.forget_checkpoint(session, job.id, step)
-            result.rows_deleted += 1
-    for ck in kept:  # a checkpoint written while its row could not be (the database was away)
-        if ck.step not in rows:
-            metrics = ck.manifest.get("metrics")
-            model_id = model_ids.register_checkpoint(session, job.id, ck.step, str(ck.path))
-            session.add(
-                JobCheckpoint(
-                    job_id=job.id,
-                    step_number=ck.step,
-                    path=str(ck.path),
-                    fine_tuned_model_checkpoint=model_id,
-                    metrics=metrics if isinstance(metrics, dict) else {},
-                )
-            )
-            result.rows_added += 1
+    kept = _prune_files(out, keep, result) if out.is_dir() else []
+    _sync_checkpoint_rows(session, job.id, kept, result)
     if result.removed:
         add_event(
             session,
@@ -127,6 +94,48 @@ def apply_retention(session: Session, job: FineTuningJob, *, keep: int, jobs_dir
             data={"removed": result.removed, "freed_bytes": result.freed_bytes},
         )
     return result
+
+
+def _prune_files(out: Path, keep: int, result: Pruned) -> list[CheckpointInfo]:
+    """Partial writes and all but the newest ``keep`` checkpoints removed from ``out`` (into
+    ``result``); the checkpoints kept."""
+    before = directory_bytes(out)
+    result.removed += [str(p) for p in cleanup_partial(out)]
+    checkpoints = list_checkpoints(out)
+    split = max(0, len(checkpoints) - keep)
+    for ck in checkpoints[:split]:
+        shutil.rmtree(ck.path, ignore_errors=True)
+        result.removed.append(str(ck.path))
+    if result.removed:
+        result.freed_bytes = max(0, before - directory_bytes(out))
+        OUTPUT_SIZES.forget(out)
+    return checkpoints[split:]
+
+
+def _sync_checkpoint_rows(session: Session, job_id: str, kept: list[CheckpointInfo], result: Pruned) -> None:
+    """The job's checkpoint rows made to match the checkpoints ``kept`` on disk (counted in ``result``)."""
+    rows = {
+        r.step_number: r for r in session.scalars(select(JobCheckpoint).where(JobCheckpoint.job_id == job_id))
+    }
+    for step, row in rows.items():
+        if step not in {ck.step for ck in kept}:
+            session.delete(row)
+            model_ids.forget_checkpoint(session, job_id, step)
+            result.rows_deleted += 1
+    for ck in kept:  # a checkpoint written while its row could not be (the database was away)
+        if ck.step not in rows:
+            metrics = ck.manifest.get("metrics")
+            model_id = model_ids.register_checkpoint(session, job_id, ck.step, str(ck.path))
+            session.add(
+                JobCheckpoint(
+                    job_id=job_id,
+                    step_number=ck.step,
+                    path=str(ck.path),
+                    fine_tuned_model_checkpoint=model_id,
+                    metrics=metrics if isinstance(metrics, dict) else {},
+                )
+            )
+            result.rows_added += 1
 
 
 def sweep(session_factory: Callable[[], Session], *, keep: int, jobs_dir: Path) -> list[Pruned]:

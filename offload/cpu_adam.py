@@ -240,27 +240,11 @@ class CPUAdamW(torch.optim.Optimizer):
             lr = float(group["lr"])
             nt = group.get("num_threads")
             for p in group["params"]:
-                grad = p.grad
+                grad = self._checked_grad(p)
                 if grad is None:
                     continue
-                if grad.is_sparse:
-                    raise RuntimeError("CPUAdamW does not support sparse gradients")
-                self._check_param(p)
-                if grad.dtype not in _GRAD_DTYPES:
-                    raise TypeError(f"gradient dtype must be fp32/bf16/fp16, got {grad.dtype}")
-                if not grad.is_contiguous():
-                    grad = grad.contiguous()
                 state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                step_t = state["step"]
-                if isinstance(step_t, torch.Tensor):
-                    step_t += 1
-                    step = int(step_t.item())
-                else:
-                    state["step"] = step = int(step_t) + 1
+                step = self._next_step(state, p)
                 out = self._param_out.get(id(p))
                 ext.adam_step(
                     p,
@@ -279,3 +263,30 @@ class CPUAdamW(torch.optim.Optimizer):
                     0 if nt is None else int(nt),
                 )
         return loss
+
+    def _checked_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient as the C++ step takes it (contiguous), None when it has none; raises on a
+        sparse gradient, a parameter that is not fp32 on the CPU, or another gradient dtype."""
+        grad = p.grad
+        if grad is None:
+            return None
+        if grad.is_sparse:
+            raise RuntimeError("CPUAdamW does not support sparse gradients")
+        self._check_param(p)
+        if grad.dtype not in _GRAD_DTYPES:
+            raise TypeError(f"gradient dtype must be fp32/bf16/fp16, got {grad.dtype}")
+        return grad if grad.is_contiguous() else grad.contiguous()
+
+    @staticmethod
+    def _next_step(state: dict[str, Any], p: torch.Tensor) -> int:
+        """The parameter's step count after this step (its state created on its first)."""
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step_t = state["step"]
+        if isinstance(step_t, torch.Tensor):
+            step_t += 1
+            return int(step_t.item())
+        state["step"] = step = int(step_t) + 1
+        return step

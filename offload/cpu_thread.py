@@ -22,6 +22,7 @@ during them).
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import os
 import threading
@@ -43,6 +44,14 @@ class CPUThreadClosedError(RuntimeError):
 
 
 _Task = tuple[Callable[[], Any], "Future[Any]"]
+
+
+class _Turn(enum.Enum):
+    """What the thread does next when not a queued task."""
+
+    GENERATOR = "advance the running generator by one chunk"
+    STOP = "stopped with nothing left"
+
 
 _tls = threading.local()
 #: Native thread ids of the live CPU threads (core placement pins every other thread of the process).
@@ -83,6 +92,9 @@ class CPUThread:
         self.native_id = 0  # the thread's, once started
         #: Whether the thread runs on ``cores`` (None: no cores asked for).
         self.pinned: bool | None = None
+        #: The normal task the thread is advancing chunk by chunk (the thread's own), and its future.
+        self._gen: Generator[Any, Any, Any] | None = None
+        self._gen_fut: Future[Any] | None = None
         ready = threading.Event()
         main_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=name, daemon=True)
@@ -161,45 +173,54 @@ class CPUThread:
             live_native_ids.discard(threading.get_native_id())
 
     def _loop(self) -> None:
-        gen: Generator[Any, Any, Any] | None = None
-        gen_fut: Future[Any] | None = None
-        task: _Task | None  # None: advance the running generator by one chunk
         while self._error is None:
-            with self._cv:
-                while not (self._urgent or self._normal or gen is not None or self._stop):
-                    self._cv.wait()
-                if self._urgent:
-                    task = self._urgent.popleft()
-                elif gen is not None:
-                    task = None
-                elif self._normal:
-                    task = self._normal.popleft()
-                else:
-                    break  # stopped and nothing left
-            current = gen_fut if task is None else task[1]
+            task = self._take()
+            if task is _Turn.STOP:
+                break
+            current = self._gen_fut if task is _Turn.GENERATOR else task[1]
             t0, c0, r0 = time.perf_counter(), time.thread_time(), getattr(_tls, "released", 0.0)
             try:
-                if task is None:
-                    assert gen is not None
-                    try:
-                        next(gen)
-                    except StopIteration as stop:
-                        self._finish(gen_fut, stop.value)
-                        gen, gen_fut = None, None
-                else:
-                    fn, fut = task
-                    out = fn()
-                    if inspect.isgenerator(out):
-                        gen, gen_fut = out, fut
-                    else:
-                        self._finish(fut, out)
+                self._execute(task)
             except BaseException as exc:
-                self._fail(exc, current, gen_fut)
+                self._fail(exc, current, self._gen_fut)
                 return
             finally:
                 self.busy_seconds += time.perf_counter() - t0
                 cpu = time.thread_time() - c0
                 self.gil_seconds += max(0.0, cpu - (getattr(_tls, "released", 0.0) - r0))
+
+    def _take(self) -> _Task | _Turn:
+        """What runs next, waiting for it: an urgent task, else a chunk of the running generator, else
+        a normal task; STOP once closed with nothing left."""
+        with self._cv:
+            while not (self._urgent or self._normal or self._gen is not None or self._stop):
+                self._cv.wait()
+            if self._urgent:
+                return self._urgent.popleft()
+            if self._gen is not None:
+                return _Turn.GENERATOR
+            if self._normal:
+                return self._normal.popleft()
+            return _Turn.STOP  # stopped and nothing left
+
+    def _execute(self, task: _Task | _Turn) -> None:
+        """Run a task (a generator it returns becomes the running one), or one chunk of the running
+        generator (finishing its task when it returns)."""
+        if task is _Turn.GENERATOR:
+            assert self._gen is not None
+            try:
+                next(self._gen)
+            except StopIteration as stop:
+                self._finish(self._gen_fut, stop.value)
+                self._gen, self._gen_fut = None, None
+            return
+        assert not isinstance(task, _Turn)
+        fn, fut = task
+        out = fn()
+        if inspect.isgenerator(out):
+            self._gen, self._gen_fut = out, fut
+        else:
+            self._finish(fut, out)
 
     def _finish(self, fut: Future[Any] | None, value: Any) -> None:
         if fut is not None:

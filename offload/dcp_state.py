@@ -39,47 +39,59 @@ def split_rows(mode_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dic
     state with each of them replaced by None."""
     pieces: dict[str, torch.Tensor] = {}
     sk: dict[str, Any] = {k: v for k, v in mode_state.items()}
-
-    def take(prefix: str, d: dict[Any, Any], keys: tuple[str, ...] | None = None) -> dict[Any, Any]:
-        out = dict(d)
-        for k, v in d.items():
-            if (keys is None or k in keys) and _rows(v):
-                pieces[f"{prefix}/{k}"] = v
-                out[k] = None
-        return out
-
-    sk["device_params"] = take("device_params", mode_state["device_params"])
+    sk["device_params"] = _take(pieces, "device_params", mode_state["device_params"])
     if "masters" in mode_state:
-        sk["masters"] = take("masters", mode_state["masters"])
+        sk["masters"] = _take(pieces, "masters", mode_state["masters"])
     if "optimizer" in mode_state:
         opt = mode_state["optimizer"]
-        state = {i: take(f"optimizer/{i}", st) for i, st in opt["state"].items()}
+        state = {i: _take(pieces, f"optimizer/{i}", st) for i, st in opt["state"].items()}
         sk["optimizer"] = {**opt, "state": state}
     if "host" in mode_state:
-        hosts = []
-        for g, h in enumerate(mode_state["host"]):
-            numels = [int(n) for n in h["numels"]]
-            hk = dict(h)
-            for k in _HOST_KEYS:
-                if h.get(k) is None:
-                    continue
-                flat = torch.as_tensor(h[k])
-                for j, part in enumerate(flat.split(numels)):
-                    pieces[f"host/{g}/{k}/{j}"] = part
-                hk[k] = _PIECE
-            hosts.append(hk)
-        sk["host"] = hosts
+        sk["host"] = [_take_host(pieces, g, h) for g, h in enumerate(mode_state["host"])]
     if "device_optimizer" in mode_state:
-        sk["device_optimizer"] = {
-            n: take(f"zdev/{n}", e, _ZEN_ROW_KEYS) for n, e in mode_state["device_optimizer"].items()
-        }
-        stash = {}
-        for n, (c, v) in mode_state["stash"].items():
-            pieces[f"stash/{n}"] = v
-            stash[n] = (c, None)
-        sk["stash"] = stash
-        sk["device_acc"] = take("zacc", mode_state["device_acc"])
+        _take_zenflow_device(pieces, mode_state, sk)
     return pieces, sk
+
+
+def _take(
+    pieces: dict[str, torch.Tensor], prefix: str, d: dict[Any, Any], keys: tuple[str, ...] | None = None
+) -> dict[Any, Any]:
+    """``d`` with its row tensors (those of ``keys``, or all) moved into ``pieces`` as ``prefix/key``."""
+    out = dict(d)
+    for k, v in d.items():
+        if (keys is None or k in keys) and _rows(v):
+            pieces[f"{prefix}/{k}"] = v
+            out[k] = None
+    return out
+
+
+def _take_host(pieces: dict[str, torch.Tensor], g: int, h: dict[str, Any]) -> dict[str, Any]:
+    """Host store ``g``'s flat buffers as per-parameter pieces ``host/g/key/j``, each marked _PIECE."""
+    numels = [int(n) for n in h["numels"]]
+    hk = dict(h)
+    for k in _HOST_KEYS:
+        if h.get(k) is None:
+            continue
+        flat = torch.as_tensor(h[k])
+        for j, part in enumerate(flat.split(numels)):
+            pieces[f"host/{g}/{k}/{j}"] = part
+        hk[k] = _PIECE
+    return hk
+
+
+def _take_zenflow_device(
+    pieces: dict[str, torch.Tensor], mode_state: dict[str, Any], sk: dict[str, Any]
+) -> None:
+    """zenflow's device parts: its column optimizer's row moments, the stash values, the accumulators."""
+    sk["device_optimizer"] = {
+        n: _take(pieces, f"zdev/{n}", e, _ZEN_ROW_KEYS) for n, e in mode_state["device_optimizer"].items()
+    }
+    stash = {}
+    for n, (c, v) in mode_state["stash"].items():
+        pieces[f"stash/{n}"] = v
+        stash[n] = (c, None)
+    sk["stash"] = stash
+    sk["device_acc"] = _take(pieces, "zacc", mode_state["device_acc"])
 
 
 def piece_rows(

@@ -85,7 +85,7 @@ from offload.collectives import Ranks, fill_missing_gradients
 from offload.config import EngineConfig
 from offload.cores import Cores
 from offload.cpu_thread import CPUThreadError
-from offload.device import DeviceOps
+from offload.device import DeviceOps, Landing
 from offload.device_mode import DeviceMode
 from offload.engine_state import STATE_VERSION, recut_mode_state, states_to_load
 from offload.fsdp import RowShards, clip_rows_
@@ -251,17 +251,45 @@ class ZenFlowEngine:
         scaler = self._scaler
         # fp16 gradients stay loss-scaled (offload.guard): `inv` folds into the norm and the factor
         inv = scaler.unscale_(grads) if scaler is not None else None
-        sharded = False
-        if ranks.distributed:  # the mean over ranks, as far as the mode needs it (offload: its shard)
+        total_norm, coef, sharded = self._clip(stats, grads, inv)
+        gate, landing = self._gate(total_norm, coef, inv)
+        self._mode.step(stats, self._lr, gate)
+        if scaler is not None:
+            scaler.update(gate)
+        self._step += 1
+        vals = landing.values()
+        grad_norm = vals[0] if grads or sharded else None
+        wall, stall = self._wall_and_stall(stats)
+        m = self._metrics(stats, gate, wall, stall, grad_norm, vals[2] if scaler is not None else None)
+        self.last_metrics = m
+        return m
+
+    def _clip(
+        self, stats: StepStats, grads: list[torch.Tensor], inv: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The global gradient norm and clip coefficient, the gradients clipped; whether the mode's
+        reduction left this rank a shard (data parallel: the mean over ranks first, as far as the mode
+        needs it; offload: its shard)."""
+        if self._ranks.distributed:
             reduced = self._mode.reduce(stats)
-            sharded = bool(reduced.shards)
-            total_norm, coef = clip_reduced_(reduced, self.config.max_grad_norm, self.device, ranks, inv=inv)
-        elif self._rows is not None:
+            total_norm, coef = clip_reduced_(
+                reduced, self.config.max_grad_norm, self.device, self._ranks, inv=inv
+            )
+            return total_norm, coef, bool(reduced.shards)
+        if self._rows is not None:
             total_norm, coef = clip_rows_(
                 grads, self.config.max_grad_norm, self.device, self._rows.group, inv=inv
             )
         else:
             total_norm, coef = clip_(grads, self.config.max_grad_norm, self.device, inv=inv)
+        return total_norm, coef, False
+
+    def _gate(
+        self, total_norm: torch.Tensor, coef: torch.Tensor, inv: torch.Tensor | None
+    ) -> tuple[Gate, Landing]:
+        """This step's verdict (finite norm) and, with loss scaling, the gradient factor; the norm, the
+        verdict (and the scale and factor) on their way to the host."""
+        scaler = self._scaler
         ok = torch.isfinite(total_norm)
         # The verdict and the norm leave the device now, before the mode queues its kernels, so reading
         # them once those are queued waits for nothing.
@@ -271,13 +299,11 @@ class ZenFlowEngine:
             factor = scaler.grad_factor(coef, inv, ok)
             scalars += [scaler.scale, factor]
         landing = self._ops.read_later(scalars)
-        gate = Gate(ok, landing, at=1, grad_factor=factor, factor_at=3)
-        self._mode.step(stats, self._lr, gate)
-        if scaler is not None:
-            scaler.update(gate)
-        self._step += 1
-        vals = landing.values()
-        grad_norm = vals[0] if grads or sharded else None
+        return Gate(ok, landing, at=1, grad_factor=factor, factor_at=3), landing
+
+    def _wall_and_stall(self, stats: StepStats) -> tuple[float, float]:
+        """Wall seconds since the last step, and how many of them the device stood idle (CUDA: timing
+        events, the excess carried to the next step; CPU: the stalls the mode counted)."""
         for a, b in stats.marks:
             self._idle.add(a, b)
         self._end_ev = self._ops.timing_event()
@@ -290,7 +316,18 @@ class ZenFlowEngine:
             self._carry = idle - stall
         else:
             stall = min(stats.stall_seconds, wall)
-        m = StepMetrics(
+        return wall, stall
+
+    def _metrics(
+        self,
+        stats: StepStats,
+        gate: Gate,
+        wall: float,
+        stall: float,
+        grad_norm: float | None,
+        loss_scale: float | None,
+    ) -> StepMetrics:
+        return StepMetrics(
             step=self._step,
             wall_seconds=wall,
             compute_seconds=wall - stall,
@@ -306,7 +343,7 @@ class ZenFlowEngine:
             device_buffer_bytes=self._mode.buffer_bytes(),
             synchronous=stats.synchronous,
             skipped=not gate.finite(),
-            loss_scale=vals[2] if scaler is not None else None,
+            loss_scale=loss_scale,
             host_bytes=self._host_bytes,
             world_size=self.world_size,
             rank=self.rank,
@@ -315,8 +352,6 @@ class ZenFlowEngine:
             sharded=self._rows is not None,
             param_bytes=sum(p.numel() * p.element_size() for p in self._params),
         )
-        self.last_metrics = m
-        return m
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients. In-place zeroing first orders the device after the last gradient copy."""

@@ -243,20 +243,7 @@ class HostStore:
         boundaries: one C++ call per chunk, not per parameter (same numbers: the update is elementwise).
         ``grad_factor``: multiply the gradient by it first, in fp32 (a loss-scaled fp16 gradient).
         """
-        step_fn = _adam_step()
-        # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
-        out = self.low and grad.dtype == self.dtype
-        # fp16 parameters, fp32 gradient buffer: the results go into the buffer's fp16 view. Its range
-        # [lo, hi) overlays the fp32 elements [lo / 2, hi / 2): written by the step itself where those
-        # lie below lo (hi <= 2 lo), else right after it (they have been read; ranges run ascending).
-        mine = self.low and grad.dtype == torch.float32 and any(b is grad for b in self.bufs)
-        narrow_out = grad.view(self.dtype).narrow(0, 0, self.numel) if mine else None
         factor = None if grad_factor is None or grad_factor == 1.0 else float(grad_factor)
-        scratch = (
-            torch.empty(min(self.numel, _ACC_CHUNK), dtype=torch.float32)
-            if factor is not None and grad.dtype != torch.float32
-            else None
-        )
         b1, b2 = betas
         hyper = {
             "lr": lr,
@@ -267,56 +254,33 @@ class HostStore:
             "adamw": True,
             "num_threads": num_threads,
         }
-
-        def run(lo: int, hi: int, step: int) -> None:
-            piece = _ACC_CHUNK if factor is not None else hi - lo  # the scaled gradient is transient
-            for a in range(lo, hi, max(1, piece)):
-                step_range(a, min(hi, a + piece), step)
-
-        def step_range(lo: int, hi: int, step: int) -> None:
-            g = grad[lo:hi]
-            src = g
-            po = g if out else None
-            direct = narrow_out is not None and hi <= 2 * lo
-            if direct:
-                assert narrow_out is not None
-                po = narrow_out[lo:hi]
-            with gil_released():
-                if factor is not None and scratch is not None:
-                    src = scratch[: hi - lo]
-                    _accumulate()(src, g, alpha=factor, first=True, num_threads=num_threads)
-                elif factor is not None:
-                    g.mul_(factor)
-                step_fn(
-                    self.master[lo:hi],
-                    src,
-                    self.exp_avg[lo:hi],
-                    self.exp_avg_sq[lo:hi],
-                    step=step,
-                    param_out=po,
-                    **hyper,
-                )
-                if narrow_out is not None and not direct:
-                    narrow_out[lo:hi].copy_(self.master[lo:hi])
-
+        ranges = _AdamRanges(self, grad, factor=factor, hyper=hyper, num_threads=num_threads)
         if only is None and len(set(self.steps)) == 1:
-            self.steps = [s + 1 for s in self.steps]
-            step, done = self.steps[0], 0
-            for lo in range(0, self.numel, chunk):
-                hi = min(self.numel, lo + chunk)
-                run(lo, hi, step)
-                finished = []
-                while done < len(self.numels) and self.offsets[done] + self.numels[done] <= hi:
-                    finished.append(done)
-                    done += 1
-                yield finished
-            return
+            yield from self._adam_across(ranges, chunk)
+        else:
+            yield from self._adam_each(ranges, chunk, only)
+
+    def _adam_across(self, ranges: _AdamRanges, chunk: int) -> Iterator[list[int]]:
+        """Every parameter at one step count: chunks over the flat buffers, across parameters."""
+        self.steps = [s + 1 for s in self.steps]
+        step, done = self.steps[0], 0
+        for lo in range(0, self.numel, chunk):
+            hi = min(self.numel, lo + chunk)
+            ranges.run(lo, hi, step)
+            finished = []
+            while done < len(self.numels) and self.offsets[done] + self.numels[done] <= hi:
+                finished.append(done)
+                done += 1
+            yield finished
+
+    def _adam_each(self, ranges: _AdamRanges, chunk: int, only: Sequence[int] | None) -> Iterator[list[int]]:
+        """Parameter by parameter (all, or the indices in ``only``), each at its own step count."""
         for i in range(len(self.numels)) if only is None else sorted(only):
             self.steps[i] += 1
             base, n = self.offsets[i], self.numels[i]
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
-                run(base + lo, base + hi, self.steps[i])
+                ranges.run(base + lo, base + hi, self.steps[i])
                 yield [i] if hi == n else []
 
     def adam_now(
@@ -411,3 +375,66 @@ class HostStore:
         exactly the master rounded to nearest even, and nothing changes the master before it is used."""
         if self.low:
             self.result(index).copy_(self.master)
+
+
+class _AdamRanges:
+    """One :meth:`HostStore.adam` call's update of element ranges ``[lo, hi)`` of the flat buffers: the
+    gradient scaled by ``factor`` first (when given), the C++ step, and the new parameters where the
+    device copies them from (:meth:`HostStore.result`)."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        grad: torch.Tensor,
+        *,
+        factor: float | None,
+        hyper: dict[str, Any],
+        num_threads: int,
+    ) -> None:
+        self.store, self.grad, self.factor = store, grad, factor
+        self.hyper, self.num_threads = hyper, num_threads
+        self.step_fn = _adam_step()
+        # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
+        self.out = store.low and grad.dtype == store.dtype
+        # fp16 parameters, fp32 gradient buffer: the results go into the buffer's fp16 view. Its range
+        # [lo, hi) overlays the fp32 elements [lo / 2, hi / 2): written by the step itself where those
+        # lie below lo (hi <= 2 lo), else right after it (they have been read; ranges run ascending).
+        mine = store.low and grad.dtype == torch.float32 and any(b is grad for b in store.bufs)
+        self.narrow_out = grad.view(store.dtype).narrow(0, 0, store.numel) if mine else None
+        self.scratch = (
+            torch.empty(min(store.numel, _ACC_CHUNK), dtype=torch.float32)
+            if factor is not None and grad.dtype != torch.float32
+            else None
+        )
+
+    def run(self, lo: int, hi: int, step: int) -> None:
+        piece = _ACC_CHUNK if self.factor is not None else hi - lo  # the scaled gradient is transient
+        for a in range(lo, hi, max(1, piece)):
+            self._step_range(a, min(hi, a + piece), step)
+
+    def _step_range(self, lo: int, hi: int, step: int) -> None:
+        store, factor, narrow_out = self.store, self.factor, self.narrow_out
+        g = self.grad[lo:hi]
+        src = g
+        po = g if self.out else None
+        direct = narrow_out is not None and hi <= 2 * lo
+        if direct:
+            assert narrow_out is not None
+            po = narrow_out[lo:hi]
+        with gil_released():
+            if factor is not None and self.scratch is not None:
+                src = self.scratch[: hi - lo]
+                _accumulate()(src, g, alpha=factor, first=True, num_threads=self.num_threads)
+            elif factor is not None:
+                g.mul_(factor)
+            self.step_fn(
+                store.master[lo:hi],
+                src,
+                store.exp_avg[lo:hi],
+                store.exp_avg_sq[lo:hi],
+                step=step,
+                param_out=po,
+                **self.hyper,
+            )
+            if narrow_out is not None and not direct:
+                narrow_out[lo:hi].copy_(store.master[lo:hi])

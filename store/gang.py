@@ -225,15 +225,38 @@ def next_gang(
     own = session.get(FineTuningJob, message_job_id) if message_job_id else None
     if own is not None:
         queue = own.queue
-        if own.request.resources.nodes > 1 and own.status == JobStatus.running.value:
-            locked = jobs.lock_job(session, own.id)
-            if locked is not None and not jobs.heartbeat_is_fresh(
-                locked.heartbeat_at, settings.heartbeat_timeout_seconds, now
-            ):
-                jobs.requeue(session, locked, "A node of its gang was lost")
-            own = None
+        own = _unless_running_gang(session, own, settings, now)
     if queue is None:
         return jobs.NextClaim(jobs.Claim.missing), None
+    joined = _join_forming(session, queue, hostname, settings, now)
+    if joined is not None:
+        return joined
+    take = _Take(session, hostname, settings, endpoint=endpoint, now=now)
+    result = jobs.claim_next(
+        session, hostname, settings, message_job_id=own.id if own else None, queue=queue, take=take
+    )
+    return result, (take.opened[0] if take.opened else None)
+
+
+def _unless_running_gang(
+    session: Session, own: FineTuningJob, settings: Settings, now: datetime
+) -> FineTuningJob | None:
+    """The message's own job, or None when it is a running multi-node job (re-queued first, the attempt
+    counted, when its heartbeat is stale: a gang is never taken over by one node)."""
+    if own.request.resources.nodes > 1 and own.status == JobStatus.running.value:
+        locked = jobs.lock_job(session, own.id)
+        if locked is not None and not jobs.heartbeat_is_fresh(
+            locked.heartbeat_at, settings.heartbeat_timeout_seconds, now
+        ):
+            jobs.requeue(session, locked, "A node of its gang was lost")
+        return None
+    return own
+
+
+def _join_forming(
+    session: Session, queue: str, hostname: str, settings: Settings, now: datetime
+) -> tuple[jobs.NextClaim, Member] | None:
+    """Join the oldest gang forming on ``queue`` that has room (None: none had)."""
     for job_id in forming(session, queue):
         job = session.execute(
             select(FineTuningJob)
@@ -246,30 +269,38 @@ def next_gang(
         member = join(session, job, hostname, settings, endpoint=None, now=now)
         if member is not None:
             return jobs.NextClaim(jobs.Claim.joined, job.id, queue), member
-    opened: list[Member] = []
+    return None
 
-    def take(job: FineTuningJob) -> jobs.Claim:
+
+class _Take:
+    """The fair-share pass's ``take``: a single-node job claimed as before, a multi-node one's gang
+    opened as node 0 (its member kept in ``opened``), a forming one passed over."""
+
+    def __init__(
+        self, session: Session, hostname: str, settings: Settings, *, endpoint: str, now: datetime
+    ) -> None:
+        self.session, self.hostname, self.settings = session, hostname, settings
+        self.endpoint, self.now = endpoint, now
+        self.opened: list[Member] = []
+
+    def __call__(self, job: FineTuningJob) -> jobs.Claim:
+        session, settings = self.session, self.settings
         if job.request.resources.nodes < 2:
             return jobs.claim(
                 session,
                 job,
-                hostname,
+                self.hostname,
                 max_attempts=settings.max_job_attempts,
                 heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds,
             )
         rows = slots(session, job.id, job.attempts + 1)
-        if rows and not _expired(rows, settings, now):
+        if rows and not _expired(rows, settings, self.now):
             return jobs.Claim.running_elsewhere  # forming: recruited through join, not claimed again
-        member = join(session, job, hostname, settings, endpoint=endpoint, now=now)
+        member = join(session, job, self.hostname, settings, endpoint=self.endpoint, now=self.now)
         if member is None:
             return jobs.Claim.running_elsewhere
-        opened.append(member)
+        self.opened.append(member)
         return jobs.Claim.forming
-
-    result = jobs.claim_next(
-        session, hostname, settings, message_job_id=own.id if own else None, queue=queue, take=take
-    )
-    return result, (opened[0] if opened else None)
 
 
 def beat(session: Session, member: Member, hostname: str, *, now: datetime | None = None) -> bool:

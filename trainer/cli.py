@@ -45,6 +45,7 @@ from trainer.events import (
 
 if TYPE_CHECKING:
     from trainer.run.distributed import DistContext
+    from trainer.run.loop import TrainResult
     from trainer.spec import JobSpec
 
 #: ``zenflow train``'s exit code for bad input: the spec, its model or its data (the message says what).
@@ -214,19 +215,7 @@ def _train(
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     progress = progress and not args.json and main_rank
     cancel = threading.Event()
-
-    def on_sigint(_sig: int, _frame: Any) -> None:
-        if cancel.is_set():
-            raise KeyboardInterrupt
-        cancel.set()
-        if main_rank:
-            print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
-
-    previous = (
-        signal.signal(signal.SIGINT, on_sigint)
-        if threading.current_thread() is threading.main_thread()
-        else None
-    )
+    previous = _stop_on_sigint(cancel, main_rank)
     from trainer.run.loop import run_training
 
     try:
@@ -239,26 +228,55 @@ def _train(
             dist=dist,
         )
     except KeyboardInterrupt:
-        if main_rank:
-            print("aborted", file=sys.stderr)
-        return EXIT_INTERRUPTED if main_rank else 0
+        return _aborted(main_rank)
     except Exception as e:
-        msg = _bad_input(e)
-        if msg is not None:  # every rank sees it; rank 0 says it
-            return refuse(msg) if main_rank else 0
-        if dist is not None and cancel.is_set():  # aborting: a peer that left first broke the collective
-            if main_rank:
-                print("aborted", file=sys.stderr)
-            return EXIT_INTERRUPTED if main_rank else 0
-        traceback.print_exc(file=sys.stderr)
-        where = f" (rank {dist.rank})" if dist is not None else ""
-        print(f"zenflow train: internal error{where}: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_INTERNAL_ERROR
+        return _failed(e, dist, cancel, refuse)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-    if not main_rank:
-        return 0
+    return _finished(result) if main_rank else 0
+
+
+def _stop_on_sigint(cancel: threading.Event, main_rank: bool) -> Any:
+    """Ctrl-C sets ``cancel`` (the run stops after this step), a second one aborts; the previous
+    handler, to restore (None off the main thread, where no handler is set)."""
+
+    def on_sigint(_sig: int, _frame: Any) -> None:
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+        if main_rank:
+            print("\nstopping after this step (Ctrl-C again to abort)", file=sys.stderr)
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, on_sigint)
+
+
+def _aborted(main_rank: bool) -> int:
+    if main_rank:
+        print("aborted", file=sys.stderr)
+    return EXIT_INTERRUPTED if main_rank else 0
+
+
+def _failed(
+    e: Exception, dist: DistContext | None, cancel: threading.Event, refuse: Callable[[str], int]
+) -> int:
+    """The exit code of a run that raised: bad input (said by rank 0), an abort, or an internal error."""
+    main_rank = dist is None or dist.is_main
+    msg = _bad_input(e)
+    if msg is not None:  # every rank sees it; rank 0 says it
+        return refuse(msg) if main_rank else 0
+    if dist is not None and cancel.is_set():  # aborting: a peer that left first broke the collective
+        return _aborted(main_rank)
+    traceback.print_exc(file=sys.stderr)
+    where = f" (rank {dist.rank})" if dist is not None else ""
+    print(f"zenflow train: internal error{where}: {type(e).__name__}: {e}", file=sys.stderr)
+    return EXIT_INTERNAL_ERROR
+
+
+def _finished(result: TrainResult) -> int:
+    """Rank 0's last words: where a cancelled run stopped, or the losses and the model's folder."""
     if result.cancelled:
         print(
             f"stopped at step {result.steps}/{result.total_steps}; run the same command to resume "

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from typing import Any
 
-from store.settings import get_settings
+from store.settings import Settings, get_settings
 from worker.broker import celery_app, queue_for_gpu_kind, queue_for_gpus
 from worker.metrics.nvml import detect_gpus
 
@@ -77,6 +77,30 @@ def _node(group: list[Gpu]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m worker``: one Celery worker per GPU (or one CPU worker)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    settings = get_settings()
+    per_job = args.gpus_per_job or settings.gpus_per_job
+    gpus = _chosen_gpus(args.gpus, dict(detect_gpus()))
+    try:
+        groups = gpu_groups(gpus, per_job, cpu_ranks=settings.cpu_ranks)
+    except ValueError as e:
+        p.error(str(e))
+    if per_job > 1 and sum(len(g) for g in groups) < len(gpus) and groups[0][0][0] is not None:
+        print(
+            f"python -m worker: {len(gpus) % per_job} GPU(s) left unused by groups of {per_job}",
+            file=sys.stderr,
+        )
+    # Our indices are NVML's (and nvidia-smi's), which count in PCI bus order; CUDA's default order is
+    # fastest first, so without this CUDA_VISIBLE_DEVICES=1 could be another GPU on a mixed host.
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ["ZENFLOW_GPUS_PER_JOB"] = str(per_job)
+    if len(groups) == 1:
+        return _work_here(groups[0], per_job, args, settings)
+    return _spawn_workers(groups, per_job, args, settings)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m worker", description=main.__doc__)
     p.add_argument("--gpus", default="auto", help="'auto', 'none' (one CPU worker) or indices like 0,1")
     p.add_argument(
@@ -93,57 +117,51 @@ def main(argv: list[str] | None = None) -> int:
         "GPUs are cut into groups of this size, one worker each",
     )
     p.add_argument("--loglevel", default="INFO")
-    args = p.parse_args(argv)
-    settings = get_settings()
-    per_job = args.gpus_per_job or settings.gpus_per_job
-    found = dict(detect_gpus())
-    if args.gpus == "none" or (args.gpus == "auto" and not found):
-        gpus: list[Gpu] = [(None, None)]
-    elif args.gpus == "auto":
-        gpus = list(found.items())
-    else:
-        gpus = [(int(i), found.get(int(i))) for i in args.gpus.split(",")]
-    try:
-        groups = gpu_groups(gpus, per_job, cpu_ranks=settings.cpu_ranks)
-    except ValueError as e:
-        p.error(str(e))
-    if per_job > 1 and sum(len(g) for g in groups) < len(gpus) and groups[0][0][0] is not None:
-        print(
-            f"python -m worker: {len(gpus) % per_job} GPU(s) left unused by groups of {per_job}",
-            file=sys.stderr,
-        )
+    return p
 
-    def queues_for(kind: str | None) -> list[str]:
-        bases = (
-            list(args.queues.split(","))
-            if args.queues
-            else [queue_for_gpu_kind(kind), settings.default_queue]
-        )
-        if per_job > 1:
-            bases = [queue_for_gpus(per_job, q) for q in bases]
-        return list(dict.fromkeys(bases))
 
-    def devices(group: list[Gpu]) -> str:
-        return ",".join(str(i) for i, _ in group if i is not None)
+def _chosen_gpus(arg: str, found: dict[int, str]) -> list[Gpu]:
+    """The GPUs ``--gpus`` names among those ``found`` (index -> kind): [(None, None)] for a CPU worker."""
+    if arg == "none" or (arg == "auto" and not found):
+        return [(None, None)]
+    if arg == "auto":
+        return list(found.items())
+    return [(int(i), found.get(int(i))) for i in arg.split(",")]
 
-    # Our indices are NVML's (and nvidia-smi's), which count in PCI bus order; CUDA's default order is
-    # fastest first, so without this CUDA_VISIBLE_DEVICES=1 could be another GPU on a mixed host.
-    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    os.environ["ZENFLOW_GPUS_PER_JOB"] = str(per_job)
-    if len(groups) == 1:
-        group = groups[0]
-        if group[0][0] is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = devices(group)
-        elif per_job > 1:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (cpu_ranks)
-        get_settings.cache_clear()  # gpus_per_job as set above
-        from worker import hooks, task  # noqa: F401  (register the task and the hooks here)
 
-        celery_app.worker_main(worker_argv(queues_for(group[0][1]), _node(group), args.loglevel))
-        return 0
+def _queues(queues: str | None, kind: str | None, per_job: int, default_queue: str) -> list[str]:
+    """The queues a worker of ``kind`` GPUs consumes (``--queues``, else its kind's and the default)."""
+    bases = list(queues.split(",")) if queues else [queue_for_gpu_kind(kind), default_queue]
+    if per_job > 1:
+        bases = [queue_for_gpus(per_job, q) for q in bases]
+    return list(dict.fromkeys(bases))
+
+
+def _devices(group: list[Gpu]) -> str:
+    return ",".join(str(i) for i, _ in group if i is not None)
+
+
+def _work_here(group: list[Gpu], per_job: int, args: argparse.Namespace, settings: Settings) -> int:
+    """One group: this process becomes its Celery worker."""
+    if group[0][0] is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = _devices(group)
+    elif per_job > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (cpu_ranks)
+    get_settings.cache_clear()  # gpus_per_job as set above
+    from worker import hooks, task  # noqa: F401  (register the task and the hooks here)
+
+    queues = _queues(args.queues, group[0][1], per_job, settings.default_queue)
+    celery_app.worker_main(worker_argv(queues, _node(group), args.loglevel))
+    return 0
+
+
+def _spawn_workers(
+    groups: list[list[Gpu]], per_job: int, args: argparse.Namespace, settings: Settings
+) -> int:
+    """Several groups: one ``celery worker`` process each, signals forwarded; the worst exit code."""
     procs = []
     for n, group in enumerate(groups):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices(group)}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": _devices(group)}
         if settings.worker_metrics_port:
             # One /metrics port per worker process: base port + position in the launch order.
             env["ZENFLOW_WORKER_METRICS_PORT"] = str(settings.worker_metrics_port + n)
@@ -153,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             "celery",
             "-A",
             "worker",
-            *worker_argv(queues_for(group[0][1]), _node(group), args.loglevel),
+            *worker_argv(
+                _queues(args.queues, group[0][1], per_job, settings.default_queue),
+                _node(group),
+                args.loglevel,
+            ),
         ]
         procs.append(subprocess.Popen(cmd, env=env))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -225,65 +225,78 @@ def _db_unavailable(exc: Exception) -> bool:
     return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
 
 
+async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    # A body that is not JSON at all.
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return APIError(400, "Request body is not valid JSON", code="invalid_json").response()
+    wrong_body = body_type_error(errors, request.headers.get("content-type"))
+    if wrong_body is not None:
+        return wrong_body.response()
+    return validation_error(errors).response()
+
+
+async def _pydantic_validation(_request: Request, exc: ValidationError) -> JSONResponse:
+    return validation_error(list(exc.errors())).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else "Request failed"
+    if exc.status_code == 404 and message == "Not Found":
+        message = "Unknown request URL"
+    err = APIError(exc.status_code, message, code=getattr(exc, "error_code", None))
+    err.headers.update(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names the methods of the first route that matched the path; a path served by
+        # several routes (GET and DELETE /v1/files/{id}) has them all.
+        methods = allowed_methods(request.scope)
+        if methods:
+            err.headers["Allow"] = ", ".join(methods)
+            err.message = f"Method {request.method} is not allowed here; use {', '.join(methods)}"
+    return err.response()
+
+
+async def _db_error(_request: Request, exc: sa_exc.SQLAlchemyError) -> JSONResponse:
+    if _db_unavailable(exc):
+        log.warning("database unavailable: %s", exc.__class__.__name__)
+        return APIError(
+            503,
+            "The database is unavailable; retry shortly",
+            code="database_unavailable",
+            headers={"Retry-After": "1"},
+        ).response()
+    if isinstance(exc, sa_exc.IntegrityError):
+        return APIError(409, "The request conflicts with the current state", code="conflict").response()
+    if isinstance(exc, sa_exc.DataError):  # a value the database cannot hold (out of range, NUL byte)
+        log.warning("database refused a value: %s", exc.orig)
+        return APIError(
+            400, "A value in the request is out of range for this server", code="invalid_value"
+        ).response()
+    log.exception("database error")
+    return APIError(500, "Internal server error", code="internal_error").response()
+
+
+async def _unhandled(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return APIError(500, "Internal server error", code="internal_error").response()
+
+
+#: Each failure's handler, in the order they are registered.
+_HANDLERS: tuple[tuple[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]], ...] = (
+    (APIError, _api_error),
+    (RequestValidationError, _request_validation),
+    (ValidationError, _pydantic_validation),
+    (StarletteHTTPException, _http_error),
+    (sa_exc.SQLAlchemyError, _db_error),
+    (Exception, _unhandled),
+)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that turn every failure into the OpenAI error envelope."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        # A body that is not JSON at all.
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return APIError(400, "Request body is not valid JSON", code="invalid_json").response()
-        wrong_body = body_type_error(errors, request.headers.get("content-type"))
-        if wrong_body is not None:
-            return wrong_body.response()
-        return validation_error(errors).response()
-
-    @app.exception_handler(ValidationError)
-    async def _pydantic_validation(_request: Request, exc: ValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = exc.detail if isinstance(exc.detail, str) else "Request failed"
-        if exc.status_code == 404 and message == "Not Found":
-            message = "Unknown request URL"
-        err = APIError(exc.status_code, message, code=getattr(exc, "error_code", None))
-        err.headers.update(exc.headers or {})
-        if exc.status_code == 405:
-            # Starlette names the methods of the first route that matched the path; a path served by
-            # several routes (GET and DELETE /v1/files/{id}) has them all.
-            methods = allowed_methods(request.scope)
-            if methods:
-                err.headers["Allow"] = ", ".join(methods)
-                err.message = f"Method {request.method} is not allowed here; use {', '.join(methods)}"
-        return err.response()
-
-    @app.exception_handler(sa_exc.SQLAlchemyError)
-    async def _db_error(_request: Request, exc: sa_exc.SQLAlchemyError) -> JSONResponse:
-        if _db_unavailable(exc):
-            log.warning("database unavailable: %s", exc.__class__.__name__)
-            return APIError(
-                503,
-                "The database is unavailable; retry shortly",
-                code="database_unavailable",
-                headers={"Retry-After": "1"},
-            ).response()
-        if isinstance(exc, sa_exc.IntegrityError):
-            return APIError(409, "The request conflicts with the current state", code="conflict").response()
-        if isinstance(exc, sa_exc.DataError):  # a value the database cannot hold (out of range, NUL byte)
-            log.warning("database refused a value: %s", exc.orig)
-            return APIError(
-                400, "A value in the request is out of range for this server", code="invalid_value"
-            ).response()
-        log.exception("database error")
-        return APIError(500, "Internal server error", code="internal_error").response()
-
-    @app.exception_handler(Exception)
-    async def _unhandled(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return APIError(500, "Internal server error", code="internal_error").response()
+    for exc_class, handler in _HANDLERS:
+        app.add_exception_handler(exc_class, handler)

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prometheus_client import Histogram
+
 from api.inference import metrics
 from api.inference.generation import Batch, Choice, FinishReason, Row, Sampler
 from api.inference.model_cache import LoadedModel
@@ -231,29 +233,8 @@ class Batcher:
             joining = self._take(model, batch)
             try:
                 with torch.inference_mode():
-                    for work, _ in joining:
-                        works[id(work)] = work
-                    live = [(w, cs, w.stops) for w, cs in joining if not w.ticket.should_stop()]
-                    if live:
-                        for (work, _, _), rows in zip(live, batch.add(live), strict=True):
-                            work.track(rows)
-                            work.flush()
-                    for key, work in list(works.items()):
-                        if not work.done and work.ticket.should_stop():
-                            batch.halt(work)
-                            self._unqueue(work)
-                            work.halt()
-                        if work.done:
-                            del works[key]
-                    if batch.empty:
-                        with self._cond:
-                            if id(model) not in self._queues:
-                                return
-                        continue
-                    batch_rows.observe(len(batch.rows))
-                    batch.step()
-                    for work in works.values():
-                        work.flush()
+                    if not self._round(model, batch, works, joining, batch_rows):
+                        return
             except Exception as e:  # the batch is lost (out of memory, a model error): fail its requests
                 log.exception("inference: decoding failed")
                 for work in works.values():
@@ -261,3 +242,44 @@ class Batcher:
                     work.fail(e)
                 works.clear()
                 batch = Batch(model)
+
+    def _round(
+        self,
+        model: LoadedModel,
+        batch: Batch,
+        works: dict[int, Work],
+        joining: list[tuple[Work, list[Choice]]],
+        batch_rows: Histogram,
+    ) -> bool:
+        """One round of the batch: the joining choices added, stopped requests halted, one decoding
+        step; False when the batch is empty and no request waits for the model (the thread leaves it)."""
+        self._join(batch, works, joining)
+        self._halt_stopped(batch, works)
+        if batch.empty:
+            with self._cond:
+                return id(model) in self._queues
+        batch_rows.observe(len(batch.rows))
+        batch.step()
+        for work in works.values():
+            work.flush()
+        return True
+
+    @staticmethod
+    def _join(batch: Batch, works: dict[int, Work], joining: list[tuple[Work, list[Choice]]]) -> None:
+        for work, _ in joining:
+            works[id(work)] = work
+        live = [(w, cs, w.stops) for w, cs in joining if not w.ticket.should_stop()]
+        if live:
+            for (work, _, _), rows in zip(live, batch.add(live), strict=True):
+                work.track(rows)
+                work.flush()
+
+    def _halt_stopped(self, batch: Batch, works: dict[int, Work]) -> None:
+        """Requests whose client left or that finished: out of the batch (and the queue), forgotten."""
+        for key, work in list(works.items()):
+            if not work.done and work.ticket.should_stop():
+                batch.halt(work)
+                self._unqueue(work)
+                work.halt()
+            if work.done:
+                del works[key]

@@ -152,6 +152,24 @@ def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
+def _unique_prompts(
+    joining: Sequence[tuple[Owner, Sequence[Choice], tuple[str, ...]]], *, plain: bool
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The prompts to compute (a request's choices with one prompt share it when the cache is
+    ``plain``) and, per choice, the index of its prompt."""
+    slot: dict[tuple[int, int], int] = {}
+    prompts: list[tuple[int, ...]] = []
+    which: list[int] = []
+    for owner, choices, _ in joining:
+        for c in choices:
+            key = (id(owner), c.prompt_key if plain else len(prompts))
+            if key not in slot:
+                slot[key] = len(prompts)
+                prompts.append(c.prompt)
+            which.append(slot[key])
+    return prompts, which
+
+
 class Batch:
     """The rows being decoded for one model, and their KV cache (see the module docstring)."""
 
@@ -206,26 +224,8 @@ class Batch:
         assert self.joinable and joining
         # A prompt shared by several choices of a request is computed once, then its cache is repeated
         # (a plain cache, as the batch's first prefill shows; until then it is assumed).
-        plain = self.plain
-        slot: dict[tuple[int, int], int] = {}
-        prompts: list[tuple[int, ...]] = []
-        which: list[int] = []
-        for owner, choices, _ in joining:
-            for c in choices:
-                key = (id(owner), c.prompt_key if plain else len(prompts))
-                if key not in slot:
-                    slot[key] = len(prompts)
-                    prompts.append(c.prompt)
-                which.append(slot[key])
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.loaded.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, positions, None)
+        prompts, which = _unique_prompts(joining, plain=self.plain)
+        logits, cache, mask = self._prefill(prompts)
         if self.plain and not _plain(cache):  # seen at the batch's first prefill (a model makes one kind)
             self.plain = False
             if len(prompts) != len(which):
@@ -235,11 +235,8 @@ class Batch:
             cache.batch_select_indices(idx)
             mask, logits = mask[idx], logits[idx]
         lengths = torch.tensor([len(c.prompt) for _, cs, _ in joining for c in cs], device=self.device)
-        groups = [[Row(owner, c, self.loaded, stops) for c in choices] for owner, choices, stops in joining]
+        groups = self._new_rows(joining, logits)
         rows = [r for g in groups for r in g]
-        for r in rows:
-            if r.owner.sampler.penalties:
-                r.counts = torch.zeros(logits.shape[-1], dtype=torch.float32, device=self.device)
         if self.empty:
             self.cache, self.mask, self.lengths = cache, mask, lengths
             self.rows, self.last = rows, [self.loaded.pad_id] * len(rows)
@@ -251,6 +248,31 @@ class Batch:
             self.last[first + i] = t
             r.accept(t)
         self._compact()
+        return groups
+
+    def _prefill(self, prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One forward pass over the prompts, left-padded: the last position's logits, the cache made,
+        the attention mask."""
+        torch = self._torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.loaded.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, cache = self._forward(ids, mask, positions, None)
+        return logits, cache, mask
+
+    def _new_rows(
+        self, joining: Sequence[tuple[Owner, Sequence[Choice], tuple[str, ...]]], logits: torch.Tensor
+    ) -> list[list[Row]]:
+        """A row per choice, grouped by request (token counts for samplers with penalties)."""
+        groups = [[Row(owner, c, self.loaded, stops) for c in choices] for owner, choices, stops in joining]
+        for r in (r for g in groups for r in g):
+            if r.owner.sampler.penalties:
+                r.counts = self._torch.zeros(logits.shape[-1], dtype=self._torch.float32, device=self.device)
         return groups
 
     def _merge(self, cache: Any, mask: torch.Tensor, lengths: torch.Tensor, rows: list[Row]) -> None:

@@ -179,43 +179,42 @@ class Accumulation:
         chunks = [(lo, min(store.numel, lo + size)) for lo in range(0, store.numel, size)]
         if not chunks:  # this rank's shard of the store is empty (more ranks than elements)
             return
-
-        def pieces(lo: int, hi: int) -> list[tuple[int, int, int]]:
-            """(param, start, end) in the param's flat index of the chunk's parts."""
-            out = []
-            for i, (off, n) in enumerate(zip(store.offsets, store.numels, strict=True)):
-                a, b = max(lo, off), min(hi, off + n)
-                if a < b:
-                    out.append((i, a - off, b - off))
-            return out
-
-        def issue(c: int) -> Transfer:
-            lo, hi = chunks[c]
-            slot = ring[c % 2]
-            pairs = []
-            for i, a, b in pieces(lo, hi):
-                g = grads[i]
-                if g is not None:
-                    base = store.offsets[i] + a - lo
-                    pairs.append((slot[base : base + b - a], (g if as_pieces else store.piece(g, i))[a:b]))
-            return self.ops.d2h(pairs, ready=ready)
-
-        pending = issue(0)
+        pending = self._issue(store, grads, ring, chunks, 0, ready, as_pieces)
         for c, (lo, hi) in enumerate(chunks):
-            nxt = issue(c + 1) if c + 1 < len(chunks) else None
+            nxt = (
+                self._issue(store, grads, ring, chunks, c + 1, ready, as_pieces)
+                if c + 1 < len(chunks)
+                else None
+            )
             with gil_released():
                 pending.wait()
             slot = ring[c % 2]
-            for i, a, b in pieces(lo, hi):
-                if grads[i] is None:  # nothing was copied there
-                    base = store.offsets[i] + a - lo
-                    slot[base : base + b - a].zero_()
+            _zero_uncopied(store, grads, slot, lo, hi)
             store.accumulate(acc[lo:hi], slot[: hi - lo], alpha=alpha, first=first, num_threads=self.threads)
-            for i, _, _ in pieces(lo, hi):  # a gradient wholly copied: let the device reuse its memory now,
-                if store.offsets[i] + store.numels[i] <= hi:  # not at the end of the task (the next
-                    grads[i] = None  # backward allocates its own while this one may still be held)
+            _release_copied(store, grads, lo, hi)
             if nxt is not None:
                 pending = nxt
+
+    def _issue(
+        self,
+        store: HostStore,
+        grads: list[torch.Tensor | None],
+        ring: list[torch.Tensor],
+        chunks: list[tuple[int, int]],
+        c: int,
+        ready: torch.cuda.Event | None,
+        as_pieces: bool,
+    ) -> Transfer:
+        """Chunk ``c``'s gradients copied into its ring slot (after ``ready``)."""
+        lo, hi = chunks[c]
+        slot = ring[c % 2]
+        pairs = []
+        for i, a, b in _chunk_parts(store, lo, hi):
+            g = grads[i]
+            if g is not None:
+                base = store.offsets[i] + a - lo
+                pairs.append((slot[base : base + b - a], (g if as_pieces else store.piece(g, i))[a:b]))
+        return self.ops.d2h(pairs, ready=ready)
 
     def wait_reads(self) -> None:
         """The gradients are about to be zeroed in place: let the CPU thread finish reading them."""
@@ -230,9 +229,22 @@ class Accumulation:
     def add_on_device(self, gate: Gate, *, first: bool) -> None:
         """Add this step's gradients into the fp32 device accumulators (``first``: overwrite them; a
         skipped step adds exact zeros)."""
-        alpha = self.alpha
         if first:
             self.ops.compute_wait(self.dacc_free)  # the previous window's copy has left the accumulator
+        accs, grads = self._device_pairs(first)
+        if not accs:
+            return
+        zero_if_bad_(grads, gate)  # a skipped step adds exact zeros
+        # loss-scaled fp16 gradients: times the device factor as well (0 on a skipped step)
+        scaled = [gate.factor_for(g.dtype) is not None for g in grads]
+        if first:
+            _overwrite_on_device(accs, grads, scaled, gate, self.alpha)
+        else:
+            _add_on_device(accs, grads, scaled, gate, self.alpha)
+
+    def _device_pairs(self, first: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The device accumulators of the split weights with a gradient, and those gradients (``first``:
+        the accumulators of those without one zeroed)."""
         accs: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for s in self.layout.splits:
@@ -243,34 +255,7 @@ class Accumulation:
                 grads.append(g)
             elif first:
                 s.dacc.zero_()
-        if not accs:
-            return
-        zero_if_bad_(grads, gate)  # a skipped step adds exact zeros
-        # loss-scaled fp16 gradients: times the device factor as well (0 on a skipped step)
-        scaled = [gate.factor_for(g.dtype) is not None for g in grads]
-        if first:
-            torch._foreach_copy_(
-                accs, grads
-            )  # then scale in fp32 (a multiply would round in the grad's dtype)
-            plain = [a for a, sc in zip(accs, scaled, strict=True) if not sc]
-            if alpha != 1.0 and plain:
-                torch._foreach_mul_(plain, alpha)
-            if any(scaled):
-                assert gate.grad_factor is not None
-                fa = gate.grad_factor * alpha
-                torch._foreach_mul_([a for a, sc in zip(accs, scaled, strict=True) if sc], fa)
-            return
-        if not any(scaled):
-            torch._foreach_add_(accs, grads, alpha=alpha)
-            return
-        assert gate.grad_factor is not None
-        fa = gate.grad_factor * alpha
-        pairs = [(a, g) for a, g, sc in zip(accs, grads, scaled, strict=True) if not sc]
-        if pairs:
-            torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs], alpha=alpha)
-        for a, g, sc in zip(accs, grads, scaled, strict=True):
-            if sc:
-                a.addcmul_(g, fa)  # computed in fp32 (the accumulator's dtype)
+        return accs, grads
 
     def to_host(self, acc_i: int, stats: StepStats) -> list[Transfer]:
         """The window's device-accumulated gradient into host accumulator ``acc_i`` (asynchronous, one
@@ -298,3 +283,64 @@ class Accumulation:
             dacc = self.layout.by_name[name].dacc
             assert dacc is not None
             dacc.copy_(t)
+
+
+def _chunk_parts(store: HostStore, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(param, start, end) in the param's flat index of the parts of the store's chunk ``[lo, hi)``."""
+    out = []
+    for i, (off, n) in enumerate(zip(store.offsets, store.numels, strict=True)):
+        a, b = max(lo, off), min(hi, off + n)
+        if a < b:
+            out.append((i, a - off, b - off))
+    return out
+
+
+def _zero_uncopied(
+    store: HostStore, grads: list[torch.Tensor | None], slot: torch.Tensor, lo: int, hi: int
+) -> None:
+    """Zeros in the slot where the chunk's params have no gradient (nothing was copied there)."""
+    for i, a, b in _chunk_parts(store, lo, hi):
+        if grads[i] is None:
+            base = store.offsets[i] + a - lo
+            slot[base : base + b - a].zero_()
+
+
+def _release_copied(store: HostStore, grads: list[torch.Tensor | None], lo: int, hi: int) -> None:
+    """A gradient wholly copied by chunk ``[lo, hi)``: let the device reuse its memory now, not at the
+    end of the task (the next backward allocates its own while this one may still be held)."""
+    for i, _, _ in _chunk_parts(store, lo, hi):
+        if store.offsets[i] + store.numels[i] <= hi:
+            grads[i] = None
+
+
+def _overwrite_on_device(
+    accs: list[torch.Tensor], grads: list[torch.Tensor], scaled: list[bool], gate: Gate, alpha: float
+) -> None:
+    """A window's first step: the accumulators become ``alpha`` times the gradients (the loss-scaled
+    ones times the device factor as well)."""
+    torch._foreach_copy_(accs, grads)  # then scale in fp32 (a multiply would round in the grad's dtype)
+    plain = [a for a, sc in zip(accs, scaled, strict=True) if not sc]
+    if alpha != 1.0 and plain:
+        torch._foreach_mul_(plain, alpha)
+    if any(scaled):
+        assert gate.grad_factor is not None
+        fa = gate.grad_factor * alpha
+        torch._foreach_mul_([a for a, sc in zip(accs, scaled, strict=True) if sc], fa)
+
+
+def _add_on_device(
+    accs: list[torch.Tensor], grads: list[torch.Tensor], scaled: list[bool], gate: Gate, alpha: float
+) -> None:
+    """A later step: ``alpha`` times the gradients added (the loss-scaled ones in fp32, times the
+    device factor as well)."""
+    if not any(scaled):
+        torch._foreach_add_(accs, grads, alpha=alpha)
+        return
+    assert gate.grad_factor is not None
+    fa = gate.grad_factor * alpha
+    pairs = [(a, g) for a, g, sc in zip(accs, grads, scaled, strict=True) if not sc]
+    if pairs:
+        torch._foreach_add_([a for a, _ in pairs], [g for _, g in pairs], alpha=alpha)
+    for a, g, sc in zip(accs, grads, scaled, strict=True):
+        if sc:
+            a.addcmul_(g, fa)  # computed in fp32 (the accumulator's dtype)

@@ -26,7 +26,7 @@ from offload.memory import EngineMemory, is_split
 from offload.mode_base import Mode, NamedParams, add_parts, nbytes
 from offload.selection import union
 from offload.timing import StepStats
-from offload.zenflow.accumulation import Accumulation
+from offload.zenflow.accumulation import Accumulation, Staged
 from offload.zenflow.adamw import AdamWHyper
 from offload.zenflow.handover import Handover
 from offload.zenflow.layout import HostLayout
@@ -113,11 +113,7 @@ class ZenFlowMode(Mode):
     def step(self, stats: StepStats, lr: float, gate: Gate) -> None:
         self.check()
         if self.warm_left > 0:
-            self.dev.step(lr, gate)
-            stats.synchronous = True
-            if gate.finite():  # a synchronous step: the host waits for its verdict anyway
-                self.window_update.synchronous(stats, lr, self.reduction.shards, gate.host_factor())
-                self.warm_left -= 1
+            self._warm_up_step(stats, lr, gate)
             return
         if not self.splits:
             self.dev.step(lr, gate)
@@ -125,18 +121,7 @@ class ZenFlowMode(Mode):
         starting = not self.started
         if starting:
             self._start(stats)
-        auto = self.cfg.update_interval == "adaptive"
-        # 1. queue the device work (gated on the device: nothing here waits for the verdict)
-        staged = None
-        if not self.on_device:
-            # Both only read the (clipped) gradients: the copy off the device starts before the
-            # device optimizer's kernels, not after them.
-            staged = self.accumulation.stage(stats, self.reduction.shards)
-        sq = self.dev.prepare(gate, want_sq=auto)
-        masses = self._masses(sq, gate) if sq is not None else None
-        self.dev.update(lr)
-        if self.on_device:
-            self.accumulation.add_on_device(gate, first=self.win_len == 0)
+        staged, masses = self._queue_device_work(stats, lr, gate)
         # 2. host bookkeeping, from the verdict (landed by now: no wait)
         ok = gate.finite()
         if staged is not None:
@@ -148,15 +133,43 @@ class ZenFlowMode(Mode):
                 self.dev.reset_columns()
                 self.started = False
             return
+        if self._count_step(lr, masses):
+            self._boundary(stats, lr, sync=not self.cfg.overlap_step, reselect=True)
+
+    def _warm_up_step(self, stats: StepStats, lr: float, gate: Gate) -> None:
+        """A warm-up round: the device's AdamW on the full weights, the CPU's on the split ones at once."""
+        self.dev.step(lr, gate)
+        stats.synchronous = True
+        if gate.finite():  # a synchronous step: the host waits for its verdict anyway
+            self.window_update.synchronous(stats, lr, self.reduction.shards, gate.host_factor())
+            self.warm_left -= 1
+
+    def _queue_device_work(
+        self, stats: StepStats, lr: float, gate: Gate
+    ) -> tuple[Staged | None, Landing | None]:
+        """1. The step's device work, gated on the device (nothing here waits for the verdict): the
+        split gradients staged for the host (host accumulation), the device optimizer, the device
+        accumulation; the gradient masses on their way to the host ("adaptive")."""
+        staged = None
+        if not self.on_device:
+            # Both only read the (clipped) gradients: the copy off the device starts before the
+            # device optimizer's kernels, not after them.
+            staged = self.accumulation.stage(stats, self.reduction.shards)
+        sq = self.dev.prepare(gate, want_sq=self.cfg.update_interval == "adaptive")
+        masses = self._masses(sq, gate) if sq is not None else None
+        self.dev.update(lr)
+        if self.on_device:
+            self.accumulation.add_on_device(gate, first=self.win_len == 0)
+        return staged, masses
+
+    def _count_step(self, lr: float, masses: Landing | None) -> bool:
+        """Count a finite step into the window; whether the window ends with it."""
         self.win_len += 1
         self.win_lr += lr
         self.since_select += 1
         if masses is not None:
-            ends = self._auto_window_ends(masses)
-        else:
-            ends = self.win_len >= int(self.cfg.update_interval)
-        if ends:
-            self._boundary(stats, lr, sync=not self.cfg.overlap_step, reselect=True)
+            return self._auto_window_ends(masses)
+        return self.win_len >= int(self.cfg.update_interval)
 
     def _masses(self, sq: tuple[torch.Tensor, torch.Tensor], gate: Gate) -> Landing:
         """Start copying this step's selected and unselected gradient masses to the host ("adaptive"; fp16

@@ -58,11 +58,19 @@ class ShardReduction:
         if not lay.splits or self.on_device or (columns is None and not warming):
             self.shards = None
             return None
-        ranks = self.ranks
         split_ids = {id(s.param) for s in lay.splits}
         full = [p.grad for _, p in self.named if p.grad is not None and id(p) not in split_ids]
         if full:
-            stats.bytes_reduced += average_gradients(full, ranks)
+            stats.bytes_reduced += average_gradients(full, self.ranks)
+        shards = self._scatter(stats)
+        also = self._reduce_columns(stats, columns) if columns is not None else []
+        parts, count = self._norm_parts(split_ids, shards)
+        self.shards = shards
+        return Reduced(full, shards, also, parts, count)
+
+    def _scatter(self, stats: StepStats) -> list[torch.Tensor]:
+        """Every host store's split gradients reduce-scattered: this rank's shard of their mean each."""
+        lay, ranks = self.layout, self.ranks
         shards = []
         if not self.flat:
             self.flat = [
@@ -76,31 +84,41 @@ class ShardReduction:
             )  # fresh: read later
             stats.bytes_reduced += reduce_scatter_flat(in_order, store.full_offsets, out, ranks, buf)
             shards.append(out.narrow(0, 0, store.numel))
+        return shards
+
+    def _reduce_columns(self, stats: StepStats, columns: Columns) -> list[torch.Tensor]:
+        """The device's columns: their mean, written back where the device reads it; the gradients
+        written."""
+        lay, ranks = self.layout, self.ranks
         also = []
-        if columns is not None:  # the device's columns: their mean, written back where the device reads it
-            for store in lay.stores:
-                members = [s for s in lay.members(store) if s.param.grad is not None]
-                if not members:
-                    continue
-                pairs = [(s.param.grad, columns(s.name)) for s in members]
-                grads = [g for g, _ in pairs if g is not None]
-                cols = [c for _, c in pairs if c is not None]
-                assert len(grads) == len(cols) == len(members)  # members have a gradient; selection started
-                picked = torch.cat(
-                    [g.index_select(1, c).reshape(-1) for g, c in zip(grads, cols, strict=True)]
-                )
-                dist.all_reduce(picked, group=ranks.group)
-                picked.div_(ranks.world)
-                stats.bytes_reduced += wire_bytes(
-                    "all_reduce", picked.numel() * picked.element_size(), ranks.world
-                )
-                off = 0
-                for g, c in zip(grads, cols, strict=True):
-                    n = g.shape[0] * c.numel()
-                    g.index_copy_(1, c, picked.narrow(0, off, n).view(g.shape[0], c.numel()))
-                    off += n
-                    also.append(g)
-        # the norm per parameter, as one process computes it (offload.clipping)
+        for store in lay.stores:
+            members = [s for s in lay.members(store) if s.param.grad is not None]
+            if not members:
+                continue
+            pairs = [(s.param.grad, columns(s.name)) for s in members]
+            grads = [g for g, _ in pairs if g is not None]
+            cols = [c for _, c in pairs if c is not None]
+            assert len(grads) == len(cols) == len(members)  # members have a gradient; selection started
+            picked = torch.cat([g.index_select(1, c).reshape(-1) for g, c in zip(grads, cols, strict=True)])
+            dist.all_reduce(picked, group=ranks.group)
+            picked.div_(ranks.world)
+            stats.bytes_reduced += wire_bytes(
+                "all_reduce", picked.numel() * picked.element_size(), ranks.world
+            )
+            off = 0
+            for g, c in zip(grads, cols, strict=True):
+                n = g.shape[0] * c.numel()
+                g.index_copy_(1, c, picked.narrow(0, off, n).view(g.shape[0], c.numel()))
+                off += n
+                also.append(g)
+        return also
+
+    def _norm_parts(
+        self, split_ids: set[int], shards: list[torch.Tensor]
+    ) -> tuple[list[tuple[int, torch.Tensor, bool]], int]:
+        """The gradient norm's parts per parameter, as one process computes it (offload.clipping):
+        ``(index, tensor, is a shard)``, and how many parameters have a gradient."""
+        lay = self.layout
         order = {id(p): i for i, p in enumerate(p for _, p in self.named if p.grad is not None)}
         parts: list[tuple[int, torch.Tensor, bool]] = [
             (order[id(g_owner)], g_owner.grad, False)
@@ -117,8 +135,7 @@ class ShardReduction:
                         True,
                     )
                 )
-        self.shards = shards
-        return Reduced(full, shards, also, parts, len(order))
+        return parts, len(order)
 
     @torch.no_grad()
     def scores(self, stats: StepStats) -> dict[str, torch.Tensor] | None:

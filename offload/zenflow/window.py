@@ -20,6 +20,7 @@ win. Warm-up rounds update the split weights synchronously on the CPU instead
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
@@ -79,60 +80,10 @@ class WindowUpdate:
         ``acc_copies`` have landed) and, on CUDA, its prefetch. ``sel``: the selection the window ran
         under (kept by the device at the merge, with the then current one)."""
         assert self.thread is not None
-        cfg, lay, ops = self.cfg, self.layout, self.ops
-        by_store = {id(st): {s.index: s for s in lay.members(st)} for st in lay.stores}
-        after = self.merge_done
-        prefetch = ops.is_cuda and not lay.gathers and all(s.landing is not None for s in lay.splits)
-        h2d_bytes = sum(s.param.numel() * s.param.element_size() for s in lay.splits) if prefetch else 0
-
-        def run() -> Any:
-            busy = 0.0
-            last = None
-            first_copy = True
-            with gil_released():
-                for t_acc in acc_copies:
-                    t_acc.wait()
-                if after is not None and not prefetch and not lay.gathers:
-                    after.synchronize()  # the last merge uploaded from the buffers this step writes
-            t = time.perf_counter()
-            for store in lay.stores:
-                acc = store.bufs[acc_i]
-                if scale is not None:
-                    acc.mul_(scale)
-                for done in store.adam(
-                    acc,
-                    lr=lr,
-                    betas=cfg.betas,
-                    eps=cfg.eps,
-                    weight_decay=cfg.weight_decay,
-                    num_threads=self.threads,
-                    chunk=cfg.cpu_chunk_elements,
-                ):
-                    if done and prefetch:  # prefetch finished params' results, batched
-                        pairs = []
-                        for i in done:
-                            landing = by_store[id(store)][i].landing
-                            assert landing is not None
-                            pairs.append((landing, store.flat(store.result(acc_i), i)))
-                        last = ops.h2d(pairs, after=after if first_copy else None)
-                        first_copy = False
-                    busy += time.perf_counter() - t
-                    yield
-                    t = time.perf_counter()
-            busy += time.perf_counter() - t
-            if last is not None:
-                with gil_released():
-                    last.wait()
-            gathered = 0
-            if lay.gathers and not lay.training_thread_gathers:
-                gathered = lay.gather_results(acc_i)
-            elif lay.gathers:  # NCCL: the training thread gathers (gather_pending)
-                for si in range(len(lay.stores)):
-                    lay.upload_shard(si, acc_i, after=after)
-            return busy, gathered
-
+        lay = self.layout
+        task = _WindowStep(self, acc_i, lr, scale, acc_copies)
         return Pending(
-            self.thread.submit(run), sel, h2d_bytes, acc_i, gathered=not lay.training_thread_gathers
+            self.thread.submit(task.run), sel, task.h2d_bytes, acc_i, gathered=not lay.training_thread_gathers
         )
 
     def gather_pending(self, pending: Pending) -> int:
@@ -288,3 +239,86 @@ class WindowUpdate:
             t.wait()
             h2d_bytes = t.nbytes
         return Pending(fut, sel, h2d_bytes, acc_index, gathered=True)
+
+
+class _WindowStep:
+    """One window's CPU step, a task of the CPU thread (:meth:`WindowUpdate.submit`): :meth:`run` is a
+    generator that yields between AdamW chunks and returns (busy seconds, bytes all-gathered)."""
+
+    def __init__(
+        self, update: WindowUpdate, acc_i: int, lr: float, scale: float | None, acc_copies: list[Transfer]
+    ) -> None:
+        lay = update.layout
+        self.update, self.lay, self.acc_i, self.lr, self.scale = update, lay, acc_i, lr, scale
+        self.acc_copies = acc_copies
+        self.by_store = {id(st): {s.index: s for s in lay.members(st)} for st in lay.stores}
+        self.after = update.merge_done
+        self.prefetch = (
+            update.ops.is_cuda and not lay.gathers and all(s.landing is not None for s in lay.splits)
+        )
+        self.h2d_bytes = (
+            sum(s.param.numel() * s.param.element_size() for s in lay.splits) if self.prefetch else 0
+        )
+        #: the last prefetch copy issued, and whether none has been yet (the first waits for ``after``)
+        self.last: Transfer | None = None
+        self.first_copy = True
+
+    def run(self) -> Generator[None, None, tuple[float, int]]:
+        cfg, lay, acc_i = self.update.cfg, self.lay, self.acc_i
+        busy = 0.0
+        self._wait_inputs()
+        t = time.perf_counter()
+        for store in lay.stores:
+            acc = store.bufs[acc_i]
+            if self.scale is not None:
+                acc.mul_(self.scale)
+            for done in store.adam(
+                acc,
+                lr=self.lr,
+                betas=cfg.betas,
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay,
+                num_threads=self.update.threads,
+                chunk=cfg.cpu_chunk_elements,
+            ):
+                if done and self.prefetch:
+                    self._prefetch(store, done)
+                busy += time.perf_counter() - t
+                yield
+                t = time.perf_counter()
+        busy += time.perf_counter() - t
+        return busy, self._publish()
+
+    def _wait_inputs(self) -> None:
+        """The accumulator's copies have landed, and the buffers this step writes are free."""
+        with gil_released():
+            for t_acc in self.acc_copies:
+                t_acc.wait()
+            if self.after is not None and not self.prefetch and not self.lay.gathers:
+                self.after.synchronize()  # the last merge uploaded from the buffers this step writes
+
+    def _prefetch(self, store: HostStore, done: list[int]) -> None:
+        """Finished params' results up into their landing buffers, batched."""
+        pairs = []
+        for i in done:
+            landing = self.by_store[id(store)][i].landing
+            assert landing is not None
+            pairs.append((landing, store.flat(store.result(self.acc_i), i)))
+        self.last = self.update.ops.h2d(pairs, after=self.after if self.first_copy else None)
+        self.first_copy = False
+
+    def _publish(self) -> int:
+        """The result where the merge takes it: the prefetch landed; in a process group every rank's
+        shard gathered (gloo, here) or uploaded for the training thread's gather (NCCL). The bytes
+        all-gathered here."""
+        lay = self.lay
+        if self.last is not None:
+            with gil_released():
+                self.last.wait()
+        gathered = 0
+        if lay.gathers and not lay.training_thread_gathers:
+            gathered = lay.gather_results(self.acc_i)
+        elif lay.gathers:  # NCCL: the training thread gathers (gather_pending)
+            for si in range(len(lay.stores)):
+                lay.upload_shard(si, self.acc_i, after=self.after)
+        return gathered

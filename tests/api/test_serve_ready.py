@@ -1,5 +1,5 @@
-"""``zenflow serve`` says it is ready only once it accepts connections, and ``python -m api.demo`` keeps
-its data where every ``zenflow`` command does (issue 27 item 5)."""
+"""``zenflow serve`` says it is ready only once it accepts connections (issue 27 item 5; the demo's data
+folder, the same item's other half, is tests/demo/test_data_folder.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from api import demo
 from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,45 +56,3 @@ def test_serve_says_ready_only_when_it_accepts_connections(tmp_path: Path) -> No
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def test_demo_and_cli_share_the_data_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from api.cli.main import _settings
-    from store.settings import get_settings
-
-    monkeypatch.setenv("ZENFLOW_DATA_DIR", str(tmp_path / "shared"))
-    monkeypatch.setenv("ZENFLOW_MAX_JOB_ATTEMPTS", "5")
-    get_settings.cache_clear()
-    try:
-        cli_dir = _settings().data_dir.resolve()
-    finally:
-        get_settings.cache_clear()
-    assert demo.data_folder() == cli_dir == (tmp_path / "shared").resolve()
-    env = demo._env(demo.data_folder())
-    assert env["ZENFLOW_DATA_DIR"] == str(cli_dir)
-    assert env["ZENFLOW_MAX_JOB_ATTEMPTS"] == "5"  # the other settings reach the demo's server too
-    # --data-dir still wins, made absolute; and with no ZENFLOW_DATA_DIR both use ./var
-    assert demo.data_folder(Path("elsewhere")) == Path("elsewhere").resolve()
-    monkeypatch.delenv("ZENFLOW_DATA_DIR")
-    monkeypatch.chdir(tmp_path)
-    get_settings.cache_clear()
-    try:
-        assert demo.data_folder() == _settings().data_dir.resolve() == (tmp_path / "var").resolve()
-    finally:
-        get_settings.cache_clear()
-
-
-def test_demo_keeps_the_data_folder_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A demo run never deletes the shared folder (keys made with ``zenflow keys create`` stay)."""
-    seen: dict[str, object] = {}
-
-    def fake_run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
-        seen.update(data_dir=data_dir, fresh=fresh)
-        return 0
-
-    monkeypatch.setattr(demo, "run", fake_run)
-    monkeypatch.setenv("ZENFLOW_DATA_DIR", str(tmp_path / "d"))
-    assert demo.main(["--no-stay"]) == 0
-    assert seen == {"data_dir": (tmp_path / "d").resolve(), "fresh": False}
-    assert demo.main(["--no-stay", "--keep"]) == 0 and seen["fresh"] is False
-    assert demo.main(["--no-stay", "--fresh"]) == 0 and seen["fresh"] is True

@@ -150,40 +150,51 @@ def check_chat_record(rec: dict[str, Any]) -> list[Problem]:
     if not messages:
         return [("messages", "empty list (no messages)")]
     problems: list[Problem] = _check_tools(rec["tools"]) if rec.get("tools") is not None else []
-    learned = assistants = 0
     for i, m in enumerate(messages):
-        f = f"messages[{i}]"
-        if not isinstance(m, dict):
-            problems.append((f, "expected an object with role and content"))
-            continue
-        role = m.get("role")
-        if "role" not in m:
-            problems.append((f"{f}.role", "missing"))
-        elif role not in ROLES:
-            problems.append((f"{f}.role", f"unknown role {_shown(role)} (expected {', '.join(ROLES)})"))
-        problems += _check_content(m, f)
-        if "tool_calls" in m and m["tool_calls"] is not None:
-            if role != "assistant":
-                problems.append((f"{f}.tool_calls", "only assistant messages make tool calls"))
-            else:
-                problems += _check_tool_calls(m["tool_calls"], f"{f}.tool_calls")
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None and not isinstance(m[key], str):
-                problems.append((f"{f}.{key}", "expected a string"))
-        if "weight" in m:
-            if role != "assistant":
-                problems.append((f"{f}.weight", "only assistant messages take a weight"))
-            elif m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
-                problems.append((f"{f}.weight", "must be 0 or 1"))
-        if role == "assistant":
-            assistants += 1
-            learned += m.get("weight", 1) == 1
-    if not problems:
-        if assistants == 0:
-            problems.append(("messages", "no assistant message (nothing to learn from)"))
-        elif learned == 0:
-            problems.append(("messages", "every assistant message has weight 0 (nothing to learn from)"))
-    return problems
+        problems += _check_message(m, f"messages[{i}]")
+    return problems or _nothing_learned(messages)
+
+
+def _check_message(m: Any, f: str) -> list[Problem]:
+    """One message's problems, ``f`` its field (``messages[i]``)."""
+    if not isinstance(m, dict):
+        return [(f, "expected an object with role and content")]
+    role = m.get("role")
+    problems: list[Problem] = []
+    if "role" not in m:
+        problems.append((f"{f}.role", "missing"))
+    elif role not in ROLES:
+        problems.append((f"{f}.role", f"unknown role {_shown(role)} (expected {', '.join(ROLES)})"))
+    problems += _check_content(m, f)
+    if "tool_calls" in m and m["tool_calls"] is not None:
+        if role != "assistant":
+            problems.append((f"{f}.tool_calls", "only assistant messages make tool calls"))
+        else:
+            problems += _check_tool_calls(m["tool_calls"], f"{f}.tool_calls")
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            problems.append((f"{f}.{key}", "expected a string"))
+    return problems + _check_weight(m, role, f)
+
+
+def _check_weight(m: dict[str, Any], role: Any, f: str) -> list[Problem]:
+    if "weight" not in m:
+        return []
+    if role != "assistant":
+        return [(f"{f}.weight", "only assistant messages take a weight")]
+    if m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
+        return [(f"{f}.weight", "must be 0 or 1")]
+    return []
+
+
+def _nothing_learned(messages: list[dict[str, Any]]) -> list[Problem]:
+    """A valid record's last problem: no assistant message, or none with weight 1."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if not assistants:
+        return [("messages", "no assistant message (nothing to learn from)")]
+    if not any(m.get("weight", 1) == 1 for m in assistants):
+        return [("messages", "every assistant message has weight 0 (nothing to learn from)")]
+    return []
 
 
 # --- normalizing ------------------------------------------------------------------------------------

@@ -140,41 +140,67 @@ def loss_spans(render: Render, full: str, msgs: list[dict[str, Any]], eos: str) 
     assistants = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not assistants:
         return []
-    q = assistants[0] + 1  # the head: the first exchange, up to its assistant reply
-    windows = _Windows(render, full, msgs, q)
+    search = _Search(render, full, msgs, eos, q=assistants[0] + 1)
     spans: list[Span] = []
-    cursor = 0  # the end of the last span
-    lo, allowance = 0, len(full)  # where the next window's text may start: full[lo:], within 2 x allowance
     prev: int | None = None  # the previous learned turn
     for i in assistants:
-        m = msgs[i]
-        if m.get("weight", 1) == 0:
+        if msgs[i].get("weight", 1) == 0:
             continue
         since = 0 if prev is None else prev + 1  # the messages this turn adds to the previous one's
-        turn: _Turn | None = None
-        exact = i < EXACT_PREFIX_MESSAGES or since <= q  # the window would be the whole prefix
-        if exact:
-            turn = _prefix_turn(render, full, msgs, i, cursor)
-        elif windows.ok:
-            turn = windows.turn(i, since, lo, allowance, cursor)
-            windows.ok = turn is not None
-        span = turn.span if turn is not None else None
-        if span is None:  # the fallback: the content in the text after the previous span
-            if exact:
-                bound = len(full)
-            elif turn is not None and turn.start is not None:
-                bound = turn.start + 2 * turn.rendered + _SLACK
-            else:
-                bound = cursor + 2 * _text_len(msgs[since : i + 1]) + _SLACK * (i + 1 - since)
-            span = located(full, m["content"], eos, cursor, min(len(full), bound))
-        if turn is not None and turn.start is not None:
-            lo, allowance = turn.start + 1, turn.rendered
-        elif span is not None:
-            lo, allowance = span[0] + 1, span[1] - span[0]
-        else:
-            allowance += 2 * _text_len(msgs[since : i + 1]) + _SLACK * (i + 1 - since)
+        span = search.span(i, since)
         if span is not None:
             spans.append(span)
-            cursor = span[1]
         prev = i
     return spans
+
+
+class _Search:
+    """The learned turns' spans found one after the other, each search bounded by the previous one's."""
+
+    def __init__(self, render: Render, full: str, msgs: list[dict[str, Any]], eos: str, q: int) -> None:
+        self.render, self.full, self.msgs, self.eos = render, full, msgs, eos
+        self.q = q  # the head: the first exchange, up to its assistant reply
+        self.windows = _Windows(render, full, msgs, q)
+        self.cursor = 0  # the end of the last span
+        # where the next window's text may start: full[lo:], within 2 x allowance
+        self.lo, self.allowance = 0, len(full)
+
+    def span(self, i: int, since: int) -> Span | None:
+        """Learned turn ``i``'s span, msgs[since:i] the messages since the previous learned turn."""
+        exact = i < EXACT_PREFIX_MESSAGES or since <= self.q  # the window would be the whole prefix
+        turn = self._rendered(i, since, exact)
+        span = turn.span if turn is not None else None
+        if span is None:  # the fallback: the content in the text after the previous span
+            bound = min(len(self.full), self._fallback_bound(i, since, exact, turn))
+            span = located(self.full, self.msgs[i]["content"], self.eos, self.cursor, bound)
+        self._advance(i, since, turn, span)
+        return span
+
+    def _rendered(self, i: int, since: int, exact: bool) -> _Turn | None:
+        """The turn by its prefix (``exact``) or its window while windows work (None: neither)."""
+        if exact:
+            return _prefix_turn(self.render, self.full, self.msgs, i, self.cursor)
+        if not self.windows.ok:
+            return None
+        turn = self.windows.turn(i, since, self.lo, self.allowance, self.cursor)
+        self.windows.ok = turn is not None
+        return turn
+
+    def _fallback_bound(self, i: int, since: int, exact: bool, turn: _Turn | None) -> int:
+        """Where the fallback's search for the content stops."""
+        if exact:
+            return len(self.full)
+        if turn is not None and turn.start is not None:
+            return turn.start + 2 * turn.rendered + _SLACK
+        return self.cursor + 2 * _text_len(self.msgs[since : i + 1]) + _SLACK * (i + 1 - since)
+
+    def _advance(self, i: int, since: int, turn: _Turn | None, span: Span | None) -> None:
+        """Where the next turn's window text is searched for, and the cursor past this turn's span."""
+        if turn is not None and turn.start is not None:
+            self.lo, self.allowance = turn.start + 1, turn.rendered
+        elif span is not None:
+            self.lo, self.allowance = span[0] + 1, span[1] - span[0]
+        else:
+            self.allowance += 2 * _text_len(self.msgs[since : i + 1]) + _SLACK * (i + 1 - since)
+        if span is not None:
+            self.cursor = span[1]

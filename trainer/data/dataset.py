@@ -280,123 +280,167 @@ def validate_file(
     """
     path = Path(path)
     opts = options or DataOptions()
-    caps = limits or ExampleLimits()
-    errors: list[DataError] = []
-
-    def add(new: list[DataError]) -> None:
-        errors.extend(new)
-        if len(errors) >= max_errors:
-            raise _TooMany
-
     if not path.is_file():
         raise DatasetValidationError(path, [_err(None, None, f"file not found: {path}")])
-    renderer = ChatRenderer(tokenizer, opts.system_message) if tokenizer is not None else None
-    lengths = _Lengths(max_seq_length, opts.truncation)
-    fmt: Format | None = None
-    fmt_line = 0
-    count = 0
-    num_tokens = max_tokens = loss_tokens = 0
-    examples: list[Example] = []
+    check = _FileCheck(
+        opts=opts,
+        caps=limits or ExampleLimits(),
+        tokenizer=tokenizer,
+        renderer=ChatRenderer(tokenizer, opts.system_message) if tokenizer is not None else None,
+        lengths=_Lengths(max_seq_length, opts.truncation),
+        max_errors=max_errors,
+        keep_examples=keep_examples,
+    )
     try:
         for no, text in read_lines(path):
             if stop is not None and stop():
                 raise CheckStopped(f"stopped at line {no}")
-            if text is not None and caps.max_chars is not None and len(text.rstrip()) > caps.max_chars:
-                add([_err(no, None, _over("characters", len(text.rstrip()), caps.max_chars))])
-                continue
-            rec, errs = parse_line(no, text)
-            if rec is None:
-                add(errs)
-                continue
-            rf = _record_format(rec)
-            if rf is None:
-                add([_err(no, "messages", "missing (expected 'messages', or 'prompt' and 'completion')")])
-                continue
-            if (wrong := _method_problem(rf, opts.method)) is not None:
-                add([_err(no, wrong["field"], wrong["detail"])])
-                continue
-            if fmt is None:
-                fmt, fmt_line = rf, no
-            elif rf != fmt:
-                key = {"chat": "messages", "prompt_completion": "prompt", "preference": "input"}[rf]
-                add(
-                    [
-                        _err(
-                            no,
-                            key,
-                            f"{FORMAT_NAMES[rf]} record in a {FORMAT_NAMES[fmt]} file (line {fmt_line})",
-                        )
-                    ]
-                )
-                continue
-            if rf == "chat":
-                n = len(rec["messages"]) if isinstance(rec["messages"], list) else 0
-                if caps.max_messages is not None and n > caps.max_messages:
-                    add([_err(no, "messages", _over("messages", n, caps.max_messages, "the conversation"))])
-                    continue
-                errs = [_err(no, f, d) for f, d in check_chat_record(rec)]
-            elif rf == "preference":
-                errs = [_err(no, f, d) for f, d in check_preference_record(rec)]
-            else:
-                errs = _check_prompt_completion(no, rec)
-            if errs:
-                add(errs)
-                continue
-            if tokenizer is None:
-                count += 1
-                continue
-            try:
-                ex = tokenize_record(rec, rf, tokenizer, renderer=renderer)
-            except RecordRefused as e:
-                add([_err(no, e.field, e.detail)])
-                continue
-            longest = max(
-                len(ex.input_ids), len(ex.rejected.input_ids) if isinstance(ex, PreferencePair) else 0
-            )
-            if caps.max_tokens is not None and longest > caps.max_tokens:
-                add([_err(no, _WHOLE[rf], _over("tokens", longest, caps.max_tokens))])
-                continue
-            if not _learns(ex):
-                fld = {"chat": "messages", "prompt_completion": "completion", "preference": "input"}[rf]
-                add([_err(no, fld, "no tokens to learn from")])
-                continue
-            fitted = lengths.fit(no, rf, ex)
-            if fitted is None:
-                continue
-            if not isinstance(fitted, Example):
-                add([fitted])
-                continue
-            count += 1
-            seqs = [fitted, fitted.rejected] if isinstance(fitted, PreferencePair) else [fitted]
-            num_tokens += sum(len(q.input_ids) for q in seqs)
-            max_tokens = max(max_tokens, *(len(q.input_ids) for q in seqs))
-            loss_tokens += sum(q.num_loss_tokens for q in seqs)
-            if keep_examples:
-                examples.append(fitted)
+            check.line(no, text)
     except _TooMany:
-        errors.append(_err(None, None, f"stopped after {max_errors} errors"))
-    if not errors and count == 0:
-        if lengths.num_dropped:
-            errors.append(
-                _err(
-                    None,
-                    None,
-                    f"no example left: all {lengths.num_dropped} were dropped as longer "
-                    f"than max_seq_length {max_seq_length} (truncation: {opts.truncation})",
-                )
+        check.errors.append(_err(None, None, f"stopped after {max_errors} errors"))
+    return check.report(path)
+
+
+#: A line's record and its format, once its format checks passed.
+_Record = tuple[dict[str, Any], Format]
+
+
+@dataclass
+class _FileCheck:
+    """One file's check, line by line: the errors so far, the file's format and the examples' totals."""
+
+    opts: DataOptions
+    caps: ExampleLimits
+    tokenizer: PreTrainedTokenizerBase | None
+    renderer: ChatRenderer | None
+    lengths: _Lengths
+    max_errors: int
+    keep_examples: bool
+    errors: list[DataError] = field(default_factory=list)
+    #: The file's format, set by its first good record (line ``fmt_line``).
+    fmt: Format | None = None
+    fmt_line: int = 0
+    count: int = 0
+    num_tokens: int = 0
+    max_tokens: int = 0
+    loss_tokens: int = 0
+    examples: list[Example] = field(default_factory=list)
+
+    def line(self, no: int, text: str | None) -> None:
+        """One line: its errors added (raising _TooMany at ``max_errors``), or its example counted."""
+        found = self._record(no, text)
+        if isinstance(found, list):
+            self._add(found)
+            return
+        if self.tokenizer is None:
+            self.count += 1
+            return
+        fitted = self._example(no, *found)
+        if isinstance(fitted, list):
+            self._add(fitted)
+        elif fitted is not None:
+            self._keep(fitted)
+
+    def _add(self, new: list[DataError]) -> None:
+        self.errors.extend(new)
+        if len(self.errors) >= self.max_errors:
+            raise _TooMany
+
+    def _record(self, no: int, text: str | None) -> _Record | list[DataError]:
+        """The line parsed and its format checked: the record, or the line's errors."""
+        if text is not None and self.caps.max_chars is not None and len(text.rstrip()) > self.caps.max_chars:
+            return [_err(no, None, _over("characters", len(text.rstrip()), self.caps.max_chars))]
+        rec, errs = parse_line(no, text)
+        if rec is None:
+            return errs
+        rf = _record_format(rec)
+        if rf is None:
+            return [_err(no, "messages", "missing (expected 'messages', or 'prompt' and 'completion')")]
+        if (wrong := _method_problem(rf, self.opts.method)) is not None:
+            return [_err(no, wrong["field"], wrong["detail"])]
+        if (mixed := self._mixed_format(no, rf)) is not None:
+            return [mixed]
+        errs = self._field_errors(no, rec, rf)
+        return errs if errs else (rec, rf)
+
+    def _mixed_format(self, no: int, rf: Format) -> DataError | None:
+        """A record whose format is not the file's (the first record's sets it)."""
+        if self.fmt is None:
+            self.fmt, self.fmt_line = rf, no
+            return None
+        if rf == self.fmt:
+            return None
+        key = {"chat": "messages", "prompt_completion": "prompt", "preference": "input"}[rf]
+        return _err(
+            no, key, f"{FORMAT_NAMES[rf]} record in a {FORMAT_NAMES[self.fmt]} file (line {self.fmt_line})"
+        )
+
+    def _field_errors(self, no: int, rec: dict[str, Any], rf: Format) -> list[DataError]:
+        if rf == "chat":
+            n = len(rec["messages"]) if isinstance(rec["messages"], list) else 0
+            if self.caps.max_messages is not None and n > self.caps.max_messages:
+                return [
+                    _err(no, "messages", _over("messages", n, self.caps.max_messages, "the conversation"))
+                ]
+            return [_err(no, f, d) for f, d in check_chat_record(rec)]
+        if rf == "preference":
+            return [_err(no, f, d) for f, d in check_preference_record(rec)]
+        return _check_prompt_completion(no, rec)
+
+    def _example(self, no: int, rec: dict[str, Any], rf: Format) -> Example | list[DataError] | None:
+        """The record tokenized and fitted to max_seq_length: the example to train on, the line's
+        errors, or None (dropped by the length policy)."""
+        assert self.tokenizer is not None
+        try:
+            ex = tokenize_record(rec, rf, self.tokenizer, renderer=self.renderer)
+        except RecordRefused as e:
+            return [_err(no, e.field, e.detail)]
+        longest = max(len(ex.input_ids), len(ex.rejected.input_ids) if isinstance(ex, PreferencePair) else 0)
+        if self.caps.max_tokens is not None and longest > self.caps.max_tokens:
+            return [_err(no, _WHOLE[rf], _over("tokens", longest, self.caps.max_tokens))]
+        if not _learns(ex):
+            fld = {"chat": "messages", "prompt_completion": "completion", "preference": "input"}[rf]
+            return [_err(no, fld, "no tokens to learn from")]
+        fitted = self.lengths.fit(no, rf, ex)
+        if fitted is None or isinstance(fitted, Example):
+            return fitted
+        return [fitted]
+
+    def _keep(self, fitted: Example) -> None:
+        self.count += 1
+        seqs = [fitted, fitted.rejected] if isinstance(fitted, PreferencePair) else [fitted]
+        self.num_tokens += sum(len(q.input_ids) for q in seqs)
+        self.max_tokens = max(self.max_tokens, *(len(q.input_ids) for q in seqs))
+        self.loss_tokens += sum(q.num_loss_tokens for q in seqs)
+        if self.keep_examples:
+            self.examples.append(fitted)
+
+    def report(self, path: Path) -> DatasetReport:
+        """The file's report; raises DatasetValidationError when a line failed or no example is left."""
+        if not self.errors and self.count == 0:
+            self.errors.append(self._no_example())
+        if self.errors:
+            raise DatasetValidationError(path, self.errors)
+        assert self.fmt is not None
+        report = DatasetReport(str(path), self.fmt, self.count, examples=self.examples)
+        if self.tokenizer is not None:
+            lengths = self.lengths
+            report.num_tokens, report.max_tokens = self.num_tokens, self.max_tokens
+            report.num_loss_tokens = self.loss_tokens
+            report.max_seq_length, report.truncation = lengths.max_len, self.opts.truncation
+            report.num_truncated, report.num_dropped = lengths.num_truncated, lengths.num_dropped
+            report.truncated_lines, report.dropped_lines = lengths.truncated, lengths.dropped
+        return report
+
+    def _no_example(self) -> DataError:
+        if self.lengths.num_dropped:
+            return _err(
+                None,
+                None,
+                f"no example left: all {self.lengths.num_dropped} were dropped as longer "
+                f"than max_seq_length {self.lengths.max_len} (truncation: {self.opts.truncation})",
             )
-        else:
-            errors.append(_err(None, None, "empty file: no examples"))
-    if errors:
-        raise DatasetValidationError(path, errors)
-    assert fmt is not None
-    report = DatasetReport(str(path), fmt, count, examples=examples)
-    if tokenizer is not None:
-        report.num_tokens, report.max_tokens, report.num_loss_tokens = num_tokens, max_tokens, loss_tokens
-        report.max_seq_length, report.truncation = max_seq_length, opts.truncation
-        report.num_truncated, report.num_dropped = lengths.num_truncated, lengths.num_dropped
-        report.truncated_lines, report.dropped_lines = lengths.truncated, lengths.dropped
-    return report
+        return _err(None, None, "empty file: no examples")
 
 
 def load_examples(

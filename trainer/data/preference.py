@@ -52,8 +52,20 @@ def check_preference_record(rec: dict[str, Any]) -> list[Problem]:
         return [("input", "missing (expected an object with 'messages')")]
     if not isinstance(inp, dict):
         return [("input", "expected an object with 'messages' (and optional 'tools')")]
-    problems: list[Problem] = []
     messages = inp.get("messages")
+    problems = _shape_problems(rec, messages)
+    if problems:
+        return problems
+    assert isinstance(messages, list)
+    problems = _chat_problems(rec, len(messages))
+    if not problems and rec["preferred_output"] == rec["non_preferred_output"]:
+        problems.append(("non_preferred_output", "the same as preferred_output (nothing to prefer)"))
+    return problems
+
+
+def _shape_problems(rec: dict[str, Any], messages: Any) -> list[Problem]:
+    """The pair's shape: input messages, and each output a non-empty list of assistant messages."""
+    problems: list[Problem] = []
     if not isinstance(messages, list) or not messages:
         problems.append(("input.messages", "expected a non-empty list of messages"))
     for key in OUTPUTS:
@@ -68,15 +80,16 @@ def check_preference_record(rec: dict[str, Any]) -> list[Problem]:
                 problems.append(
                     (f"{key}[{j}].role", "must be 'assistant' (an output is the assistant's reply)")
                 )
-    if problems:
-        return problems
-    assert isinstance(messages, list)
+    return problems
+
+
+def _chat_problems(rec: dict[str, Any], n_input: int) -> list[Problem]:
+    """Both chat records' problems, named in the pair's fields (the shared input's once)."""
+    problems: list[Problem] = []
     for key, chat in zip(OUTPUTS, chat_records(rec), strict=True):
         for fld, detail in check_chat_record(chat):
-            name = key if fld is None or fld == "messages" else pair_field(fld, len(messages), key)
+            name = key if fld is None or fld == "messages" else pair_field(fld, n_input, key)
             if key == OUTPUTS[1] and name.startswith("input"):
                 continue  # the input's problems are named once
             problems.append((name, detail))
-    if not problems and rec["preferred_output"] == rec["non_preferred_output"]:
-        problems.append(("non_preferred_output", "the same as preferred_output (nothing to prefer)"))
     return problems

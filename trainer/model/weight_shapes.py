@@ -74,9 +74,21 @@ def check_weight_shapes(folder: Path, found: dict[str, Shape]) -> None:
     """Raise ModelFolderError when the tensors ``found`` in the safetensors headers
     (:func:`header_shapes`) are not the model ``folder``'s config.json describes: a tensor of another shape (named, with both shapes), parameters the
     files lack, or tensors the model has no place for."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    config, model = _meta_model(folder)
+    params = _Parameters(model)
+    present, extra = _compare_shapes(folder, config, params, found)
+    if get_checkpoint_conversion_mapping(str(config.model_type)) is not None:
+        return  # names are converted on load: only the shapes of names that match are comparable
+    _raise_missing(folder, params, present, getattr(model, "_keys_to_ignore_on_load_missing", None))
+    _raise_extra(folder, found, extra)
+
+
+def _meta_model(folder: Path) -> tuple[Any, Any]:
+    """The folder's config and the model it describes on the meta device (shapes, no memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     try:
@@ -86,52 +98,74 @@ def check_weight_shapes(folder: Path, found: dict[str, Shape]) -> None:
         raise ModelFolderError(
             folder, f"config.json does not describe a model transformers can build: {first_line(e)}"
         ) from e
-    # Parameters by object: tied ones (lm_head = embed_tokens) are one group, any name of it will do.
-    groups: dict[int, list[str]] = {}
-    expected: dict[str, Shape] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-        expected[name] = tuple(p.shape)
-    buffers = {name: tuple(b.shape) for name, b in model.named_buffers(remove_duplicate=False)}
-    prefix = str(getattr(model, "base_model_prefix", "") or "")
+    return config, model
 
-    def model_name(key: str) -> str | None:
-        if key in expected or key in buffers:
+
+class _Parameters:
+    """A model's parameter and buffer shapes by name, and the names a file's key may stand for."""
+
+    def __init__(self, model: Any) -> None:
+        # Parameters by object: tied ones (lm_head = embed_tokens) are one group, any name of it will do.
+        self.groups: dict[int, list[str]] = {}
+        self.expected: dict[str, Shape] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.groups.setdefault(id(p), []).append(name)
+            self.expected[name] = tuple(p.shape)
+        self.buffers = {name: tuple(b.shape) for name, b in model.named_buffers(remove_duplicate=False)}
+        self.prefix = str(getattr(model, "base_model_prefix", "") or "")
+        self.ignore_unexpected = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+
+    def name(self, key: str) -> str | None:
+        """The model's name for a file's ``key`` (perhaps saved without the base model's prefix)."""
+        if key in self.expected or key in self.buffers:
             return key
-        if prefix and f"{prefix}.{key}" in expected:
-            return f"{prefix}.{key}"
+        if self.prefix and f"{self.prefix}.{key}" in self.expected:
+            return f"{self.prefix}.{key}"
         return None
 
+    def shape(self, name: str) -> Shape | None:
+        return self.expected.get(name, self.buffers.get(name))
+
+
+def _compare_shapes(
+    folder: Path, config: Any, params: _Parameters, found: dict[str, Shape]
+) -> tuple[set[str], list[str]]:
+    """The model's names the files hold and the files' keys it has no place for; raises at the first
+    tensor of another shape."""
     present: set[str] = set()
     extra: list[str] = []
     for key, shape in found.items():
-        name = model_name(key)
+        name = params.name(key)
         if name is None:
-            if not _ignored(getattr(model, "_keys_to_ignore_on_load_unexpected", None), key):
+            if not _ignored(params.ignore_unexpected, key):
                 extra.append(key)
             continue
         present.add(name)
-        want = expected.get(name, buffers.get(name))
+        want = params.shape(name)
         if want is not None and want != shape:
             raise ModelFolderError(
                 folder,
                 f"the weights do not fit config.json: tensor {key} has shape {_fmt(shape)} in the "
                 f"safetensors files, the config makes it {_fmt(want)}{_config_hint(name, config)}",
             )
-    if get_checkpoint_conversion_mapping(str(config.model_type)) is not None:
-        return  # names are converted on load: only the shapes of names that match are comparable
-    ignore_missing = getattr(model, "_keys_to_ignore_on_load_missing", None)
+    return present, extra
+
+
+def _raise_missing(folder: Path, params: _Parameters, present: set[str], ignore_missing: Any) -> None:
     missing = sorted(
         names[0]
-        for names in groups.values()
+        for names in params.groups.values()
         if not present.intersection(names) and not any(_ignored(ignore_missing, n) for n in names)
     )
     if missing:
         raise ModelFolderError(
             folder,
             f"the weights do not fit config.json: {len(missing)} tensor(s) the config's model has are "
-            f"not in the safetensors files: {_listed(missing)} (shape {_fmt(expected[missing[0]])})",
+            f"not in the safetensors files: {_listed(missing)} (shape {_fmt(params.expected[missing[0]])})",
         )
+
+
+def _raise_extra(folder: Path, found: dict[str, Shape], extra: list[str]) -> None:
     if extra:
         extra.sort()
         raise ModelFolderError(

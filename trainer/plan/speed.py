@@ -147,78 +147,146 @@ def step_times(
     compute = compute_seconds(
         shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq, checkpointing=checkpointing
     )
-    link = interconnect_bytes / (machine.interconnect_gbps * 1e9)
-    gpu = max(compute, link)
-    hbm = machine.gpu_memory_gbps * 1e9
-    pcie, adam = machine.pcie_gbps * 1e9, machine.cpu_adam_gbps * 1e9
-    out: dict[str, StepTime] = {}
+    roof = _Roofline(
+        machine,
+        tokens=tokens,
+        compute=compute,
+        link=interconnect_bytes / (machine.interconnect_gbps * 1e9),
+        dtype_bytes=dtype_bytes,
+    )
+    split = host_params.get("zenflow", 0)
+    zenflow = _Zenflow(
+        roof,
+        split=split,
+        full=trainable - split,
+        worker=roof.adam * cpu_share,
+        on_device=accumulate_on == "device",
+        topk_ratio=topk_ratio,
+        split_weights=split_weights,
+    )
+    interval = zenflow.interval(update_interval, max_update_interval)
+    return {
+        "device": roof.device(trainable),
+        "offload": roof.offload(host_params.get("offload", trainable)),
+        "zenflow": zenflow.step(interval, overlap_step=overlap_step, landing_buffers=landing_buffers),
+    }
 
-    def add(mode: str, g: float, p: float, c: float, total: float, interval: int | None = None) -> None:
-        parts = {"interconnect" if link > compute else "gpu": g, "pcie": p, "cpu": c}
-        out[mode] = StepTime(
+
+@dataclass(frozen=True)
+class _Roofline:
+    """One machine's rates for one job's step: GPU compute, the interconnect, device memory, PCIe and
+    the CPU AdamW, each in units per second."""
+
+    machine: Machine
+    tokens: int
+    compute: float
+    link: float
+    dtype_bytes: int
+
+    @property
+    def gpu(self) -> float:
+        """The GPU part: the compute, or the sharded weights' collectives when they take longer."""
+        return max(self.compute, self.link)
+
+    @property
+    def hbm(self) -> float:
+        return self.machine.gpu_memory_gbps * 1e9
+
+    @property
+    def pcie(self) -> float:
+        return self.machine.pcie_gbps * 1e9
+
+    @property
+    def adam(self) -> float:
+        return self.machine.cpu_adam_gbps * 1e9
+
+    def time(
+        self, mode: str, g: float, p: float, c: float, total: float, interval: int | None = None
+    ) -> StepTime:
+        parts = {"interconnect" if self.link > self.compute else "gpu": g, "pcie": p, "cpu": c}
+        return StepTime(
             mode,
             g,
             p,
             c,
             total,
-            tokens / total if total > 0 else math.inf,
+            self.tokens / total if total > 0 else math.inf,
             max(parts, key=lambda k: parts[k]),
             interval,
-            link,
+            self.link,
         )
 
-    g_dev = gpu + trainable * DEVICE_ADAM_BYTES_PER_PARAM / hbm
-    add("device", g_dev, 0.0, 0.0, g_dev)
-    n_off = host_params.get("offload", trainable)
-    p_off = 2 * n_off * dtype_bytes / pcie
-    c_off = n_off * ADAM_BYTES_PER_PARAM / adam
-    add("offload", gpu, p_off, c_off, gpu + p_off + c_off)
+    def device(self, trainable: int) -> StepTime:
+        g_dev = self.gpu + trainable * DEVICE_ADAM_BYTES_PER_PARAM / self.hbm
+        return self.time("device", g_dev, 0.0, 0.0, g_dev)
 
-    split = host_params.get("zenflow", 0)
-    full = trainable - split
-    worker = adam * cpu_share
-    on_device = accumulate_on == "device"
+    def offload(self, n_off: int) -> StepTime:
+        """Every step serial: the gradients down and the params up over PCIe, the CPU's AdamW."""
+        p_off = 2 * n_off * self.dtype_bytes / self.pcie
+        c_off = n_off * ADAM_BYTES_PER_PARAM / self.adam
+        return self.time("offload", self.gpu, p_off, c_off, self.gpu + p_off + c_off)
 
-    def zenflow(interval: int) -> tuple[float, float, float]:
+
+@dataclass(frozen=True)
+class _Zenflow:
+    """zenflow's step: ``split`` parameters on the CPU worker (``worker`` bytes/s), ``full`` on the device."""
+
+    roof: _Roofline
+    split: int
+    full: int
+    worker: float
+    on_device: bool
+    topk_ratio: float
+    split_weights: int
+
+    def parts(self, interval: int) -> tuple[float, float, float]:
+        """GPU, PCIe and CPU seconds per step with windows of ``interval`` steps."""
+        roof, split, dtype_bytes, hbm = self.roof, self.split, self.roof.dtype_bytes, self.roof.hbm
         streamed, strided = zenflow_device_bytes(
-            split, topk_ratio=topk_ratio, dtype_bytes=dtype_bytes, interval=interval, on_device=on_device
+            split,
+            topk_ratio=self.topk_ratio,
+            dtype_bytes=dtype_bytes,
+            interval=interval,
+            on_device=self.on_device,
         )
-        g = gpu + full * DEVICE_ADAM_BYTES_PER_PARAM / hbm
-        if split and machine.device_type == "cuda":
+        g = roof.gpu + self.full * DEVICE_ADAM_BYTES_PER_PARAM / hbm
+        if split and roof.machine.device_type == "cuda":
             g += streamed / hbm + strided / (hbm * GATHER_EFFICIENCY)
-            g += split_weights * ZENFLOW_KERNELS_PER_WEIGHT * KERNEL_SECONDS
-        if on_device:  # an fp32 add on the device per step; per window the accumulator goes down
+            g += self.split_weights * ZENFLOW_KERNELS_PER_WEIGHT * KERNEL_SECONDS
+        if self.on_device:  # an fp32 add on the device per step; per window the accumulator goes down
             g += split * (dtype_bytes + 8) / hbm  # rounded to the param dtype, the new params come up
-            p = split * 2 * dtype_bytes / interval / pcie
-            c = split * ADAM_BYTES_PER_PARAM / interval / worker
+            p = split * 2 * dtype_bytes / interval / roof.pcie
+            c = split * ADAM_BYTES_PER_PARAM / interval / self.worker
         else:  # every step's gradient crosses PCIe and is added on the CPU
-            p = split * dtype_bytes * (1 + 1 / interval) / pcie
+            p = split * dtype_bytes * (1 + 1 / interval) / roof.pcie
             c = (
                 split
                 * (ACCUMULATE_ELEMENTS_PER_PARAM * dtype_bytes + ADAM_BYTES_PER_PARAM / interval)
-                / worker
+                / self.worker
             )
         return g, p, c
 
-    if update_interval is None:
-        interval = max_update_interval
+    def interval(self, update_interval: int | None, max_update_interval: int) -> int:
+        """The window: the one asked for, else the shortest that hides PCIe and CPU behind the GPU."""
+        if update_interval is not None:
+            return update_interval
         for i in range(1, max_update_interval + 1):
-            g, p, c = zenflow(i)
+            g, p, c = self.parts(i)
             if max(p, c) <= g:
-                interval = i
-                break
-    else:
-        interval = update_interval
-    g, p, c = zenflow(interval)
-    if overlap_step:
-        total = max(g, p, c)
-    else:  # the boundary waits for the window's CPU AdamW
-        total = max(g, p, c - split * ADAM_BYTES_PER_PARAM / interval / worker) + (
-            split * ADAM_BYTES_PER_PARAM / interval / worker
-        )
-    if (
-        not landing_buffers and machine.device_type == "cuda"
-    ):  # the result comes up at the boundary, waited for
-        total += split * dtype_bytes / interval / pcie
-    add("zenflow", g, p, c, total, interval)
-    return out
+                return i
+        return max_update_interval
+
+    def step(self, interval: int, *, overlap_step: bool, landing_buffers: bool) -> StepTime:
+        split, worker, roof = self.split, self.worker, self.roof
+        g, p, c = self.parts(interval)
+        if overlap_step:
+            total = max(g, p, c)
+        else:  # the boundary waits for the window's CPU AdamW
+            total = max(g, p, c - split * ADAM_BYTES_PER_PARAM / interval / worker) + (
+                split * ADAM_BYTES_PER_PARAM / interval / worker
+            )
+        if (
+            not landing_buffers and roof.machine.device_type == "cuda"
+        ):  # the result comes up at the boundary, waited for
+            total += split * roof.dtype_bytes / interval / roof.pcie
+        return roof.time("zenflow", g, p, c, total, interval)

@@ -66,6 +66,45 @@ def model_card(
     ``figures`` are the run's (trainer.run.outputs.metrics: step, train_loss, train_mean_loss,
     valid_loss, trained_tokens)."""
     base, digest = base_model_id(spec), base_config_sha256(spec)
+    seed = hyperparameters.get("seed", spec.hyperparameters.seed)
+    download = f"GET /v1/models/{base}/content" + ("" if digest else f"?seed={seed}")
+    what = "LoRA adapter" if adapter else "Fine-tuned model"
+    body = [
+        "",
+        f"# {what} of {base}",
+        "",
+        "Trained with supervised fine-tuning (chat examples, loss on the assistant's turns) by the "
+        "ZenFlow fine-tuning service."
+        + (" The adapter's weights are on top of the base model below." if adapter else ""),
+        "",
+        "## Base model",
+        "",
+        _base_line(base, digest, seed, download),
+        "",
+        "## Training data",
+        "",
+        f"- Training examples: {train_examples}",
+        f"- Validation examples: {valid_examples}",
+        f"- Tokens trained: {figures.get('trained_tokens')}",
+        "",
+        "## Hyperparameters",
+        "",
+        *(f"- {k}: {_yaml_scalar(v)}" for k, v in sorted(hyperparameters.items()) if v is not None),
+        "",
+        "## Results",
+        "",
+        *_results(figures, total_steps),
+        "",
+        "## Use",
+        "",
+        *_usage(adapter, base, download),
+        "",
+    ]
+    return "\n".join(_front_matter(adapter, base, digest) + body)
+
+
+def _front_matter(adapter: bool, base: str, digest: str | None) -> list[str]:
+    """The YAML front matter the Hugging Face Hub reads."""
     tags = [*TAGS, "lora"] if adapter else list(TAGS)
     front = [
         "---",
@@ -78,18 +117,32 @@ def model_card(
     if digest:
         front.append(f"base_model_config_sha256: {_yaml_scalar(digest)}")
     front.append("---")
-    what = "LoRA adapter" if adapter else "Fine-tuned model"
-    seed = hyperparameters.get("seed", spec.hyperparameters.seed)
-    download = f"GET /v1/models/{base}/content" + ("" if digest else f"?seed={seed}")
+    return front
+
+
+def _base_line(base: str, digest: str | None, seed: Any, download: str) -> str:
     base_line = f"- Base model: `{base}`"
     base_line += (
         f" (config.json SHA-256 `{digest}`)" if digest else f" (built-in random-init config, seed {seed})"
     )
-    base_line += f"; download it from the service: `{download}`"
+    return base_line + f"; download it from the service: `{download}`"
+
+
+def _results(figures: dict[str, Any], total_steps: int | None) -> list[str]:
     step = figures.get("step")
     steps = f"{step} of {total_steps}" if total_steps else f"{step}"
-    usage = (
-        [
+    return [
+        f"- Steps: {steps}",
+        f"- Final training loss: {_loss(figures.get('train_loss'))} (mean of the last steps: "
+        f"{_loss(figures.get('train_mean_loss'))})",
+        f"- Final validation loss: {_loss(figures.get('valid_loss'))}",
+    ]
+
+
+def _usage(adapter: bool, base: str, download: str) -> list[str]:
+    """How to load it with transformers (and peft for an adapter)."""
+    if adapter:
+        return [
             "```python",
             "from peft import PeftModel",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -98,49 +151,11 @@ def model_card(
             'model = PeftModel.from_pretrained(base, "path/to/this/adapter")',
             "```",
         ]
-        if adapter
-        else [
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            'model = AutoModelForCausalLM.from_pretrained("path/to/this/model")',
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/this/model")',
-            "```",
-        ]
-    )
-    hp_lines = [f"- {k}: {_yaml_scalar(v)}" for k, v in sorted(hyperparameters.items()) if v is not None]
-    body = [
+    return [
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f"# {what} of {base}",
-        "",
-        "Trained with supervised fine-tuning (chat examples, loss on the assistant's turns) by the "
-        "ZenFlow fine-tuning service."
-        + (" The adapter's weights are on top of the base model below." if adapter else ""),
-        "",
-        "## Base model",
-        "",
-        base_line,
-        "",
-        "## Training data",
-        "",
-        f"- Training examples: {train_examples}",
-        f"- Validation examples: {valid_examples}",
-        f"- Tokens trained: {figures.get('trained_tokens')}",
-        "",
-        "## Hyperparameters",
-        "",
-        *hp_lines,
-        "",
-        "## Results",
-        "",
-        f"- Steps: {steps}",
-        f"- Final training loss: {_loss(figures.get('train_loss'))} (mean of the last steps: "
-        f"{_loss(figures.get('train_mean_loss'))})",
-        f"- Final validation loss: {_loss(figures.get('valid_loss'))}",
-        "",
-        "## Use",
-        "",
-        *usage,
-        "",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/model")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/model")',
+        "```",
     ]
-    return "\n".join(front + body)

@@ -264,6 +264,28 @@ class RunOutputs:
         streamed: FullWeights | None = None,
     ) -> Path:
         """Phase 2 (rank 0, or the single process): the checkpoint directory, with every shard in it."""
+        dist, step = self.dist, progress.step
+        tstate = self._training_state(progress, engine_state, rng)
+
+        def write(tmp: Path) -> None:
+            adapter = self._write_model(tmp, engine_state, weight_of, full, streamed)
+            self._write_card(tmp, figures, adapter=False)
+            if adapter is not None:
+                self._write_adapter(tmp, adapter, figures)
+            save_training_state(tmp, tstate)
+            if dist is not None:
+                self._move_shards_in(tmp, step, rank_state)
+
+        try:
+            return write_atomic_dir(self.out / checkpoint_name(step), write, self._manifest(step, figures))
+        finally:
+            if dist is not None:  # shards not moved in (a failed write) are of no use
+                self._drop_staged(step)
+
+    def _training_state(
+        self, progress: Progress, engine_state: dict[str, Any], rng: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The training state file's contents: the loop's progress, and the engine's state or where it is."""
         built, data, dist = self.built, self.data, self.dist
         tstate: dict[str, Any] = {
             "version": STATE_VERSION,
@@ -282,71 +304,87 @@ class RunOutputs:
             if built.sharded:  # ... its rows in DCP's folder
                 tstate["engine_dcp"] = ENGINE_DCP
                 tstate["engine_header"] = {k: v for k, v in engine_state.items() if k != "mode_state"}
+        return tstate
 
-        def write(tmp: Path) -> None:
-            adapter = None
-            if streamed is not None:
-                save_model_files(
-                    tmp,
-                    streamed.refs,
-                    built.base_config,
-                    data.tokenizer,
-                    built.generation_config,
-                    fetch=streamed.fetch,
-                    names=streamed.names,
-                )
-            elif full is not None:  # sharded: the gathered state (LoRA: the adapter's, merged for the model)
-                adapter = full if self.spec.lora is not None else None
-                weights = merged_lora_state(built.model, full) if adapter is not None else full
-                save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
-                del weights
-            elif self.spec.lora is None:
-                refs, fetch = self._streamed_export(
-                    set(engine_state["mode_state"]["device_params"]), weight_of
-                )
-                save_model_files(
-                    tmp, refs, built.base_config, data.tokenizer, built.generation_config, fetch=fetch
-                )
-            else:
-                weights, adapter = self._export()
-                save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
-                del weights
-            self._write_card(tmp, figures, adapter=False)
-            if adapter is not None:
-                # Explicit save_embedding_layers (never "auto": no Hub lookup of the base config): the
-                # embeddings go into the adapter only when the vocabulary grew, so that the adapter
-                # works with the tokens it was trained with on a base model resized to the tokenizer.
-                built.model.save_pretrained(
-                    str(tmp / "adapter"), state_dict=adapter, save_embedding_layers=built.added_tokens > 0
-                )
-                self._write_card(tmp / "adapter", figures, adapter=True)  # over peft's empty template
-            save_training_state(tmp, tstate)
-            if dist is not None:
-                save_rank_state(tmp / engine_shard_name(0, dist.world_size), rank_state)
-                for r in range(1, dist.world_size):
-                    staged, name = self._staged(progress.step, r), engine_shard_name(r, dist.world_size)
-                    os.replace(tensors_path(staged), tensors_path(tmp / name))
-                    os.replace(staged, tmp / name)
-                if built.sharded:
-                    os.replace(self._staged_dcp(progress.step), tmp / ENGINE_DCP)
+    def _write_model(
+        self,
+        tmp: Path,
+        engine_state: dict[str, Any],
+        weight_of: Callable[[str], torch.Tensor],
+        full: dict[str, torch.Tensor] | None,
+        streamed: FullWeights | None,
+    ) -> dict[str, torch.Tensor] | None:
+        """The model's files into ``tmp``, from wherever this run's weights are; the LoRA adapter's state
+        to save beside them (None for a full fine-tune)."""
+        built, data = self.built, self.data
+        adapter = None
+        if streamed is not None:
+            save_model_files(
+                tmp,
+                streamed.refs,
+                built.base_config,
+                data.tokenizer,
+                built.generation_config,
+                fetch=streamed.fetch,
+                names=streamed.names,
+            )
+        elif full is not None:  # sharded: the gathered state (LoRA: the adapter's, merged for the model)
+            adapter = full if self.spec.lora is not None else None
+            weights = merged_lora_state(built.model, full) if adapter is not None else full
+            save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+        elif self.spec.lora is None:
+            refs, fetch = self._streamed_export(set(engine_state["mode_state"]["device_params"]), weight_of)
+            save_model_files(
+                tmp, refs, built.base_config, data.tokenizer, built.generation_config, fetch=fetch
+            )
+        else:
+            weights, adapter = self._export()
+            save_model_files(tmp, weights, built.base_config, data.tokenizer, built.generation_config)
+        return adapter
 
+    def _write_adapter(self, tmp: Path, adapter: dict[str, torch.Tensor], figures: dict[str, Any]) -> None:
+        # Explicit save_embedding_layers (never "auto": no Hub lookup of the base config): the
+        # embeddings go into the adapter only when the vocabulary grew, so that the adapter
+        # works with the tokens it was trained with on a base model resized to the tokenizer.
+        self.built.model.save_pretrained(
+            str(tmp / "adapter"), state_dict=adapter, save_embedding_layers=self.built.added_tokens > 0
+        )
+        self._write_card(tmp / "adapter", figures, adapter=True)  # over peft's empty template
+
+    def _move_shards_in(self, tmp: Path, step: int, rank_state: dict[str, Any]) -> None:
+        """Rank 0's shard written, the other ranks' staged shards (and DCP's folder) moved into ``tmp``."""
+        assert self.dist is not None
+        world_size = self.dist.world_size
+        save_rank_state(tmp / engine_shard_name(0, world_size), rank_state)
+        for r in range(1, world_size):
+            staged, name = self._staged(step, r), engine_shard_name(r, world_size)
+            os.replace(tensors_path(staged), tensors_path(tmp / name))
+            os.replace(staged, tmp / name)
+        if self.built.sharded:
+            os.replace(self._staged_dcp(step), tmp / ENGINE_DCP)
+
+    def _manifest(self, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         manifest: dict[str, Any] = {
             "kind": "checkpoint",
-            "step": progress.step,
+            "step": step,
             "base_model": self.spec.model,
             "metrics": figures,
-            MANIFEST_ENGINE: {"mode": built.engine.mode, "accumulate_on": data.job.engine.accumulate_on},
+            MANIFEST_ENGINE: {
+                "mode": self.built.engine.mode,
+                "accumulate_on": self.data.job.engine.accumulate_on,
+            },
         }
-        if dist is not None:
-            manifest["world_size"] = dist.world_size
-        try:
-            return write_atomic_dir(self.out / checkpoint_name(progress.step), write, manifest)
-        finally:
-            if dist is not None:  # shards not moved in (a failed write) are of no use
-                for r in range(1, dist.world_size):
-                    self._staged(progress.step, r).unlink(missing_ok=True)
-                    tensors_path(self._staged(progress.step, r)).unlink(missing_ok=True)
-                shutil.rmtree(self._staged_dcp(progress.step), ignore_errors=True)
+        if self.dist is not None:
+            manifest["world_size"] = self.dist.world_size
+        return manifest
+
+    def _drop_staged(self, step: int) -> None:
+        """The other ranks' staged shards and DCP's folder, removed where still there."""
+        assert self.dist is not None
+        for r in range(1, self.dist.world_size):
+            self._staged(step, r).unlink(missing_ok=True)
+            tensors_path(self._staged(step, r)).unlink(missing_ok=True)
+        shutil.rmtree(self._staged_dcp(step), ignore_errors=True)
 
     def _write_card(self, folder: Path, figures: dict[str, Any], *, adapter: bool) -> None:
         """The folder's README.md: trainer.run.model_card (base, data sizes, hyperparameters, losses)."""

@@ -142,6 +142,27 @@ def _append_resolutions(s: Session, job_id: str, made: list[dict[str, Any]]) -> 
 def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, maybe_written: bool) -> None:
     """Write ``batch`` in order in the session's transaction, in a few statements whatever its size (a
     transaction that must fit between two dropped connections); JobLost when the job is no longer ours."""
+    _update_job_row(s, job_id, hostname, batch)
+    _append_resolutions(s, job_id, [w.resolution for w in batch if w.resolution is not None])
+    if maybe_written:
+        batch = _unwritten(s, batch)
+    rows = _StepRows(job_id, _known_steps(s, job_id, batch))
+    events: list[dict[str, Any]] = []
+    for w in batch:
+        first_time = rows.take(w)
+        events += _apply_checkpoints(s, job_id, w)
+        if first_time:
+            events += w.events
+    rows.write(s)
+    if events:  # one statement, rows in the order given: their seq keeps the order of the events
+        s.execute(
+            insert(JobEvent),
+            [{"job_id": job_id, "data": None, **e, "created_at": _ts(e.get("created_at"))} for e in events],
+        )
+
+
+def _update_job_row(s: Session, job_id: str, hostname: str, batch: list[Write]) -> None:
+    """The heartbeat and the batch's job columns, guarded by our claim; JobLost when it is not ours."""
     values: dict[str, Any] = {}
     for w in batch:
         values.update(w.job)
@@ -158,85 +179,104 @@ def apply_writes(s: Session, job_id: str, hostname: str, batch: list[Write], *, 
     assert isinstance(res, CursorResult)
     if res.rowcount != 1:
         raise JobLost(job_id)
-    _append_resolutions(s, job_id, [w.resolution for w in batch if w.resolution is not None])
-    if maybe_written:
-        ids = [e["id"] for w in batch for e in w.events]
-        done = set(s.scalars(select(JobEvent.id).where(JobEvent.id.in_(ids)))) if ids else set()
-        batch = [w for w in batch if not any(e["id"] in done for e in w.events)]
+
+
+def _unwritten(s: Session, batch: list[Write]) -> list[Write]:
+    """The writes none of whose events is in the database (a commit that may have gone through)."""
+    ids = [e["id"] for w in batch for e in w.events]
+    done = set(s.scalars(select(JobEvent.id).where(JobEvent.id.in_(ids)))) if ids else set()
+    return [w for w in batch if not any(e["id"] in done for e in w.events)]
+
+
+def _known_steps(s: Session, job_id: str, batch: list[Write]) -> dict[int, float | None]:
+    """step -> valid_loss of the metrics rows there already, of the steps the batch writes."""
     steps = {w.metric["step"] for w in batch if w.metric} | {
         w.valid_loss["step"] for w in batch if w.valid_loss
     }
-    # step -> valid_loss of the rows there already; the rows this batch adds, by step
-    known: dict[int, float | None] = (
-        {
-            r.step: r.valid_loss
-            for r in s.execute(
-                select(JobStepMetric.step, JobStepMetric.valid_loss).where(
-                    JobStepMetric.job_id == job_id, JobStepMetric.step.in_(steps)
-                )
+    if not steps:
+        return {}
+    return {
+        r.step: r.valid_loss
+        for r in s.execute(
+            select(JobStepMetric.step, JobStepMetric.valid_loss).where(
+                JobStepMetric.job_id == job_id, JobStepMetric.step.in_(steps)
             )
-        }
-        if steps
-        else {}
-    )
-    added: dict[int, dict[str, Any]] = {}
-    changed: dict[int, dict[str, Any]] = {}
-    events: list[dict[str, Any]] = []
-    for w in batch:
+        )
+    }
+
+
+class _StepRows:
+    """A batch's metrics rows: those it adds, and the changes to rows there already (``known``)."""
+
+    def __init__(self, job_id: str, known: dict[int, float | None]) -> None:
+        self.job_id, self.known = job_id, known
+        self.added: dict[int, dict[str, Any]] = {}
+        self.changed: dict[int, dict[str, Any]] = {}
+
+    def take(self, w: Write) -> bool:
+        """Take ``w``'s metrics and validation loss; whether its events are written (its step's first
+        metrics, or the step's first validation loss)."""
         first_time = True
         if w.metric is not None:
-            step = w.metric["step"]
-            cols = {k: v for k, v in w.metric.items() if k in _METRIC_COLUMNS}
-            if step in added:
-                added[step].update(cols)
-                first_time = False
-            elif step in known:  # replayed after a resume: new figures, no second event
-                changed.setdefault(step, {}).update(cols)
-                first_time = False
-            else:
-                added[step] = {
-                    **_METRIC_COLUMNS,
-                    **cols,
-                    "job_id": job_id,
-                    "step": step,
-                    "created_at": _ts(w.metric.get("created_at")),
-                }
+            first_time = self._metric(w.metric)
         if w.valid_loss is not None:
-            step, loss = w.valid_loss["step"], w.valid_loss["valid_loss"]
-            if step in added:
-                first_time = added[step]["valid_loss"] is None
-                added[step]["valid_loss"] = loss
-            elif step in known:
-                first_time = known[step] is None
-                known[step] = loss
-                changed.setdefault(step, {})["valid_loss"] = loss
-        if w.checkpoint is not None:
-            _save_checkpoint_row(s, job_id, w.checkpoint)
-        if w.removed_checkpoint is not None:
+            first_time = self._valid_loss(w.valid_loss["step"], w.valid_loss["valid_loss"], first_time)
+        return first_time
+
+    def _metric(self, metric: dict[str, Any]) -> bool:
+        step = metric["step"]
+        cols = {k: v for k, v in metric.items() if k in _METRIC_COLUMNS}
+        if step in self.added:
+            self.added[step].update(cols)
+            return False
+        if step in self.known:  # replayed after a resume: new figures, no second event
+            self.changed.setdefault(step, {}).update(cols)
+            return False
+        self.added[step] = {
+            **_METRIC_COLUMNS,
+            **cols,
+            "job_id": self.job_id,
+            "step": step,
+            "created_at": _ts(metric.get("created_at")),
+        }
+        return True
+
+    def _valid_loss(self, step: int, loss: Any, first_time: bool) -> bool:
+        if step in self.added:
+            first_time = self.added[step]["valid_loss"] is None
+            self.added[step]["valid_loss"] = loss
+        elif step in self.known:
+            first_time = self.known[step] is None
+            self.known[step] = loss
+            self.changed.setdefault(step, {})["valid_loss"] = loss
+        return first_time
+
+    def write(self, s: Session) -> None:
+        if self.added:
+            s.execute(insert(JobStepMetric), list(self.added.values()))
+        for step, cols in self.changed.items():
             s.execute(
-                delete(JobCheckpoint).where(
-                    JobCheckpoint.job_id == job_id, JobCheckpoint.step_number == w.removed_checkpoint
-                )
+                update(JobStepMetric)
+                .where(JobStepMetric.job_id == self.job_id, JobStepMetric.step == step)
+                .values(**cols)
+                .execution_options(synchronize_session=False)
             )
-            model_ids.forget_checkpoint(s, job_id, w.removed_checkpoint)
-        if w.checkpoints_on_disk is not None:
-            events += _sync_checkpoints(s, job_id, w.checkpoints_on_disk)
-        if first_time:
-            events += w.events
-    if added:
-        s.execute(insert(JobStepMetric), list(added.values()))
-    for step, cols in changed.items():
+
+
+def _apply_checkpoints(s: Session, job_id: str, w: Write) -> list[dict[str, Any]]:
+    """``w``'s checkpoint rows: saved, removed, synced with the disk; the events the sync makes."""
+    if w.checkpoint is not None:
+        _save_checkpoint_row(s, job_id, w.checkpoint)
+    if w.removed_checkpoint is not None:
         s.execute(
-            update(JobStepMetric)
-            .where(JobStepMetric.job_id == job_id, JobStepMetric.step == step)
-            .values(**cols)
-            .execution_options(synchronize_session=False)
+            delete(JobCheckpoint).where(
+                JobCheckpoint.job_id == job_id, JobCheckpoint.step_number == w.removed_checkpoint
+            )
         )
-    if events:  # one statement, rows in the order given: their seq keeps the order of the events
-        s.execute(
-            insert(JobEvent),
-            [{"job_id": job_id, "data": None, **e, "created_at": _ts(e.get("created_at"))} for e in events],
-        )
+        model_ids.forget_checkpoint(s, job_id, w.removed_checkpoint)
+    if w.checkpoints_on_disk is not None:
+        return _sync_checkpoints(s, job_id, w.checkpoints_on_disk)
+    return []
 
 
 def _save_checkpoint_row(s: Session, job_id: str, ck: dict[str, Any]) -> None:
@@ -408,51 +448,24 @@ class ReportWriter(threading.Thread):
         size = BATCH_WRITES  # halved after each failed attempt: a batch must fit between two drops
         isolate = 0  # after a refused batch: write one at a time until past the write refused
         while not self._closing.is_set():
-            with self._cond:
-                while not self._items and not self._closing.is_set():
-                    self._cond.wait()
-                if self._closing.is_set():
-                    return
-                batch = list(islice(self._items, 1 if isolate else size))
-            maybe = self._maybe_written or any(w.replayed for w in batch)
+            batch = self._next_batch(1 if isolate else size)
+            if batch is None:
+                return
             try:
-                with session_scope(self.url) as s:
-                    apply_writes(s, self.job_id, self.hostname, batch, maybe_written=maybe)
+                self._write(batch)
             except JobLost:
-                log.error("job %s is no longer ours: writing nothing more", self.job_id)
-                with self._cond:
-                    self.lost = True
-                    self._cond.notify_all()
-                self.on_lost()
+                self._lost()
                 return
             except Exception as e:
                 if is_db_unavailable(e):
-                    self._maybe_written = True  # the commit may have gone through before the drop
                     size = max(1, len(batch) // 2)
-                    now = time.monotonic()
-                    if outage_since is None:
-                        outage_since = now
-                        log.warning(
-                            "job %s: %s; %d reports wait", self.job_id, public_message(e), len(self._items)
-                        )
-                    elif now - outage_since > self.outage_seconds and not self.interrupted.is_set():
-                        log.error(
-                            "job %s: database unavailable for more than %g s: interrupting the run",
-                            self.job_id,
-                            self.outage_seconds,
-                        )
-                        self.interrupted.set()
-                        with self._cond:
-                            self._cond.notify_all()
+                    outage_since = self._unavailable(e, outage_since)
                     self._closing.wait(backoff.next())
                     continue
                 if len(batch) > 1:
                     isolate = len(batch)
                     continue
-                log.error("job %s: the database refused a report: %s", self.job_id, e)
-                with self._cond:
-                    self.fatal = e
-                    self._cond.notify_all()
+                self._refused(e)
                 return
             if outage_since is not None:
                 log.warning(
@@ -462,6 +475,52 @@ class ReportWriter(threading.Thread):
             self._maybe_written, outage_since, isolate = False, None, max(0, isolate - 1)
             size = min(BATCH_WRITES, size * 2)
             backoff.reset()
+
+    def _next_batch(self, size: int) -> list[Write] | None:
+        """The next ``size`` writes at most, waiting for one; None once closing."""
+        with self._cond:
+            while not self._items and not self._closing.is_set():
+                self._cond.wait()
+            if self._closing.is_set():
+                return None
+            return list(islice(self._items, size))
+
+    def _write(self, batch: list[Write]) -> None:
+        maybe = self._maybe_written or any(w.replayed for w in batch)
+        with session_scope(self.url) as s:
+            apply_writes(s, self.job_id, self.hostname, batch, maybe_written=maybe)
+
+    def _lost(self) -> None:
+        log.error("job %s is no longer ours: writing nothing more", self.job_id)
+        with self._cond:
+            self.lost = True
+            self._cond.notify_all()
+        self.on_lost()
+
+    def _unavailable(self, e: Exception, outage_since: float | None) -> float:
+        """An attempt that met an outage: said when it starts, the run interrupted once it lasts past
+        ``outage_seconds``; when the outage started."""
+        self._maybe_written = True  # the commit may have gone through before the drop
+        now = time.monotonic()
+        if outage_since is None:
+            log.warning("job %s: %s; %d reports wait", self.job_id, public_message(e), len(self._items))
+            return now
+        if now - outage_since > self.outage_seconds and not self.interrupted.is_set():
+            log.error(
+                "job %s: database unavailable for more than %g s: interrupting the run",
+                self.job_id,
+                self.outage_seconds,
+            )
+            self.interrupted.set()
+            with self._cond:
+                self._cond.notify_all()
+        return outage_since
+
+    def _refused(self, e: Exception) -> None:
+        log.error("job %s: the database refused a report: %s", self.job_id, e)
+        with self._cond:
+            self.fatal = e
+            self._cond.notify_all()
 
     def _done(self, batch: list[Write]) -> None:
         with self._cond:

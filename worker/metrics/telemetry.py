@@ -61,6 +61,34 @@ def default_worker_name() -> str:
     return get_settings().worker_name or this_host()
 
 
+def _dpo_gauges(registry: CollectorRegistry) -> dict[str, Gauge]:
+    """A DPO job's last step (trainer.events.PreferenceMetrics): rewards in nats x beta, accuracy a ratio."""
+    return {
+        name: Gauge(
+            metric,
+            text,
+            STEP_LABELS,
+            registry=registry,
+            multiprocess_mode="livemostrecent",
+        )
+        for name, metric, text in (
+            ("chosen_reward", "zenflow_dpo_chosen_reward", "DPO: mean reward of the chosen completions."),
+            ("rejected_reward", "zenflow_dpo_rejected_reward", "DPO: mean reward of the rejected ones."),
+            ("reward_margin", "zenflow_dpo_reward_margin", "DPO: mean chosen minus rejected reward."),
+            (
+                "accuracy",
+                "zenflow_dpo_preference_accuracy_ratio",
+                "DPO: share of the last step's pairs whose chosen reward beats the rejected one's.",
+            ),
+            (
+                "valid_accuracy",
+                "zenflow_dpo_valid_preference_accuracy_ratio",
+                "DPO: preference accuracy on the validation pairs at the last evaluation.",
+            ),
+        )
+    }
+
+
 class WorkerTelemetry:
     """Prometheus metrics of one worker (one GPU), fed by the engine's per-step records.
 
@@ -86,8 +114,12 @@ class WorkerTelemetry:
         self._job: tuple[str, str, str] | None = None  # (job_id, base_model, mode)
         self._step_labelsets: set[tuple[str, ...]] = set()
         self._mem_kinds: set[str] = set()
-        r = self.registry
+        self._make_step_metrics(self.registry)
+        self._make_gauges(self.registry)
+        self._make_job_metrics(self.registry)
 
+    def _make_step_metrics(self, r: CollectorRegistry) -> None:
+        """Histograms and counters of the steps: time, stalls, CPU optimizer, transfers, tokens, skips."""
         self.step_seconds = Histogram(
             "zenflow_step_seconds",
             "Wall time of one training step (engine.step to engine.step).",
@@ -130,6 +162,9 @@ class WorkerTelemetry:
             STEP_LABELS,
             registry=r,
         )
+
+    def _make_gauges(self, r: CollectorRegistry) -> None:
+        """The running job's last values: losses, DPO rewards, utilization, memory."""
         self.train_loss = Gauge(
             "zenflow_train_loss",
             "Training loss of the last step of the running job.",
@@ -137,31 +172,7 @@ class WorkerTelemetry:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
-        # A DPO job's last step (trainer.events.PreferenceMetrics): rewards in nats x beta, accuracy a ratio.
-        self.dpo = {
-            name: Gauge(
-                metric,
-                text,
-                STEP_LABELS,
-                registry=r,
-                multiprocess_mode="livemostrecent",
-            )
-            for name, metric, text in (
-                ("chosen_reward", "zenflow_dpo_chosen_reward", "DPO: mean reward of the chosen completions."),
-                ("rejected_reward", "zenflow_dpo_rejected_reward", "DPO: mean reward of the rejected ones."),
-                ("reward_margin", "zenflow_dpo_reward_margin", "DPO: mean chosen minus rejected reward."),
-                (
-                    "accuracy",
-                    "zenflow_dpo_preference_accuracy_ratio",
-                    "DPO: share of the last step's pairs whose chosen reward beats the rejected one's.",
-                ),
-                (
-                    "valid_accuracy",
-                    "zenflow_dpo_valid_preference_accuracy_ratio",
-                    "DPO: preference accuracy on the validation pairs at the last evaluation.",
-                ),
-            )
-        }
+        self.dpo = _dpo_gauges(r)
         self.gpu_utilization = Gauge(
             "zenflow_gpu_utilization_ratio",
             "Share of the last step the device computed rather than waited (compute / wall).",
@@ -185,6 +196,9 @@ class WorkerTelemetry:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
+
+    def _make_job_metrics(self, r: CollectorRegistry) -> None:
+        """The job running on the worker, and the jobs that ended there."""
         self.current_job = Gauge(
             "zenflow_worker_current_job",
             "1 while the job named by job_id runs on this worker (info-style; removed when it ends).",

@@ -137,21 +137,33 @@ class MlflowSink(Sink):
             )
 
     def _send(self) -> None:
-        from mlflow.entities import Param, RunTag
-        from mlflow.exceptions import RestException
-
+        """Everything buffered to the server: the run (re)opened or created, then params, tags and
+        metrics in batches; what the server refuses for good is said and left out."""
         assert self.client is not None
         if self.reopen and self.run_id is not None:  # the job's earlier run: running again
-            try:
-                self.client.update_run(self.run_id, status="RUNNING")
-            except RestException as e:
-                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-                self.run_id = None  # deleted on the server meanwhile: a new run
-            self.reopen = False
+            self._reopen_run()
         if self.run_id is None:
             self.run_id = self._create_run()
-        while self.params:  # apart from the metrics: a refused param takes no metric with it
+        self._send_params()
+        self._send_tags_and_metrics()
+
+    def _reopen_run(self) -> None:
+        from mlflow.exceptions import RestException
+
+        assert self.client is not None and self.run_id is not None
+        try:
+            self.client.update_run(self.run_id, status="RUNNING")
+        except RestException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            self.run_id = None  # deleted on the server meanwhile: a new run
+        self.reopen = False
+
+    def _send_params(self) -> None:
+        """Apart from the metrics: a refused param takes no metric with it."""
+        from mlflow.entities import Param
+
+        while self.params:
             chunk = [Param(k, v) for k, v in list(self.params.items())[:_MAX_PARAMS]]
             if self._batch(params=chunk) is not None:  # which ones: one at a time
                 refused = [p.key for p in chunk if self._batch(params=[p]) is not None]
@@ -162,6 +174,10 @@ class MlflowSink(Sink):
                 )
             for p in chunk:
                 del self.params[p.key]
+
+    def _send_tags_and_metrics(self) -> None:
+        from mlflow.entities import RunTag
+
         while self.tags or self.metrics:
             tags, metrics = list(self.tags.items())[:_MAX_TAGS], self.metrics[:_MAX_METRICS]
             if (code := self._batch(tags=[RunTag(k, v) for k, v in tags], metrics=metrics)) is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from api import demo
+from demo import cli, flow, folder
 from trainer.model.catalog import check_model
 from trainer.samples import MODELS_DIR
 from trainer.samples.demo_base import MODEL_NAME, Recipe
@@ -17,14 +17,14 @@ from trainer.samples.demo_base import MODEL_NAME, Recipe
 
 def test_demo_adds_its_model_root_to_the_configured_ones() -> None:
     root = str(MODELS_DIR)
-    assert demo._with_demo_root("") == root
-    assert demo._with_demo_root("/a:/b") == f"/a:/b:{root}"
-    assert json.loads(demo._with_demo_root('["/a"]')) == ["/a", root]
+    assert folder.with_demo_root("") == root
+    assert folder.with_demo_root("/a:/b") == f"/a:/b:{root}"
+    assert json.loads(folder.with_demo_root('["/a"]')) == ["/a", root]
 
 
 def test_the_shipped_base_is_a_model_folder_made_by_the_recipe() -> None:
     folder = MODELS_DIR / MODEL_NAME
-    assert demo.BASE_MODEL == MODEL_NAME
+    assert flow.BASE_MODEL == MODEL_NAME
     assert check_model(str(folder)) is not None  # config, weights and tokenizer load as a local base
     info = json.loads((folder / "pretrain.json").read_text())
     assert info["recipe"] == json.loads(json.dumps(Recipe().__dict__))  # rebuilt by the same recipe
@@ -35,12 +35,12 @@ def test_the_shipped_base_is_a_model_folder_made_by_the_recipe() -> None:
 @pytest.mark.slow
 @pytest.mark.services  # starts `zenflow serve` and a job process
 def test_demo_prints_what_fine_tuning_taught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(["--data-dir", str(tmp_path / "var"), "--no-stay", "--timeout", "600"]) == 0
+    assert cli.main(["--data-dir", str(tmp_path / "var"), "--no-stay", "--timeout", "600"]) == 0
     out = capsys.readouterr().out
     before = dict(re.findall(r"user:  (.*)\n  base:  (.*)", out))
     after = dict(re.findall(r"user:  (.*)\n  before fine-tuning: .*\n  after fine-tuning:  (.*)", out))
-    assert set(before) == set(after) == set(demo.QUESTIONS)
+    assert set(before) == set(after) == set(flow.QUESTIONS)
     france = "What is the capital of France?"
     assert "Paris" in after[france] and "Paris" not in before[france]
-    assert all("capital" in after[q] and "capital" not in before[q] for q in demo.QUESTIONS)
+    assert all("capital" in after[q] and "capital" not in before[q] for q in flow.QUESTIONS)
     assert "stall" in out  # the engine's per-step events (zenflow mode) reached the stream
