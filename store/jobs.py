@@ -297,49 +297,78 @@ def claim_next(
             gpus=gpus,
         )
 
-    def locked(job_id: str, *, skip_locked: bool) -> FineTuningJob | None:
-        # populate_existing: the row as it is under the lock, not as an earlier read left it.
-        return session.execute(
-            select(FineTuningJob)
-            .where(FineTuningJob.id == job_id)
-            .with_for_update(skip_locked=skip_locked)
-            .execution_options(populate_existing=True)
-        ).scalar_one_or_none()
-
     own = session.get(FineTuningJob, message_job_id) if message_job_id else None
     if own is not None:
         queue = own.queue
-        dead = own.worker_hostname == hostname or not heartbeat_is_fresh(
-            own.heartbeat_at, settings.heartbeat_timeout_seconds
-        )
-        if own.status == JobStatus.running.value and dead:
-            outcome = run_here(locked(own.id, skip_locked=False))
-            if outcome is not Claim.running_elsewhere:  # else another worker took it over first
-                return NextClaim(outcome, own.id, queue)
+        taken = _take_over_dead_run(session, own, hostname, settings, run_here)
+        if taken is not None:
+            return taken
     if queue is None:
         return NextClaim(Claim.missing)
+    return _claim_in_fair_order(session, queue, settings, take or run_here)
+
+
+def _locked(session: Session, job_id: str, *, skip_locked: bool) -> FineTuningJob | None:
+    """The job row under its lock, as it is under the lock (populate_existing: not as an earlier read left it)."""
+    return session.execute(
+        select(FineTuningJob)
+        .where(FineTuningJob.id == job_id)
+        .with_for_update(skip_locked=skip_locked)
+        .execution_options(populate_existing=True)
+    ).scalar_one_or_none()
+
+
+def _take_over_dead_run(
+    session: Session,
+    own: FineTuningJob,
+    hostname: str,
+    settings: Settings,
+    run_here: Callable[[FineTuningJob | None], Claim],
+) -> NextClaim | None:
+    """The message's own job when it is a dead run to take over (running on this node, or its heartbeat
+    stale): claimed here, unless another worker took it over first (None: go on in fair order)."""
+    dead = own.worker_hostname == hostname or not heartbeat_is_fresh(
+        own.heartbeat_at, settings.heartbeat_timeout_seconds
+    )
+    if own.status != JobStatus.running.value or not dead:
+        return None
+    outcome = run_here(_locked(session, own.id, skip_locked=False))
+    return None if outcome is Claim.running_elsewhere else NextClaim(outcome, own.id, own.queue)
+
+
+def _claim_in_fair_order(
+    session: Session, queue: str, settings: Settings, take: Callable[[FineTuningJob], Claim]
+) -> NextClaim:
+    """The first waiting job of ``queue`` by fair share whose team may start one now, taken by ``take``."""
     order = fair_order(queue)
     candidates = session.execute(select(order.c.job_id, order.c.team_id).order_by(order.c.pos)).all()
     held: str | None = None
     teams: dict[str, bool] = {}  # team -> may start a job now
     for job_id, team_id in candidates:
         if team_id not in teams:
-            gpu = quotas.gpu_hours_now(session, team_id, settings)
-            if gpu is not None and gpu.reached:
-                teams[team_id] = False
-                _tell_held(session, team_id, [j for j, t in candidates if t == team_id], gpu, settings)
-            else:
-                teams[team_id] = _may_start(session, team_id, settings)
+            teams[team_id] = _team_may_start(
+                session, team_id, [j for j, t in candidates if t == team_id], settings
+            )
         if not teams[team_id]:
             held = held or job_id
             continue
-        job = locked(job_id, skip_locked=True)
+        job = _locked(session, job_id, skip_locked=True)
         if job is None or job.status not in PENDING or held_back(job):
             continue
-        outcome = (take or run_here)(job)
+        outcome = take(job)
         if outcome in (Claim.claimed, Claim.forming):
             return NextClaim(outcome, job.id, queue)
     return NextClaim(Claim.held, held, queue) if held else NextClaim(Claim.idle, None, queue)
+
+
+def _team_may_start(session: Session, team_id: str, waiting: list[str], settings: Settings) -> bool:
+    """Whether the team may start a job now: not at its ``gpu_hours`` quota (its ``waiting`` jobs told why
+    once) nor at its ``max_running_jobs``."""
+    gpu = quotas.gpu_hours_now(session, team_id, settings)
+    if gpu is not None and gpu.reached:
+        _tell_held(session, team_id, waiting, gpu, settings)
+        return False
+    return _may_start(session, team_id, settings)
 
 
 def _may_start(session: Session, team_id: str, settings: Settings) -> bool:

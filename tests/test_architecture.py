@@ -25,30 +25,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("demo", "api", "worker", "trainer", "offload", "store", "contract")
 MAX_FUNCTION_LINES = 80
-# Split with the job contract work: modules that change owns now (their ruff complexity codes are off in
-# pyproject.toml's [tool.ruff.lint.per-file-ignores] likewise); it removes them from both lists.
-LONG_FUNCTIONS_ALLOWED_IN = frozenset(
-    {
-        "trainer/run/loop.py",
-        "trainer/run/setup.py",
-        "trainer/resolve.py",
-        "trainer/spec.py",
-        "trainer/limits.py",
-        "trainer/plan/planner.py",
-        "trainer/plan/candidates.py",
-        "trainer/plan/advice.py",
-        "worker/job/runner.py",
-        "worker/job/monitor.py",
-        "worker/task.py",
-        "store/jobs.py",
-        "store/fairshare.py",
-        "store/orm.py",
-        "api/routers/jobs.py",
-        "api/schemas.py",
-    }
-)
-# Whole folders of that work: api/jobs/*.py and contract/* (migrations/ is outside PACKAGES).
-LONG_FUNCTIONS_ALLOWED_UNDER = ("api/jobs/", "contract/")
 
 
 @pytest.fixture(scope="module")
@@ -124,16 +100,12 @@ def test_no_import_cycle(graph: grimp.ImportGraph) -> None:
     )
 
 
-def long_functions_allowed(path: str) -> bool:
-    return path in LONG_FUNCTIONS_ALLOWED_IN or path.startswith(LONG_FUNCTIONS_ALLOWED_UNDER)
-
-
 def test_no_function_over_80_lines() -> None:
     lengths: dict[str, int] = {}
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if "__pycache__" in path.parts or long_functions_allowed(rel):
+            if "__pycache__" in path.parts:
                 continue
             tree = ast.parse(path.read_text(encoding="utf-8"), filename=rel)
             for node in ast.walk(tree):

@@ -300,57 +300,89 @@ def run_child(
         group.start()
         _current = group
         _preempted.clear()
-    cancel_seen: float | None = None
-    terminated: float | None = None
-    last_check = last_beat = 0.0
+    watch = _Supervision(job_id, hostname, settings, group, cancel_grace, beat)
     try:
         while True:
-            if time.monotonic() - last_beat >= settings.heartbeat_interval_seconds:
-                last_beat = time.monotonic()
-                try:
-                    beat() if beat is not None else _beat_job(job_id, hostname, settings)
-                except Exception as e:  # the database is away: the runner's monitor copes with that
-                    log.debug("job %s: heartbeat failed: %s", job_id, public_message(e))
-            try:
-                end = group.wait(timeout=_POLL_SECONDS)
-            except subprocess.TimeoutExpired:
-                pass
-            else:
-                for pid in group.pids:
-                    _report_exit(pid)
-                if end.rank is not None and ranks > 1:
-                    log.warning(
-                        "job %s: rank %d of %d exited (%s); the agent stopped the other ranks",
-                        job_id,
-                        end.rank,
-                        ranks,
-                        describe_exit(end.code),
-                    )
-                return end.code
-            now = time.monotonic()
-            if terminated is not None:
-                if now - terminated > TERM_GRACE_SECONDS:
-                    group.kill()
-                continue
-            if now - last_check >= 5 * _POLL_SECONDS:
-                last_check = now
-                try:
-                    if cancel_seen is None and _stop_requested(job_id, settings):
-                        cancel_seen = now
-                except Exception as e:  # the database is away: try again next round
-                    log.warning("job %s: cancel check failed: %s", job_id, public_message(e))
-            if cancel_seen is not None and now - cancel_seen > cancel_grace:
-                log.warning(
-                    "job %s: runner ignored the cancel or pause for %.0fs; terminating it",
-                    job_id,
-                    cancel_grace,
-                )
-                group.terminate()
-                terminated = now
+            watch.beat_if_due()
+            end = watch.ended(ranks)
+            if end is not None:
+                return end
+            watch.stop_if_asked()
     finally:
         with _current_lock:
             _current = None
         group.close()  # after an exception too: nothing of the job outlives its supervision
+
+
+class _Supervision:
+    """What :func:`run_child` does each round while the job's ranks run: the heartbeat, their exit, and a
+    cancel or pause the runner ignores past ``cancel_grace`` (terminated, then killed)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        hostname: str,
+        settings: Settings,
+        group: Any,
+        cancel_grace: float,
+        beat: Callable[[], None] | None,
+    ) -> None:
+        self.job_id, self.hostname, self.settings, self.group = job_id, hostname, settings, group
+        self.cancel_grace, self.beat = cancel_grace, beat
+        self.cancel_seen: float | None = None
+        self.terminated: float | None = None
+        self.last_check = self.last_beat = 0.0
+
+    def beat_if_due(self) -> None:
+        if time.monotonic() - self.last_beat < self.settings.heartbeat_interval_seconds:
+            return
+        self.last_beat = time.monotonic()
+        try:
+            self.beat() if self.beat is not None else _beat_job(self.job_id, self.hostname, self.settings)
+        except Exception as e:  # the database is away: the runner's monitor copes with that
+            log.debug("job %s: heartbeat failed: %s", self.job_id, public_message(e))
+
+    def ended(self, ranks: int) -> int | None:
+        """The group's return code once it has exited (waiting up to a poll), else None."""
+        try:
+            end = self.group.wait(timeout=_POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            return None
+        for pid in self.group.pids:
+            _report_exit(pid)
+        if end.rank is not None and ranks > 1:
+            log.warning(
+                "job %s: rank %d of %d exited (%s); the agent stopped the other ranks",
+                self.job_id,
+                end.rank,
+                ranks,
+                describe_exit(end.code),
+            )
+        code: int = end.code
+        return code
+
+    def stop_if_asked(self) -> None:
+        """A cancel or pause the runner has not acted on within the grace: terminate, then kill."""
+        now = time.monotonic()
+        if self.terminated is not None:
+            if now - self.terminated > TERM_GRACE_SECONDS:
+                self.group.kill()
+            return
+        if now - self.last_check >= 5 * _POLL_SECONDS:
+            self.last_check = now
+            try:
+                if self.cancel_seen is None and _stop_requested(self.job_id, self.settings):
+                    self.cancel_seen = now
+            except Exception as e:  # the database is away: try again next round
+                log.warning("job %s: cancel check failed: %s", self.job_id, public_message(e))
+        if self.cancel_seen is not None and now - self.cancel_seen > self.cancel_grace:
+            log.warning(
+                "job %s: runner ignored the cancel or pause for %.0fs; terminating it",
+                self.job_id,
+                self.cancel_grace,
+            )
+            self.group.terminate()
+            self.terminated = now
 
 
 def _report_exit(pid: int) -> None:

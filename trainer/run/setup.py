@@ -191,12 +191,8 @@ def _run_resolution(
     if new:
         changes = resolution.job.changes(given.job) if given is not None else {}
         what = "; ".join(f"{k} {v['from']} -> {v['to']}" for k, v in changes.items())
-        emit(
-            LogEvent(
-                f"Settings decided again: {resolution.reason}" + (f" ({what})" if what else ""),
-                level="warning" if given is not None else "info",
-            )
-        )
+        head = "Settings decided again" if given is not None else "Settings decided for this run"
+        emit(LogEvent(f"{head}: {resolution.reason}" + (f" ({what})" if what else "")))
         emit(Resolved(resolution.model_dump(mode="json"), changes))
     return resolution
 

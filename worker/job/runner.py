@@ -359,7 +359,7 @@ def _resolution_here(
             resolution=resolution.model_dump(mode="json"),
             events=[
                 *(event_row(e.message, level=e.level, data=e.data) for e in events),
-                event_row(text, level="warning", data={"changes": changes}),
+                event_row(text, data={"changes": changes}),
             ],
         )
     )
@@ -412,74 +412,19 @@ class _Run:
             tracking.close(succeeded=False)  # a no-op once closed
 
     def _train(self, tracking: Tracking, resolution: Resolution | None, machine: Machine) -> int:
-        from trainer.data.dataset import DatasetValidationError
-        from trainer.model.catalog import UnknownModelError
-        from trainer.model.folder_check import ModelFolderError
-        from trainer.run.checkpoint import DiskFullError, is_out_of_space, prune_checkpoints
-        from trainer.run.loop import run_training
-        from worker.metrics.telemetry import track_job
-
-        reporter = DBReporter(self.writer)
-        on_event = self.monitor.quota.guard(reporter) if self.monitor.quota is not None else reporter
-        on_event = tracking.wrap(on_event)
-        if n := self.writer.load_spool(self.spool):
-            log.info("job %s: writing %d reports a previous run could not", self.job_id, n)
-        prune_checkpoints(self.out, self.spec.keep_checkpoints)
-        reporter.sync_checkpoints(self.out)
-        spec, monitor = self.spec, self.monitor
-        end: EndState
-        succeeded = False
+        """The run, then what it ended in: an end state written, or an exit code for the worker."""
+        on_event = self._reporting(tracking)
         try:
-            try:
-                # Prometheus telemetry of this run sees every event after the database.
-                mode = resolution.job.engine.mode if resolution is not None else "unknown"
-                with track_job(self.job_id, base_model=spec.model, mode=mode, paused=monitor.paused) as tj:
-                    result = run_training(
-                        spec,
-                        on_event=tj.wrap(on_event),
-                        should_cancel=monitor.should_stop,
-                        dist=self.dist,
-                        resolution=resolution,
-                        machine=machine,
-                    )
-            finally:
-                monitor.stop()
-        except DatasetValidationError as e:
-            param = self.paths.get(str(Path(e.path)), "training_file")
-            end = _failed(f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}", error=e)
-        except UnknownModelError as e:
-            end = _failed("model_not_found", str(e), param="model", event=str(e), error=e)
-        except ModelFolderError as e:  # the folder changed since the job was created
-            msg = f"the model cannot be fine-tuned: {e.problem}"
-            end = _failed("invalid_model", msg, param="model", event=f"Invalid model: {e.problem}", error=e)
-        except QuotaReached as e:  # the storage quota at the run's last checkpoint
-            end = e.watch.end_state()
+            result = self._run_training(on_event, resolution, machine)
         except Exception as e:
-            if isinstance(e, DiskFullError) or is_out_of_space(e):
-                log.error("job %s: %s", self.job_id, e)
-                self._drain()
-                return EXIT_DISK_FULL
-            if self.dist is not None and peer_lost(e):
-                log.error("job %s: another rank failed (%s); leaving the job to the worker", self.job_id, e)
-                self._drain()
-                return EXIT_PEER_LOST
-            log.exception("job %s failed", self.job_id)
-            msg = public_message(e)
-            end = _failed("training_error", msg, event=f"Training failed: {msg}", error=e)
+            outcome = self._failure(e)
         else:
-            if result.cancelled and monitor.cancel.is_set():
-                end = lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")  # noqa: E731
-            elif result.cancelled and monitor.paused():  # a user's pause: before a quota's stop
-                end = lambda s, job: jobs.pause(s, job, f"Job paused at step {result.steps}")  # noqa: E731
-            elif result.cancelled and monitor.quota is not None and monitor.quota.reached is not None:
-                end = monitor.quota.end_state()
-            elif result.cancelled:  # preempted, or the database away for too long (interrupted)
-                self._drain()
-                return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
-            else:
-                end, succeeded = _succeeded(result, self.files_dir), True
+            outcome = self._outcome(result)
+        if isinstance(outcome, int):
+            return outcome
+        end, succeeded = outcome
         tracking.close(succeeded=succeeded)  # its warnings before the end state
-        if monitor.lost.is_set():
+        if self.monitor.lost.is_set():
             return EXIT_LOST
         if not self._drain():
             if self.writer.fatal is None:
@@ -487,6 +432,90 @@ class _Run:
             msg = public_message(self.writer.fatal)
             end = _failed("training_error", msg, event=f"Training failed: {msg}")
         return _finish(self.url, self.job_id, self.hostname, end, self.window)
+
+    def _reporting(self, tracking: Tracking) -> Callable[[Any], None]:
+        """The run's event callback (database, quota guard, tracking), after a previous run's unwritten
+        reports and the checkpoint rows are put right."""
+        from trainer.run.checkpoint import prune_checkpoints
+
+        reporter = DBReporter(self.writer)
+        on_event = self.monitor.quota.guard(reporter) if self.monitor.quota is not None else reporter
+        if n := self.writer.load_spool(self.spool):
+            log.info("job %s: writing %d reports a previous run could not", self.job_id, n)
+        prune_checkpoints(self.out, self.spec.keep_checkpoints)
+        reporter.sync_checkpoints(self.out)
+        return tracking.wrap(on_event)
+
+    def _run_training(
+        self, on_event: Callable[[Any], None], resolution: Resolution | None, machine: Machine
+    ) -> Any:
+        """run_training under the job's Prometheus telemetry (which sees every event after the database)."""
+        from trainer.run.loop import run_training
+        from worker.metrics.telemetry import track_job
+
+        spec, monitor = self.spec, self.monitor
+        mode = resolution.job.engine.mode if resolution is not None else "unknown"
+        try:
+            with track_job(self.job_id, base_model=spec.model, mode=mode, paused=monitor.paused) as tj:
+                return run_training(
+                    spec,
+                    on_event=tj.wrap(on_event),
+                    should_cancel=monitor.should_stop,
+                    dist=self.dist,
+                    resolution=resolution,
+                    machine=machine,
+                )
+        finally:
+            monitor.stop()
+
+    def _failure(self, e: Exception) -> tuple[EndState, bool] | int:
+        """The end state of a run that raised ``e`` (its input named), or the exit code that leaves the
+        job to the worker (a full disk, another rank lost)."""
+        from trainer.data.dataset import DatasetValidationError
+        from trainer.model.catalog import UnknownModelError
+        from trainer.model.folder_check import ModelFolderError
+        from trainer.run.checkpoint import DiskFullError, is_out_of_space
+
+        if isinstance(e, DatasetValidationError):
+            param = self.paths.get(str(Path(e.path)), "training_file")
+            return _failed(
+                f"invalid_{param}", str(e), param=param, event=f"Invalid {param}: {e}", error=e
+            ), False
+        if isinstance(e, UnknownModelError):
+            return _failed("model_not_found", str(e), param="model", event=str(e), error=e), False
+        if isinstance(e, ModelFolderError):  # the folder changed since the job was created
+            msg = f"the model cannot be fine-tuned: {e.problem}"
+            return _failed(
+                "invalid_model", msg, param="model", event=f"Invalid model: {e.problem}", error=e
+            ), False
+        if isinstance(e, QuotaReached):  # the storage quota at the run's last checkpoint
+            return e.watch.end_state(), False
+        if isinstance(e, DiskFullError) or is_out_of_space(e):
+            log.error("job %s: %s", self.job_id, e)
+            self._drain()
+            return EXIT_DISK_FULL
+        if self.dist is not None and peer_lost(e):
+            log.error("job %s: another rank failed (%s); leaving the job to the worker", self.job_id, e)
+            self._drain()
+            return EXIT_PEER_LOST
+        log.exception("job %s failed", self.job_id)
+        msg = public_message(e)
+        return _failed("training_error", msg, event=f"Training failed: {msg}", error=e), False
+
+    def _outcome(self, result: Any) -> tuple[EndState, bool] | int:
+        """The end state of a run that returned (and whether it succeeded), or the exit code of one that
+        stopped for the worker's sake (preempted, the database away for too long)."""
+        monitor = self.monitor
+        if not result.cancelled:
+            return _succeeded(result, self.files_dir), True
+        if monitor.cancel.is_set():
+            return (lambda s, job: jobs.cancel(s, job, f"Job cancelled at step {result.steps}")), False
+        if monitor.paused():  # a user's pause: before a quota's stop
+            return (lambda s, job: jobs.pause(s, job, f"Job paused at step {result.steps}")), False
+        if monitor.quota is not None and monitor.quota.reached is not None:
+            return monitor.quota.end_state(), False
+        self._drain()
+        return EXIT_PREEMPTED if monitor.preempted.is_set() else EXIT_DB_UNAVAILABLE
 
     def _drain(self) -> bool:
         """Wait for the reports to be written (within the outage window; after an interruption, a last
