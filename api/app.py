@@ -24,7 +24,7 @@ from api.core.body_limit import BodyLimitMiddleware
 from api.core.config import ApiSettings, get_api_settings
 from api.core.errors import install_error_handlers
 from api.core.guards import HeaderLimitMiddleware, no_nul_in_ids
-from api.core.metrics import install_metrics
+from api.core.prometheus import install_metrics
 from api.docs_pages import install_docs
 from api.inference.service import InferenceService
 from api.jobs import checks
@@ -266,5 +266,5 @@ def _pool_size(engine: Engine) -> int:
 
 
 def _install_metrics(app: FastAPI) -> None:
-    """Prometheus /metrics (api.core.metrics)."""
+    """Prometheus /metrics (api.core.prometheus)."""
     install_metrics(app)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from contract.engine import EngineRequest
 from contract.resources import Resources
 from store.orm import as_utc
-from worker.tracking.spec import MAX_INTEGRATIONS, Integration, one_of_each
+from worker.tracking.integrations import MAX_INTEGRATIONS, Integration, one_of_each
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ class JobCreate(BaseModel):
     suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]*$")
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
-    #: Tracking integrations (OpenAI's ``wandb``, our ``mlflow``; worker.tracking.spec); the types a team
+    #: Tracking integrations (OpenAI's ``wandb``, our ``mlflow``; worker.tracking.integrations); the types a team
     #: may use are the server's ``allowed_integrations``.
     integrations: list[Integration] | None = Field(None, max_length=MAX_INTEGRATIONS)
     #: The engine's public settings (our extra, contract.engine.EngineRequest): ``mode``, ``accumulate_on``

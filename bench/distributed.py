@@ -67,7 +67,7 @@ import torch
 from bench.engine import PRESETS, build_model, make_batches
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
-from trainer.run.launch import CPU_SHARE_ENV, Ranks
+from trainer.run.launch import CPU_SHARE_ENV, NodeRanks
 
 #: bench.engine's presets plus one in between "small" and "1b" (~0.2B parameters) for multi-GPU hosts.
 MODELS: dict[str, dict[str, int]] = {
@@ -144,7 +144,7 @@ def _run_mode(
     if sharded:
         from offload.collectives import wire_bytes
         from trainer.run.distributed import DistContext
-        from trainer.run.sharding import rank_param_bytes, shard_model
+        from trainer.run.fsdp_model import rank_param_bytes, shard_model
 
         shard_model(
             model, DistContext(rank, world, rank, "nccl" if device.type == "cuda" else "gloo", group), device
@@ -178,7 +178,7 @@ def _run_mode(
                 timed.append(m)
         engine.flush()
         if sharded:
-            from trainer.run.sharding import gather_full_state
+            from trainer.run.fsdp_model import gather_full_state
 
             weights = gather_full_state(model, engine, keep=True)
             weights = {n: weights[n] for n, p in model.named_parameters() if p.requires_grad}
@@ -319,7 +319,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
     """Start ``nproc`` processes (1: the baseline, a group of one, all of the cores) as the worker
-    starts a job's ranks (:class:`trainer.run.launch.Ranks`, torch's elastic agent: one GPU each, or an
+    starts a job's ranks (:class:`trainer.run.launch.NodeRanks`, torch's elastic agent: one GPU each, or an
     even share of the cores) and wait for all of them; when one fails or the deadline passes, the
     others are stopped and RuntimeError says which process and why."""
     work = Path(args.work_dir)
@@ -328,7 +328,7 @@ def launch(args: argparse.Namespace, nproc: int, gpus: list[str]) -> None:
     why = None
     with (
         open(log_path, "wb") as log,
-        Ranks(
+        NodeRanks(
             _child_argv(args),
             nproc_per_node=nproc,
             run_id=f"bench-distributed-{nproc}-{os.getpid()}",

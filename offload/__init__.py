@@ -12,13 +12,13 @@ if TYPE_CHECKING:
     from offload.config import EngineConfig
     from offload.cpu_thread import CPUThreadError
     from offload.engine import ZenFlowEngine
-    from offload.metrics import StepMetrics
+    from offload.step_metrics import StepMetrics
 
 __all__ = ["CPUThreadError", "EngineConfig", "StepMetrics", "ZenFlowEngine"]
 
 _WHERE = {
     "EngineConfig": "offload.config",
-    "StepMetrics": "offload.metrics",
+    "StepMetrics": "offload.step_metrics",
     "ZenFlowEngine": "offload.engine",
     "CPUThreadError": "offload.cpu_thread",
 }

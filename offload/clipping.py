@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from offload.collectives import Ranks, Reduced, global_norm
+from offload.collectives import EngineGroup, Reduced, global_norm
 
 #: Index tensors of :func:`_norm_by_parameter`, built once per (device, positions): the same few every step.
 _INDEX: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
@@ -83,7 +83,7 @@ def clip_reduced_(
     r: Reduced,
     max_norm: float | None,
     device: torch.device,
-    ranks: Ranks,
+    ranks: EngineGroup,
     *,
     inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +114,7 @@ def clip_reduced_(
 
 
 def _norm_by_parameter(
-    r: Reduced, device: torch.device, ranks: Ranks, inv: torch.Tensor | None
+    r: Reduced, device: torch.device, ranks: EngineGroup, inv: torch.Tensor | None
 ) -> torch.Tensor:
     """The total norm as :func:`clip_` computes it in one process (each parameter's norm, then theirs,
     in parameter order), a sharded parameter's squares summed over its pieces and the ranks first: the

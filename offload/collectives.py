@@ -9,7 +9,7 @@ shards of its flat layout (:func:`shard_range`); a rank updates its own shard on
 values are all-gathered (:class:`ShardGather`) into every replica.
 
 Two groups (gloo). The training thread's collectives run on the caller's group; the CPU optimizer
-thread's all-gathers run on a second group over the same ranks (:class:`Ranks.side`), created
+thread's all-gathers run on a second group over the same ranks (:class:`EngineGroup.side`), created
 collectively with the engine, so the two threads never interleave operations on one group. With NCCL
 every collective stays on the training thread (the CPU thread only uploads its shard), since NCCL kernels
 of two communicators launched in different orders on different ranks can deadlock: there the pending
@@ -48,7 +48,7 @@ TRAINING_THREAD_GATHERS_ENV = "OFFLOAD_TRAINING_THREAD_GATHERS"
 
 
 @dataclass(frozen=True)
-class Ranks:
+class EngineGroup:
     """The process group the engine runs in (``world == 1``: a single process, no group)."""
 
     group: Any = None
@@ -67,8 +67,8 @@ class Ranks:
         return self.distributed and self.side is None
 
     @classmethod
-    def of(cls, group: Any) -> Ranks:
-        """Ranks of ``group`` (``None``: a single process). Collective: every rank of the group must
+    def of(cls, group: Any) -> EngineGroup:
+        """EngineGroup of ``group`` (``None``: a single process). Collective: every rank of the group must
         construct its engine, since the CPU thread's side group is created here."""
         if group is None:
             return cls()
@@ -123,7 +123,7 @@ def shard_range(numel: int, world: int, rank: int) -> tuple[int, int, int]:
 _PRESENCE: dict[tuple[torch.device, tuple[bool, ...]], torch.Tensor] = {}
 
 
-def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: Ranks) -> None:
+def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: EngineGroup) -> None:
     """Give a zero gradient to every parameter some other rank has a gradient for (a rank whose batch
     did not reach it). One small all-reduce of the presence flags (every rank takes part); only a rank
     that lacks some gradient reads the result back (a host sync): the usual rank, with every gradient,
@@ -146,7 +146,9 @@ def fill_missing_gradients(params: Sequence[torch.Tensor], ranks: Ranks) -> None
 
 
 @torch.no_grad()
-def average_gradients(grads: Sequence[torch.Tensor], ranks: Ranks, bucket: int = BUCKET_ELEMENTS) -> int:
+def average_gradients(
+    grads: Sequence[torch.Tensor], ranks: EngineGroup, bucket: int = BUCKET_ELEMENTS
+) -> int:
     """All-reduce ``grads`` in place to their mean across ranks, in flat buckets per dtype; the bytes
     this rank sent (:func:`wire_bytes`)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -172,13 +174,13 @@ def average_gradients(grads: Sequence[torch.Tensor], ranks: Ranks, bucket: int =
     return sent
 
 
-def global_norm(local_sq: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+def global_norm(local_sq: torch.Tensor, ranks: EngineGroup) -> torch.Tensor:
     """L2 norm over all ranks from each rank's summed squares of its disjoint part (in place)."""
     dist.all_reduce(local_sq, group=ranks.group)
     return local_sq.sqrt()
 
 
-def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: Ranks) -> None:
+def reduce_scatter_mean(out: torch.Tensor, flat: torch.Tensor, ranks: EngineGroup) -> None:
     """``out`` (``size`` elements) := this rank's shard of the mean of ``flat`` (``world * size``)."""
     _reduce_scatter_flat_op(out, flat, group=ranks.group)
     out.div_(ranks.world)
@@ -189,7 +191,7 @@ def reduce_scatter_flat(
     grads: Sequence[torch.Tensor | None],
     offsets: Sequence[int],
     out: torch.Tensor,
-    ranks: Ranks,
+    ranks: EngineGroup,
     buf: FlatBuffer | None = None,
 ) -> int:
     """``out`` := this rank's shard of the mean of gradients laid out flat (gradient ``i`` at

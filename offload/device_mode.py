@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from offload.collectives import Ranks
+from offload.collectives import EngineGroup
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -28,7 +28,7 @@ class DeviceMode(Mode):
     name = "device"
 
     def __init__(
-        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None
+        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: EngineGroup | None = None
     ) -> None:
         super().__init__(named, cfg, ops, ranks)
         self.masters: dict[str, torch.Tensor] = {}

@@ -25,7 +25,7 @@ loss scaling (``EngineConfig.loss_scaling``): backpropagate ``engine.scale_loss(
 is part of ``state_dict()``. Neither needs a host sync: the verdict is applied on the device and read
 by the host from a copy that has landed by the time it is needed.
 
-Timing (:class:`~offload.metrics.StepMetrics`): ``wall_seconds`` runs from the end of the previous
+Timing (:class:`~offload.step_metrics.StepMetrics`): ``wall_seconds`` runs from the end of the previous
 ``step()`` (the engine's construction for the first) to the end of this one; ``compute_seconds`` is
 ``wall - stall``. ``stall_seconds``: on a CPU-only run, the time ``step()`` spent blocked on the CPU
 optimizer or on transfers; on CUDA, the time the device waited, from CUDA timing events
@@ -81,7 +81,7 @@ from typing import Any
 import torch
 
 from offload.clipping import clip_, clip_reduced_
-from offload.collectives import Ranks, fill_missing_gradients
+from offload.collectives import EngineGroup, fill_missing_gradients
 from offload.config import EngineConfig
 from offload.cores import Cores
 from offload.cpu_thread import CPUThreadError
@@ -91,10 +91,10 @@ from offload.engine_state import STATE_VERSION, recut_mode_state, states_to_load
 from offload.fsdp import RowShards, clip_rows_
 from offload.guard import Gate, LossScaler
 from offload.memory import EngineMemory
-from offload.metrics import StepMetrics
 from offload.mode_base import Mode, NamedParams
 from offload.offload_mode import OffloadMode
 from offload.placement import Placement
+from offload.step_metrics import StepMetrics
 from offload.timing import IdleClock, StepStats, TimingEvent, begin_step_hook
 from offload.zenflow.mode import ZenFlowMode
 
@@ -133,7 +133,7 @@ class ZenFlowEngine:
         self._named = named
         self._params = [p for _, p in named]
         #: The process group (see the module docstring); created collectively, so every rank builds its engine.
-        self._ranks = Ranks.of(process_group)
+        self._ranks = EngineGroup.of(process_group)
         #: The CPU cores' division between training and the CPU optimizer, and their placement.
         self._cores = Cores(self.config, self.device)
         self.cpu_split = self._cores.split
@@ -190,7 +190,7 @@ class ZenFlowEngine:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the engine's process group, or sharing the parameters' rows (1 without either)."""
+        """EngineGroup in the engine's process group, or sharing the parameters' rows (1 without either)."""
         return self._rows.world if self._rows is not None else self._ranks.world
 
     @property

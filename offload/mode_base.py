@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from offload.collectives import Ranks, Reduced, average_gradients
+from offload.collectives import EngineGroup, Reduced, average_gradients
 from offload.config import EngineConfig
 from offload.cpu_thread import CPUThread
 from offload.device import DeviceOps
@@ -55,12 +55,12 @@ class Mode:
     row_group: Any = None
 
     def __init__(
-        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks | None = None
+        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: EngineGroup | None = None
     ) -> None:
         self.named = named
         self.cfg = cfg
         self.ops = ops
-        self.ranks = ranks if ranks is not None else Ranks()
+        self.ranks = ranks if ranks is not None else EngineGroup()
 
     def reduce(self, stats: StepStats) -> Reduced:
         """Average the gradients across the process group's ranks (after

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 
-from offload.collectives import Ranks, Reduced, ShardGather, reduce_scatter_flat
+from offload.collectives import EngineGroup, Reduced, ShardGather, reduce_scatter_flat
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
@@ -43,7 +43,7 @@ class OffloadMode(Mode):
         named: NamedParams,
         cfg: EngineConfig,
         ops: DeviceOps,
-        ranks: Ranks | None = None,
+        ranks: EngineGroup | None = None,
         *,
         threads: int,
     ) -> None:

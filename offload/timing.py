@@ -1,7 +1,7 @@
 """What one engine step measured: stall, CPU optimizer time and bytes moved.
 
 The modes fill a :class:`StepStats` while the engine times the whole step; the engine then turns
-it into the public :class:`offload.metrics.StepMetrics` (``compute = wall - stall``).
+it into the public :class:`offload.step_metrics.StepMetrics` (``compute = wall - stall``).
 
 Stall has two sources. On a CPU-only run it is the time ``step()`` blocked (``StepStats.blocked``).
 On CUDA it is the device's idle time, measured with CUDA events by an :class:`IdleClock`: two timing

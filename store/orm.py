@@ -176,7 +176,7 @@ class FineTuningJob(Base):
     #: time a run had to decide again; the last one is current. Empty only for a job created before
     #: resolutions were recorded and not run since (its run resolves it).
     resolutions: Mapped[list[Resolution]] = mapped_column(ResolutionsJSON, nullable=True, default=list)
-    #: Tracking integrations as requested (worker.tracking.spec: ``[{"type": "mlflow", "mlflow": {...}}]``);
+    #: Tracking integrations as requested (worker.tracking.integrations: ``[{"type": "mlflow", "mlflow": {...}}]``);
     #: NULL: none.
     integrations: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
     suffix: Mapped[str | None] = mapped_column(String(64))

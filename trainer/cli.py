@@ -12,7 +12,7 @@ model or its data: one message saying what, no traceback); 1 an internal error (
 
 ``--nproc N`` (default: the spec's ``resources.gpus``) runs the job as N data-parallel ranks on this
 machine: the command starts N copies of itself under torch's elastic agent
-(:class:`trainer.run.launch.Ranks`: one GPU each, or gloo CPU ranks without GPUs or with ``device:
+(:class:`trainer.run.launch.NodeRanks`: one GPU each, or gloo CPU ranks without GPUs or with ``device:
 cpu``), which takes them all down when one fails; a process started with the ``env://`` variables
 (WORLD_SIZE > 1: by ``--nproc``, or by ``torchrun``) is one rank and launches nothing. Rank 0 prints;
 the others print only their own internal errors. Ctrl-C reaches every rank. A rank killed by a signal
@@ -306,11 +306,11 @@ def _visible_gpus(device: str) -> list[str]:
 
 def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Callable[[str], int]) -> int:
     """Run the job as ``nproc`` ranks of this same command (one GPU each, or CPU ranks) under torch's
-    elastic agent (:class:`trainer.run.launch.Ranks`); the first failing rank's code (a signal: 128 +
+    elastic agent (:class:`trainer.run.launch.NodeRanks`); the first failing rank's code (a signal: 128 +
     its number)."""
     import uuid
 
-    from trainer.run.launch import Ranks
+    from trainer.run.launch import NodeRanks
 
     gpus = _visible_gpus(spec.device)
     if len(gpus) < nproc and (gpus or spec.device == "cuda"):
@@ -322,7 +322,7 @@ def _launch(args: argparse.Namespace, spec: JobSpec, nproc: int, refuse: Callabl
     argv += ["--no-resume"] if args.no_resume else []
     argv += ["--json"] if args.json else []  # only rank 0 prints
     argv += [] if args.progress is None else ["--progress" if args.progress else "--no-progress"]
-    ranks = Ranks(
+    ranks = NodeRanks(
         argv,
         nproc_per_node=nproc,
         run_id=f"zenflow-train-{uuid.uuid4().hex[:12]}",

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from offload.metrics import StepMetrics
+from offload.step_metrics import StepMetrics
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
    while only jobs of teams at their running quota wait, it re-checks for ``quota_hold_seconds``
    and then sends the message back to the queue;
 2. runs ``python -m worker.job.runner JOB_ID`` as the job's R ranks (``resources.gpus``; one for most
-   jobs) under torch's elastic agent (:class:`trainer.run.launch.Ranks`: the agent in a child process
+   jobs) under torch's elastic agent (:class:`trainer.run.launch.NodeRanks`: the agent in a child process
    of the worker, dying with it, each rank in a fresh process, so CUDA is initialised only there; rank r
    on the worker's r-th GPU, or gloo CPU ranks on a worker without GPUs where ``cpu_ranks`` allows), and
    waits, escalating a cancel or a pause the runner does not honour within ``CANCEL_GRACE_SECONDS`` to
@@ -53,7 +53,7 @@ from store.db import session_scope
 from store.gang import Member
 from store.orm import FineTuningJob, JobRun, JobStatus
 from store.settings import Settings, get_settings
-from trainer.run.launch import TERM_GRACE_SECONDS, Ranks
+from trainer.run.launch import TERM_GRACE_SECONDS, NodeRanks
 from worker import gang as gang_worker
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
 from worker.dispatch import dispatch_job
@@ -229,13 +229,13 @@ def rank_launch(
     devices: list[str] | None = None,
     *,
     gang: Member | None = None,
-) -> Ranks:
+) -> NodeRanks:
     """The job's ranks under the elastic agent, not started: ``ranks`` runners with the worker's
     environment and the ``env://`` variables, rank r on the r-th GPU, or CPU ranks (an even share of
     the cores each) on a worker without GPUs. One rendezvous id per run; a gang member's ranks join its
     gang's rendezvous (node 0's endpoint, the attempt's id) as node ``node_rank`` of ``nodes``."""
     devices = worker_devices() if devices is None else devices
-    return Ranks(
+    return NodeRanks(
         [sys.executable, "-m", JOB_RUNNER_MODULE, job_id],
         nproc_per_node=ranks,
         nnodes=gang.nodes if gang else 1,
@@ -250,7 +250,7 @@ def rank_launch(
 
 
 _current_lock = threading.Lock()
-_current: Ranks | None = None
+_current: NodeRanks | None = None
 _preempted = threading.Event()
 
 

@@ -66,7 +66,7 @@ class ApiSettings(BaseSettings):
     #: Decode threads of the built-in backend (models decoding at once; the requests for one model are
     #: decoded together), and the requests admitted beyond them: ``inference_threads +
     #: inference_queue_size`` admission slots, of which each of the T teams asking may hold
-    #: ceil(slots / T); more: 429 (api.inference.admission).
+    #: ceil(slots / T); more: 429 (api.inference.team_shares).
     inference_threads: int = Field(1, ge=1, le=64)
     inference_queue_size: int = Field(8, ge=0)
     #: Choices (rows) decoded together in one forward pass per model; a request's choices beyond the

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Histogram
 
-from api.inference import metrics
+from api.inference import prometheus
 from api.inference.generation import Batch, Choice, FinishReason, Row, Sampler
 from api.inference.model_cache import LoadedModel
 from api.inference.tickets import Completed, Delta, Event, Failed, Finished, Ticket, TimedOut
@@ -69,7 +69,7 @@ class Work:
         self.reasons[row.index] = reason
         self.completion_tokens += row.generated
         if len(self.reasons) == len(self.choices):
-            metrics.tokens(self.endpoint, self.prompt_tokens, self.completion_tokens)
+            prometheus.tokens(self.endpoint, self.prompt_tokens, self.completion_tokens)
             self._events.append(
                 Completed(self.texts, self.reasons, self.prompt_tokens, self.completion_tokens)
             )
@@ -84,7 +84,7 @@ class Work:
     def take(self, count: int) -> list[Choice]:
         out = self.choices[self.started : self.started + count]
         if self.started == 0 and out:
-            metrics.get().queue_wait.observe(time.monotonic() - self.ticket.admitted_at)
+            prometheus.get().queue_wait.observe(time.monotonic() - self.ticket.admitted_at)
         self.started += len(out)
         return out
 
@@ -101,7 +101,7 @@ class Work:
         """Stopped from outside: count what was computed; a request past its deadline hears so."""
         if self.done:
             return
-        metrics.tokens(self.endpoint, self.prompt_tokens, sum(r.generated for r in self._rows))
+        prometheus.tokens(self.endpoint, self.prompt_tokens, sum(r.generated for r in self._rows))
         self._events.clear()
         if self.ticket.timed_out and not self.ticket.cancelled:
             self._events.append(Failed(TimedOut()))
@@ -228,7 +228,7 @@ class Batcher:
 
         batch = Batch(model)
         works: dict[int, Work] = {}  # the requests with rows in the batch
-        batch_rows = metrics.get().batch_rows
+        batch_rows = prometheus.get().batch_rows
         while True:
             joining = self._take(model, batch)
             try:

@@ -8,7 +8,7 @@ streaming tokens across a process boundary; deployments that need more throughpu
 the same endpoint (``api.inference.vllm``).
 
 A request is admitted while its team holds less than its share of the ``threads + queue_size`` slots
-(``api.inference.admission``); beyond that :class:`QueueFull` (429 with ``Retry-After``). Each admitted
+(``api.inference.team_shares``); beyond that :class:`QueueFull` (429 with ``Retry-After``). Each admitted
 request is a :class:`Ticket`. A preparing thread loads its model and encodes its prompts (``prepare``,
 ``api.inference.builtin``), then its choices go to the decode threads (``api.inference.batcher``), which
 decode every request for the same model together. The threads send the request's events to the loop
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from api.inference import metrics
-from api.inference.admission import Refusal, TeamShares
+from api.inference import prometheus
 from api.inference.batcher import Batcher
+from api.inference.team_shares import Refusal, TeamShares
 from api.inference.tickets import (
     Cancelled,
     Completed,
@@ -95,7 +95,7 @@ class GenerationPool:
         refusal = self.shares.admit(team)
         if refusal is not None:
             raise QueueFull(refusal)
-        metrics.get().slots.inc()
+        prometheus.get().slots.inc()
         ticket = Ticket(loop, self.timeout_seconds, team)
         with self._lock:
             self._tickets.add(ticket)
@@ -161,4 +161,4 @@ class GenerationPool:
                 return
             self._tickets.discard(ticket)
         self.shares.release(ticket.team)
-        metrics.get().slots.dec()
+        prometheus.get().slots.dec()

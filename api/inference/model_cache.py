@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api.inference import metrics
+from api.inference import prometheus
 
 if TYPE_CHECKING:
     import torch
@@ -166,7 +166,7 @@ class ModelCache:
         with self._lock:
             self._make_room(loaded.nbytes)
             self._models[source] = loaded
-        metrics.model_loaded(loaded.nbytes)
+        prometheus.model_loaded(loaded.nbytes)
         log.info("inference: loaded %s (%d bytes) on %s", source, loaded.nbytes, device)
         return loaded
 
@@ -183,7 +183,7 @@ class ModelCache:
     def clear(self) -> None:
         with self._lock:
             for m in self._models.values():
-                metrics.model_unloaded(m.nbytes)
+                prometheus.model_unloaded(m.nbytes)
             self._models.clear()
 
     def _touch(self, source: str) -> LoadedModel | None:
@@ -192,7 +192,7 @@ class ModelCache:
             return None
         if hit.stamp != weights_stamp(source):  # rewritten since: load it again
             del self._models[source]
-            metrics.model_unloaded(hit.nbytes)
+            prometheus.model_unloaded(hit.nbytes)
             return None
         self._models.move_to_end(source)
         return hit
@@ -202,5 +202,5 @@ class ModelCache:
         while self._models and (len(self._models) >= self.max_models or used + nbytes > self.memory_bytes):
             source, old = self._models.popitem(last=False)
             used -= old.nbytes
-            metrics.model_unloaded(old.nbytes)
+            prometheus.model_unloaded(old.nbytes)
             log.info("inference: dropped %s (least recently used)", source)

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from api.core.errors import APIError
-from api.inference import builtin, metrics
-from api.inference.admission import Refusal
+from api.inference import builtin, prometheus
 from api.inference.generation_pool import (
     Cancelled,
     Completed,
@@ -40,6 +39,7 @@ from api.inference.generation_pool import (
 from api.inference.model_cache import ModelCache
 from api.inference.responses import DONE, ChatShape, EventStream, Shape, TextShape, sse
 from api.inference.schemas import ChatCompletionRequest, CompletionRequest
+from api.inference.team_shares import Refusal
 from api.inference.vllm import VLLMForwarder
 from api.model_names import spec_model_name
 
@@ -215,7 +215,7 @@ class InferenceService:
         try:
             ticket = self.pool.submit(team_id, partial(builtin.prepare, self.cache, req))
         except QueueFull as full:
-            metrics.request_done(shape.endpoint, BUILTIN, "rejected")
+            prometheus.request_done(shape.endpoint, BUILTIN, "rejected")
             raise queue_full(self.settings.inference_retry_after_seconds, full.refusal) from None
         run = _Run(ticket, shape, self.settings.inference_timeout_seconds)
         watcher = asyncio.create_task(_watch_disconnect(request, ticket))
@@ -252,7 +252,7 @@ class _Run:
         event = await self.ticket.next_event()
         if isinstance(event, Delta) and not self.first_token_seen:
             self.first_token_seen = True
-            metrics.get().first_token.labels(self.shape.endpoint).observe(
+            prometheus.get().first_token.labels(self.shape.endpoint).observe(
                 time.monotonic() - self.ticket.admitted_at
             )
         return event
@@ -260,7 +260,7 @@ class _Run:
     def _done(self, outcome: str) -> None:
         if not self.recorded:
             self.recorded = True
-            metrics.request_done(
+            prometheus.request_done(
                 self.shape.endpoint, BUILTIN, outcome, time.monotonic() - self.ticket.admitted_at
             )
 

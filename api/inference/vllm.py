@@ -22,7 +22,7 @@ import httpx
 from fastapi.responses import JSONResponse
 
 from api.core.errors import APIError
-from api.inference import metrics
+from api.inference import prometheus
 from api.inference.responses import EventStream
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class VLLMForwarder:
     ) -> Any:
         """``body`` sent to vLLM's ``path`` with ``model`` replaced; its answer, streamed or whole."""
         if self.in_flight >= self.max_requests:
-            metrics.request_done(endpoint, BACKEND, "rejected")
+            prometheus.request_done(endpoint, BACKEND, "rejected")
             raise APIError(
                 429,
                 "Too many inference requests in progress; retry after 1 s",
@@ -150,7 +150,7 @@ class VLLMForwarder:
 
     def _finish(self, endpoint: str, outcome: str, *, started: float) -> None:
         self.in_flight -= 1
-        metrics.request_done(endpoint, BACKEND, outcome, time.monotonic() - started)
+        prometheus.request_done(endpoint, BACKEND, outcome, time.monotonic() - started)
 
     async def _served_models(self) -> set[str]:
         if time.monotonic() - self._served_at < SERVED_TTL_SECONDS:

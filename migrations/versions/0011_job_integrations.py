@@ -1,7 +1,7 @@
 """job integrations: the tracking servers a job logs to
 
 ``fine_tuning_jobs.integrations`` keeps the request's ``integrations`` (OpenAI's shape, checked by
-worker.tracking.spec: ``wandb`` and ``mlflow``); NULL for jobs that name none, which is every job
+worker.tracking.integrations: ``wandb`` and ``mlflow``); NULL for jobs that name none, which is every job
 created before this revision.
 
 Revision ID: 0011

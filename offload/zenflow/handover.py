@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.collectives import Ranks, wire_bytes
+from offload.collectives import EngineGroup, wire_bytes
 from offload.device import DeviceOps
 from offload.timing import StepStats
 from offload.zenflow.column_groups import Dropped
@@ -55,7 +55,7 @@ class Handover:
     """See the module docstring. ``stash_groups``: dropped columns still on the device; ``stash``:
     those of a loaded state, per weight name (cols, fp32 values)."""
 
-    def __init__(self, layout: HostLayout, ops: DeviceOps, ranks: Ranks) -> None:
+    def __init__(self, layout: HostLayout, ops: DeviceOps, ranks: EngineGroup) -> None:
         self.layout, self.ops, self.ranks = layout, ops, ranks
         self.stash_groups: list[Stash] = []
         self.stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

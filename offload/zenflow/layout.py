@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from offload.collectives import Ranks, ShardGather
+from offload.collectives import EngineGroup, ShardGather
 from offload.config import EngineConfig
 from offload.cpu_thread import gil_released
 from offload.device import DeviceOps
@@ -44,7 +44,7 @@ class HostLayout:
     """The split weights, grouped by dtype into host stores (see the module docstring)."""
 
     def __init__(
-        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: Ranks, *, on_device: bool
+        self, named: NamedParams, cfg: EngineConfig, ops: DeviceOps, ranks: EngineGroup, *, on_device: bool
     ) -> None:
         self.ops, self.ranks = ops, ranks
         self.splits: list[Split] = []
@@ -109,7 +109,7 @@ class HostLayout:
     # --- the replica (process group) --------------------------------------------------------------
     @property
     def training_thread_gathers(self) -> bool:
-        """The all-gathers run on the training thread (NCCL; see :class:`~offload.collectives.Ranks`)."""
+        """The all-gathers run on the training thread (NCCL; see :class:`~offload.collectives.EngineGroup`)."""
         return bool(self.gathers) and self.ranks.training_thread_gathers
 
     def gather_results(self, acc_i: int, group: Any = None) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from offload.clipping import grad_norms
-from offload.collectives import Ranks, Reduced
+from offload.collectives import EngineGroup, Reduced
 from offload.config import EngineConfig
 from offload.cpu_thread import CPUThread
 from offload.device import DeviceOps, Landing
@@ -43,7 +43,7 @@ class ZenFlowMode(Mode):
         named: NamedParams,
         cfg: EngineConfig,
         ops: DeviceOps,
-        ranks: Ranks | None = None,
+        ranks: EngineGroup | None = None,
         *,
         threads: int,
         optimizer_cores: list[int] | None,

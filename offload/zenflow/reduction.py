@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from offload.collectives import (
+    EngineGroup,
     FlatBuffer,
-    Ranks,
     Reduced,
     average_gradients,
     reduce_scatter_flat,
@@ -41,7 +41,7 @@ class ShardReduction:
     store (None when the step all-reduced every gradient instead)."""
 
     def __init__(
-        self, named: NamedParams, layout: HostLayout, ops: DeviceOps, ranks: Ranks, *, on_device: bool
+        self, named: NamedParams, layout: HostLayout, ops: DeviceOps, ranks: EngineGroup, *, on_device: bool
     ) -> None:
         self.named, self.layout, self.ops, self.ranks = named, layout, ops, ranks
         self.on_device = on_device

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from offload.collectives import Ranks
+from offload.collectives import EngineGroup
 from offload.config import EngineConfig
 from offload.cpu_thread import CPUThread, gil_released
 from offload.device import DeviceOps, Transfer
@@ -58,7 +58,7 @@ class WindowUpdate:
         self,
         layout: HostLayout,
         ops: DeviceOps,
-        ranks: Ranks,
+        ranks: EngineGroup,
         thread: CPUThread | None,
         cfg: EngineConfig,
         *,

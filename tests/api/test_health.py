@@ -121,7 +121,7 @@ def test_database_outage_is_503_then_recovers(settings: Settings) -> None:
 def test_prometheus_metrics_are_served(client: TestClient) -> None:
     import importlib.util
 
-    if importlib.util.find_spec("api.core.metrics") is None:
+    if importlib.util.find_spec("api.core.prometheus") is None:
         return
     client.get("/healthz")
     r = client.get("/metrics")

@@ -113,7 +113,7 @@ def test_incremental_decoder_adds_up_to_the_whole_decode() -> None:
 
 
 def test_team_shares_give_a_newcomer_a_slot_while_the_first_team_holds_them_all() -> None:
-    from api.inference.admission import TeamShares
+    from api.inference.team_shares import TeamShares
 
     shares = TeamShares(4)
     assert all(shares.admit("a") is None for _ in range(4))  # alone: every slot
@@ -132,7 +132,7 @@ def test_team_shares_give_a_newcomer_a_slot_while_the_first_team_holds_them_all(
 
 
 def test_team_shares_never_pass_twice_the_slots() -> None:
-    from api.inference.admission import TeamShares
+    from api.inference.team_shares import TeamShares
 
     shares = TeamShares(2)
     admitted = sum(shares.admit(f"t{i}") is None for i in range(10))

@@ -36,8 +36,8 @@ EVENT_METRICS = (
 )
 #: Where the service defines its metric families (prometheus_client constructors and collectors).
 METRIC_SOURCES = (
-    "api/core/metrics.py",
-    "api/inference/metrics.py",
+    "api/core/prometheus.py",
+    "api/inference/prometheus.py",
     "worker/metrics/telemetry.py",
     "worker/metrics/server.py",
 )

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import sessionmaker
 
-from api.core.metrics import JobsCollector, install_metrics, metrics_registry, request_duration_histogram
+from api.core.prometheus import JobsCollector, install_metrics, metrics_registry, request_duration_histogram
 from store.db import make_engine
 from store.orm import Base, File, FineTuningJob, Team
 from store.settings import Settings
@@ -188,13 +188,13 @@ def test_multiprocess_dir_is_merged(tmp_path: Path, monkeypatch) -> None:
     mp.mkdir()
     child = textwrap.dedent(
         """
-        from api.core.metrics import request_duration_histogram
+        from api.core.prometheus import request_duration_histogram
         request_duration_histogram().labels("/v1/x", "GET", "200").observe(0.003)
         """
     )
     reader = textwrap.dedent(
         """
-        from api.core.metrics import metrics_registry
+        from api.core.prometheus import metrics_registry
         reg = metrics_registry(None)
         labels = {"route": "/v1/x", "method": "GET", "status": "200"}
         print(reg.get_sample_value("http_request_duration_seconds_count", labels),

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from offload.metrics import StepMetrics
+from offload.step_metrics import StepMetrics
 from worker.metrics import nvml, telemetry
 from worker.metrics import server as metrics_server
 from worker.metrics.server import HardwareCollector, WorkerCollector
@@ -230,7 +230,7 @@ def test_track_job_statuses(tel) -> None:
 CHILD = textwrap.dedent(
     """
     import os, sys
-    from offload.metrics import StepMetrics
+    from offload.step_metrics import StepMetrics
     from worker.metrics.telemetry import WorkerTelemetry
     t = WorkerTelemetry("w1", "0", hostname="h1")
     t.job_started(sys.argv[1], base_model="tiny", mode="zenflow")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from offload.clipping import clip_reduced_
-from offload.collectives import Ranks, Reduced
+from offload.collectives import EngineGroup, Reduced
 from offload.config import EngineConfig
 from offload.engine import ZenFlowEngine
 
@@ -186,7 +186,7 @@ def test_clipping_builds_no_index_tensor_per_step(tmp_path: Any, monkeypatch: py
     not at every step."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        ranks = Ranks(group=dist.group.WORLD)
+        ranks = EngineGroup(group=dist.group.WORLD)
         gen = torch.Generator().manual_seed(0)
 
         def reduced() -> Reduced:

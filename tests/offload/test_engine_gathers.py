@@ -142,9 +142,9 @@ def _presence(rank: int, world: int) -> dict[str, Any]:
     counted), then one with a third parameter no rank has a gradient for."""
     import torch.distributed as dist
 
-    from offload.collectives import Ranks, fill_missing_gradients
+    from offload.collectives import EngineGroup, fill_missing_gradients
 
-    ranks = Ranks.of(dist.group.WORLD)
+    ranks = EngineGroup.of(dist.group.WORLD)
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
     reads = 0
     tolist = torch.Tensor.tolist
@@ -187,9 +187,9 @@ def _scatter(rank: int, world: int) -> list[list[float]]:
     """reduce_scatter_flat with a reused flat input against a fresh one, a gradient going missing."""
     import torch.distributed as dist
 
-    from offload.collectives import FlatBuffer, Ranks, reduce_scatter_flat
+    from offload.collectives import EngineGroup, FlatBuffer, reduce_scatter_flat
 
-    ranks = Ranks.of(dist.group.WORLD)
+    ranks = EngineGroup.of(dist.group.WORLD)
     numels, offsets, size = [5, 4], [0, 5], 5  # 9 elements, padded to 10
     buf = FlatBuffer(numels, size, world, torch.float32, torch.device("cpu"))
     out: list[list[float]] = []

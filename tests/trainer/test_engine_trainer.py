@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 import trainer.method.supervised
 import trainer.run.loop as loop
-from offload.metrics import StepMetrics
+from offload.step_metrics import StepMetrics
 from trainer.events import Event, LogEvent, StepEvent
 from trainer.spec import JobSpec
 from worker.metrics.telemetry import WorkerTelemetry

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from trainer.run.launch import EXIT_PEER_LOST, RankExit, Ranks, allowed_cpus, cpu_share, free_port, run_ranks
+from trainer.run.launch import (
+    EXIT_PEER_LOST,
+    NodeRanks,
+    RankExit,
+    allowed_cpus,
+    cpu_share,
+    free_port,
+    run_ranks,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,9 +72,11 @@ sys.exit(7)
 """
 
 
-def ranks(cmd: list[str], n: int, **env: str) -> Ranks:
+def ranks(cmd: list[str], n: int, **env: str) -> NodeRanks:
     base = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    return Ranks(cmd, nproc_per_node=n, run_id=f"test-{os.getpid()}", devices=None, env=base, term_grace=2)
+    return NodeRanks(
+        cmd, nproc_per_node=n, run_id=f"test-{os.getpid()}", devices=None, env=base, term_grace=2
+    )
 
 
 def all_up(d: Path, n: int) -> None:
@@ -86,11 +96,11 @@ def test_cpu_share_is_an_even_disjoint_split() -> None:
 
 def test_a_launch_needs_a_layout_it_can_run() -> None:
     with pytest.raises(ValueError, match="need 3 GPUs"):
-        Ranks(["true"], nproc_per_node=3, run_id="x", devices=["0"], env={})
+        NodeRanks(["true"], nproc_per_node=3, run_id="x", devices=["0"], env={})
     with pytest.raises(ValueError, match="rdzv_endpoint"):
-        Ranks(["true"], nproc_per_node=1, nnodes=2, run_id="x", devices=None, env={})
+        NodeRanks(["true"], nproc_per_node=1, nnodes=2, run_id="x", devices=None, env={})
     with pytest.raises(ValueError):
-        Ranks([], nproc_per_node=1, run_id="x", devices=None, env={})
+        NodeRanks([], nproc_per_node=1, run_id="x", devices=None, env={})
 
 
 @pytest.mark.services  # agent processes
@@ -244,9 +254,9 @@ def test_agent_and_ranks_die_with_the_process_that_started_them(tmp_path: Path) 
     sup = f"""
     import os, sys, time
     sys.path.insert(0, {str(ROOT)!r})
-    from trainer.run.launch import Ranks
+    from trainer.run.launch import NodeRanks
     env = {{**os.environ, "PYTHONPATH": {str(ROOT)!r}}}
-    g = Ranks([sys.executable, "-c", "import time; time.sleep(60)"], nproc_per_node=2, run_id="sup",
+    g = NodeRanks([sys.executable, "-c", "import time; time.sleep(60)"], nproc_per_node=2, run_id="sup",
               devices=None, env=env).start()
     while len(g.pids) < 2: time.sleep(0.05)
     print(g.agent_pid, *g.pids, flush=True)

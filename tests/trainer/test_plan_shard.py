@@ -17,7 +17,7 @@ from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
 from trainer.plan.gpus import KNOWN_GPUS, GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
-from trainer.plan.sharding import blocks, row_shard, traffic_bytes
+from trainer.plan.shards import blocks, row_shard, traffic_bytes
 from trainer.resolve import plan_query, plan_spec
 
 #: The issue's must-show: Llama-3-70B's shape as a config.json beside this spec (no weights).

@@ -92,7 +92,7 @@ def test_no_sinks_no_thread() -> None:
 def test_a_dpo_jobs_rewards_and_accuracy_are_tracked() -> None:
     """A DPO step's and evaluation's preference figures reach the trackers beside the losses; a supervised
     job's metrics carry none."""
-    from offload.metrics import StepMetrics
+    from offload.step_metrics import StepMetrics
     from trainer.events import EvalEvent, PreferenceMetrics, StepEvent
     from worker.tracking.base import STEP_METRICS, eval_metrics, step_metrics
 

@@ -283,7 +283,7 @@ def test_worker_beats_while_its_runner_starts(
     short timeout never takes a job that is starting for dead (issue 21: re-queued as stale, twice)."""
     import worker.task as w
     from store import jobs
-    from trainer.run.launch import Ranks
+    from trainer.run.launch import NodeRanks
 
     url = settings.resolved_database_url
     interval = 0.2
@@ -298,7 +298,7 @@ def test_worker_beats_while_its_runner_starts(
     monkeypatch.setattr(
         w,
         "rank_launch",
-        lambda *a, **k: Ranks(
+        lambda *a, **k: NodeRanks(
             sleeper, nproc_per_node=1, run_id="sleeper", devices=None, env=dict(os.environ)
         ),
     )

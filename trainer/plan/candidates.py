@@ -3,7 +3,7 @@ accumulator the job leaves open, with its device and host bytes and predicted st
 (:func:`candidate`), and the one :func:`best` picks. The margins and per-process constants the plan
 counts with are here. With sharded weights (``JobShape.shard``) a rank holds its row shards of the
 weights, gradients and optimizer state, FSDP's gather buffers, and sends their collectives' traffic
-(:mod:`trainer.plan.sharding`).
+(:mod:`trainer.plan.shards`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trainer.plan.gpus import GiB, Machine
 from trainer.plan.query import PlanQuery
 from trainer.plan.records import PlanChoices
 from trainer.plan.shapes import Activations, ModelShape, activation_bytes
-from trainer.plan.sharding import gather_bytes, reduce_scatter_bytes, row_shards, shard_numel, traffic_bytes
+from trainer.plan.shards import gather_bytes, reduce_scatter_bytes, row_shards, shard_numel, traffic_bytes
 from trainer.plan.speed import StepTime, step_times
 
 #: Fraction of device memory the plan leaves free (the device reserve): the caching allocator's

@@ -23,7 +23,7 @@ activations and micro-batches), a full model replica on its device, 1/N of the C
 (``SHARDED_HOST``, :mod:`trainer.plan.candidates`; the engine shards it across ranks), its own process and data; on a GPU machine
 (already one GPU's share of its host) with that GPU's share, CPU ranks share one host
 (:func:`rank_machine`). ``shard_params`` (true, or when left to the plan and the replicated plan does not fit)
-plans sharded weights instead of replicas (:mod:`trainer.plan.sharding`: 1/N of the weights, gradients and
+plans sharded weights instead of replicas (:mod:`trainer.plan.shards`: 1/N of the weights, gradients and
 optimizer state, FSDP's gather buffers, the collectives' traffic); :attr:`Plan.fits_only_sharded` says
 when replicas would not fit.
 

@@ -73,7 +73,7 @@ class ModelShape:
     lora_rank: int | None = None
     #: LoRA-adapted modules per decoder layer (0 without LoRA).
     lora_modules_per_layer: int = 0
-    #: Every parameter, trainable or frozen (tied ones once): what sharding cuts (trainer.plan.sharding).
+    #: Every parameter, trainable or frozen (tied ones once): what sharding cuts (trainer.plan.shards).
     weights: tuple[Weight, ...] = ()
 
     @property

@@ -11,7 +11,7 @@ AdamW bytes (for :mod:`trainer.plan.planner`).
 - PCIe: bytes copied per optimizer step over the achievable pinned-copy rate.
 - CPU: AdamW and accumulation bytes over the measured CPU AdamW rate (zenflow's worker gets its
   ``cpu_optimizer_cores_ratio`` share of it; offload runs on all cores).
-- Interconnect (sharded weights, :mod:`trainer.plan.sharding`): FSDP's all-gathers and
+- Interconnect (sharded weights, :mod:`trainer.plan.shards`): FSDP's all-gathers and
   reduce-scatters per step over the GPU-to-GPU bus bandwidth (``Machine.interconnect_gbps``). FSDP
   prefetches the next block while one computes, so the GPU part is the longer of the compute and the
   traffic (``bound`` says ``interconnect`` when the traffic is).

@@ -1,6 +1,6 @@
 """The agent process of one node's ranks: ``python -m trainer.run.agent CONFIG.json``.
 
-Started by :class:`trainer.run.launch.Ranks` (never run by hand): it runs torch's elastic agent
+Started by :class:`trainer.run.launch.NodeRanks` (never run by hand): it runs torch's elastic agent
 (``elastic_launch``, the one ``torchrun`` runs) with a c10d rendezvous and no restarts, starting each
 rank as ``python -m trainer.run.rank_entry CMD...``, and writes how the ranks ended to the config's
 ``result`` file as ``{"code": C, "rank": R}``: 0; the first failing rank's code (the agent has stopped

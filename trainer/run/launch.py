@@ -11,7 +11,7 @@ one with the same ``run_id`` and ``rdzv_endpoint``; none starts its ranks until 
 What is ours, because the agent lacks it: GPU ranks see only their own GPU (the agent's
 ``virtual_local_rank``), CPU ranks get an even share of the node's cores (:func:`cpu_share`, applied
 by the wrapper), every process dies with its parent (``PR_SET_PDEATHSIG``: the agent with the thread
-that started it, each rank with the agent), and :meth:`Ranks.terminate` forwards a signal to the ranks
+that started it, each rank with the agent), and :meth:`NodeRanks.terminate` forwards a signal to the ranks
 themselves (a preemption lets them checkpoint and exit with their own code, which a signal to the
 agent would replace by its own teardown).
 
@@ -130,7 +130,7 @@ def read_pids(rank_dir: str | os.PathLike[str]) -> dict[int, int]:
     return out
 
 
-class Ranks:
+class NodeRanks:
     """One node's part of a job, run by the agent in a child process; see the module docstring.
 
     Not started until :meth:`start`; :meth:`wait` returns the :class:`RankExit` once the agent has
@@ -201,7 +201,7 @@ class Ranks:
     def agent_pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def start(self) -> Ranks:
+    def start(self) -> NodeRanks:
         """Start the agent (in its own process group, dying with the calling thread)."""
         os.makedirs(self.env[RANK_DIR_ENV], exist_ok=True)
         cfg = os.path.join(self.dir, "config.json")
@@ -268,7 +268,7 @@ class Ranks:
                 self.wait(30)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> Ranks:
+    def __enter__(self) -> NodeRanks:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -290,9 +290,9 @@ def run_ranks(
     term_grace: int = TERM_GRACE_SECONDS,
     poll_seconds: float = 0.5,
 ) -> RankExit:
-    """Run this node's ranks of ``cmd`` to the end (see :class:`Ranks` for the arguments); ``stop``
+    """Run this node's ranks of ``cmd`` to the end (see :class:`NodeRanks` for the arguments); ``stop``
     set forwards SIGTERM to the ranks (they checkpoint and exit), SIGKILL after ``term_grace``."""
-    with Ranks(
+    with NodeRanks(
         cmd,
         nproc_per_node=nproc_per_node,
         nnodes=nnodes,

@@ -62,9 +62,9 @@ from trainer.run.checkpoint import (
     write_json_atomic,
 )
 from trainer.run.distributed import DistContext, all_sum, broadcast_object
+from trainer.run.fsdp_model import FullWeights, gather_full_state
 from trainer.run.model_card import CARD_FILE, model_card
 from trainer.run.setup import Built, Progress, RunData
-from trainer.run.sharding import FullWeights, gather_full_state
 from trainer.spec import JobSpec
 
 if TYPE_CHECKING:

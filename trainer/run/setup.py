@@ -12,7 +12,7 @@ rank reads rank 0's choice of checkpoint: one written by as many ranks gives eac
 shard and RNG states back (bit-exact); one written by another number of ranks (a single process counts
 as one shard) hands the engine ALL shards, in rank order, to re-cut. A fresh run seeds each rank's
 generators with seed + rank (dropout may differ per rank). With the resolution's ``engine.shard_params``
-the replica is sharded with FSDP2 (:mod:`trainer.run.sharding`) before the engine is built over each
+the replica is sharded with FSDP2 (:mod:`trainer.run.fsdp_model`) before the engine is built over each
 rank's rows.
 """
 
@@ -45,7 +45,7 @@ from trainer.run.checkpoint import (
     training_signature,
 )
 from trainer.run.distributed import DistContext, broadcast_object, rank_device
-from trainer.run.sharding import rank_memory, rank_param_bytes, reshard, shard_model
+from trainer.run.fsdp_model import rank_memory, rank_param_bytes, reshard, shard_model
 from trainer.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class Built:
     restore_threads: int | None = None
     #: Embedding rows added for tokens the tokenizer gained (the LoRA adapter then saves the embeddings).
     added_tokens: int = 0
-    #: The weights are sharded over the ranks with FSDP2 (trainer.run.sharding).
+    #: The weights are sharded over the ranks with FSDP2 (trainer.run.fsdp_model).
     sharded: bool = False
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: importing the training 
     import torch
 
     from offload.engine import ZenFlowEngine
-    from offload.metrics import StepMetrics
+    from offload.step_metrics import StepMetrics
 
 
 class LateLoss:

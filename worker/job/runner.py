@@ -22,7 +22,7 @@ SQL (:func:`worker.errors.public_message`).
 Exit codes: :mod:`worker.job.exits`.
 
 A job on N > 1 ranks (``resources.gpus``) runs as N of these processes, started by the worker under torch's
-elastic agent (:class:`trainer.run.launch.Ranks`) with the ``env://`` variables (WORLD_SIZE > 1): each joins the group
+elastic agent (:class:`trainer.run.launch.NodeRanks`) with the ``env://`` variables (WORLD_SIZE > 1): each joins the group
 (:func:`trainer.run.distributed.init_from_env`) first. Rank 0 is the runner described above and, once it
 knows whether the job runs, hands the JobSpec (or None) to the others (:func:`run_peer_rank`); they
 never touch the database, train with ``dist`` and report only their step metrics to Prometheus.

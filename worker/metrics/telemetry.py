@@ -31,7 +31,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import REGISTRY
 
-from offload.metrics import StepMetrics
+from offload.step_metrics import StepMetrics
 from trainer.events import ErrorEvent, EvalEvent, Event, RunFinished, RunStarted, StepEvent
 from worker.metrics.multiprocess import multiprocess_mode
 from worker.metrics.nvml import detect_gpu

@@ -20,7 +20,7 @@ from store.settings import Settings
 from worker.job.writer import ReportWriter, Write, event_row
 from worker.retry import retry_db
 from worker.tracking.base import Sink, Tracking, TrackingContext, Warn
-from worker.tracking.spec import MlflowIntegration, WandbIntegration, parse_stored
+from worker.tracking.integrations import MlflowIntegration, WandbIntegration, parse_stored
 
 log = logging.getLogger("zenflow.tracking")
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from store.model_ids import checkpoint_id
 from trainer.events import CheckpointSaved, EvalEvent, Event, RunFinished, RunStarted, StepEvent
 from worker.tracking.base import Sink, TrackingContext, Warn, eval_metrics, step_metrics
-from worker.tracking.spec import MlflowSettings
+from worker.tracking.integrations import MlflowSettings
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric

@@ -19,7 +19,7 @@ from typing import Any
 from store.model_ids import checkpoint_id
 from trainer.events import CheckpointSaved, EvalEvent, Event, RunFinished, RunStarted, StepEvent
 from worker.tracking.base import Sink, TrackingContext, Warn, eval_metrics, step_metrics
-from worker.tracking.spec import WandbSettings
+from worker.tracking.integrations import WandbSettings
 
 
 class WandbSink(Sink):
