@@ -84,7 +84,7 @@ class SupervisedIn(BaseModel):
 
 class DpoHyperparametersIn(HyperparametersIn):
     """OpenAI's DPO hyperparameters: the supervised ones plus ``beta`` (the KL penalty's weight; ``auto``
-    is 0.1, trainer.method.AUTO_DPO_BETA); the trainer's further knobs pass through as for supervised."""
+    is 0.1, trainer.method.dpo.AUTO_DPO_BETA); the trainer's further knobs pass through as for supervised."""
 
     beta: AutoPosFloat = "auto"
 

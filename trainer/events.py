@@ -80,7 +80,7 @@ class RunStarted(Event):
 class PreferenceMetrics:
     """A DPO step's (or validation set's) pairs, means over them: rewards are beta x (policy - reference)
     summed log-probabilities of a completion; ``accuracy`` the share of pairs whose chosen reward is
-    above the rejected one's (trainer.run.dpo)."""
+    above the rejected one's (trainer.method.dpo)."""
 
     chosen_reward: float
     rejected_reward: float
