@@ -129,11 +129,9 @@ def resolve_hyperparameters(
         raise ValueError("num_examples must be >= 1")
     hp, s = spec.hyperparameters, _Sourced()
     given = hp.model_fields_set
-    n_epochs = s.pick(
-        "n_epochs", hp.n_epochs, _epochs(hp.n_epochs, num_examples), "data", asked="n_epochs" in given
-    )
+    n_epochs = s.pick("n_epochs", hp.n_epochs, _epochs(hp.n_epochs, num_examples), "data")
     auto_batch = min(num_examples, max(4, min(AUTO_BATCH_MAX, num_examples // 100)))
-    batch = s.pick("batch_size", hp.batch_size, auto_batch, "data", asked="batch_size" in given)
+    batch = s.pick("batch_size", hp.batch_size, auto_batch, "data")
     batch = min(int(batch), num_examples)
     base_lr = default_learning_rate(spec.model, lora=spec.lora is not None)
     lr = s.pick("learning_rate", hp.learning_rate, base_lr, "model")
@@ -146,7 +144,7 @@ def resolve_hyperparameters(
         raise ValueError(f"{total} training steps: more than a job can run ({MAX_COUNT})")
     s.sources["warmup_steps"] = "data" if hp.warmup == "auto" else "request"
     auto_eval = max(1, math.ceil(total / 10)) if spec.validation_file is not None else None
-    eval_every = s.pick("eval_every", hp.eval_every, auto_eval, "data", asked="eval_every" in given)
+    eval_every = s.pick("eval_every", hp.eval_every, auto_eval, "data")
     ckpt = s.pick("checkpoint_every", hp.checkpoint_every, max(1, math.ceil(total / 5)), "data")
     for name in ("lr_scheduler", "min_lr_ratio", "seed", "truncation", "system_message", "lora", "max_steps"):
         s.sources[name] = "request" if name in given else "default"
