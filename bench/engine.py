@@ -186,7 +186,8 @@ def engine_config(variant: str, args: argparse.Namespace) -> EngineConfig:
     }
     if variant in ("device", "offload"):
         return EngineConfig(mode=variant, **common)
-    ui: int | str = args.update_interval if args.update_interval == "adaptive" else int(args.update_interval)
+    # a number of steps, or a window policy ("adaptive", "epoch"; the engine takes their former "auto" too)
+    ui: int | str = int(args.update_interval) if str(args.update_interval).isdigit() else args.update_interval
     return EngineConfig(
         mode="zenflow",
         topk_ratio=args.topk_ratio,

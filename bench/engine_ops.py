@@ -108,7 +108,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--topk-ratio", type=float, default=0.1)
     ap.add_argument("--update-interval", default="4")
-    ap.add_argument("--select-interval", default="auto")
+    ap.add_argument("--select-interval", default="epoch")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--train-threads", type=int, default=0)
