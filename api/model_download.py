@@ -192,11 +192,6 @@ def _read(m: Member, lo: int, hi: int, chunk_bytes: int) -> Iterator[bytes]:
         raise OSError(f"{m.name} changed size while it was being sent")
 
 
-def tar_length(members: list[Member], mtime: int) -> int:
-    """The archive's length in bytes, from the listing alone."""
-    return TarLayout(members, mtime).length
-
-
 def tar_stream(members: list[Member], mtime: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The whole archive in chunks of at most ``chunk_bytes``."""
     return TarLayout(members, mtime).stream(chunk_bytes=chunk_bytes)

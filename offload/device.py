@@ -357,10 +357,6 @@ class DeviceOps:
         self.compute_wait(t.event)
         return out, t
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A small synchronous upload (selection bookkeeping)."""
-        return t.to(self.device)
-
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)

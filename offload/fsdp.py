@@ -132,10 +132,6 @@ class RowShards:
             p.grad = None
             loc.grad = None
 
-    def local_bytes(self) -> int:
-        """Bytes of this rank's parameter rows (FSDP's padding not counted)."""
-        return sum(t.numel() * t.element_size() for t in self.local)
-
 
 def all_sum_(t: torch.Tensor, group: Any) -> torch.Tensor:
     """``t`` summed over the group's ranks, in place (gloo: CPU tensors, NCCL: the rank's device)."""

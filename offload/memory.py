@@ -191,17 +191,3 @@ def merged(parts: Sequence[EngineMemory]) -> EngineMemory:
     return EngineMemory(
         mode, sum(p.params for p in parts), add("host"), add("device_state"), add("device_buffers")
     )
-
-
-def model_memory(
-    named: Iterable[tuple[str, torch.Tensor]], config: EngineConfig, *, device_type: str = "cuda"
-) -> EngineMemory:
-    """:func:`engine_memory` for a model's trainable parameters (meta tensors work: nothing is read),
-    the engine's host buffers being one set per parameter dtype."""
-    by_dtype: dict[torch.dtype, list[tuple[int, ...]]] = {}
-    for _, p in named:
-        if p.requires_grad:
-            by_dtype.setdefault(p.dtype, []).append(tuple(p.shape))
-    if not by_dtype:
-        return EngineMemory(config.mode, 0)
-    return merged([engine_memory(s, d, config, device_type=device_type) for d, s in by_dtype.items()])

@@ -37,18 +37,6 @@ def column_scores(grad: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     return scores
 
 
-def select_columns(grad: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted int64 indices (on the gradient's device) of the ``k`` highest-scoring columns."""
-    cols = grad.shape[1]
-    if not 0 < k <= cols:
-        raise ValueError(f"k must be in [1, {cols}], got {k}")
-    if k == cols:
-        return torch.arange(cols, device=grad.device)
-    scores = column_scores(grad)
-    idx = torch.topk(scores, k, largest=True, sorted=False).indices
-    return torch.sort(idx).values
-
-
 def remap(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each of ``new``'s columns sat in ``old`` (both sorted along the last dim; ``[k]`` or a
     batch of rows ``[n, k]``).

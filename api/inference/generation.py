@@ -199,12 +199,6 @@ class Batch:
         """New rows may join at the next step (else they wait for this batch to end)."""
         return self.empty or self.plain
 
-    def owners(self) -> list[Owner]:
-        seen: dict[int, Owner] = {}
-        for r in self.rows:
-            seen.setdefault(id(r.owner), r.owner)
-        return list(seen.values())
-
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
     ) -> tuple[torch.Tensor, Any]:

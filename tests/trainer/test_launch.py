@@ -22,7 +22,6 @@ from trainer.run.launch import (
     allowed_cpus,
     cpu_share,
     free_port,
-    run_ranks,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,9 +137,10 @@ def test_gpu_ranks_each_see_their_own_gpu(tmp_path: Path) -> None:
     (Path(sys.argv[1]) / f"rank-{os.environ['RANK']}.json").write_text(json.dumps(out))
     """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    end = run_ranks(
+    with NodeRanks(
         child(report, str(tmp_path)), nproc_per_node=2, run_id="gpus", devices=["3", "5", "6"], env=env
-    )
+    ) as node:
+        end = node.start().wait()
     assert end == RankExit(0)
     seen = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [(s["RANK"], s["CUDA_VISIBLE_DEVICES"]) for s in seen] == [("0", "3"), ("1", "5")]

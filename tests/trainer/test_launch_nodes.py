@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.test_cli_nproc import _spec
-from trainer.run.launch import RankExit, free_port, run_ranks
+from trainer.run.launch import NodeRanks, RankExit, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,10 +32,11 @@ def _train_cmd(spec: Path, out: Path) -> list[str]:
 
 NODE = """
 import json, sys
-from trainer.run.launch import run_ranks
+from trainer.run.launch import NodeRanks
 cmd, port, env = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-end = run_ranks(cmd, nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
-                run_id="two-nodes", devices=None, env=env, term_grace=5)
+with NodeRanks(cmd, nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}", local_addr="127.0.0.1",
+                run_id="two-nodes", devices=None, env=env, term_grace=5) as node:
+    end = node.start().wait()
 print(json.dumps([end.code, end.rank]), flush=True)
 """
 
@@ -51,9 +52,10 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path: Path) -> None:
 
     spec = _spec(tmp_path)
     one = tmp_path / "one-node"
-    assert run_ranks(
+    with NodeRanks(
         _train_cmd(spec, one), nproc_per_node=2, run_id="one-node", devices=None, env=_env()
-    ) == RankExit(0)
+    ) as node:
+        assert node.start().wait() == RankExit(0)
 
     two = tmp_path / "two-nodes"
     port = str(free_port())
@@ -83,7 +85,7 @@ def test_two_nodes_of_one_rank_equal_one_node_of_two(tmp_path: Path) -> None:
 
 FAILING_NODE = """
 import json, sys
-from trainer.run.launch import run_ranks
+from trainer.run.launch import NodeRanks
 port, d, env = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 rank = '''
 import os, sys, time
@@ -95,8 +97,9 @@ if r == "1":
     sys.exit(3)
 time.sleep(120)
 '''
-end = run_ranks([sys.executable, "-c", rank, d], nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}",
-                local_addr="127.0.0.1", run_id="failing", devices=None, env=env, term_grace=5)
+with NodeRanks([sys.executable, "-c", rank, d], nproc_per_node=1, nnodes=2, rdzv_endpoint=f"127.0.0.1:{port}",
+                local_addr="127.0.0.1", run_id="failing", devices=None, env=env, term_grace=5) as node:
+    end = node.start().wait()
 print(json.dumps([end.code, end.rank]), flush=True)
 """
 

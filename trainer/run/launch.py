@@ -30,8 +30,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -273,46 +271,3 @@ class NodeRanks:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def run_ranks(
-    cmd: Sequence[str],
-    *,
-    nproc_per_node: int,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    rdzv_host: bool | None = None,
-    local_addr: str | None = None,
-    run_id: str,
-    devices: Sequence[str] | None,
-    env: Mapping[str, str],
-    stop: threading.Event | None = None,
-    term_grace: int = TERM_GRACE_SECONDS,
-    poll_seconds: float = 0.5,
-) -> RankExit:
-    """Run this node's ranks of ``cmd`` to the end (see :class:`NodeRanks` for the arguments); ``stop``
-    set forwards SIGTERM to the ranks (they checkpoint and exit), SIGKILL after ``term_grace``."""
-    with NodeRanks(
-        cmd,
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_host=rdzv_host,
-        local_addr=local_addr,
-        run_id=run_id,
-        devices=devices,
-        env=env,
-        term_grace=term_grace,
-    ) as ranks:
-        ranks.start()
-        stopped_at: float | None = None
-        while True:
-            try:
-                return ranks.wait(poll_seconds)
-            except subprocess.TimeoutExpired:
-                pass
-            if stop is not None and stop.is_set() and stopped_at is None:
-                stopped_at = time.monotonic()
-                ranks.terminate(signal.SIGTERM)
-            elif stopped_at is not None and time.monotonic() - stopped_at > term_grace:
-                ranks.kill()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.memory import is_split, model_memory
+from offload.memory import engine_memory, is_split, merged
 from offload.selection import num_selected
 from tests.offload.zenflow.support import config, host_layout, split_named, tiny_model
 
@@ -90,7 +90,10 @@ def test_one_host_store_per_dtype_with_fp32_state_and_accumulators(accumulate_on
         acc_dtype = torch.float32 if st.dtype == torch.float16 else st.dtype
         assert all(b.dtype == acc_dtype and b.numel() == numel for b in st.bufs)
         assert st.nbytes() == HOST_BYTES[(accumulate_on, st.dtype)] * numel
-    host = model_memory(model.named_parameters(), cfg, device_type="cpu").host
+    by_dtype: dict[torch.dtype, list[tuple[int, ...]]] = {}
+    for p in model.parameters():
+        by_dtype.setdefault(p.dtype, []).append(tuple(p.shape))
+    host = merged([engine_memory(s, d, cfg, device_type="cpu") for d, s in by_dtype.items()]).host
     parts: dict[str, int] = {}
     for st in lay.stores:
         for k, v in st.parts().items():
