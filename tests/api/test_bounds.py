@@ -330,16 +330,19 @@ def test_micro_batch_errors_without_a_file_count_use_the_most_auto_resolves_to()
 
 
 def test_engine_window_bound_is_the_documented_one() -> None:
-    """docs/api.md's bound on the engine windows is offload.config.MAX_INTERVAL_STEPS (10,000,000: longer
+    """docs/api.md's bound on the engine windows is contract.engine.MAX_INTERVAL_STEPS (10,000,000: longer
     than any job may run, so a select_interval that long means "never reselect"; clients send it)."""
     import re
 
-    from offload.config import MAX_INTERVAL_STEPS, EngineConfig
+    from contract.engine import MAX_INTERVAL_STEPS
+    from offload.config import EngineConfig
     from trainer.limits import JobLimits
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
-    found = re.search(r"`loss_scale_growth_interval` at most ([\d,]+) steps", docs)
+    found = re.search(r"`max_update_interval`\) at\s+most ([\d,]+) steps", docs)
     assert found is not None and int(found.group(1).replace(",", "")) == MAX_INTERVAL_STEPS
+    tuning = re.search(r"`select_interval_fallback` and `loss_scale_growth_interval` ([\d,]+)\)", docs)
+    assert tuning is not None and int(tuning.group(1).replace(",", "")) == MAX_INTERVAL_STEPS
     assert "at most 100,000 steps" not in docs
     assert JobLimits().max_total_steps <= MAX_INTERVAL_STEPS
     EngineConfig(select_interval=MAX_INTERVAL_STEPS, max_update_interval=MAX_INTERVAL_STEPS)

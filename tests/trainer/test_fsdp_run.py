@@ -139,8 +139,9 @@ def test_sharded_resume_on_as_many_ranks_is_exact_and_on_one_close(
 
 
 def test_shard_params_resolution(tmp_path: Path) -> None:
-    """The run takes ``auto`` from the plan's choice: the same plans as tests/trainer/test_plan_shard.py,
-    an 8B in device mode replicated on 4 H100s (does not fit: sharded) and on 2 H200s (fits: not)."""
+    """The run takes ``auto`` from the plan's choice: an 8B in device mode on 4 H100s does not fit
+    replicated (sharded); on 2 H200s with the mode left to the plan, its fastest fit (zenflow) keeps the
+    weights whole (not sharded)."""
     from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
     from trainer.plan.gpus import Machine
     from trainer.resolve import Counts, plan_spec, resolve
@@ -154,17 +155,18 @@ def test_shard_params_resolution(tmp_path: Path) -> None:
     fits = plan_spec(_spec(d, hyperparameters=hp, resources={"gpus": 2}), Machine.for_gpu("h200"))
     assert big.settings.shard_params is True and fits.settings.shard_params is False
 
-    def shard(setting: object, gpus: int, machine: Machine | None) -> bool:
+    def shard(setting: object, gpus: int, machine: Machine | None, mode: str = "device") -> bool:
         spec = _spec(
             d,
             hyperparameters=hp,
             resources={"gpus": gpus},
-            engine={"mode": "device", "shard_params": setting},
+            engine={"mode": mode, "shard_params": setting},
         )
         return resolve(spec, machine, Counts(1000), at="create", reason="t")[0].job.engine.shard_params
 
     assert shard("auto", 4, Machine.for_gpu("h100")) is True
-    assert shard("auto", 2, Machine.for_gpu("h200")) is False
+    assert shard("auto", 2, Machine.for_gpu("h200"), mode="auto") is False
+    assert shard("auto", 2, Machine.for_gpu("h200")) is True  # device mode replicated: 16 B/param, no room
     assert shard("auto", 8, None) is False  # no plan: replicated
     assert shard(True, 1, Machine.for_gpu("h100")) is False  # one rank: nothing to shard with
     assert shard(True, 2, Machine.for_gpu("h200")) is True
