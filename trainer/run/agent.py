@@ -4,7 +4,8 @@ Started by :class:`trainer.run.launch.NodeRanks` (never run by hand): it runs to
 (``elastic_launch``, the one ``torchrun`` runs) with a c10d rendezvous and no restarts, starting each
 rank as ``python -m trainer.run.rank_entry CMD...``, and writes how the ranks ended to the config's
 ``result`` file as ``{"code": C, "rank": R}``: 0; the first failing rank's code (the agent has stopped
-the others: SIGTERM, SIGKILL after ``term_grace``); or the signal that stopped the agent itself
+the others: SIGTERM, then SIGKILL after torch's fixed 30 s, which its process context applies when a
+rank fails whatever the agent's ``shutdown_timeout``); or the signal that stopped the agent itself
 (``rank`` null; the agent tore its ranks down with it). SIGUSR1 (SIGUSR2) makes it send SIGTERM
 (SIGINT) to its ranks, which then exit with their own codes. A node of a multi-node launch also stops
 its ranks when another node's failed (:class:`PeerWatch`; code 76, rank null).
