@@ -35,7 +35,7 @@ import re, tomllib
 for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
     if not re.match(r"torch\s*>=", d):
         print(d)')
-  if ! pip "$spec" "${deps[@]}" pytest pytest-timeout; then
+  if ! pip "$spec" "${deps[@]}" pytest pytest-timeout pytest-xdist; then
     echo "test-floor: could not install $spec and the requirements; the end of $LOG:" >&2
     tail -n 30 "$LOG" >&2
     exit 1
@@ -45,4 +45,5 @@ for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
 fi
 echo "test-floor: tests/offload on $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')" >&2
 # the installed build in the tree is for .venv's torch: the floor compiles its own (JIT, tagged by every input)
-ZENFLOW_CPU_ADAM_JIT=1 PYTHONPATH=$PWD exec "$VENV/bin/python" -m pytest -p no:cacheprovider -q -m "not slow" tests/offload "$@"
+ZENFLOW_CPU_ADAM_JIT=1 PYTHONPATH=$PWD exec "$VENV/bin/python" -m pytest -p no:cacheprovider -q \
+  -n "${ZENFLOW_TEST_WORKERS:-3}" --dist loadfile -m "not slow" tests/offload "$@"

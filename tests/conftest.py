@@ -8,8 +8,9 @@ ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. A missing service skips loca
 (tests/support.py).
 
 Two tiers. ``make test`` (what CI runs) runs everything. ``make test-fast`` (scripts/test-fast.sh, the
-inner loop: 1-2 minutes on 2 cores) runs ``-m "not services and not slow"``: the unit tests of every
-package, with no service reached or started. A test is ``services`` when it needs PostgreSQL or Redis,
+inner loop: under 2 minutes on 2 cores) runs ``-m "not services and not slow"``: the unit tests of every
+package, in this process, with no service reached or started and no rank or script spawned (those are
+``slow``). A test is ``services`` when it needs PostgreSQL or Redis,
 or starts a server or a process of the service (a Celery worker, uvicorn, Prometheus, nginx, a browser,
 a job runner or worker process). :func:`pytest_collection_modifyitems` marks every test that requests
 one of :data:`SERVICE_FIXTURES` (directly or through another fixture), so a new test on those fixtures
@@ -57,10 +58,18 @@ SERVICE_FIXTURES = frozenset(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``services`` every test that requests a :data:`SERVICE_FIXTURES` fixture."""
+    """Mark ``services`` every test that requests a :data:`SERVICE_FIXTURES` fixture; then put the
+    modules with slow tests first, those with service tests next, each module's tests in their order,
+    so that under pytest-xdist (a module per worker at a time) the long modules start early and the
+    run does not end waiting on one of them."""
     for item in items:
         if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.services)
+    weight: dict[str, int] = {}
+    for item in items:
+        tier = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("services") else 2
+        weight[item.nodeid.split("::")[0]] = min(tier, weight.get(item.nodeid.split("::")[0], 2))
+    items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture(scope="session")

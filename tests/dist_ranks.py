@@ -1,5 +1,8 @@
-"""Run a function on N gloo ranks on the CPU (tests): spawned processes, an ``env://`` rendezvous on a free
-port, a deadline so a hung collective fails the test instead of blocking the suite.
+"""Run a function on N gloo ranks on the CPU (tests): processes forked from a fork server that imported
+torch and the engine once (each test process starts one: a rank then starts in milliseconds where a
+spawned one spent seconds importing), an ``env://`` rendezvous on a free port, a deadline so a hung
+collective fails the test instead of blocking the suite. A rank runs with the test process's environment
+of the moment it was started (the server's own is the one it was started with).
 
 Every rank computes under :func:`pinned_numerics`; a test that compares a rank's result bit for bit with
 one computed in the test process computes that one under it too. What decides the bits of a CPU result
@@ -7,7 +10,7 @@ besides the inputs: the intra-op thread count (a matmul or a reduction splits it
 another count can round differently: issue 21, where the ranks had 1 thread and the test process the
 default), the fp32 matmul precision and whether oneDNN is used (they choose the kernel), and the ISA the
 kernels dispatch to (the same machine, and ``ATEN_CPU_CAPABILITY`` / ``DNNL_MAX_CPU_ISA`` / ``MKL_*``
-inherited by the spawned ranks from the test process's environment)."""
+passed to the ranks from the test process's environment)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,12 @@ from trainer.run.launch import free_port
 
 #: Intra-op threads of each rank (and of a reference computed under :func:`pinned_numerics`).
 RANK_THREADS = 1
+
+#: What the fork server imports once, before it forks any rank.
+PRELOAD = ["torch", "torch.distributed", "offload.engine", "trainer.run.loop", "transformers"]
+
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(PRELOAD)
 
 
 @contextmanager
@@ -45,11 +54,20 @@ def pinned_numerics(threads: int = RANK_THREADS) -> Iterator[None]:
 
 
 def _entry(
-    rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple[Any, ...], results: Any
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: Any,
+    env: dict[str, str],
 ) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.clear()
+    os.environ.update(
+        env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     with pinned_numerics():
         dist.init_process_group("gloo", rank=rank, world_size=world)
         try:
@@ -66,9 +84,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     from offload.cpu_adam import load_extension
 
     load_extension()  # loaded (or, with ZENFLOW_CPU_ADAM_JIT=1, built) once here, before any rank starts
-    results = mp.get_context("spawn").Queue()
+    results = _ctx.Queue()
     ctx = mp.start_processes(
-        _entry, args=(fn, world, free_port(), args, results), nprocs=world, join=False, start_method="spawn"
+        _entry,
+        args=(fn, world, free_port(), args, results, dict(os.environ)),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
     )
     got: dict[int, Any] = {}
     deadline = time.monotonic() + timeout

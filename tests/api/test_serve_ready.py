@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from trainer.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.services
 def test_serve_says_ready_only_when_it_accepts_connections(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
     env["ZENFLOW_DATA_DIR"] = str(tmp_path / "var")

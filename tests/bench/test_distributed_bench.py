@@ -39,6 +39,7 @@ FIELDS = (
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.slow
 def test_quick_two_rank_run_matches_one_process_with_half_the_host_state() -> None:
     proc = subprocess.run(
         [

@@ -105,6 +105,7 @@ def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) ->
     assert all(0 <= r["worker_gil_fraction"] < 1 for r in gil["results"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU host")
 def test_gpu_check_script_says_why_it_cannot_run_without_a_gpu(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "MODEL_SIZE")}
@@ -120,6 +121,7 @@ def test_gpu_check_script_says_why_it_cannot_run_without_a_gpu(tmp_path: Path) -
     assert "needs a CUDA machine" in proc.stderr
 
 
+@pytest.mark.slow
 def test_pretrained_base_is_built_once_cached_and_loadable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

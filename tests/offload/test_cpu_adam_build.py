@@ -172,6 +172,7 @@ def test_a_live_builder_is_waited_for_until_the_deadline(
     assert proc.poll() is None  # the builder was left alone
 
 
+@pytest.mark.slow
 def test_a_jit_build_after_a_killed_one(tmp_path: Path) -> None:
     """A build killed mid-way leaves torch's own ``lock`` (and ours, with a dead pid) behind: the next
     JIT load builds anyway instead of waiting on it forever.  In a subprocess, bounded."""

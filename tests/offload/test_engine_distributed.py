@@ -103,6 +103,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max()) for k in b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zenflow", "offload", "device"])
 def test_two_ranks_with_half_the_batch_equal_one_process(tmp_path: Path, mode: str) -> None:
     run_ranks(_rank_run, 2, str(tmp_path), mode, torch.float32, False, {})
@@ -127,16 +128,17 @@ def test_two_ranks_with_half_the_batch_equal_one_process(tmp_path: Path, mode: s
         assert all(b < 0.8 * grad_bytes for b in late), (late, grad_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "cfg_kw"),
-    [
-        ("zenflow", {}),
-        ("zenflow", {"accumulate_on": "device"}),
-        ("zenflow", {"update_interval": "adaptive"}),
-        ("offload", {}),
+    ("mode", "cfg_kw", "dtype"),
+    [  # each mode and window policy once, each dtype on the default zenflow (the sharding is dtype-blind)
+        ("zenflow", {}, torch.float32),
+        ("zenflow", {}, torch.bfloat16),
+        ("zenflow", {"accumulate_on": "device"}, torch.float32),
+        ("zenflow", {"update_interval": "adaptive"}, torch.bfloat16),
+        ("offload", {}, torch.float32),
     ],
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sharded_state_is_exactly_the_single_process_one(
     tmp_path: Path, mode: str, cfg_kw: dict[str, Any], dtype: torch.dtype
 ) -> None:
@@ -172,6 +174,7 @@ def _resume_run(rank: int, world: int, out: str, mode: str, stop: int, load: str
         torch.save({"weights": _weights(engine)}, Path(out) / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zenflow", "offload"])
 def test_resume_two_to_two_is_exact_and_two_to_one_recuts(tmp_path: Path, mode: str) -> None:
     first, again = tmp_path / "first", tmp_path / "again"

@@ -272,6 +272,7 @@ def _fp16_rank(rank: int, world: int, out: str, mode: str, cfg_kw: dict[str, Any
     torch.save(_fp16_run(mode, cfg_kw, dist.group.WORLD), Path(out) / f"rank{rank}.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "cfg_kw"), [("zenflow", {}), ("zenflow", {"accumulate_on": "device"}), ("offload", {})]
 )

@@ -74,6 +74,7 @@ def _both_paths(rank: int, world: int, dtype: str) -> tuple[list[Any], list[Any]
     return _per_step_weights(rank, world, dt, False), _per_step_weights(rank, world, dt, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_consolidated_on_the_nccl_path_includes_the_last_window(dtype: str) -> None:
     """With the all-gather on the training thread (NCCL), the weights exported after any step equal
@@ -122,6 +123,7 @@ def _tiny(rank: int, world: int, dtype: str, ring: bool) -> dict[str, list[Any]]
         return {k: v.float().tolist() for k, v in engine.consolidated_state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 4])
 def test_a_rank_with_an_empty_shard_trains_like_one_process(world: int) -> None:
     """More ranks than a store has elements: the ranks without a piece of it take part in every
@@ -173,6 +175,7 @@ def _presence(rank: int, world: int) -> dict[str, Any]:
     return {"reads": two, "grads": [None if p.grad is None else p.grad.tolist() for p in params]}
 
 
+@pytest.mark.slow
 def test_fill_missing_gradients_reads_back_only_where_a_gradient_is_missing() -> None:
     """A rank with every gradient makes no host read (the flags' result is not looked at: no sync per
     step on a GPU); the rank without p1's reads and gets a zero one; no rank gets one for p2."""
@@ -205,6 +208,7 @@ def _scatter(rank: int, world: int) -> list[list[float]]:
     return out
 
 
+@pytest.mark.slow
 def test_reduce_scatter_flat_with_a_reused_input_equals_a_fresh_one() -> None:
     for got in run_ranks(_scatter, 2):
         for i in range(0, len(got), 2):

@@ -101,6 +101,7 @@ def _measure(kind: str, tmp: Path) -> dict[str, int]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's peak-RSS reset")
 def test_streamed_checkpoint_holds_about_the_largest_tensor_where_a_copy_held_the_state(
     tmp_path: Path,

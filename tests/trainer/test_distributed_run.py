@@ -143,6 +143,7 @@ def resumed(
     return {"2-2": b[0], "1-2": b[1], "again": b[2], "2-1": to_one, "2-1-events": rec}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_two_ranks_equal_one_process_with_the_whole_batch(
     mode: str,
@@ -162,6 +163,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(
     assert any(not torch.equal(mid[k], v) for k, v in weights(root / f"full-{mode}").items())
 
 
+@pytest.mark.slow
 def test_a_rank_without_examples_in_a_step_adds_nothing(
     files: tuple[Path, Path, Path],
     two_ranks: dict[str, list[RankOutcome]],
@@ -173,6 +175,7 @@ def test_a_rank_without_examples_in_a_step_adds_nothing(
     assert_close(weights(files[0] / "ragged"), weights(files[0] / "single-ragged"))
 
 
+@pytest.mark.slow
 def test_events_step_per_rank_the_rest_from_rank_0(two_ranks: dict[str, list[RankOutcome]]) -> None:
     r0, r1 = two_ranks["full-zenflow"]
     assert {t for t, *_ in r1.events} == {"step"}  # rank 1: its step events only
@@ -188,6 +191,7 @@ def test_events_step_per_rank_the_rest_from_rank_0(two_ranks: dict[str, list[Ran
     assert {rk for t, _, _, rk in r1.events if t == "step"} == {1}
 
 
+@pytest.mark.slow
 def test_one_host_all_reduce_per_step_and_the_loss_only_at_boundaries(
     two_ranks: dict[str, list[RankOutcome]],
 ) -> None:
@@ -204,6 +208,7 @@ def test_one_host_all_reduce_per_step_and_the_loss_only_at_boundaries(
             assert events.index(("step", s)) < events.index((t, s))
 
 
+@pytest.mark.slow
 def test_checkpoint_is_complete_only_with_every_shard(
     files: tuple[Path, Path, Path], two_ranks: dict[str, list[RankOutcome]], tmp_path: Path
 ) -> None:
@@ -231,12 +236,14 @@ def test_checkpoint_is_complete_only_with_every_shard(
     assert all(torch.equal(loaded[k], w[k]) for k in w)
 
 
+@pytest.mark.slow
 def test_cancel_on_any_rank_stops_all_at_the_same_step(two_ranks: dict[str, list[RankOutcome]]) -> None:
     cut = ok(two_ranks["cut"])  # only rank 1 was asked to cancel
     assert cut.cancelled and cut.steps == 4 and cut.final_model_dir is None
     assert [s for t, s, *_ in two_ranks["cut"][0].events if t == "step"] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_resume_two_to_two_is_bit_exact(files: tuple[Path, Path, Path], resumed: dict[str, Any]) -> None:
     root = files[0]
     res = ok(resumed["2-2"])
@@ -249,6 +256,7 @@ def test_resume_two_to_two_is_bit_exact(files: tuple[Path, Path, Path], resumed:
     ]
 
 
+@pytest.mark.slow
 def test_resume_two_to_one_and_one_to_two(
     files: tuple[Path, Path, Path], resumed: dict[str, Any], one_process: dict[str, TrainResult]
 ) -> None:
@@ -262,12 +270,14 @@ def test_resume_two_to_one_and_one_to_two(
     assert_close(weights(root / "single-cut"), weights(root / "single-zenflow"))
 
 
+@pytest.mark.slow
 def test_finished_run_is_not_rerun(two_ranks: dict[str, list[RankOutcome]], resumed: dict[str, Any]) -> None:
     again = resumed["again"]
     assert ok(again) == ok(two_ranks["full-device"])
     assert not [t for o in again for t, *_ in o.events if t == "step"]
 
 
+@pytest.mark.slow
 def test_batch_smaller_than_the_ranks_is_refused(two_ranks: dict[str, list[RankOutcome]]) -> None:
     for o in two_ranks["tiny-batch"]:
         assert o.error is not None and "hyperparameters.batch_size" in o.error.splitlines()[0]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,7 @@ def _import_hooks(tuning: dict[str, object]) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.services
 def test_a_worker_with_a_bad_tuning_does_not_start() -> None:
     bad = _import_hooks({"cpu_threads": 0})
     assert bad.returncode != 0 and "cpu_threads" in bad.stderr
