@@ -48,7 +48,7 @@ SERVICE_FIXTURES = frozenset(
         "team",
         "other_team",
         # fixtures of test modules that start the service's processes or a browser
-        "celery_worker",  # tests/api/test_full_flow.py
+        "celery_worker",  # tests/e2e/test_full_flow.py
         "live_server",  # tests/console/test_console.py
         "browser",
         "workers",  # tests/worker/test_worker.py

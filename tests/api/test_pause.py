@@ -1,6 +1,6 @@
 """``POST /v1/fine_tuning/jobs/{id}/pause`` and ``/resume``: codes and shapes for every status, another
 team's job, the quotas a resume is admitted by, the outbox after a resume (the end to end run, paused and
-resumed through the openai SDK to the same weights: tests/api/test_pause_flow.py)."""
+resumed through the openai SDK to the same weights: tests/e2e/test_pause_flow.py)."""
 
 from __future__ import annotations
 

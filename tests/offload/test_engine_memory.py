@@ -144,7 +144,7 @@ def test_prometheus_gauge_follows_the_step_record() -> None:
 
 @pytest.mark.usefixtures("torch_single_thread")
 def test_a_job_reports_the_engine_memory_at_start_and_in_every_step(tmp_path) -> None:
-    from tests.trainer.test_loop import Recorder, make_spec
+    from tests.trainer.run.test_loop import Recorder, make_spec
     from trainer.run.loop import run_training
 
     rec = Recorder()

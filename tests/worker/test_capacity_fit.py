@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
+from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
 from trainer.plan.gpus import GiB
 from trainer.resolve import Counts
 from worker.capacity.fit import Admitted, Refusal, admit

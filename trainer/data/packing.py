@@ -16,7 +16,7 @@ Mechanism, all transformers 5.x's own:
 
 Attention implementation (:func:`use_packing_attention`): ``sdpa`` with the block-diagonal mask
 (rows x L x L booleans per layer call) on CPU and on CUDA; isolation is proved by
-tests/trainer/test_microbatch.py. Not ``flash_attention_2``: transformers (5.24) detects packed
+tests/trainer/run/test_microbatch.py. Not ``flash_attention_2``: transformers (5.24) detects packed
 sequences for its varlen kernels only in a batch of one row, so with several packed rows per
 micro-batch it would run plain causal attention over each row and let examples attend to each other.
 (Using it would need each micro-batch flattened into one row; to be measured on a GPU first.) Rows of

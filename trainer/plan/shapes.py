@@ -4,7 +4,7 @@ read or allocated), and the activation bytes autograd saves for a micro-batch.
 Activation formula (Llama-family decoder, transformers' SDPA attention, per micro-batch of ``b``
 rows of ``s`` tokens, ``N = b * s``, ``e`` = bytes of the parameter dtype), the tensors autograd
 keeps for backward, each storage counted once (derived from the ops' saved tensors and checked against
-``torch.autograd.graph.saved_tensors_hooks`` in tests/trainer/test_plan.py):
+``torch.autograd.graph.saved_tensors_hooks`` in tests/trainer/plan/test_plan.py):
 
 - each RMSNorm: its input in fp32 (``4Nh``), ``rsqrt`` (``4N``), the normalized value and the output
   (``2Nh·e``); with a frozen norm weight (LoRA) the normalized value is not kept;

@@ -13,7 +13,7 @@ import trainer.data.batching as batching
 import trainer.method.supervised as supervised
 import trainer.run.loop as loop
 import trainer.run.step as step_mod
-from tests.trainer.test_engine_trainer import _spec as engine_trainer_spec
+from tests.trainer.run.test_engine_trainer import _spec as engine_trainer_spec
 from trainer.events import Event, StepEvent
 from trainer.run.distributed import DistContext
 from trainer.run.step import LateLoss, step_totals

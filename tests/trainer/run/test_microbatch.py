@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from contract.hyperparameters import ResolvedHyperparameters, RuntimeChoices
-from tests.trainer.test_loop import Recorder, arithmetic_file, make_spec
+from tests.trainer.run.test_loop import Recorder, arithmetic_file, make_spec
 from trainer.data.batching import collate, loss_sum, micro_batches
 from trainer.data.dataset import IGNORE_INDEX, Example
 from trainer.data.packing import pack_rows, use_packing_attention

@@ -1,7 +1,7 @@
 """A job's weights sharded over 2 gloo ranks with FSDP2 (``engine.shard_params: true``): the same final
 weights as one process taking the whole batch in every mode, every rank's engine state its own rows, a
 ragged last step (a rank with fewer examples runs zero-loss passes) and the sharded checkpoint resumed
-on as many ranks (bit-exact) and on one (tests/trainer/test_fsdp_reshard.py: other counts)."""
+on as many ranks (bit-exact) and on one (tests/trainer/run/test_fsdp_reshard.py: other counts)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
-from tests.trainer.test_distributed_run import HP, MODES, STEPS, assert_close, ok, weights
-from tests.trainer.test_loop import arithmetic_file, make_spec
+from tests.trainer.run.test_distributed_run import HP, MODES, STEPS, assert_close, ok, weights
+from tests.trainer.run.test_loop import arithmetic_file, make_spec
 from trainer.run.checkpoint import FINAL_DIR, latest_checkpoint, load_rank_state
 from trainer.run.loop import TrainResult, run_training
 from trainer.spec import JobSpec
@@ -142,7 +142,7 @@ def test_shard_params_resolution(tmp_path: Path) -> None:
     """The run takes ``auto`` from the plan's choice: an 8B in device mode on 4 H100s does not fit
     replicated (sharded); on 2 H200s with the mode left to the plan, its fastest fit (zenflow) keeps the
     weights whole (not sharded)."""
-    from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
+    from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
     from trainer.plan.gpus import Machine
     from trainer.resolve import Counts, plan_spec, resolve
 

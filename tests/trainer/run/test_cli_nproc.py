@@ -13,7 +13,7 @@ import pytest
 
 from trainer.samples import TRAIN_FILE
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _spec(tmp_path: Path, *, device: str = "cpu", gpus: int | None = None) -> Path:

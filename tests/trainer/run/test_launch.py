@@ -24,7 +24,7 @@ from trainer.run.launch import (
     free_port,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def alive(pid: int) -> bool:

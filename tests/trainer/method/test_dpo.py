@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.test_loop import Recorder
+from tests.trainer.run.test_loop import Recorder
 from trainer.data.dataset import DataOptions, DatasetValidationError, validate_file
 from trainer.data.example import IGNORE_INDEX, PreferencePair
 from trainer.data.preference import check_preference_record

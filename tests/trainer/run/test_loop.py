@@ -68,7 +68,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[JobSpec, TrainResult, Recorder]:
     out = tmp_path_factory.mktemp("full")
-    # zenflow named: the default engine mode, auto, runs tiny-llama on a CPU in device mode (tests/trainer/test_plan.py)
+    # zenflow named: the default engine mode, auto, runs tiny-llama on a CPU in device mode (tests/trainer/plan/test_plan.py)
     spec = make_spec(out, engine={"mode": "zenflow"})
     rec = Recorder()
     return spec, run_training(spec, on_event=rec), rec

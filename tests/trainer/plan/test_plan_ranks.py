@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from tests.trainer.test_plan import LLAMA3_8B
+from tests.trainer.plan.test_plan import LLAMA3_8B
 from trainer.plan.candidates import rank_machine
 from trainer.plan.gpus import GiB, Machine
 from trainer.resolve import plan_spec

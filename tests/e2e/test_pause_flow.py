@@ -20,7 +20,7 @@ import pytest
 
 from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, ServerThread, make_team
-from tests.api.test_full_flow import running_worker
+from tests.e2e.test_full_flow import running_worker
 from tests.worker.test_worker import wait_for
 
 pytestmark = pytest.mark.slow

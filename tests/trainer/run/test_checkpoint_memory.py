@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MiB = 1 << 20
 #: Allowance beyond the largest tensor and the device optimizer state: the pickled skeleton, RNG
 #: states, the config files, modules imported and Python objects made while writing.
@@ -90,7 +90,7 @@ def _child(kind: str, out: Path) -> dict[str, int]:
 def _measure(kind: str, tmp: Path) -> dict[str, int]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
     code = (
-        "import json, sys; from pathlib import Path; from tests.trainer.test_checkpoint_memory import _child; "
+        "import json, sys; from pathlib import Path; from tests.trainer.run.test_checkpoint_memory import _child; "
         f"print(json.dumps(_child({kind!r}, Path({str(tmp)!r}))))"
     )
     proc = subprocess.run(

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_cli_nproc import _spec
+from tests.trainer.run.test_cli_nproc import _spec
 from trainer.run.launch import NodeRanks, RankExit, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _env() -> dict[str, str]:
@@ -114,7 +114,7 @@ def test_a_failing_node_stops_the_other_nodes(tmp_path: Path) -> None:
     import json
     import time
 
-    from tests.trainer.test_launch import alive
+    from tests.trainer.run.test_launch import alive
     from trainer.run.launch import EXIT_PEER_LOST
 
     port = str(free_port())

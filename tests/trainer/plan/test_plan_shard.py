@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from contract.engine import EngineRequest
-from tests.trainer.test_plan import LLAMA3_8B, _model_dir, _spec
+from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
 from trainer.plan.gpus import KNOWN_GPUS, GiB, Machine
 from trainer.plan.planner import plan_job
 from trainer.plan.shapes import model_shape
@@ -21,7 +21,7 @@ from trainer.plan.shards import blocks, row_shard, traffic_bytes
 from trainer.resolve import plan_query, plan_spec
 
 #: The issue's must-show: Llama-3-70B's shape as a config.json beside this spec (no weights).
-EXAMPLE_70B = Path(__file__).resolve().parents[2] / "docs" / "examples" / "llama-3-70b-full.yaml"
+EXAMPLE_70B = Path(__file__).resolve().parents[3] / "docs" / "examples" / "llama-3-70b-full.yaml"
 HP = {"batch_size": 16, "max_seq_length": 2048}
 
 

@@ -23,7 +23,7 @@ from trainer.plan.shapes import activation_bytes, model_shape
 from trainer.resolve import Counts, plan_spec, resolve
 from trainer.spec import JobSpec
 
-SAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "samples"
+SAMPLES = Path(__file__).resolve().parents[3] / "trainer" / "samples"
 #: The public Llama-3-8B config.
 LLAMA3_8B = dict(
     hidden_size=4096,

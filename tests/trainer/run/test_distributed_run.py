@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
-from tests.trainer.test_loop import Recorder, arithmetic_file, make_spec
+from tests.trainer.run.test_loop import Recorder, arithmetic_file, make_spec
 from trainer.data.batching import rank_part
 from trainer.run.checkpoint import (
     FINAL_DIR,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.dist_ranks import Job, train_on_ranks
-from tests.trainer.test_distributed_run import STEPS, assert_close, ok, weights
-from tests.trainer.test_fsdp_run import spec
-from tests.trainer.test_loop import arithmetic_file
+from tests.trainer.run.test_distributed_run import STEPS, assert_close, ok, weights
+from tests.trainer.run.test_fsdp_run import spec
+from tests.trainer.run.test_loop import arithmetic_file
 from trainer.run.checkpoint import latest_checkpoint, load_rank_state
 from trainer.run.loop import TrainResult, run_training
 
