@@ -172,7 +172,7 @@ class Claim(enum.StrEnum):
     #: The job is paused (a paused job is never claimed), or was paused now: its pause was pending.
     paused = "paused"
     #: claim_next: only jobs of teams at their max_running_jobs or gpu_hours quota wait (or teams being
-    #: claimed for).
+    #: claimed for), or jobs whose rows another transaction holds at the moment.
     held = "held"
     #: claim_next: no job waits on the queue.
     idle = "idle"
@@ -276,8 +276,9 @@ def claim_next(
     runs which job does not matter. The message's own job comes first only when it is a dead run to
     take over (running on this node, or with a stale heartbeat): that is what :func:`claim` would do.
 
-    Each candidate is locked with ``SKIP LOCKED`` (a job another worker is claiming, or the API is
-    cancelling, is passed over) and re-checked; a team at its ``max_running_jobs`` quota is skipped
+    Each candidate is locked with ``SKIP LOCKED`` and re-checked; one whose row another transaction
+    holds (another worker claiming it, the API cancelling it or stamping its dispatch) makes the
+    outcome ``held`` when nothing else is claimed, so the message is retried rather than consumed; a team at its ``max_running_jobs`` quota is skipped
     under its own row lock (also ``SKIP LOCKED``), so racing claims never exceed it; a team at or over
     its ``gpu_hours`` quota (its running jobs counted so far) is skipped too, its waiting jobs on the
     queue told why once (:func:`_tell_held`). A candidate that turns out cancelled or out of attempts
@@ -353,7 +354,10 @@ def _claim_in_fair_order(
             held = held or job_id
             continue
         job = _locked(session, job_id, skip_locked=True)
-        if job is None or job.status not in PENDING or held_back(job):
+        if job is None:  # its row is another transaction's now (a claim, a cancel, the API's dispatch
+            held = held or job_id  # stamp): re-checked, never passed over with this message consumed
+            continue
+        if job.status not in PENDING or held_back(job):
             continue
         outcome = take(job)
         if outcome in (Claim.claimed, Claim.forming):

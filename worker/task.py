@@ -87,7 +87,8 @@ def node_hostname() -> str | None:
 # --- the task ---------------------------------------------------------------------------------
 
 
-#: While only jobs held back by their team's max_running_jobs quota wait, how often a worker re-checks.
+#: While only held jobs wait (their team at its running quota, their rows locked), how often a worker
+#: re-checks.
 HOLD_POLL_SECONDS = 1.0
 
 
@@ -102,9 +103,9 @@ def claim_next_job(
 def claim_for_message(
     message_job_id: str, hostname: str, settings: Settings, *, queue: str | None = None
 ) -> jobs.NextClaim:
-    """:func:`claim_next_job`, re-checked every second for up to ``quota_hold_seconds`` while only jobs
-    held back by their team's running quota wait; then the message goes back to the queue (for one of
-    them), so the broker keeps one message per queued job."""
+    """:func:`claim_next_job`, re-checked every second for up to ``quota_hold_seconds`` while only held
+    jobs wait (their team at its running quota, or their rows locked by another transaction); then the
+    message goes back to the queue (for one of them), so the broker keeps one message per queued job."""
     deadline = time.monotonic() + settings.quota_hold_seconds
     while True:
         result = claim_next_job(message_job_id, hostname, settings, queue=queue)
