@@ -10,9 +10,8 @@ ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. A missing service skips loca
 Two tiers. ``make test`` (what CI runs) runs everything. ``make test-fast`` (scripts/test-fast.sh, the
 inner loop: under 2 minutes on 2 cores) runs ``-m "not services and not slow"``: the unit tests of every
 package, in this process, with no service reached or started and no rank or script spawned (those are
-``slow``). A test is ``services`` when it needs PostgreSQL or Redis,
-or starts a server or a process of the service (a Celery worker, uvicorn, Prometheus, nginx, a browser,
-a job runner or worker process). :func:`pytest_collection_modifyitems` marks every test that requests
+``slow``). A test is ``services`` when it needs PostgreSQL or Redis, or starts a server or a process
+of the service (a Celery worker, uvicorn, Prometheus, nginx, a browser, a job runner or worker process). :func:`pytest_collection_modifyitems` marks every test that requests
 one of :data:`SERVICE_FIXTURES` (directly or through another fixture), so a new test on those fixtures
 cannot slip into the fast tier; a test that reaches a service another way carries
 ``pytest.mark.services`` itself (its module's ``pytestmark``). test-fast runs with the service URLs
@@ -65,11 +64,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.services)
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
     weight: dict[str, int] = {}
     for item in items:
         tier = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("services") else 2
-        weight[item.nodeid.split("::")[0]] = min(tier, weight.get(item.nodeid.split("::")[0], 2))
-    items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])
+        weight[module(item)] = min(tier, weight.get(module(item), 2))
+    items.sort(key=lambda item: weight[module(item)])
 
 
 @pytest.fixture(scope="session")
