@@ -10,4 +10,4 @@ cd "$(dirname "$0")/.."
 export ZENFLOW_TEST_NO_SERVICES=1
 export ZENFLOW_TEST_POSTGRES_URL="postgresql+psycopg://postgres@127.0.0.1:1/postgres"
 export ZENFLOW_TEST_REDIS_URL="redis://127.0.0.1:1/0"
-exec .venv/bin/python -m pytest -q -n "${ZENFLOW_TEST_WORKERS:-3}" --dist loadfile -m "not services and not slow" "$@"
+exec .venv/bin/python -m pytest -q -n "${ZENFLOW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder -m "not services and not slow" "$@"

@@ -46,4 +46,4 @@ fi
 echo "test-floor: tests/offload on $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)')" >&2
 # the installed build in the tree is for .venv's torch: the floor compiles its own (JIT, tagged by every input)
 ZENFLOW_CPU_ADAM_JIT=1 PYTHONPATH=$PWD exec "$VENV/bin/python" -m pytest -p no:cacheprovider -q \
-  -n "${ZENFLOW_TEST_WORKERS:-3}" --dist loadfile -m "not slow" tests/offload "$@"
+  -n "${ZENFLOW_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder -m "not slow" tests/offload "$@"

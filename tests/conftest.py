@@ -21,6 +21,7 @@ helpers fail the test ("mark it services") instead of connecting.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,23 +57,67 @@ SERVICE_FIXTURES = frozenset(
 )
 
 
+#: Seconds each test module took in ``make test`` on the 2-core CI box (all of its tests, under the
+#: xdist workers), which orders the modules longest first; refreshed with ``--record-module-durations``.
+MODULE_DURATIONS = Path(__file__).with_name("module_durations.json")
+#: A module not in MODULE_DURATIONS is estimated from its tests' tiers: (slow, services, plain) seconds.
+TEST_SECONDS_BY_TIER = (30.0, 1.0, 0.05)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-module-durations",
+        action="store_true",
+        help=f"write each test module's total duration of this run into {MODULE_DURATIONS.name}",
+    )
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def _recorded() -> dict[str, float]:
+    return json.loads(MODULE_DURATIONS.read_text()) if MODULE_DURATIONS.is_file() else {}
+
+
+def _tier(item: pytest.Item) -> int:
+    return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("services") else 2
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``services`` every test that requests a :data:`SERVICE_FIXTURES` fixture; then put the
-    modules with slow tests first, those with service tests next, each module's tests in their order,
-    so that under pytest-xdist (a module per worker at a time) the long modules start early and the
-    run does not end waiting on one of them."""
+    """Mark ``services`` every test that requests a :data:`SERVICE_FIXTURES` fixture; then order the
+    modules longest first (:data:`MODULE_DURATIONS`, else an estimate from their tests' tiers), each
+    module's tests in their order. Under pytest-xdist (``--dist loadfile --no-loadscope-reorder``: a
+    module per worker at a time, in this order) the long modules start early and the run ends on short
+    ones, not waiting on one long module while the other workers idle."""
     for item in items:
         if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.services)
-
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0]
-
-    weight: dict[str, int] = {}
+    recorded = _recorded()
+    estimate: dict[str, float] = {}
     for item in items:
-        tier = 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("services") else 2
-        weight[module(item)] = min(tier, weight.get(module(item), 2))
-    items.sort(key=lambda item: weight[module(item)])
+        module = _module(item.nodeid)
+        estimate[module] = estimate.get(module, 0.0) + TEST_SECONDS_BY_TIER[_tier(item)]
+    seconds = {module: recorded.get(module, guess) for module, guess in estimate.items()}
+    items.sort(key=lambda item: -seconds[_module(item.nodeid)])
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sum each module's setup, call and teardown times (in the xdist controller too: workers send it
+    their reports)."""
+    _durations[_module(report.nodeid)] = _durations.get(_module(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    if not config.getoption("--record-module-durations") or hasattr(config, "workerinput"):
+        return  # asked for, and only in the controller (or a run without workers)
+    recorded = _recorded()
+    recorded.update({module: round(s, 1) for module, s in _durations.items()})
+    MODULE_DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,14 @@ def celery_worker(
     flow_settings: Settings, mlflow_uri: str, tmp_path: Path
 ) -> Iterator[subprocess.Popen[bytes]]:
     with running_worker(
-        flow_settings, tmp_path, "tracking", ZENFLOW_MLFLOW_TRACKING_URI=mlflow_uri, WANDB_MODE="offline"
+        flow_settings,
+        tmp_path,
+        "tracking",
+        ZENFLOW_MLFLOW_TRACKING_URI=mlflow_uri,
+        WANDB_MODE="offline",
+        # the server is up throughout: no request may count it as down because a loaded box (the CI hog)
+        # answered one slower than the product's 5 s
+        ZENFLOW_TRACKING_REQUEST_TIMEOUT_SECONDS="120",
     ) as proc:
         yield proc
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload.dcp_state import join_rows, load_rows, piece_rows, save_rows, split_rows
 from offload.row_recut import cut_rows, to_whole
+from tests.dist_ranks import run_ranks
 from tests.offload.test_row_recut import _equal
 
 # 8 parameters of equal size: the largest is 1/8 of the state, so a rank's half plus one parameter
@@ -50,25 +50,18 @@ def _shapes(mode: str) -> list[list[tuple[int, ...]]]:
 
 
 def _rank(rank: int, world: int, root: str, mode: str, save: bool) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{root}/pg-{world}-{save}", rank=rank, world_size=world
-    )
-    try:
-        group = dist.group.WORLD
-        assert group is not None
-        if save:
-            mine = cut_rows(_whole(mode), rank, world, _shapes(mode))
-            pieces, skeleton = split_rows(mine)
-            save_rows(Path(root) / "engine-dcp", piece_rows(pieces, _shapes(mode)), skeleton, group)
-        else:
-            pieces, skeleton = load_rows(Path(root) / "engine-dcp", rank, world, group)
-            torch.save(
-                {"state": join_rows(skeleton, pieces), "bytes": sum(t.nbytes for t in pieces.values())},
-                Path(root) / f"loaded-{rank}.pt",
-            )
-    finally:
-        dist.destroy_process_group()
+    group = dist.group.WORLD
+    assert group is not None
+    if save:
+        mine = cut_rows(_whole(mode), rank, world, _shapes(mode))
+        pieces, skeleton = split_rows(mine)
+        save_rows(Path(root) / "engine-dcp", piece_rows(pieces, _shapes(mode)), skeleton, group)
+    else:
+        pieces, skeleton = load_rows(Path(root) / "engine-dcp", rank, world, group)
+        torch.save(
+            {"state": join_rows(skeleton, pieces), "bytes": sum(t.nbytes for t in pieces.values())},
+            Path(root) / f"loaded-{rank}.pt",
+        )
 
 
 def _bytes(sd: Any) -> int:
@@ -85,11 +78,10 @@ def _bytes(sd: Any) -> int:
 @pytest.mark.parametrize("mode", ["device", "offload"])
 def test_four_ranks_saved_load_as_two_ranks_rows_and_as_one_whole(mode: str, tmp_path: Path) -> None:
     root = str(tmp_path)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_rank, args=(4, root, mode, True), nprocs=4)
+    run_ranks(_rank, 4, root, mode, True)
     names = sorted(os.listdir(tmp_path / "engine-dcp"))
     assert names == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
-    mp.spawn(_rank, args=(2, root, mode, False), nprocs=2)
+    run_ranks(_rank, 2, root, mode, False)
     whole = _whole(mode)
     every = _bytes(whole)
     largest = every // len(SHAPES)

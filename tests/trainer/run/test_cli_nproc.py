@@ -51,9 +51,12 @@ def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.services  # job processes
-def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    proc = _train(str(_spec(tmp_path)), "--output-dir", str(out), "--nproc", "2", cwd=tmp_path)
+def test_spec_resources_gpus_is_the_default_nproc_and_rank_zero_prints(tmp_path: Path) -> None:
+    """``resources.gpus: 2`` without --nproc launches two ranks, and one of them prints; ``--nproc 1``
+    overrides it."""
+    spec = _spec(tmp_path, gpus=2)
+    out = tmp_path / "two"
+    proc = _train(str(spec), "--output-dir", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines() == [str(out / "final")]  # one rank printed the result
     assert proc.stderr.count("done: 4 steps") == 1 and proc.stderr.count("Training 4 steps") == 1, proc.stderr
@@ -65,17 +68,6 @@ def test_nproc_runs_the_ranks_and_rank_zero_prints(tmp_path: Path) -> None:
         "engine-rank00001-of-00002.safetensors",
     ]  # both ranks trained (each shard: its skeleton and its streamed tensors)
     assert (out / "final" / "model.safetensors").is_file()
-
-
-@pytest.mark.services  # job processes
-def test_spec_resources_gpus_is_the_default_nproc(tmp_path: Path) -> None:
-    """``resources.gpus: 2`` without --nproc launches two ranks; ``--nproc 1`` overrides it."""
-    spec = _spec(tmp_path, gpus=2)
-    proc = _train(str(spec), "--output-dir", str(tmp_path / "two"), "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    events = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    ranks = {e["engine"]["rank"] for e in events if e["type"] == "step"}
-    assert ranks == {0} and [e["engine"]["world_size"] for e in events if e["type"] == "step"] == [2] * 4
     one = _train(str(spec), "--output-dir", str(tmp_path / "one"), "--nproc", "1", "--json", cwd=tmp_path)
     assert one.returncode == 0, one.stderr
     steps = [
@@ -83,7 +75,8 @@ def test_spec_resources_gpus_is_the_default_nproc(tmp_path: Path) -> None:
         for e in map(json.loads, (ln for ln in one.stdout.splitlines() if ln.startswith("{")))
         if e["type"] == "step"
     ]
-    assert steps and {s["engine"]["world_size"] for s in steps} == {1}
+    assert len(steps) == 4 and {(s["engine"]["rank"], s["engine"]["world_size"]) for s in steps} == {(0, 1)}
+    assert not list((tmp_path / "one" / "checkpoint-000004").glob("engine-rank*-of-00002*"))
 
 
 def test_nproc_refuses_more_gpus_than_visible(tmp_path: Path) -> None:
