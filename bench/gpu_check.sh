@@ -30,7 +30,8 @@
 # Environment (defaults below): DEVICE, MODEL_SIZE, STEPS, OFFLOAD_STEPS, WARMUP, BATCH, SEQ, MODES,
 # EXTRA_MODES, CORES_RATIO, TOPK, UPDATE_INTERVAL, DEADLINE, HEADLINE_TIMEOUT, OPS_MODEL_SIZE, OPS_STEPS,
 # OPS_PROFILE_STEPS, GIL_MODEL_SIZE, GIL_STEPS, ADAM_PARAMS, DIST_MODEL, DIST_STEPS, DIST_TIMEOUT,
-# DIST_NPROC, PY (the Python to use).
+# DIST_NPROC, TIME_SCALE (every section's own time limit times this: a slow or loaded machine), PY (the
+# Python to use).
 # Output: OUT (set by the device runner; else runs/gpu_check) receives three files, refreshed after every
 # section so a run cut short keeps what finished: gpu_check_summary.json (every section's document),
 # gpu_check.png (the headline chart, at the end) and gpu_check_logs.tar.gz (each section's JSON and log).
@@ -72,6 +73,7 @@ CORES_RATIO=${CORES_RATIO:-0.75}
 TOPK=${TOPK:-0.1}
 UPDATE_INTERVAL=${UPDATE_INTERVAL:-4}
 DEADLINE=${DEADLINE:-520}
+TIME_SCALE=${TIME_SCALE:-1}
 HEADLINE_TIMEOUT=${HEADLINE_TIMEOUT:-260}
 OPS_MODEL_SIZE=${OPS_MODEL_SIZE:-deep}
 OPS_STEPS=${OPS_STEPS:-24}
@@ -91,7 +93,8 @@ WORK=${WORK:-$(mktemp -d /tmp/zf-gpu-check.XXXXXX)}
 mkdir -p "$WORK"
 export PYTHONUNBUFFERED=1
 elapsed() { echo $(( $(date +%s) - T_START )); }
-left() { local l=$(( DEADLINE - $(elapsed) )); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+# a step's time limit (seconds, times TIME_SCALE), cut to what is left before DEADLINE
+left() { local want=$(( $1 * TIME_SCALE )) l=$(( DEADLINE - $(elapsed) )); [ "$l" -lt "$want" ] && echo "$l" || echo "$want"; }
 publish() {  # the summary so far and the sections' files, into OUTDIR
   "$PY" -m bench.gpu_report --out "$WORK" --quiet --no-chart >/dev/null 2>&1 || true
   copy_out

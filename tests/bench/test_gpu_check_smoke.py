@@ -21,7 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ["zenflow", "device", "offload", "zenflow-dacc"]
 
-pytestmark = pytest.mark.timeout(660)
+#: The script's own bound here; the run waits a minute longer, the test a minute more.
+DEADLINE = 1500
+pytestmark = pytest.mark.timeout(DEADLINE + 120)
 
 
 @pytest.mark.slow
@@ -42,7 +44,11 @@ def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) ->
         "GIL_MODEL_SIZE": "tiny",
         "GIL_STEPS": "3",
         "ADAM_PARAMS": "200000",
-        "DEADLINE": "540",  # the script's own bound; the run below waits a minute longer
+        # The GPU machine's bounds (9 minutes, each section's limit) are not this test's: on a 2-core box
+        # beside the suite's other heavy modules and a CPU hog the tiny run takes several times its quiet
+        # 90 s, and a section cut by a bound would fail the test for the box's load, not the script.
+        "DEADLINE": str(DEADLINE),
+        "TIME_SCALE": "8",
         "WORK": str(work),
         "OUT": str(out),
         "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}",
@@ -53,7 +59,7 @@ def test_gpu_check_script_runs_on_cpu_and_writes_the_document(tmp_path: Path) ->
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=DEADLINE + 60,
     )
     stdout = proc.stdout
     assert proc.returncode == 0, stdout[-3000:] + proc.stderr[-3000:]
