@@ -141,8 +141,8 @@ def stop_process_group(proc: subprocess.Popen[bytes], *, grace: float = 60.0) ->
 
 def startup_seconds() -> float:
     """Wall seconds, measured now, to start a Python process that imports the job runner: what a worker
-    does for every job it claims, and a gauge of how slow this machine is at the moment (about 0.6 s on
-    a quiet 2-core box, 3.5 s with 16 CPU hogs on it)."""
+    does for every job it claims, and a gauge of how slow this machine is at the moment (about 1.7 s on
+    a quiet 2-core box, several times that under load)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
     t = time.monotonic()
     subprocess.run(
