@@ -276,14 +276,14 @@ def claim_next(
     runs which job does not matter. The message's own job comes first only when it is a dead run to
     take over (running on this node, or with a stale heartbeat): that is what :func:`claim` would do.
 
-    Each candidate is locked with ``SKIP LOCKED`` and re-checked; one whose row another transaction
-    holds (another worker claiming it, the API cancelling it or stamping its dispatch) makes the
-    outcome ``held`` when nothing else is claimed, so the message is retried rather than consumed; a
-    team at its ``max_running_jobs`` quota is skipped under its own row lock (also ``SKIP LOCKED``),
-    so racing claims never exceed it; a team at or over
-    its ``gpu_hours`` quota (its running jobs counted so far) is skipped too, its waiting jobs on the
-    queue told why once (:func:`_tell_held`). A candidate that turns out cancelled or out of attempts
-    is settled and the next one tried. The queue is the message's job's, else ``queue``.
+    Each candidate is locked with ``SKIP LOCKED`` and re-checked; one whose row another transaction holds
+    (another worker claiming it, the API cancelling it or stamping its dispatch) makes the outcome
+    ``held`` when nothing else is claimed, so the message is retried rather than consumed; a team at its
+    ``max_running_jobs`` quota is skipped under its own row lock (also ``SKIP LOCKED``), so racing claims
+    never exceed it; a team at or over its ``gpu_hours`` quota (its running jobs counted so far) is
+    skipped too, its waiting jobs on the queue told why once (:func:`_tell_held`). A candidate that turns
+    out cancelled or out of attempts is settled and the next one tried. The queue is the message's job's,
+    else ``queue``.
 
     ``take`` (default :func:`claim` here) decides for each locked candidate; store.gang passes one that
     opens a gang for a multi-node job (``forming``) and skips a gang already forming.

@@ -10,13 +10,14 @@ ZENFLOW_TEST_POSTGRES_URL / ZENFLOW_TEST_REDIS_URL. A missing service skips loca
 Two tiers. ``make test`` (what CI runs) runs everything. ``make test-fast`` (scripts/test-fast.sh, the
 inner loop: under 2 minutes on 2 cores) runs ``-m "not services and not slow"``: the unit tests of every
 package, in this process, with no service reached or started and no rank or script spawned (those are
-``slow``). A test is ``services`` when it needs PostgreSQL or Redis, or starts a server or a process
-of the service (a Celery worker, uvicorn, Prometheus, nginx, a browser, a job runner or worker process). :func:`pytest_collection_modifyitems` marks every test that requests
-one of :data:`SERVICE_FIXTURES` (directly or through another fixture), so a new test on those fixtures
-cannot slip into the fast tier; a test that reaches a service another way carries
-``pytest.mark.services`` itself (its module's ``pytestmark``). test-fast runs with the service URLs
-pointing at a closed port and ``ZENFLOW_TEST_NO_SERVICES=1``, under which tests/support.py's service
-helpers fail the test ("mark it services") instead of connecting.
+``slow``). A test is ``services`` when it needs PostgreSQL or Redis, or starts a server or a process of
+the service (a Celery worker, uvicorn, Prometheus, nginx, a browser, a job runner or worker process).
+:func:`pytest_collection_modifyitems` marks every test that requests one of :data:`SERVICE_FIXTURES`
+(directly or through another fixture), so a new test on those fixtures cannot slip into the fast tier; a
+test that reaches a service another way carries ``pytest.mark.services`` itself (its module's
+``pytestmark``). test-fast runs with the service URLs pointing at a closed port and
+``ZENFLOW_TEST_NO_SERVICES=1``, under which tests/support.py's service helpers fail the test ("mark it
+services") instead of connecting.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ _durations: dict[str, float] = {}
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Sum each module's setup, call and teardown times (in the xdist controller too: workers send it
     their reports)."""
-    _durations[_module(report.nodeid)] = _durations.get(_module(report.nodeid), 0.0) + report.duration
+    module = _module(report.nodeid)
+    _durations[module] = _durations.get(module, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
