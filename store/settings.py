@@ -6,7 +6,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -109,6 +109,10 @@ class Settings(BaseSettings):
     gpus_per_job: int = Field(1, ge=1, le=64)
     #: A worker without GPUs may run a multi-rank job as gloo ranks on the CPU (demo and tests).
     cpu_ranks: bool = False
+    #: Whether a job's ranks fork from the worker's process template (trainer.run.template: torch and
+    #: the trainer imported once) instead of each importing them anew: "auto" on workers without GPUs,
+    #: where the import is a large part of a job; GPU ranks only with "on" (not yet checked on a GPU).
+    process_template: Literal["auto", "on", "off"] = "auto"
     #: A registered worker counts for admission while its heartbeat (refreshed every
     #: heartbeat_interval_seconds) is at most this old.
     worker_live_seconds: float = Field(60.0, gt=0)

@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from store.settings import Settings, get_settings
-from worker import hooks, task
+from worker import hooks, rank_template, task
 from worker.broker import celery_app, configure_celery, queue_for_gpus
 from worker.capacity.presence import WorkerPresence, start_presence
 from worker.reaper import ReaperThread, start_reaper_thread
@@ -52,6 +52,7 @@ class EmbeddedWorker:
             task.set_node_hostname(None)
         if self.presence is not None:
             self.presence.stop()
+        rank_template.close()
 
 
 def embedded_queues(settings: Settings) -> list[str]:

@@ -16,7 +16,7 @@ from celery import signals
 
 from offload.config import check_tuning
 from store.settings import get_settings
-from worker import task
+from worker import rank_template, task
 from worker.capacity.presence import WorkerPresence, start_presence
 from worker.metrics.server import serve_worker_metrics
 from worker.reaper import ReaperThread, start_reaper_thread
@@ -73,6 +73,7 @@ def _consumed_queues(consumer: Any) -> list[str]:
 def _on_worker_shutdown(**_: Any) -> None:
     if _presence is not None:
         _presence.stop()
+    rank_template.close()
 
 
 def _on_worker_shutting_down(**_: Any) -> None:

@@ -55,6 +55,7 @@ from store.orm import FineTuningJob, JobRun, JobStatus
 from store.settings import Settings, get_settings
 from trainer.run.launch import TERM_GRACE_SECONDS, NodeRanks
 from worker import gang as gang_worker
+from worker import rank_template
 from worker.broker import TASK_NAME, celery_app, enqueue_job, queue_for_gpus
 from worker.dispatch import dispatch_job
 from worker.errors import public_message
@@ -236,6 +237,7 @@ def rank_launch(
     the cores each) on a worker without GPUs. One rendezvous id per run; a gang member's ranks join its
     gang's rendezvous (node 0's endpoint, the attempt's id) as node ``node_rank`` of ``nodes``."""
     devices = worker_devices() if devices is None else devices
+    env = rank_template.with_template(child_env(settings, hostname), settings, gpus=bool(devices))
     return NodeRanks(
         [sys.executable, "-m", JOB_RUNNER_MODULE, job_id],
         nproc_per_node=ranks,
@@ -245,7 +247,7 @@ def rank_launch(
         local_addr=(settings.worker_address or None) if gang else None,
         run_id=gang.run_id if gang else f"{job_id}-{uuid.uuid4().hex[:12]}",
         devices=devices[:ranks] if devices else None,
-        env=child_env(settings, hostname),
+        env=env,
         term_grace=TERM_GRACE_SECONDS,
     )
 
@@ -349,7 +351,7 @@ class _Supervision:
             end = self.group.wait(timeout=_POLL_SECONDS)
         except subprocess.TimeoutExpired:
             return None
-        for pid in self.group.pids:
+        for pid in self.group.run_pids:  # the processes that ran the runner (forked ones included)
             _report_exit(pid)
         if end.rank is not None and ranks > 1:
             log.warning(

@@ -90,7 +90,12 @@ def test_mlflow_and_wandb_runs_of_a_job(
 
     from worker.job.runner import run_job_process
 
-    settings = _settings(tracking_env, ZENFLOW_MLFLOW_TRACKING_URI=mlflow_server)
+    settings = _settings(
+        tracking_env,
+        ZENFLOW_MLFLOW_TRACKING_URI=mlflow_server,
+        # the server answers; on a loaded box a request may take longer than the 5 s default
+        ZENFLOW_TRACKING_REQUEST_TIMEOUT_SECONDS="120",
+    )
     url = settings.resolved_database_url
     experiment = f"zf-test-{secrets.token_hex(4)}"
     integrations = [

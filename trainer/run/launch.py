@@ -118,11 +118,17 @@ class AgentConfig:
     monitor_interval: float = 0.1
 
 
-def read_pids(rank_dir: str | os.PathLike[str]) -> dict[int, int]:
-    """{global rank: pid} of the ranks the wrapper has started in ``rank_dir``."""
+#: The suffix of a rank's second pid file: the process that runs its command, where that is not the
+#: rank's own (forked by the process template, :mod:`trainer.run.template`).
+RUN_PID_SUFFIX = "run"
+
+
+def read_pids(rank_dir: str | os.PathLike[str], suffix: str = "pid") -> dict[int, int]:
+    """{global rank: pid} of the ranks the wrapper has started in ``rank_dir`` (``suffix`` "run": of
+    the processes forked to run their commands)."""
     out: dict[int, int] = {}
     with contextlib.suppress(OSError):
-        for f in Path(rank_dir).glob("*.pid"):
+        for f in Path(rank_dir).glob(f"*.{suffix}"):
             with contextlib.suppress(OSError, ValueError):
                 out[int(f.stem)] = int(f.read_text())
     return out
@@ -186,6 +192,7 @@ class NodeRanks:
         self.stdout, self.stderr = stdout, stderr
         self.proc: subprocess.Popen[bytes] | None = None
         self._pids: dict[int, int] = {}
+        self._run_pids: dict[int, int] = {}
         self._exit: RankExit | None = None
 
     @property
@@ -194,6 +201,19 @@ class NodeRanks:
         if self._exit is None:
             self._pids.update(read_pids(self.env[RANK_DIR_ENV]))
         return [self._pids[r] for r in sorted(self._pids)]
+
+    @property
+    def run_pids(self) -> list[int]:
+        """The pids of the processes that run the ranks' command, by global rank: a rank's own pid, or
+        the one the process template forked for it (what its metrics are filed under)."""
+        if self._exit is None:
+            self._run_pids.update(read_pids(self.env[RANK_DIR_ENV], RUN_PID_SUFFIX))
+        pids = self.pids
+        return [self._run_pids.get(r, pid) for r, pid in zip(sorted(self._pids), pids, strict=True)]
+
+    def _groups(self) -> set[int]:
+        """Every rank's process group: its own and, forked by the template, its command's."""
+        return set(self.pids) | set(self.run_pids)
 
     @property
     def agent_pid(self) -> int | None:
@@ -229,7 +249,7 @@ class NodeRanks:
 
     def kill(self) -> None:
         """SIGKILL every rank (and its process group: what it started) and the agent."""
-        for pid in self.pids:
+        for pid in self._groups():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         if self.alive():
@@ -245,13 +265,13 @@ class NodeRanks:
         if self.proc is None:
             raise RuntimeError("not started")
         rc = self.proc.wait(timeout)
-        self.pids  # noqa: B018  (the last look at the pid files)
+        groups = self._groups()  # the last look at the pid files
         try:
             result = json.loads(Path(self.config.result).read_text())
             self._exit = RankExit(int(result["code"]), result.get("rank"))
         except (OSError, ValueError, KeyError, TypeError):  # the agent died before it could say
             self._exit = RankExit(rc if rc != 0 else 1)
-        for pid in self._pids.values():  # anything the ranks left behind in their process groups
+        for pid in groups:  # anything the ranks left behind in their process groups
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,5 +1,6 @@
 """One rank's wrapper: ``python -m trainer.run.rank_entry CMD...``, started by the elastic agent of
-:mod:`trainer.run.agent` with the rank's ``env://`` variables, then replaced by ``CMD`` (exec: same pid).
+:mod:`trainer.run.agent` with the rank's ``env://`` variables, then replaced by ``CMD`` (exec: same pid),
+or, where a process template serves ``CMD`` (:mod:`trainer.run.template`), its stand-in.
 
 Before the exec it does what the agent does not: ties the rank to the agent (``PR_SET_PDEATHSIG``: a
 killed agent takes its ranks with it, and a killed worker its agent), records the rank's pid for the
@@ -15,7 +16,15 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.run.launch import AGENT_PID_ENV, CPU_SHARE_ENV, RANK_DIR_ENV, cpu_share, die_with_parent
+from trainer.run.launch import (
+    AGENT_PID_ENV,
+    CPU_SHARE_ENV,
+    RANK_DIR_ENV,
+    RUN_PID_SUFFIX,
+    cpu_share,
+    die_with_parent,
+)
+from trainer.run.template import run_forked
 
 
 def prepare(env: dict[str, str]) -> None:
@@ -43,13 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if agent:
         die_with_parent(int(agent))
     rank_dir = env.get(RANK_DIR_ENV)
+    rank = env.get("RANK", "0")
     if rank_dir:
-        tmp = Path(rank_dir) / f".{env.get('RANK', '0')}.tmp"
+        tmp = Path(rank_dir) / f".{rank}.tmp"
         tmp.write_text(str(os.getpid()))
-        tmp.replace(Path(rank_dir) / f"{env.get('RANK', '0')}.pid")
+        tmp.replace(Path(rank_dir) / f"{rank}.pid")
     prepare(env)
     sys.stdout.flush()
-    os.execvpe(cmd[0], cmd, env)
+    run_forked(cmd, env, pid_file=str(Path(rank_dir) / f"{rank}.{RUN_PID_SUFFIX}") if rank_dir else None)
+    os.execvpe(cmd[0], cmd, env)  # no process template serves this command
     return 127  # not reached
 
 
