@@ -1,5 +1,5 @@
-"""This worker's process template (:mod:`trainer.run.template`): the process its jobs' ranks fork from
-instead of importing torch, transformers and the trainer each time.
+"""This worker's process template (:mod:`trainer.run.template`): the process its jobs' agents and ranks
+fork from instead of importing torch, transformers and the trainer each time.
 
 Started at the first job that may use it (``Settings.process_template``) in that job's environment,
 kept for the next ones, and started anew when a job's environment differs in what a rank imports in
@@ -16,13 +16,15 @@ from trainer.run.template import TEMPLATE_ENV, ProcessTemplate
 from worker.job.runner import JOB_RUNNER_MODULE
 from worker.metrics.server import job_process_exited
 
-#: What a job's runner imports that is worth importing once: torch and its distributed and FSDP parts,
-#: transformers' model code, peft, the training loop, and the runner itself (forgotten again after its
-#: imports, so that each rank runs it as ``__main__``).
+#: What a job's agent and runner import that is worth importing once: torch and its distributed, FSDP
+#: and elastic parts, transformers' model code, peft, the training loop, the agent and the runner (each
+#: run afresh as ``__main__`` in the process forked for it).
 PRELOAD = (
     "torch",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
+    "torch.distributed.launcher.api",
+    "trainer.run.agent",
     "transformers.modeling_utils",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen2.modeling_qwen2",

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from trainer.run.template import TEMPLATE_ENV
+
 #: Rank 0's exit when its collective broke because another rank died: never the group's cause while
 #: another rank failed on its own (the agent may see both in one round).
 EXIT_PEER_LOST = 76
@@ -220,13 +222,17 @@ class NodeRanks:
         return self.proc.pid if self.proc is not None else None
 
     def start(self) -> NodeRanks:
-        """Start the agent (in its own process group, dying with the calling thread)."""
+        """Start the agent (in its own process group, dying with the calling thread; forked from the
+        process template where ``env`` names one)."""
         os.makedirs(self.env[RANK_DIR_ENV], exist_ok=True)
         cfg = os.path.join(self.dir, "config.json")
         Path(cfg).write_text(json.dumps(asdict(self.config)))
         parent = os.getpid()
+        agent = [sys.executable, "-m", "trainer.run.agent", cfg]
+        if self.env.get(TEMPLATE_ENV):  # forked from the process template, trainer.run.stand_in for it
+            agent = [sys.executable, "-m", "trainer.run.stand_in", *agent]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.run.agent", cfg],
+            agent,
             env=self.env,
             stdout=self.stdout,
             stderr=self.stderr,

@@ -16,6 +16,7 @@ print(
             "argv": sys.argv,
             "env": os.environ.get("ZENFLOW_TEMPLATE_PROBE"),
             "rank": os.environ.get("RANK"),
+            "agent": os.environ.get("ZENFLOW_AGENT_PID"),
             "cwd": os.getcwd(),
             "main": __name__,
             "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,

@@ -153,8 +153,9 @@ def test_another_environment_starts_a_new_interpreter(template: ProcessTemplate,
 
 
 def test_ranks_under_the_agent_fork_from_the_template(template: ProcessTemplate, tmp_path: Path) -> None:
-    """Two ranks whose command exits 4: the group's code is 4; both ran forked (their run pids are the
-    template's children, beside the ranks the agent started)."""
+    """Two ranks whose command exits 4: the group's code is 4; the agent and both ranks ran forked (the
+    ranks' run pids are the template's children, beside the ranks the agent started; the agent's pid is
+    not its stand-in's, which an exec would have kept)."""
     out = tmp_path / "out.txt"
     with (
         out.open("w") as log,
@@ -171,9 +172,10 @@ def test_ranks_under_the_agent_fork_from_the_template(template: ProcessTemplate,
         g.start()
         end = g.wait(timeout=60 + 4 * startup_seconds())
         assert isinstance(end, RankExit) and end.code == 4 and end.rank in (0, 1), out.read_text()
-        run_pids, rank_pids = g.run_pids, g.pids
+        run_pids, rank_pids, stand_in_pid = g.run_pids, g.pids, g.agent_pid
     seen = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     assert template.proc is not None
     assert sorted(s["rank"] for s in seen) == ["0", "1"]
     assert all(s["ppid"] == template.proc.pid for s in seen), seen
     assert sorted(run_pids) == sorted(s["pid"] for s in seen) and not set(run_pids) & set(rank_pids)
+    assert {s["agent"] for s in seen} != {str(stand_in_pid)} and len({s["agent"] for s in seen}) == 1
