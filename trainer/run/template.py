@@ -1,6 +1,7 @@
-"""The process template: a process that imported what a job's ranks import (torch, transformers, the
-trainer: seconds of CPU each time a fresh interpreter does it) once, and forks each rank's
-``python -m MODULE ARGS`` from itself, so a rank starts in milliseconds instead.
+"""The process template: a process that imported what a job's ranks and agent import (torch,
+transformers, the trainer: seconds of CPU each time a fresh interpreter does it) once, and forks each
+rank's ``python -m MODULE ARGS`` from itself, so a rank starts in milliseconds instead (the agent too,
+behind :mod:`trainer.run.stand_in`).
 
 A worker starts one (:class:`ProcessTemplate`, in the worker's environment) and names its socket to its
 ranks (``ZENFLOW_TEMPLATE_SOCKET``). The process the elastic agent starts for a rank,
@@ -12,12 +13,13 @@ forwards every signal it gets to the child and exits as the child did (its code,
 signal), so the agent sees the rank as if it had exec'd; the child dies with the template
 (``PR_SET_PDEATHSIG``), and the template kills a child whose stand-in has gone (its connection closed:
 the agent's SIGKILL, the worker's). Where the template cannot serve (none named, not ready, gone, or a
-command that is not ``python -m`` of its own interpreter) the stand-in execs as before.
+command that is not ``python -m`` of its own interpreter, an environment that differs from the
+template's in more than :data:`PER_RANK_VARS`) the stand-in execs as before.
 
 What a fork keeps from the template that a fresh interpreter would decide anew, and how each is made
 right in the child: the environment (replaced by the stand-in's before the module runs; what a module
 read from it at import is the worker's, the same for every rank but the per-rank variables, which
-nothing the template imports reads at import), intra-op threads (``torch.set_num_threads`` from
+nothing the template imports reads at import; ``store.settings``' cache is cleared), intra-op threads (``torch.set_num_threads`` from
 ``OMP_NUM_THREADS``, else the affinity's CPUs), cached CUDA device counts (cleared: the rank's
 ``CUDA_VISIBLE_DEVICES`` differs from the worker's); CUDA itself is never initialised in the template
 (``PYTORCH_NVML_BASED_CUDA_CHECK``, checked after the preload, which also checks that the template
@@ -327,6 +329,8 @@ class _Server:
                 os.close(fd)
             conn.close()
             return
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # nothing of the template's own output is written again by a child
         pid = os.fork()
         if pid == 0:
             _become(request, fds, self._own_fds(conn))
