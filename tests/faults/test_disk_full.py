@@ -20,6 +20,7 @@ import errno
 import hashlib
 import itertools
 import os
+import re
 import subprocess
 import uuid
 from datetime import timedelta
@@ -107,7 +108,9 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
             0
         ]
         filler = fill(jobs_dir)
-        before = digest(first.path)
+        # the job may have completed another checkpoint since the poll saw the first: what it keeps is
+        # the newest complete one as the disk filled, named by its message below
+        before = {ck.path.name: digest(ck.path) for ck in list_checkpoints(out)}
         assert st.job(job_id).status == "running"
 
         def waiting() -> list[Any]:
@@ -116,15 +119,18 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
         held = wait_until(waiting, 300, "the disk-full re-queue", interval=0.2)[0]
         assert held.message.startswith("No space left while writing checkpoint ")
         assert "(disk-full re-queue 1/5; attempts are not counted)" in held.message
-        assert f"the previous checkpoint {first.path.name} (step {first.step}) is kept" in held.message
+        said = re.search(r"the previous checkpoint (checkpoint-\d+) \(step (\d+)\) is kept", held.message)
+        assert said, held.message
+        kept = next(ck for ck in list_checkpoints(out) if ck.path.name == said[1])
+        assert kept.step == int(said[2]) >= first.step
         step = int(held.message.split()[6].rstrip(";"))
-        assert step > first.step
+        assert step > kept.step
         # queued at once, in the same transaction: not held running while it waits
         events = st.events(job_id)
         requeued = events[[e.id for e in events].index(held.id) + 1]
         assert requeued.message == (
             f"No space left while writing checkpoint {step} (disk-full re-queue 1/5); re-queued to resume "
-            f"from step {first.step}"
+            f"from step {kept.step}"
         )
         assert requeued.data["status"] == "queued"
         job = st.job(job_id)
@@ -137,12 +143,12 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
         ]
 
         # the previous checkpoint is intact and still resumable; no half-written one is left
-        assert first.path.is_dir() and is_complete(first.path)
-        assert digest(first.path) == before
-        assert [ck.step for ck in list_checkpoints(out)][-1] == first.step
+        assert kept.path.is_dir() and is_complete(kept.path)
+        assert digest(kept.path) == before[kept.path.name]
+        assert [ck.step for ck in list_checkpoints(out)][-1] == kept.step
         assert not [p.name for p in out.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
-        assert load_training_state(first.path) is not None
-        assert job.last_checkpoint_path and Path(job.last_checkpoint_path).name == first.path.name
+        assert load_training_state(kept.path) is not None
+        assert job.last_checkpoint_path and Path(job.last_checkpoint_path).name == kept.path.name
 
         # space back: the job resumes from that checkpoint and succeeds, its attempt never counted
         filler.unlink()
@@ -150,7 +156,7 @@ def test_disk_full_while_checkpointing(tmp_path: Path) -> None:
         msgs = [e.message for e in st.events(job_id)]
         assert job.status == "succeeded", (job.status, job.error, msgs[-8:])
         assert job.attempts == 1 and job.error is None
-        assert f"Training resumed at step {first.step}" in " | ".join(msgs)
+        assert f"Training resumed at step {kept.step}" in " | ".join(msgs)
         # the GPU-seconds billed: the runs only, none of the waits between them
         with st.session() as s:
             runs = s.scalars(select(JobRun).where(JobRun.job_id == job_id).order_by(JobRun.started_at)).all()

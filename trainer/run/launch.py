@@ -21,7 +21,6 @@ Used by the worker (:mod:`worker.task`) and by ``zenflow train --nproc N``. Impo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from trainer.run.template import TEMPLATE_ENV
+from trainer.run.template import TEMPLATE_ENV, die_with_parent
 
 #: Rank 0's exit when its collective broke because another rank died: never the group's cause while
 #: another rank failed on its own (the agent may see both in one round).
@@ -52,7 +51,6 @@ RANK_DIR_ENV = "ZENFLOW_RANK_DIR"
 AGENT_PID_ENV = "ZENFLOW_AGENT_PID"
 #: Signals to the agent process that it forwards to its ranks (its own SIGTERM/SIGINT stop them).
 FORWARD_SIGNALS = {signal.SIGTERM: signal.SIGUSR1, signal.SIGINT: signal.SIGUSR2}
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,15 +79,6 @@ def cpu_share(rank: int, world: int, cpus: Sequence[int] | None = None) -> list[
     base, extra = divmod(len(pool), world)
     start = rank * base + min(rank, extra)
     return pool[start : start + base + (1 if rank < extra else 0)]
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when its parent (thread) dies; exit at once if it already has."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,8 @@ from trainer.run.launch import (
     RANK_DIR_ENV,
     RUN_PID_SUFFIX,
     cpu_share,
-    die_with_parent,
 )
-from trainer.run.template import run_forked
+from trainer.run.template import die_with_parent, run_forked
 
 
 def prepare(env: dict[str, str]) -> None:

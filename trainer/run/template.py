@@ -30,6 +30,7 @@ forked child; the exit runs non-daemon threads' joins and ``atexit`` as an inter
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -89,6 +90,15 @@ PER_RANK_PREFIXES = ("TORCHELASTIC_", "ZENFLOW_")
 _HEADER = struct.Struct("!I")
 _MAX_REQUEST_BYTES = 64 << 20
 _PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent (thread) dies; exit at once if it already has."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
 
 @dataclass
@@ -393,8 +403,6 @@ def _become(request: Request, fds: list[int], template_fds: list[int]) -> NoRetu
 
 
 def _take_on(request: Request, fds: list[int], template_fds: list[int]) -> None:
-    from trainer.run.launch import die_with_parent
-
     signal.set_wakeup_fd(-1)
     for sig in (*FORWARDED, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -517,8 +525,6 @@ class ProcessTemplate:
 
     def start(self, env: Mapping[str, str]) -> ProcessTemplate:
         """Start it in ``env`` (what its ranks' environments must match but for PER_RANK_VARS)."""
-        from trainer.run.launch import die_with_parent
-
         parent = os.getpid()
         self.env = import_env(env)
         self.proc = subprocess.Popen(
