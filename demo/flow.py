@@ -25,8 +25,11 @@ BASE_MODEL = "docs-llama"
 N_EPOCHS = 12
 #: Base learning rate of a local base is 1e-5 (trainer.model.catalog); this small one learns at 3e-3.
 LR_MULTIPLIER = 300.0
-#: Asked before and after fine-tuning: the first as in the training file less its system prompt, the
-#: second in the validation file's wording (never trained on).
+#: Asked before and after fine-tuning, with the system prompt of the training file's examples that have
+#: one: the first as in the training file, the second in the validation file's wording (never trained on).
+#: Without the system prompt the first is off the training distribution too, and whether a model this
+#: small still answers it depends on the CPU's float rounding (AVX2 and AVX-512 kernels train it apart).
+SYSTEM_PROMPT = "You are a concise geography assistant."
 QUESTIONS = ("What is the capital of France?", "Name the capital of Japan.")
 
 
@@ -167,7 +170,7 @@ def chat(client: OpenAI, model: str, question: str) -> str:
     """Ask ``model`` one question through the chat completions endpoint, streamed; the answer."""
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": question}],
+        messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
         max_tokens=48,  # byte-level tokens: one per character
         temperature=0,
         stream=True,

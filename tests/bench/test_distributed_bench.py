@@ -36,7 +36,11 @@ FIELDS = (
     "metrics_world_size",
 )
 
-pytestmark = pytest.mark.timeout(240)
+#: The benchmark's own bound (each of its processes) and, a minute later, the test's: they catch a hang,
+#: not a slow run. Six processes each importing torch and transformers take 200 s and more on a 2-core
+#: AVX2 box beside the suite's other modules and a CPU hog.
+DEADLINE = 900
+pytestmark = pytest.mark.timeout(DEADLINE + 120)
 
 
 @pytest.mark.slow
@@ -53,13 +57,13 @@ def test_quick_two_rank_run_matches_one_process_with_half_the_host_state() -> No
             "--device",
             "cpu",
             "--timeout",
-            "150",
+            str(DEADLINE),
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=DEADLINE + 60,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
