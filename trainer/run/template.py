@@ -35,6 +35,7 @@ import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -557,8 +558,6 @@ class ProcessTemplate:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
-        import shutil
-
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
