@@ -34,6 +34,8 @@ ADAPTER_DIR = "adapter"
 MAX_ROOT_DEPTH = 3
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+#: The longest folder name a filesystem takes (Linux's NAME_MAX, in bytes; a name's characters are ASCII).
+NAME_MAX = 255
 _PART_CHARS = 64
 
 
@@ -47,8 +49,14 @@ def id_part(text: str | None) -> str:
 
 
 def is_safe_name(name: str) -> bool:
-    """Whether ``name`` is a relative folder name that cannot leave a root (no ``..``, no absolute path)."""
-    return bool(name) and all(_SEGMENT.match(seg) and seg not in (".", "..") for seg in name.split("/"))
+    """Whether ``name`` can be a base model's folder under a root: at most :data:`MAX_ROOT_DEPTH` segments
+    (where :func:`base_models` looks), each a folder name a filesystem takes, none leaving the root."""
+    segments = name.split("/")
+    return (
+        bool(name)
+        and len(segments) <= MAX_ROOT_DEPTH
+        and all(_SEGMENT.match(seg) and len(seg) <= NAME_MAX and seg not in (".", "..") for seg in segments)
+    )
 
 
 def base_model_dir(roots: Sequence[Path], name: str) -> Path | None:

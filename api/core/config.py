@@ -72,6 +72,10 @@ class ApiSettings(BaseSettings):
     #: Choices (rows) decoded together in one forward pass per model; a request's choices beyond the
     #: room left join as rows finish.
     inference_batch_rows: int = Field(16, ge=1, le=1024)
+    #: How long a decode thread stays on one model while another model waits for a thread (its batch
+    #: parked, resumed at its next turn; api.inference.batcher): what a request to another model waits
+    #: per model ahead of it.
+    inference_slice_seconds: float = Field(0.2, gt=0, le=60)
     #: ``Retry-After`` of that 429.
     inference_retry_after_seconds: float = Field(2.0, gt=0)
     #: Per request: prompts in a ``/v1/completions`` list, tokens of one prompt (chat: the rendered

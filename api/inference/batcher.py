@@ -2,14 +2,21 @@
 for that model decoded together (``api.inference.generation.Batch``).
 
 A prepared request (:class:`Work`: its model loaded, its prompts encoded and checked) waits in its
-model's queue. A free thread takes a model with waiting requests that no other thread decodes, starts
-a batch with as many of their choices as ``batch_rows`` allows and steps it; before every step, requests
-that arrived for the same model meanwhile join it (their choices prefilled and appended), as long as
-room is left and no other model is waiting for a thread. Rows are handed out fairly: a team with fewer
-rows in the batch goes first, then arrival order. A request with more choices than fit waits for room
-for the rest. Before every step each request in the batch is checked for its client having gone or its
-deadline having passed: its rows leave the batch, the others go on. When the batch runs dry the thread
-looks for the next model.
+model's queue. A free thread takes a model with waiting requests (or a parked batch) that no other
+thread decodes, starts a batch with as many of their choices as ``batch_rows`` allows (or resumes the
+parked one) and steps it; before every step, requests that arrived for the same model meanwhile join it
+(their choices prefilled and appended) as long as room is left. Rows are handed out fairly: a team
+with fewer rows in the batch goes first, then arrival order. A request with more choices than fit
+waits for room for the rest. Before every step each request in the batch is checked for its client
+having gone or its deadline having passed: its rows leave the batch, the others go on.
+
+Time is shared across models by slices: once a thread has decoded a model for ``slice_seconds`` and
+another model waits with no thread free for it, the batch is parked as it is (rows, KV cache: nothing
+is copied) and the thread takes the next model; the parked batch resumes, on whichever thread, when
+its turn comes again. The next model is chosen by team first: the model of the team served longest
+ago (a model counts as serving every team with a request in its queue or its batch), then the model
+waiting longest. So a request to another model waits at most about a slice per model ahead of it, not
+for a flood's whole generation; a batch that runs dry leaves its model at once.
 
 A request reports to its :class:`~api.inference.generation_pool.Ticket`: one batch of events per step
 (one wake-up of the event loop, not one per token), its finish, and the metrics of the tokens computed.
@@ -122,16 +129,32 @@ class Work:
             self.on_done(self)
 
 
+#: How long a thread decodes one model before it lets a waiting model have its turn.
+SLICE_SECONDS = 0.2
+
+
+@dataclass(eq=False)
+class _Parked:
+    """A model's batch set aside, as it was, for another model's turn."""
+
+    batch: Batch
+    works: dict[int, Work]
+    since: float
+
+
 class Batcher:
     """``threads`` decode threads over per-model queues of :class:`Work` (see the module docstring)."""
 
-    def __init__(self, *, threads: int, batch_rows: int) -> None:
+    def __init__(self, *, threads: int, batch_rows: int, slice_seconds: float = SLICE_SECONDS) -> None:
         self.threads = threads
         self.batch_rows = batch_rows
+        self.slice_seconds = slice_seconds
         self._cond = threading.Condition()
-        # By id of the loaded model (each queued work holds it, so the id stays its own).
+        # By id of the loaded model (each queued work and parked batch holds it, so the id stays its own).
         self._queues: dict[int, deque[Work]] = {}
+        self._parked: dict[int, _Parked] = {}
         self._busy: set[int] = set()
+        self._served: dict[str, float] = {}  # by team: when a thread last took a model of its
         self._idle = 0
         self._started = False
         self._stopped = False
@@ -159,29 +182,63 @@ class Batcher:
             return True
 
     def stop(self) -> None:
+        """No more work; the threads leave at their next turn and the parked batches' requests end."""
         with self._cond:
             self._stopped = True
+            parked, self._parked = list(self._parked.values()), {}
             self._cond.notify_all()
+        for p in parked:
+            for work in p.works.values():
+                work.halt()
+
+    # --- whose turn (the caller holds the lock) ---
+
+    def _waiting(self, but: int | None = None) -> list[int]:
+        """The models with work (queued requests or a parked batch) that no thread decodes."""
+        keys = set(self._queues) | set(self._parked)
+        return [k for k in keys if k not in self._busy and k != but]
+
+    def _teams(self, key: int) -> set[str]:
+        teams = {w.team for w in self._queues.get(key, ())}
+        parked = self._parked.get(key)
+        if parked is not None:
+            teams.update(r.owner.team for r in parked.batch.rows)
+        return teams
+
+    def _turn(self, key: int) -> tuple[float, float]:
+        """A model's place in line: its teams' least recent service first, then how long it has waited."""
+        served = min((self._served.get(t, 0.0) for t in self._teams(key)), default=0.0)
+        since = [self._parked[key].since] if key in self._parked else []
+        if self._queues.get(key):
+            since.append(self._queues[key][0].ticket.admitted_at)
+        return served, min(since, default=0.0)
 
     # --- the decode threads ---
 
-    def _next_model(self) -> LoadedModel | None:
+    def _next_model(self) -> tuple[LoadedModel, _Parked | None] | None:
+        """The model whose turn it is (and its parked batch), marked busy; None when stopping."""
         with self._cond:
             while True:
                 if self._stopped:
                     return None
-                free = [key for key in self._queues if key not in self._busy]
-                if free:
-                    self._busy.add(free[0])
-                    return self._queues[free[0]][0].loaded
+                waiting = self._waiting()
+                if waiting:
+                    key = min(waiting, key=self._turn)
+                    now = time.monotonic()
+                    for team in self._teams(key):
+                        self._served[team] = now
+                    self._busy.add(key)
+                    parked = self._parked.pop(key, None)
+                    return (parked.batch.loaded if parked else self._queues[key][0].loaded), parked
                 self._idle += 1
                 self._cond.wait()
                 self._idle -= 1
 
     def _loop(self) -> None:
-        while (model := self._next_model()) is not None:
+        while (turn := self._next_model()) is not None:
+            model, parked = turn
             try:
-                self._decode(model)
+                self._decode(model, parked)
             finally:
                 with self._cond:
                     self._busy.discard(id(model))
@@ -194,9 +251,6 @@ class Batcher:
             queue = self._queues.get(key)
             if not queue or not batch.joinable:
                 return []
-            others_wait = any(k not in self._busy for k in self._queues if k != key)
-            if not batch.empty and others_wait and self._idle == 0:
-                return []  # let the batch drain so that a thread is free for the other model
             room = self.batch_rows - len(batch.rows)
             per_team: dict[str, int] = {}
             for r in batch.rows:
@@ -223,12 +277,14 @@ class Batcher:
                 if not queue:
                     del self._queues[id(work.loaded)]
 
-    def _decode(self, model: LoadedModel) -> None:
+    def _decode(self, model: LoadedModel, parked: _Parked | None) -> None:
+        """Decode ``model`` (from its parked batch, if any) until it has nothing left or its slice is
+        over while another model waits."""
         import torch
 
-        batch = Batch(model)
-        works: dict[int, Work] = {}  # the requests with rows in the batch
+        batch, works = (parked.batch, parked.works) if parked is not None else (Batch(model), {})
         batch_rows = prometheus.get().batch_rows
+        slice_ends = time.monotonic() + self.slice_seconds
         while True:
             joining = self._take(model, batch)
             try:
@@ -242,6 +298,19 @@ class Batcher:
                     work.fail(e)
                 works.clear()
                 batch = Batch(model)
+            if time.monotonic() >= slice_ends and self._yield_turn(model, batch, works):
+                return
+
+    def _yield_turn(self, model: LoadedModel, batch: Batch, works: dict[int, Work]) -> bool:
+        """Park the batch when another model waits and no thread is free for it (True: the thread
+        leaves the model); else the thread goes on."""
+        key = id(model)
+        with self._cond:
+            if self._idle > 0 or not self._waiting(but=key):
+                return False
+            if not batch.empty:
+                self._parked[key] = _Parked(batch, works, time.monotonic())
+            return True
 
     def _round(
         self,

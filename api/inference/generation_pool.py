@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from api.inference import prometheus
-from api.inference.batcher import Batcher
+from api.inference.batcher import SLICE_SECONDS, Batcher
 from api.inference.team_shares import Refusal, TeamShares
 from api.inference.tickets import (
     Cancelled,
@@ -71,15 +71,22 @@ class GenerationPool:
     threads (``batch_rows`` choices decoded together per model)."""
 
     def __init__(
-        self, *, threads: int, queue_size: int, timeout_seconds: float, batch_rows: int = 16
+        self,
+        *,
+        threads: int,
+        queue_size: int,
+        timeout_seconds: float,
+        batch_rows: int = 16,
+        slice_seconds: float = SLICE_SECONDS,
     ) -> None:
         self.capacity = threads + queue_size
         self.timeout_seconds = timeout_seconds
         self.threads = threads
         self.batch_rows = batch_rows
+        self.slice_seconds = slice_seconds
         self.shares = TeamShares(self.capacity)
         self._executor = self._new_executor()
-        self._batcher = Batcher(threads=threads, batch_rows=batch_rows)
+        self._batcher = self._new_batcher()
         self._lock = threading.Lock()
         self._tickets: set[Ticket] = set()
 
@@ -111,14 +118,14 @@ class GenerationPool:
         with self._lock:
             tickets = list(self._tickets)
             old, self._executor = self._executor, self._new_executor()
-            old_batcher, self._batcher = (
-                self._batcher,
-                Batcher(threads=self.threads, batch_rows=self.batch_rows),
-            )
+            old_batcher, self._batcher = self._batcher, self._new_batcher()
         for t in tickets:
             t.cancel_threadsafe()
         old.shutdown(wait=False, cancel_futures=True)
         old_batcher.stop()
+
+    def _new_batcher(self) -> Batcher:
+        return Batcher(threads=self.threads, batch_rows=self.batch_rows, slice_seconds=self.slice_seconds)
 
     def _new_executor(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="zenflow-inference-prepare")

@@ -103,6 +103,7 @@ class InferenceService:
             queue_size=settings.inference_queue_size,
             timeout_seconds=settings.inference_timeout_seconds,
             batch_rows=settings.inference_batch_rows,
+            slice_seconds=settings.inference_slice_seconds,
         )
         self.vllm = (
             VLLMForwarder(

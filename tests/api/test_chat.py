@@ -1,13 +1,15 @@
 """Chat and text completions on the built-in backend through the official openai SDK against uvicorn:
 a team's fine-tuned model answers with usage and streams, greedy decoding matches transformers
 run on the same folder, seeds, stop sequences and ``n`` behave as OpenAI's do, another team gets
-404; a flood is answered 429 with Retry-After, a client that goes away mid-stream frees its slot and
+404; a flood is answered 429 with Retry-After, a request to another model is answered while a flood's
+long generations still run, a client that goes away mid-stream frees its slot and
 stops its generation, a request over the time limit gets 504."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -427,6 +429,49 @@ def test_a_flooding_team_gets_429_while_another_team_is_served(
             assert a.headers["Retry-After"] == "3" and error_of(a)["code"] == "rate_limit_exceeded"
             assert "Your team has 2 inference requests in progress" in error_of(a)["message"]
     _wait_for(lambda: pool.slots_in_use == 0)
+
+
+def test_another_model_is_served_while_a_team_floods_one(
+    server: ServerThread, chat_app: FastAPI, owner: TeamKey
+) -> None:
+    """One decode thread: two long generations of one team on one model take turns with another team's
+    short request to another model (time slices), which is answered while they still run, not after."""
+    other_model = "tiny-llama"
+    flooder, other = make_team(chat_app), make_team(chat_app)
+    assert _chat(server, owner, 1).status_code == 200  # both models loaded before the flood
+    short = {"model": other_model, "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    url = f"{server.base_url}/v1/chat/completions"
+    assert httpx.post(url, headers=owner.headers, json=short, timeout=120).status_code == 200
+    answered = threading.Event()
+    streaming = [threading.Event(), threading.Event()]
+
+    def flood(i: int) -> str:
+        """Stream a long answer until the other team's is in: ``open`` if it still ran then."""
+        body = {
+            "model": SLOW_MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 1000,
+            "temperature": 0,
+            "stream": True,
+        }
+        with httpx.stream("POST", url, json=body, headers=flooder.headers, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    return "finished"
+                streaming[i].set()
+                if answered.is_set():
+                    return "open"  # the client leaves: its generation stops
+        return "ended"
+
+    with concurrent.futures.ThreadPoolExecutor(2) as clients:
+        floods = [clients.submit(flood, i) for i in range(2)]
+        assert all(e.wait(120) for e in streaming), [f.result() for f in floods if f.done()]
+        r = httpx.post(url, headers=other.headers, json=short, timeout=120)
+        answered.set()
+        assert r.status_code == 200, r.text
+        assert [f.result() for f in floods] == ["open", "open"]  # answered while both still generated
+    _wait_for(lambda: chat_app.state.inference.pool.slots_in_use == 0)
 
 
 def _batch_steps(server: ServerThread) -> tuple[float, float]:

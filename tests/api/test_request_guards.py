@@ -1,6 +1,7 @@
 """Bounded and well-answered requests: header limits (the app's 431 and uvicorn's h11 bound on a real
 socket), the Content-Type of a JSON body, NUL bytes in ids (one 404 on PostgreSQL and SQLite), the
-full Allow list of a 405, and a JSONL line nested 100,000 levels deep."""
+full Allow list of a 405, a model name with a segment longer than a filesystem's folder name (4xx on
+every route that takes a model, never a 500), and a JSONL line nested 100,000 levels deep."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -18,7 +20,16 @@ from fastapi.testclient import TestClient
 from api.core.config import ApiSettings
 from api.server import uvicorn_command, uvicorn_options
 from store.settings import Settings
-from tests.api.conftest import TEST_API_SETTINGS, Enqueued, TeamKey, error_of, make_team, upload, uploaded_id
+from tests.api.conftest import (
+    TEST_API_SETTINGS,
+    Enqueued,
+    TeamKey,
+    chat_jsonl,
+    error_of,
+    make_team,
+    upload,
+    uploaded_id,
+)
 from trainer.run.launch import free_port
 
 # --- Content-Type ------------------------------------------------------------------------------------
@@ -100,6 +111,58 @@ def test_nul_in_ids_is_404_on_postgresql_and_sqlite(
     app = create_app(sqlite_settings, ApiSettings(_env_file=None), enqueue=Enqueued())  # type: ignore[call-arg]
     with TestClient(app) as c:
         assert _nul_answers(c, make_team(app)) == pg
+
+
+# --- over-long model names ----------------------------------------------------------------------------
+
+LONG_NAME = "m" * 300  # past NAME_MAX: once an OSError (File name too long) under a model root, a 500
+
+
+@pytest.fixture(scope="module")
+def rooted_client(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """An app with a model root, so that a name is looked up as a folder under it."""
+    from api.app import create_app
+
+    rooted = settings.model_copy(update={"model_roots": [tmp_path_factory.mktemp("roots")]})
+    with TestClient(create_app(rooted, TEST_API_SETTINGS, enqueue=Enqueued())) as c:
+        yield c
+
+
+def _long_name_answers(c: TestClient, team: TeamKey) -> dict[str, Any]:
+    file_id = uploaded_id(c, team)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    h = team.headers
+    return {
+        "chat": c.post("/v1/chat/completions", headers=h, json={"model": LONG_NAME, **chat}),
+        "completions": c.post("/v1/completions", headers=h, json={"model": LONG_NAME, "prompt": "hi"}),
+        "job create": c.post(
+            "/v1/fine_tuning/jobs", headers=h, json={"model": LONG_NAME, "training_file": file_id}
+        ),
+        "GET model": c.get(f"/v1/models/{LONG_NAME}", headers=h),
+        "DELETE model": c.delete(f"/v1/models/{LONG_NAME}", headers=h),
+        "GET content": c.get(f"/v1/models/{LONG_NAME}/content", headers=h),
+        "HEAD content": c.head(f"/v1/models/{LONG_NAME}/content", headers=h),
+        "file preview": c.get(f"/v1/files/{file_id}/preview", headers=h, params={"model": LONG_NAME}),
+        "upload": c.post(
+            "/v1/files",
+            headers=h,
+            data={"purpose": "fine-tune", "model": LONG_NAME},
+            files={"file": ("train.jsonl", chat_jsonl(), "application/jsonl")},
+        ),
+    }
+
+
+def test_a_model_name_segment_past_name_max_is_not_found_on_every_route(
+    rooted_client: TestClient, app: FastAPI
+) -> None:
+    answers = _long_name_answers(rooted_client, make_team(app))
+    for route, r in answers.items():
+        assert r.status_code in (400, 404), (route, r.status_code, r.text[:300])
+        if r.request.method != "HEAD":
+            err = error_of(r)
+            assert err["param"] in ("model", None) and "File name too long" not in str(err["message"]), route
+    models = ("GET model", "DELETE model", "GET content", "HEAD content", "chat", "completions")
+    assert {route: answers[route].status_code for route in models} == dict.fromkeys(models, 404)
 
 
 # --- Allow --------------------------------------------------------------------------------------------
