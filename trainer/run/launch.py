@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from trainer.run.template import TEMPLATE_ENV, die_with_parent
+from trainer.run.template import TEMPLATE_ENV, start_bound
 
 #: Rank 0's exit when its collective broke because another rank died: never the group's cause while
 #: another rank failed on its own (the agent may see both in one round).
@@ -216,19 +216,10 @@ class NodeRanks:
         os.makedirs(self.env[RANK_DIR_ENV], exist_ok=True)
         cfg = os.path.join(self.dir, "config.json")
         Path(cfg).write_text(json.dumps(asdict(self.config)))
-        parent = os.getpid()
         agent = [sys.executable, "-m", "trainer.run.agent", cfg]
         if self.env.get(TEMPLATE_ENV):  # forked from the process template, trainer.run.stand_in for it
             agent = [sys.executable, "-m", "trainer.run.stand_in", *agent]
-        self.proc = subprocess.Popen(
-            agent,
-            env=self.env,
-            stdout=self.stdout,
-            stderr=self.stderr,
-            close_fds=True,
-            process_group=0,
-            preexec_fn=lambda: die_with_parent(parent),
-        )
+        self.proc = start_bound(agent, self.env, stdout=self.stdout, stderr=self.stderr)
         return self
 
     def alive(self) -> bool:

@@ -102,6 +102,19 @@ def die_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+def start_bound(cmd: Sequence[str], env: Mapping[str, str], **popen: Any) -> subprocess.Popen[bytes]:
+    """``cmd`` in a process group of its own that dies with the calling thread (:func:`die_with_parent`)."""
+    parent = os.getpid()
+    return subprocess.Popen(
+        list(cmd),
+        env=dict(env),
+        close_fds=True,
+        process_group=0,
+        preexec_fn=lambda: die_with_parent(parent),
+        **popen,
+    )
+
+
 @dataclass
 class Request:
     """What a stand-in asks the template to run (sent as JSON, with its fds 0-2 beside it)."""
@@ -526,15 +539,11 @@ class ProcessTemplate:
 
     def start(self, env: Mapping[str, str]) -> ProcessTemplate:
         """Start it in ``env`` (what its ranks' environments must match but for PER_RANK_VARS)."""
-        parent = os.getpid()
         self.env = import_env(env)
-        self.proc = subprocess.Popen(
+        self.proc = start_bound(
             [sys.executable, "-m", "trainer.run.template", self.path, *self.modules],
-            env={k: v for k, v in env.items() if k != TEMPLATE_ENV},
+            {k: v for k, v in env.items() if k != TEMPLATE_ENV},
             stdin=subprocess.DEVNULL,
-            close_fds=True,
-            process_group=0,
-            preexec_fn=lambda: die_with_parent(parent),
         )
         return self
 
