@@ -1,6 +1,7 @@
 """A module the process template's tests run (``python -m tests.trainer.run.template_target MODE ...``):
-it reports what it sees as one JSON line, then ``exit CODE``, ``term`` (exit 75 on SIGTERM), ``kill``
-(SIGKILL itself) or ``sleep``."""
+it reports what it sees as one JSON line, then ``exit CODE``, ``gather DIR CODE`` (exit CODE once every
+local rank has reported: a file each in DIR), ``term`` (exit 75 on SIGTERM), ``kill`` (SIGKILL itself) or
+``sleep``."""
 
 import json
 import os
@@ -27,6 +28,15 @@ print(
 mode = sys.argv[1]
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
+if mode == "gather":  # a rank that fails first takes the others down: exit once all have reported
+    folder = sys.argv[2]
+    open(os.path.join(folder, os.environ.get("LOCAL_RANK", "0")), "w").close()
+    deadline = time.monotonic() + 300
+    while (
+        len(os.listdir(folder)) < int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    sys.exit(int(sys.argv[3]))
 if mode == "term":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
     time.sleep(120)

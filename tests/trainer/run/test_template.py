@@ -153,14 +153,15 @@ def test_another_environment_starts_a_new_interpreter(template: ProcessTemplate,
 
 
 def test_ranks_under_the_agent_fork_from_the_template(template: ProcessTemplate, tmp_path: Path) -> None:
-    """Two ranks whose command exits 4: the group's code is 4; the agent and both ranks ran forked (the
+    """Two ranks whose command exits 4 once both have reported: the group's code is 4; the agent and both ranks ran forked (the
     ranks' run pids are the template's children, beside the ranks the agent started; the agent's pid is
     not its stand-in's, which an exec would have kept)."""
-    out = tmp_path / "out.txt"
+    out, gathered = tmp_path / "out.txt", tmp_path / "gathered"
+    gathered.mkdir()
     with (
         out.open("w") as log,
         NodeRanks(
-            [sys.executable, "-m", TARGET, "exit", "4"],
+            [sys.executable, "-m", TARGET, "gather", str(gathered), "4"],
             nproc_per_node=2,
             run_id="template",
             devices=None,
