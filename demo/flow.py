@@ -28,7 +28,8 @@ LR_MULTIPLIER = 300.0
 #: Asked before and after fine-tuning, with the system prompt of the training file's examples that have
 #: one: the first as in the training file, the second in the validation file's wording (never trained on).
 #: Without the system prompt the first is off the training distribution too, and whether a model this
-#: small still answers it depends on the CPU's float rounding (AVX2 and AVX-512 kernels train it apart).
+#: small still answers it depended on the CPU's float rounding (right on the boxes CI had run on, wrong on
+#: an AVX2 Zen 3, seed and data the same).
 SYSTEM_PROMPT = "You are a concise geography assistant."
 QUESTIONS = ("What is the capital of France?", "Name the capital of Japan.")
 
