@@ -20,6 +20,7 @@ template's own preload, measured by starting and closing one alone, is reported 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import resource
@@ -39,8 +40,6 @@ NOT_FORKED = 3  # a rank's exit code when the template should have forked it and
 
 def rank_main() -> int:
     """A rank: import what the job runner has imported before its first step, then say how it ran."""
-    import importlib
-
     for module in RANK_IMPORTS:
         importlib.import_module(module)
     template = os.environ.get("ZENFLOW_BENCH_TEMPLATE_PID")
@@ -69,10 +68,9 @@ def run_job(env: Mapping[str, str], nproc: int, run_id: str, timeout: float) -> 
     return time.perf_counter() - start
 
 
-def run_jobs(env: Mapping[str, str], args: argparse.Namespace, way: str) -> dict[str, float]:
-    cpu0 = children_cpu()
-    walls = [run_job(env, args.nproc, f"{way}-{i}", args.timeout) for i in range(args.jobs)]
-    return {"wall_s": statistics.median(walls), "cpu_s": (children_cpu() - cpu0) / args.jobs}
+def run_jobs(env: Mapping[str, str], args: argparse.Namespace, way: str) -> float:
+    """``--jobs`` jobs one after another; the median wall seconds of one."""
+    return statistics.median(run_job(env, args.nproc, f"{way}-{i}", args.timeout) for i in range(args.jobs))
 
 
 def start_template(env: Mapping[str, str], timeout: float) -> ProcessTemplate:
@@ -85,25 +83,27 @@ def start_template(env: Mapping[str, str], timeout: float) -> ProcessTemplate:
 
 def measure(args: argparse.Namespace) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if k != TEMPLATE_ENV}
-    exec_way = run_jobs(env, args, "exec")
+    cpu0 = children_cpu()
+    exec_way = {"wall_s": run_jobs(env, args, "exec"), "cpu_s": (children_cpu() - cpu0) / args.jobs}
 
     cpu0, t0 = children_cpu(), time.perf_counter()
     start_template(env, args.timeout).close()
     preload_cpu, preload_wall = children_cpu() - cpu0, time.perf_counter() - t0
 
+    # A forked rank is the template's child: its CPU reaches this process when the template is reaped.
+    cpu0 = children_cpu()
     template = start_template(env, args.timeout)
     assert template.proc is not None
-    cpu0 = children_cpu()
     try:
         forked_env = {
             **env,
             TEMPLATE_ENV: template.path,
             "ZENFLOW_BENCH_TEMPLATE_PID": str(template.proc.pid),
         }
-        forked = run_jobs(forked_env, args, "template")
+        forked_wall = run_jobs(forked_env, args, "template")
     finally:
         template.close()
-    forked["cpu_s"] = (children_cpu() - cpu0 - preload_cpu) / args.jobs  # the template's own, reaped at close
+    forked = {"wall_s": forked_wall, "cpu_s": (children_cpu() - cpu0 - preload_cpu) / args.jobs}
     return {
         "jobs": args.jobs,
         "nproc": args.nproc,

@@ -129,10 +129,6 @@ class Work:
             self.on_done(self)
 
 
-#: How long a thread decodes one model before it lets a waiting model have its turn.
-SLICE_SECONDS = 0.2
-
-
 @dataclass(eq=False)
 class _Parked:
     """A model's batch set aside, as it was, for another model's turn."""
@@ -145,7 +141,7 @@ class _Parked:
 class Batcher:
     """``threads`` decode threads over per-model queues of :class:`Work` (see the module docstring)."""
 
-    def __init__(self, *, threads: int, batch_rows: int, slice_seconds: float = SLICE_SECONDS) -> None:
+    def __init__(self, *, threads: int, batch_rows: int, slice_seconds: float) -> None:
         self.threads = threads
         self.batch_rows = batch_rows
         self.slice_seconds = slice_seconds

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from api.inference import prometheus
-from api.inference.batcher import SLICE_SECONDS, Batcher
+from api.inference.batcher import Batcher
 from api.inference.team_shares import Refusal, TeamShares
 from api.inference.tickets import (
     Cancelled,
@@ -68,7 +68,8 @@ class QueueFull(Exception):
 
 class GenerationPool:
     """Fair admission to ``threads + queue_size`` slots, ``threads`` preparing and ``threads`` decode
-    threads (``batch_rows`` choices decoded together per model)."""
+    threads (``batch_rows`` choices decoded together per model, models taking turns by ``slice_seconds``;
+    the defaults are ``api.core.config.ApiSettings``')."""
 
     def __init__(
         self,
@@ -76,8 +77,8 @@ class GenerationPool:
         threads: int,
         queue_size: int,
         timeout_seconds: float,
-        batch_rows: int = 16,
-        slice_seconds: float = SLICE_SECONDS,
+        batch_rows: int,
+        slice_seconds: float,
     ) -> None:
         self.capacity = threads + queue_size
         self.timeout_seconds = timeout_seconds
