@@ -18,6 +18,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from api.builtin_cache import BUILTIN_DIR, BuiltinCache
 from api.console import install_console
 from api.core.auth import KeyCache
 from api.core.body_limit import BodyLimitMiddleware
@@ -115,6 +116,7 @@ async def _start(
     )
     if swept:
         log.info("removed %d upload temp file(s) left by an earlier API process", len(swept))
+    await run_in_threadpool(app.state.builtin_cache.sweep_partial, api_settings.stale_upload_seconds)
     await run_in_threadpool(_import_ml_stack)  # before the first request (see _CREATE_PATH_MODULES)
     app.state.data_checks.open()
     app.state.data_checks.hook_signals()  # SIGTERM stops running data checks (api.jobs.check_pool)
@@ -137,6 +139,7 @@ def _set_state(
     app.state.db_limiter = anyio.CapacityLimiter(api_settings.db_threads or _pool_size(engine))
     app.state.inference = InferenceService(api_settings)  # models load on first use
     app.state.data_checks = CheckPool(settings.data_check_workers)  # processes start on first use
+    app.state.builtin_cache = BuiltinCache(settings.data_dir / BUILTIN_DIR, api_settings.builtin_cache_bytes)
 
 
 def _include_routers(app: FastAPI) -> None:

@@ -1,8 +1,8 @@
 """Model downloads: a model folder as a tar whose bytes are known before the first one is sent.
 
 ``GET /v1/models/{id}/content`` sends the files of a fine-tuned model or checkpoint (or of a base model
-a team may train on: a folder under the model roots, or a built-in config at a seed, written once by
-:func:`builtin_folder`) at the root of an uncompressed tar: the merged ``model.safetensors``, ``config.json``, ``generation_config.json`` and
+a team may train on: a folder under the model roots, or a built-in config at a seed, written by
+api.builtin_cache) at the root of an uncompressed tar: the merged ``model.safetensors``, ``config.json``, ``generation_config.json`` and
 the tokenizer files (``?format=adapter``: the peft adapter's files instead), so that after
 ``tar -xf model.tar -C out`` ``AutoModelForCausalLM.from_pretrained("out")`` (or
 ``PeftModel.from_pretrained(base, "out")``) loads it.
@@ -243,35 +243,3 @@ def base_tar_sha256(members: list[Member], mtime: int) -> str:
             _BASE_DIGESTS.clear()
         _BASE_DIGESTS[key] = digest
     return digest
-
-
-def builtin_folder(name: str, seed: int, root: Path) -> Path:
-    """A built-in model at ``seed`` as a from_pretrained folder under ``root`` (written once): the
-    weights a job with that seed starts from (float32), its config and the byte-level tokenizer, so
-    that an adapter trained on it has a base to load onto."""
-    import os
-    import shutil
-    import tempfile
-
-    import torch
-
-    from trainer.model.catalog import load_model, load_tokenizer
-
-    folder = root / f"{name}-seed{seed}"
-    if (folder / "model.safetensors").is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-seed{seed}.", dir=root))
-    try:
-        tokenizer = load_tokenizer(name)
-        model = load_model(name, dtype=torch.float32, seed=seed, tokenizer=tokenizer)
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # written meanwhile by another request: keep that one
-            if not (folder / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder

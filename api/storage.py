@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import DEFAULT_MAX_HEADER_SIZE, MultipartParser, parse_options_header
 from starlette.requests import Request
 
 from api.core.errors import APIError
@@ -151,6 +151,18 @@ class _Receiver:
             self.upload.fields[self.field_name] = self.buf.decode("utf-8", "replace")
 
 
+def _malformed(exc: FormParserError) -> APIError:
+    if "header size" in str(exc):  # python-multipart's bound on one header line of a part
+        return APIError(
+            400,
+            f"A multipart header line is longer than {DEFAULT_MAX_HEADER_SIZE} bytes: use a shorter file name "
+            "(at most 255 bytes of it are kept)",
+            param="file",
+            code="invalid_multipart",
+        )
+    return APIError(400, "Malformed multipart body", param="file", code="invalid_multipart")
+
+
 async def receive_upload(request: Request, incoming_dir: Path, limit: int) -> ReceivedUpload:
     """Stream a multipart body's ``file`` part to a temp file; the caller must ``discard()`` it."""
     ctype, params = parse_options_header(request.headers.get("content-type"))
@@ -190,7 +202,7 @@ async def receive_upload(request: Request, incoming_dir: Path, limit: int) -> Re
         upload.sha256 = recv.hasher.hexdigest()
     except FormParserError as exc:
         upload.discard()
-        raise APIError(400, "Malformed multipart body", param="file", code="invalid_multipart") from exc
+        raise _malformed(exc) from exc
     except OSError as exc:
         upload.discard()
         if no_space(exc):

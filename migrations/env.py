@@ -57,7 +57,7 @@ def run_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = make_engine(_url())
+    engine = make_engine(_url(), bounded=False)  # a long ALTER; the lock between replicas
     try:
         with engine.connect() as conn:
             _configure(conn)

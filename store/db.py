@@ -6,19 +6,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from store.db_deadline import BoundedConnection
 from store.settings import get_settings
 
-#: libpq connection parameters for every PostgreSQL connection: give up a connect after 10 s, and find a
-#: dead peer by TCP keepalives within about a minute.
-PG_CONNECT_ARGS: dict[str, int] = {
-    "connect_timeout": 10,
+#: TCP keepalives on every PostgreSQL connection: a peer that vanished (its host gone) is found within
+#: about a minute. A peer that is there and never answers is the operation bound's (store.db_deadline).
+PG_KEEPALIVES: dict[str, int] = {
     "keepalives": 1,
     "keepalives_idle": 30,
     "keepalives_interval": 10,
@@ -34,7 +37,7 @@ def normalize_url(url: str) -> str:
     return u.render_as_string(hide_password=False)
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, bounded: bool = True) -> Engine:
     url = normalize_url(url)
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
@@ -51,16 +54,49 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    # pool_pre_ping replaces a connection found dead at checkout; the libpq timeouts bound how long a
-    # connect to an unreachable server, or a connection whose peer vanished, can hang a caller.
-    return create_engine(
+    return _postgres_engine(url, bounded=bounded)
+
+
+def _postgres_engine(url: str, *, bounded: bool) -> Engine:
+    """A pooled engine whose every wait is bounded by the settings' ``database_*_timeout_seconds``
+    (``bounded=False``: all but the operation bound, for schema migrations)."""
+    settings = get_settings()
+    engine = create_engine(
         url,
-        pool_pre_ping=True,
         pool_size=10,
         max_overflow=20,
         pool_recycle=1800,
-        connect_args=dict(PG_CONNECT_ARGS),
+        pool_timeout=settings.database_pool_timeout_seconds,
+        connect_args={**PG_KEEPALIVES, "connect_timeout": settings.database_connect_timeout_seconds},
     )
+    operation = settings.database_operation_timeout_seconds if bounded else None
+    ping = settings.database_ping_timeout_seconds
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(_dialect: Any, _record: ConnectionPoolEntry, cargs: Any, cparams: Any) -> BoundedConnection:
+        conn = BoundedConnection.connect(*cargs, **cparams)
+        conn.operation_seconds = operation
+        return conn
+
+    @event.listens_for(engine, "connect")
+    def _fresh(_conn: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+        record.info["zenflow_fresh"] = True
+
+    @event.listens_for(engine, "checkout")
+    def _ping(conn: DBAPIConnection, record: ConnectionPoolEntry, _proxy: Any) -> None:
+        # SQLAlchemy's pool_pre_ping, with its own short bound: a pooled connection to a database that
+        # stopped answering is dropped after ``ping`` seconds and a new one tried (bounded by the
+        # connect timeout), not used for a statement that would wait the operation bound.
+        if record.info.pop("zenflow_fresh", False):
+            return
+        assert isinstance(conn, BoundedConnection)
+        try:
+            with conn.deadline(ping):
+                engine.dialect.do_ping(conn)
+        except psycopg.Error as exc:
+            raise DisconnectionError(f"pooled connection failed its check: {exc}") from exc
+
+    return engine
 
 
 @lru_cache(maxsize=8)

@@ -19,6 +19,16 @@ class Settings(BaseSettings):
     data_dir: Path = Path("var")
     #: SQLAlchemy URL; empty means the embedded SQLite file under data_dir.
     database_url: str = ""
+    #: Every wait on PostgreSQL is bounded (store.db): a new connection's connect and login (libpq's
+    #: minimum is 2 s); each network operation on an open one (a statement, a commit), after which the
+    #: connection is dropped and the caller gets an error (the API: 503 ``database_unavailable``) instead
+    #: of waiting on a database that accepts bytes and never answers; the liveness check of a pooled
+    #: connection before it is handed out (a dead one is replaced); a wait for a free pooled connection.
+    #: Schema migrations run without the operation bound (a long ALTER, the lock between replicas).
+    database_connect_timeout_seconds: int = Field(3, ge=2)
+    database_operation_timeout_seconds: float = Field(10.0, gt=0)
+    database_ping_timeout_seconds: float = Field(2.0, gt=0)
+    database_pool_timeout_seconds: float = Field(5.0, gt=0)
     #: Celery broker URL; empty means kombu's SQLAlchemy transport on a SQLite file under data_dir.
     broker_url: str = ""
     #: Where uploaded files are stored (default data_dir/files).

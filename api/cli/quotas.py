@@ -9,6 +9,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from decimal import Decimal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,8 +59,16 @@ def _shown(name: str, value: float | None) -> str:
     if name == "storage_bytes":
         return f"{int(value):,} bytes ({value / 2**30:.2f} GiB)"
     if name == "gpu_hours":
-        return f"{value:.2f}"
+        return _hours(value)
     return str(int(value))
+
+
+def _hours(value: float) -> str:
+    """Two decimals, or two significant digits below one hour: a short CPU job's 0.004 GPU-hours is
+    not shown as 0.00."""
+    if value == 0 or abs(value) >= 1:
+        return f"{value:,.2f}"
+    return format(Decimal(f"{value:.2g}"), "f")
 
 
 def cmd_quotas(args: argparse.Namespace) -> int:

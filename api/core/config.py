@@ -34,7 +34,7 @@ class ApiSettings(BaseSettings):
     #: Largest request body other than a file upload (uploads have ZENFLOW_MAX_UPLOAD_BYTES); larger
     #: ones are answered 413 ``request_too_large`` before they are parsed.
     max_body_bytes: int = Field(1024 * 1024, gt=0)
-    #: Timeout of the broker probe in /readyz.
+    #: Each /readyz check (the database, the broker) answers within this; both run at once.
     readiness_timeout_seconds: float = Field(2.0, gt=0)
     #: Request line plus headers, in bytes: uvicorn (h11) stops buffering an incomplete request head
     #: past this (answering 400 and closing), and the app refuses larger header lists with 431 (a head
@@ -54,6 +54,9 @@ class ApiSettings(BaseSettings):
     #: final model; older ones are removed by the retention sweep (api.retention), which the API runs
     #: every ``retention_interval_seconds`` (0: never; ``zenflow storage sweep`` runs it once).
     retain_checkpoints: int = Field(3, ge=0)
+    #: Built-in models' weights written for download at a seed (``data_dir/builtin-models``,
+    #: api.builtin_cache) are kept within this many bytes, the least recently used removed first.
+    builtin_cache_bytes: int = Field(1024**3, ge=0)
     retention_interval_seconds: float = Field(3600.0, ge=0)
 
     # --- inference (/v1/chat/completions, /v1/completions; api.inference) ---

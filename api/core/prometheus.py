@@ -10,7 +10,9 @@
 * ``GET /metrics`` (not in the OpenAPI schema, no API key: it exposes only aggregate counts) with a
   collector that reads the database at scrape time: ``zenflow_jobs{status}`` (every status, zeros
   included), ``zenflow_queue_depth{queue}`` (jobs waiting in status ``queued``), ``zenflow_db_up``
-  and, when the broker is Redis, ``zenflow_broker_queue_messages{queue}`` (the Celery list's length).
+  and, when the broker is Redis, ``zenflow_broker_queue_messages{queue}`` (the Celery list's length);
+  and the built-in models' download cache: ``zenflow_builtin_cache_bytes`` against
+  ``zenflow_builtin_cache_budget_bytes``.
 
 Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set before the server starts (uvicorn/gunicorn with
 several workers; wipe the directory before each start), the request histogram is written to the
@@ -199,7 +201,31 @@ class _Proxy(Collector):
         yield from self.source.collect()
 
 
-def metrics_registry(jobs: Collector | None) -> CollectorRegistry:
+class BuiltinCacheCollector(Collector):
+    """``zenflow_builtin_cache_bytes`` and ``zenflow_builtin_cache_budget_bytes``: the built-in models'
+    download cache (api.builtin_cache) against its budget, read at scrape time."""
+
+    def __init__(self, cache: Callable[[], Any]) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.cache()
+        if cache is None:
+            return
+        usage = cache.usage()
+        yield GaugeMetricFamily(
+            "zenflow_builtin_cache_bytes",
+            "Bytes of built-in models' weights written for download (data_dir/builtin-models).",
+            value=usage.bytes,
+        )
+        yield GaugeMetricFamily(
+            "zenflow_builtin_cache_budget_bytes",
+            "The most those weights are kept at (least recently used removed first).",
+            value=usage.budget_bytes,
+        )
+
+
+def metrics_registry(jobs: Collector | None, *more: Collector) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     # Only when this process itself writes its samples there (the variable was set before
     # prometheus_client was imported): a variable set later (an embedded worker in this process
@@ -209,8 +235,9 @@ def metrics_registry(jobs: Collector | None) -> CollectorRegistry:
         MultiProcessCollector(reg, path=path)
     else:
         reg.register(_Proxy(REGISTRY))
-    if jobs is not None:
-        reg.register(jobs)
+    for collector in (jobs, *more):
+        if collector is not None:
+            reg.register(collector)
     return reg
 
 
@@ -248,7 +275,9 @@ def install_metrics(
     request_duration_histogram()
     app.add_middleware(MetricsMiddleware)
     jobs = JobsCollector(session_factory or _session_factory_of(app), _settings_of(app))
-    registry = metrics_registry(jobs)
+    registry = metrics_registry(
+        jobs, BuiltinCacheCollector(lambda: getattr(app.state, "builtin_cache", None))
+    )
 
     def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -14,13 +14,15 @@ built-in configs at a seed),
 with ``HEAD`` and single ``Range`` requests (api.byte_ranges) for resumable downloads.
 
 Ids hold ``:`` and base-model names ``/``, so the id is a ``path`` parameter; the ``/content`` route
-comes first.
+comes first, and retrieve and delete take ids that do not end in ``/content``.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,9 +31,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import delete
 from sqlalchemy.orm import Session
+from starlette.convertors import Convertor, register_url_convertor
 
 from api import model_download as dl
-from api.byte_ranges import RangeNotSatisfiable, http_date, if_range_holds, parse_range
+from api.builtin_cache import BuiltinCache
+from api.byte_ranges import ByteRange, RangeNotSatisfiable, http_date, if_range_holds, parse_range
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
 from api.model_names import ModelRef, available_models, team_model, with_usability
@@ -43,7 +47,23 @@ from store.usage import OUTPUT_SIZES
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], responses=error_responses(401, 503))
+
+
+class _ModelId(Convertor[str]):
+    """A model id (it may hold ``/``) that does not end in ``/content``: that path is the download's
+    alone, so it is not also a retrieve or a delete (and ``Allow`` names only GET and HEAD there)."""
+
+    regex = r".+(?<!/content)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_id", _ModelId())
 
 #: The checksum of the whole tar, hex (computed before the first download, cached: api.model_download).
 CHECKSUM_HEADER = "X-Checksum-SHA256"
@@ -98,8 +118,6 @@ _SEED_QUERY = Query(
     description="Built-in models only: the seed of the random init (a job's hyperparameters.seed); "
     "other models ignore it",
 )
-#: Under ``data_dir``: built-in models' weights written for download, one folder per name and seed.
-BUILTIN_DIR = "builtin-models"
 _FORMAT_QUERY = Query(
     alias="format", description="model: merged weights, config, tokenizer; adapter: the LoRA adapter"
 )
@@ -123,17 +141,39 @@ async def model_content(
     answers 206 with those bytes, ``If-Range`` with the ``ETag`` (or ``Last-Modified``) of the first
     answer makes sure they are of the same archive. ``HEAD`` answers the headers alone."""
     ref, digest = await run_db(request, _download_of, team.team_id, model, settings, fmt)
-    folder, mtime = _download_folder(ref, fmt), ref.created
-    if folder is None:  # a built-in config: its weights at this seed, written once
-        folder = await anyio.to_thread.run_sync(
-            dl.builtin_folder, ref.id, seed, settings.data_dir / BUILTIN_DIR
-        )
+    folder = _download_folder(ref, fmt)
+    if folder is not None:
+        return await _send(request, team.team_id, ref, folder, fmt, digest, release=lambda: None)
+    # a built-in config: its weights at this seed, from the cache (kept there until they are sent)
+    cache: BuiltinCache = request.app.state.builtin_cache
+    hold = ExitStack()
+    folder = await anyio.to_thread.run_sync(hold.enter_context, cache.folder(ref.id, seed))
+    try:
+        return await _send(request, team.team_id, ref, folder, fmt, digest, release=hold.close)
+    except BaseException:
+        await anyio.to_thread.run_sync(hold.close)
+        raise
+
+
+async def _send(
+    request: Request,
+    team_id: str,
+    ref: ModelRef,
+    folder: Path,
+    fmt: dl.DownloadFormat,
+    digest: str | None,
+    *,
+    release: Callable[[], object],
+) -> Response:
+    """The download's answer: headers, then (GET) the bytes asked for; ``release`` runs once they
+    are sent (at once for HEAD)."""
     members = await anyio.to_thread.run_sync(dl.model_members, folder, fmt)
+    mtime = ref.created
     if ref.kind in ("builtin", "base"):  # no row to keep the checksum in: remembered in the process
         digest = await anyio.to_thread.run_sync(dl.base_tar_sha256, members, mtime)
     elif digest is None:  # first download of this model: one read pass, then cached in its row
         digest = await anyio.to_thread.run_sync(dl.tar_sha256, members, mtime)
-        await run_db(request, _cache_digest, team.team_id, ref.id, fmt, digest)
+        await run_db(request, _cache_digest, team_id, ref.id, fmt, digest)
     layout = dl.TarLayout(members, mtime)
     etag, modified = await anyio.to_thread.run_sync(_validators, members, mtime, digest)
     headers = {
@@ -143,27 +183,43 @@ async def model_content(
         "Last-Modified": http_date(modified),
         "Content-Disposition": f'attachment; filename="{dl.archive_name(ref.id, fmt)}"',
     }
-    wanted = None
-    if if_range_holds(request.headers.get("if-range"), etag=etag, last_modified=modified):
-        try:
-            wanted = parse_range(request.headers.get("range"), layout.length)
-        except RangeNotSatisfiable as exc:
-            raise APIError(
-                416,
-                f"The range '{request.headers.get('range')}' is not within the {layout.length} bytes of "
-                f"this download",
-                param="Range",
-                code="range_not_satisfiable",
-                headers={**headers, "Content-Range": exc.content_range},
-            ) from exc
     start, end, status = 0, layout.length, 200
+    wanted = _range(request, layout.length, etag, modified, headers)
     if wanted is not None:
         start, end, status = wanted.start, wanted.end, 206
         headers["Content-Range"] = wanted.content_range
     headers["Content-Length"] = str(end - start)
     if request.method == "HEAD":
+        await anyio.to_thread.run_sync(release)
         return Response(status_code=status, headers=headers, media_type=TAR)
-    return StreamingResponse(layout.stream(start, end), status_code=status, media_type=TAR, headers=headers)
+    body = _then(layout.stream(start, end), release)
+    return StreamingResponse(body, status_code=status, media_type=TAR, headers=headers)
+
+
+def _range(
+    request: Request, length: int, etag: str, modified: int, headers: dict[str, str]
+) -> ByteRange | None:
+    """The one range asked for, if ``If-Range`` (when given) still holds; 416 past the end."""
+    if not if_range_holds(request.headers.get("if-range"), etag=etag, last_modified=modified):
+        return None
+    try:
+        return parse_range(request.headers.get("range"), length)
+    except RangeNotSatisfiable as exc:
+        raise APIError(
+            416,
+            f"The range '{request.headers.get('range')}' is not within the {length} bytes of this download",
+            param="Range",
+            code="range_not_satisfiable",
+            headers={**headers, "Content-Range": exc.content_range},
+        ) from exc
+
+
+def _then(chunks: Iterator[bytes], release: Callable[[], object]) -> Iterator[bytes]:
+    """``chunks``, then ``release`` (also when the client goes away and the stream is dropped)."""
+    try:
+        yield from chunks
+    finally:
+        release()
 
 
 def _validators(members: list[dl.Member], mtime: int, digest: str) -> tuple[str, int]:
@@ -212,7 +268,7 @@ def _cache_digest(session: Session, team_id: str, model_id: str, fmt: dl.Downloa
     session.commit()
 
 
-@router.get("/{model:path}", response_model=ModelObject, responses=error_responses(400, 404))
+@router.get("/{model:model_id}", response_model=ModelObject, responses=error_responses(400, 404))
 async def retrieve_model(
     model: str, request: Request, team: TeamDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -220,7 +276,9 @@ async def retrieve_model(
     return model_object(await anyio.to_thread.run_sync(with_usability, ref))
 
 
-@router.delete("/{model:path}", response_model=ModelDeleted, responses=error_responses(400, 403, 404, 409))
+@router.delete(
+    "/{model:model_id}", response_model=ModelDeleted, responses=error_responses(400, 403, 404, 409)
+)
 async def delete_model(model: str, request: Request, team: TeamDep, settings: SettingsDep) -> ModelDeleted:
     """Delete one of the team's fine-tuned models or checkpoints: its files and its id."""
     return await run_db(request, _delete_model, team.team_id, model, settings)

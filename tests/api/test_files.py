@@ -109,6 +109,15 @@ def test_bad_form_fields(client: TestClient, team: TeamKey) -> None:
         content=b"garbage",
     )
     assert r.status_code == 400
+    # a file name longer than a multipart header line may be: said so, not "malformed"
+    r = client.post(
+        "/v1/files",
+        headers=team.headers,
+        files={"file": ("n" * 5000 + ".jsonl", chat_jsonl(), "application/jsonl")},
+        data={"purpose": "fine-tune"},
+    )
+    assert r.status_code == 400 and error_of(r)["param"] == "file", r.text
+    assert "shorter file name" in error_of(r)["message"], r.text
 
 
 def test_file_in_use_cannot_be_deleted(client: TestClient, team: TeamKey) -> None:

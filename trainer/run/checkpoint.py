@@ -287,7 +287,7 @@ def space_short(output_dir: Path) -> str | None:
         return None
     return (
         f"no space left for another checkpoint: {_mib(free)} free where {ck.path.name} "
-        f"(step {ck.step}) takes {_mib(need)}"
+        f"(step {ck.step}) takes {_mib(need)} and {_mib(_FULL_BELOW_BYTES)} is kept free"
     )
 
 

@@ -61,3 +61,27 @@ def test_resave_replaces_and_prune(tmp_path: Path) -> None:
     removed = prune_checkpoints(tmp_path, 2)
     assert [c.step for c in removed] == [3, 6] and [c.step for c in list_checkpoints(tmp_path)] == [9, 12]
     assert prune_checkpoints(tmp_path, None) == []
+
+
+def test_space_short_names_the_free_space_the_checkpoint_and_what_is_kept_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+    from types import SimpleNamespace
+
+    from trainer.run import checkpoint
+
+    _save(tmp_path, 6)
+    need = sum(latest_checkpoint(tmp_path).manifest["files"].values())  # type: ignore[union-attr]
+    kept = 1 << 20
+
+    def statvfs(free: int) -> SimpleNamespace:
+        return SimpleNamespace(f_bavail=free, f_frsize=1)
+
+    monkeypatch.setattr(os, "statvfs", lambda _p: statvfs(need + kept))
+    assert checkpoint.space_short(tmp_path) is None
+    monkeypatch.setattr(os, "statvfs", lambda _p: statvfs(need + kept - 1))  # room for it, not the margin
+    assert checkpoint.space_short(tmp_path) == (
+        "no space left for another checkpoint: 1.0 MiB free where checkpoint-000006 (step 6) takes "
+        "0.0 MiB and 1.0 MiB is kept free"
+    )
