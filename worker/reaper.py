@@ -28,6 +28,7 @@ from sqlalchemy import func, or_, select
 from store import gang, jobs
 from store.db import session_scope
 from store.orm import FineTuningJob, JobStatus, as_utc, utcnow
+from store.runs import end_runs
 from store.settings import Settings, get_settings
 from worker.broker import Enqueue
 from worker.dispatch import dispatch_job, redispatch_lost_jobs
@@ -75,6 +76,7 @@ def reap_stale_jobs(
                 continue
             age = f"{(now - last).total_seconds():.0f}s" if last is not None else "ever"
             why = f"Worker {job.worker_hostname} lost (no heartbeat for {age})"
+            end_runs(s, job.id, now=last)  # billed up to its last sign of life, not to this round
             if job.cancel_requested:
                 jobs.cancel(s, job, f"{why}; job cancelled")
             elif job.pause_requested:

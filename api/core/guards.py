@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
-from fastapi import Request
+from typing import Annotated
+
+from fastapi import Query, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.core.deps import TeamDep
@@ -19,6 +21,12 @@ from api.core.errors import APIError, not_found
 
 #: What a path parameter names, for the 404's message.
 ID_KINDS = {"file_id": "File", "fine_tuning_job_id": "fine-tuning job"}
+#: ``after``, the pagination cursor of the list routes: the id of the last object of the previous page.
+#: The pattern documents in the schema what :func:`no_nul_in_ids` refuses (a NUL byte).
+AfterCursor = Annotated[
+    str | None,
+    Query(pattern=r"^[^\x00]*$", description="The id of the last object of the previous page"),
+]
 
 
 class HeaderLimitMiddleware:

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.core.deps import TeamDep, run_db
 from api.core.errors import APIError, error_responses
+from api.core.guards import AfterCursor
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.jobs.public_paths import PublicPaths
 from api.jobs.views import event_object, get_team_job
@@ -51,7 +52,7 @@ async def list_events(
     fine_tuning_job_id: str,
     request: Request,
     team: TeamDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     stream: bool = False,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found, validation_error
+from api.core.guards import AfterCursor
 from api.core.pagination import MAX_LIMIT, list_object, page
 from api.jobs import checks, data_check
 from api.jobs import file_preview as file_preview_job
@@ -229,7 +230,7 @@ def _plan_model_check(
 async def list_files(
     request: Request,
     team: TeamDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = MAX_LIMIT,
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,

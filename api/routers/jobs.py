@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from api.core.auth import Principal
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses, not_found
+from api.core.guards import AfterCursor
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.jobs import admission, checks, data_check
 from api.jobs.admission import admit_quotas
@@ -335,7 +336,7 @@ def _create_job(
 async def list_jobs(
     request: Request,
     team: TeamDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
     status: JobStatus | None = None,
 ) -> dict[str, Any]:
@@ -494,7 +495,7 @@ async def list_checkpoints(
     fine_tuning_job_id: str,
     request: Request,
     team: TeamDep,
-    after: str | None = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 10,
 ) -> dict[str, Any]:
     """Newest first (highest step first)."""

@@ -29,9 +29,11 @@ from store.orm import (
     FineTuningJob,
     JobCheckpoint,
     JobEvent,
+    JobRun,
     JobStepMetric,
     RegisteredModel,
     Team,
+    as_utc,
     utcnow,
 )
 from store.settings import Settings
@@ -223,6 +225,7 @@ def test_requeue_after_abnormal_exit(
 
 
 def test_reaper(settings: Settings, tmp_path: Path) -> None:
+    from store.runs import open_run
     from worker.reaper import reap_stale_jobs
 
     url, data = settings.resolved_database_url, sums_file(tmp_path / "d.jsonl")
@@ -256,9 +259,14 @@ def test_reaper(settings: Settings, tmp_path: Path) -> None:
         cancel_requested=True,
     )
     mine = make_job(url, data, status="running", worker_hostname="me@h", heartbeat_at=utcnow(), attempts=1)
+    with session_scope(url) as s:  # the stale job's run: 2 GPUs since 100 s before its last heartbeat
+        open_run(s, s.get(FineTuningJob, stale), "dead@h", gpus=2, now=old - timedelta(seconds=100))
     sent: list[str] = []
     got = reap_stale_jobs(settings=settings, enqueue=lambda j, q: sent.append(j))
     assert stale in got and fresh not in got and mine not in got and set(got) == set(sent)
+    with session_scope(url) as s:  # billed to its last heartbeat, not to the reaper's round
+        (run,) = s.scalars(select(JobRun).where(JobRun.job_id == stale))
+        assert as_utc(run.ended_at) == as_utc(old) and run.gpu_seconds == pytest.approx(200.0)
     assert (
         get_job(url, stale).status == "queued"
         and "re-queued to resume from step 7" in messages(url, stale)[-1]

@@ -79,8 +79,15 @@ def test_spec_resources_gpus_is_the_default_nproc_and_rank_zero_prints(tmp_path:
     assert not list((tmp_path / "one" / "checkpoint-000004").glob("engine-rank*-of-00002*"))
 
 
-def test_nproc_refuses_more_gpus_than_visible(tmp_path: Path) -> None:
-    proc = _train(str(_spec(tmp_path, device="cuda")), "--nproc", "2", cwd=tmp_path)
-    assert proc.returncode == 2 and "--nproc 2 needs 2 GPUs, 0 visible" in proc.stderr, proc.stderr
-    bad = _train(str(_spec(tmp_path)), "--nproc", "0", cwd=tmp_path)
-    assert bad.returncode == 2 and "gpus" in bad.stderr, bad.stderr
+def test_nproc_refuses_more_gpus_than_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before any rank starts (in this process: nothing is launched)."""
+    from trainer.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert main(["train", str(_spec(tmp_path, device="cuda")), "--nproc", "2"]) == 2
+    assert "--nproc 2 needs 2 GPUs, 0 visible" in capsys.readouterr().err
+    assert main(["train", str(_spec(tmp_path)), "--nproc", "0"]) == 2
+    assert "gpus" in capsys.readouterr().err
