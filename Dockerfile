@@ -36,8 +36,11 @@ ENV ZENFLOW_CPU_ADAM_ARCH=${CPU_ADAM_ARCH}
 # Editable, so that the one copy of the code in /app, which the job processes import (`python -m`
 # from the working directory /app puts it first on sys.path), is the installed one and carries the
 # build (offload/_ext/); --check fails the image if it cannot be loaded.
+# The app's own modules are byte-compiled here (pip compiles the installed packages, not an editable
+# project's): PYTHONDONTWRITEBYTECODE and a read-only /app mean a job process could never cache them.
 RUN ZENFLOW_CPU_ADAM_BUILD=require pip install --no-build-isolation -e . \
-    && python -m offload.cpu_adam_build --check
+    && python -m offload.cpu_adam_build --check \
+    && python -m compileall -q api contract demo offload store trainer worker
 
 RUN useradd --create-home --uid 1000 zenflow \
     && mkdir -p /data \

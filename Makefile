@@ -4,6 +4,13 @@
 # engine's tests on the lowest torch pyproject.toml allows (CI runs it after `make test`).
 .PHONY: bootstrap run test lint test-fast test-floor
 
+# Python caches the bytecode of what it imports (in __pycache__, inside .venv and the git-ignored
+# folders of the tree) unless PYTHONDONTWRITEBYTECODE is set, as some shells and images set it. Every
+# job rank, worker, template and test process imports torch and transformers; without the cache each
+# compiles them again from source (about twice the CPU of the import itself: bench/import_cost.py), so
+# the targets here always let Python write it.
+unexport PYTHONDONTWRITEBYTECODE
+
 bootstrap:
 	@bash scripts/bootstrap.sh
 
