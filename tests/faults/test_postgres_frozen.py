@@ -10,8 +10,6 @@ a healthy peer and only a client-side bound can end the wait.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -45,7 +43,7 @@ def proxied_db() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     try:
         yield u.set(host="127.0.0.1", port=port).render_as_string(hide_password=False), proxy
     finally:
-        os.kill(proxy.pid, signal.SIGCONT)
+        tcp_proxy.thaw(proxy)
         proxy.kill()
         proxy.wait()
         drop_database(url)
@@ -70,7 +68,7 @@ def test_frozen_database_is_503_within_bounds_then_recovers(
         assert api.get("/v1/files").status_code == 200  # a pooled connection, the key cached
         assert api.get("/readyz").status_code == 200
 
-        os.kill(proxy.pid, signal.SIGSTOP)
+        tcp_proxy.freeze(proxy)
         r, took = _timed(lambda: api.get("/readyz"))
         assert r.status_code == 503 and took < READYZ_BOUND, (r.status_code, took, r.text)
         checks = r.json()["checks"]
@@ -81,11 +79,11 @@ def test_frozen_database_is_503_within_bounds_then_recovers(
             assert r.json()["error"]["code"] == "database_unavailable" and r.headers["retry-after"]
         assert api.get("/healthz").status_code == 200  # liveness is not the database's
 
-        os.kill(proxy.pid, signal.SIGCONT)
+        tcp_proxy.thaw(proxy)
         wait_until(lambda: api.get("/readyz").status_code == 200, 30, "/readyz once the database answers")
         assert api.get("/v1/files").status_code == 200
     finally:
-        os.kill(proxy.pid, signal.SIGCONT)
+        tcp_proxy.thaw(proxy)
         st.stop_all()
 
 
@@ -107,14 +105,14 @@ def test_an_operation_on_an_open_connection_ends_at_its_bound(
         settings_mod.get_settings.cache_clear()
     with engine.connect() as conn:
         assert conn.execute(text("SELECT 1")).scalar() == 1
-        os.kill(proxy.pid, signal.SIGSTOP)
+        tcp_proxy.freeze(proxy)
         t0 = time.monotonic()
         with pytest.raises(Exception, match=r"did not answer within 1\.5 s") as err:
             conn.execute(text("SELECT 2"))
         took = time.monotonic() - t0
         assert 1.4 < took < 1.5 + 1.0, took
         assert getattr(err.value, "connection_invalidated", False), err.value
-    os.kill(proxy.pid, signal.SIGCONT)
+    tcp_proxy.thaw(proxy)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT 3")).scalar() == 3
     engine.dispose()
