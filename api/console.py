@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fastapi import FastAPI
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 
@@ -65,5 +65,11 @@ class SecureFiles(StaticFiles):
 
 
 def install_console(app: FastAPI, path: str = CONSOLE_PATH) -> None:
-    """Serve the console at ``path``: ``/console/`` is index.html (the router redirects ``/console`` there)."""
+    """Serve the console at ``path``: ``/console/`` is index.html (the router redirects ``/console`` there),
+    and ``/``, where a browser pointed at the server lands, redirects to it."""
     app.mount(path, SecureFiles(directory=CONSOLE_DIR, headers=SECURITY_HEADERS), name="console")
+
+    async def root() -> RedirectResponse:
+        return RedirectResponse(f"{path}/")
+
+    app.add_api_route("/", root, methods=["GET", "HEAD"], include_in_schema=False)

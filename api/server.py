@@ -14,7 +14,9 @@ from typing import Any
 
 import uvicorn
 
+from api.console import CONSOLE_PATH
 from api.core.config import ApiSettings, get_api_settings
+from api.docs_pages import DOCS_PATH
 from store.settings import Settings, get_settings
 
 log = logging.getLogger("zenflow.serve")
@@ -139,7 +141,9 @@ class _ReadyServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started:
-            log.info("ZenFlow API ready on %s", ready_url(self.config.host, self.config.port))
+            url = ready_url(self.config.host, self.config.port)
+            log.info("ZenFlow API ready on %s", url)
+            log.info("console %s%s/, API reference %s%s/", url, CONSOLE_PATH, url, DOCS_PATH)
 
 
 def ready_url(host: str, port: int) -> str:

@@ -25,6 +25,7 @@ from contract.lora import LoraSpec
 from contract.resources import Resources
 from store.settings import Settings
 from trainer.data.dataset import DatasetValidationError, ExampleLimits, validate_file
+from trainer.data.jsonl import error_summary
 from trainer.limits import JobLimits, LimitError, limit_errors
 from trainer.model.folder_check import ModelFolderError
 from trainer.model.folder_check import check_model_folder as check_folder
@@ -38,10 +39,7 @@ MAX_REPORTED_ERRORS = 20
 
 def _format_dataset_errors(errors: list[dict[str, Any]], fallback: str) -> str:
     """``line 3: messages[1].role: unknown role 'bot' ...; ...`` (the validator's messages name both)."""
-    parts = [str(e.get("message") or e.get("detail") or "invalid") for e in errors[:5]]
-    if len(errors) > 5:
-        parts.append(f"and {len(errors) - 5} more")
-    return "; ".join(parts) or fallback
+    return error_summary(errors) or fallback
 
 
 def public_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:

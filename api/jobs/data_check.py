@@ -41,6 +41,7 @@ from contract.method import MethodName
 from store.orm import File
 from store.settings import Settings
 from trainer.data.dataset import DataOptions, DatasetReport, ExampleLimits
+from trainer.data.jsonl import error_summary
 from trainer.resolve import Counts
 from trainer.spec import JobSpec
 
@@ -253,9 +254,7 @@ def _cancelled(why: str) -> APIError:
 
 def invalid(param: str, model_name: str, errors: list[dict[str, Any]], *, code: str) -> APIError:
     """A 400 ``code`` naming the lines (the message shows the first five)."""
-    shown = "; ".join(str(e["message"]) for e in errors[:5]) + (
-        f"; and {len(errors) - 5} more" if len(errors) > 5 else ""
-    )
+    shown = error_summary(errors)
     first_field = next((e["field"] for e in errors if e.get("field")), None)
     return APIError(
         400,

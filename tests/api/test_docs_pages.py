@@ -110,3 +110,10 @@ def test_the_console_sends_its_policy(client: TestClient) -> None:
         assert (
             r.headers["x-content-type-options"] == "nosniff" and r.headers["referrer-policy"] == "no-referrer"
         )
+
+
+def test_the_root_leads_a_browser_to_the_console(client: TestClient) -> None:
+    r = client.get("/", follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"] == "/console/"
+    assert client.head("/", follow_redirects=False).status_code == 307
+    assert "/" not in client.get("/openapi.json").json()["paths"]

@@ -48,6 +48,10 @@ def test_serve_says_ready_only_when_it_accepts_connections(tmp_path: Path) -> No
         # Nothing before the ready line claims the URL (the old log said it before the app had started).
         assert not any(f":{port}" in line for line in seen[:-1] if "zenflow.serve" in line), "".join(seen)
         assert ready.rstrip().endswith(f"http://127.0.0.1:{port}")
+        where = next(proc.stdout)  # then where a person goes: the console and the API reference
+        assert where.rstrip().endswith(
+            f"console http://127.0.0.1:{port}/console/, API reference http://127.0.0.1:{port}/docs/"
+        ), where
         with socket.create_connection(("127.0.0.1", port), timeout=1):  # at once, no retry
             pass
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200

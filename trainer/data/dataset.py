@@ -44,7 +44,7 @@ from trainer.data.chat_format import ChatRenderer, RecordRefused, check_chat_rec
 from trainer.data.example import IGNORE_INDEX as IGNORE_INDEX  # re-exported: its old home
 from trainer.data.example import Example as Example
 from trainer.data.example import PreferencePair
-from trainer.data.jsonl import DataError, parse_line, read_lines
+from trainer.data.jsonl import DataError, error_summary, parse_line, read_lines, stopped_note
 from trainer.data.jsonl import data_error as _err
 from trainer.data.preference import chat_records, check_preference_record, is_preference
 
@@ -93,9 +93,7 @@ class DatasetValidationError(ValueError):
     def __init__(self, path: str | Path, errors: list[DataError]) -> None:
         self.path = str(path)
         self.errors = errors
-        shown = "; ".join(e["message"] for e in errors[:5])
-        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-        super().__init__(f"{Path(path).name}: {shown}{more}")
+        super().__init__(f"{Path(path).name}: {error_summary(errors)}")
 
 
 @dataclass
@@ -291,13 +289,14 @@ def validate_file(
         max_errors=max_errors,
         keep_examples=keep_examples,
     )
+    no = 0
     try:
         for no, text in read_lines(path):
             if stop is not None and stop():
                 raise CheckStopped(f"stopped at line {no}")
             check.line(no, text)
     except _TooMany:
-        check.errors.append(_err(None, None, f"stopped after {max_errors} errors"))
+        check.errors.append(stopped_note(max_errors, no))
     return check.report(path)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -30,6 +30,27 @@ def data_error(line: int | None, fld: str | None, detail: str) -> DataError:
     """``{"line", "field", "message": "line 3: messages[1].role: <detail>", "detail"}``."""
     where = [p for p in (f"line {line}" if line is not None else None, fld) if p]
     return {"line": line, "field": fld, "message": ": ".join([*where, detail]), "detail": detail}
+
+
+#: The detail of the note a check adds when it stops at its most errors (not a line's error).
+CHECK_STOPPED = "the check stopped after"
+
+
+def stopped_note(max_errors: int, line: int) -> DataError:
+    return data_error(
+        None, None, f"{CHECK_STOPPED} {max_errors} errors, at line {line}: the lines after it were not read"
+    )
+
+
+def error_summary(errors: Sequence[Mapping[str, Any]], shown: int = 5) -> str:
+    """The first ``shown`` errors' messages, then how many more there are and, where the check stopped
+    early, its note (never counted among the lines' errors)."""
+    lines = [e for e in errors if not str(e.get("detail", "")).startswith(CHECK_STOPPED)]
+    parts = [str(e.get("message") or e.get("detail") or "invalid") for e in lines[:shown]]
+    if len(lines) > shown:
+        parts.append(f"and {len(lines) - shown} more")
+    parts += [str(e["message"]) for e in errors if str(e.get("detail", "")).startswith(CHECK_STOPPED)]
+    return "; ".join(parts)
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str | None]]:

@@ -176,7 +176,15 @@ def test_too_long_needs_tokenizer(tmp_path: Path, tok) -> None:  # type: ignore[
 
 def test_max_errors_and_missing_file(tmp_path: Path) -> None:
     errs = errors_of(write(tmp_path, ["nope"] * 50), max_errors=5)
-    assert len(errs) == 6 and errs[-1]["message"] == "stopped after 5 errors"
+    assert len(errs) == 6 and errs[-1]["message"] == (
+        "the check stopped after 5 errors, at line 5: the lines after it were not read"
+    )
+    # The summary counts the lines' errors, not the note, and says the check stopped (30 bad lines,
+    # stopped at 20: "and 15 more", then the note; it said "and 16 more" with the note counted).
+    with pytest.raises(DatasetValidationError) as exc:
+        validate_file(write(tmp_path, ["nope"] * 30), max_errors=20)
+    said = str(exc.value)
+    assert said.count("line ") == 6 and "; and 15 more; the check stopped after 20 errors, at line 20" in said
     assert "file not found" in errors_of(tmp_path / "missing.jsonl")[0]["message"]
 
 
