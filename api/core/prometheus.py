@@ -7,12 +7,12 @@
   and ``unmatched`` for requests no route matched, so the label stays bounded; ``method`` is one of
   the standard verbs or ``other``. The duration runs until the response is complete (for the event
   stream that is the stream's life; it has its own route label).
-* ``GET /metrics`` (not in the OpenAPI schema, no API key: it exposes only aggregate counts) with a
-  collector that reads the database at scrape time: ``zenflow_jobs{status}`` (every status, zeros
-  included), ``zenflow_queue_depth{queue}`` (jobs waiting in status ``queued``), ``zenflow_db_up``
-  and, when the broker is Redis, ``zenflow_broker_queue_messages{queue}`` (the Celery list's length);
-  and the built-in models' download cache: ``zenflow_builtin_cache_bytes`` against
-  ``zenflow_builtin_cache_budget_bytes``.
+* ``GET /metrics`` (not in the OpenAPI schema, no API key: it exposes only aggregate counts) with
+  collectors read at scrape time: :class:`JobsCollector` (the database: ``zenflow_jobs{status}``, every
+  status, zeros included; per queue the jobs waiting, the longest wait and the live workers;
+  ``zenflow_db_up``; a Redis broker's ``zenflow_broker_up`` and queue lengths) and
+  :class:`StorageCollector` (the data volumes' free bytes; the built-in models' download cache
+  against its budget).
 
 Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set before the server starts (uvicorn/gunicorn with
 several workers; wipe the directory before each start), the request histogram is written to the
@@ -23,9 +23,12 @@ MultiProcessCollector); the database collector runs once, in whichever process a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from prometheus_client import (
@@ -111,8 +114,53 @@ class MetricsMiddleware:
             ).observe(time.perf_counter() - start)
 
 
+@dataclass(frozen=True)
+class _JobCounts:
+    by_status: dict[str, int]
+    #: queue -> jobs waiting, seconds the longest-waiting one has waited since it was (re)dispatched
+    queued: dict[str, int]
+    oldest_wait: dict[str, float]
+    #: queue -> live workers consuming it (heartbeat within the heartbeat timeout)
+    workers: dict[str, int]
+
+
+def _read_jobs(session: Any, settings: Any) -> _JobCounts:
+    from sqlalchemy import func, select
+
+    from store.orm import FineTuningJob, JobStatus, Worker, as_utc, utcnow
+
+    now = utcnow()
+    by_status = {
+        str(status): int(n)
+        for status, n in session.execute(
+            select(FineTuningJob.status, func.count()).group_by(FineTuningJob.status)
+        )
+    }
+    waiting_since = func.min(func.coalesce(FineTuningJob.dispatched_at, FineTuningJob.created_at))
+    queued_rows = session.execute(
+        select(FineTuningJob.queue, func.count(), waiting_since)
+        .where(FineTuningJob.status == JobStatus.queued.value)
+        .group_by(FineTuningJob.queue)
+    ).all()
+    live = float(getattr(settings, "heartbeat_timeout_seconds", 120.0))
+    workers: dict[str, int] = {}
+    for queues in session.scalars(
+        select(Worker.queues).where(Worker.heartbeat_at >= now - timedelta(seconds=live))
+    ):
+        for q in queues or []:
+            workers[q] = workers.get(q, 0) + 1
+    return _JobCounts(
+        by_status=by_status,
+        queued={q: int(n) for q, n, _ in queued_rows},
+        oldest_wait={q: max(0.0, (now - (as_utc(t) or now)).total_seconds()) for q, _, t in queued_rows},
+        workers=workers,
+    )
+
+
 class JobsCollector(Collector):
-    """``zenflow_jobs{status}``, ``zenflow_queue_depth{queue}`` and ``zenflow_db_up`` read at scrape time."""
+    """Read at scrape time from the database: ``zenflow_db_up``, ``zenflow_jobs{status}``, and per queue
+    ``zenflow_queue_depth``, ``zenflow_queue_oldest_wait_seconds`` and ``zenflow_queue_workers``; from a
+    Redis broker ``zenflow_broker_up`` and ``zenflow_broker_queue_messages{queue}``."""
 
     def __init__(self, session_factory: Callable[[], Any], settings: Callable[[], Any] | None = None) -> None:
         self.session_factory = session_factory
@@ -121,26 +169,14 @@ class JobsCollector(Collector):
         self._redis_url: str | None = None
 
     def collect(self) -> Iterator[Metric]:
-        from sqlalchemy import func, select
+        from store.orm import JobStatus
 
-        from store.orm import FineTuningJob, JobStatus
-
+        settings = self.settings() if self.settings else None
         up = GaugeMetricFamily("zenflow_db_up", "1 when the API could read the database at this scrape.")
         try:
             session = self.session_factory()
             try:
-                by_status = dict(
-                    session.execute(
-                        select(FineTuningJob.status, func.count()).group_by(FineTuningJob.status)
-                    ).all()
-                )
-                by_queue = dict(
-                    session.execute(
-                        select(FineTuningJob.queue, func.count())
-                        .where(FineTuningJob.status == JobStatus.queued.value)
-                        .group_by(FineTuningJob.queue)
-                    ).all()
-                )
+                counts = _read_jobs(session, settings)
             finally:
                 session.close()
         except Exception as e:
@@ -152,43 +188,66 @@ class JobsCollector(Collector):
         yield up
         jobs = GaugeMetricFamily("zenflow_jobs", "Fine-tuning jobs by status (all teams).", labels=["status"])
         for st in JobStatus:
-            jobs.add_metric([st.value], int(by_status.get(st.value, 0)))
+            jobs.add_metric([st.value], counts.by_status.get(st.value, 0))
         yield jobs
-        depth = GaugeMetricFamily(
-            "zenflow_queue_depth", "Jobs waiting for a worker (status queued), by queue.", labels=["queue"]
+        queues = sorted(
+            {getattr(settings, "default_queue", None) or "gpu-default", *counts.queued, *counts.workers}
         )
-        settings = self.settings() if self.settings else None
-        queues = {getattr(settings, "default_queue", None) or "gpu-default", *by_queue}
-        for q in sorted(queues):
-            depth.add_metric([q], int(by_queue.get(q, 0)))
-        yield depth
-        fam = self._broker_depth(getattr(settings, "resolved_broker_url", None), sorted(queues))
-        if fam is not None:
-            yield fam
+        yield from _queue_families(counts, queues)
+        yield from self._broker(getattr(settings, "resolved_broker_url", None), queues)
 
-    def _broker_depth(self, url: str | None, queues: list[str]) -> Metric | None:
+    def _broker(self, url: str | None, queues: list[str]) -> Iterator[Metric]:
         if not url or not url.startswith(("redis://", "rediss://")):
-            return None
+            return
+        up = GaugeMetricFamily(
+            "zenflow_broker_up", "1 when the API could read the Redis broker at this scrape."
+        )
         try:
             import redis
 
             if self._redis is None or self._redis_url != url:
                 self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
                 self._redis_url = url
-            fam = GaugeMetricFamily(
-                "zenflow_broker_queue_messages",
-                "Messages in the Celery broker's queue list (Redis).",
-                labels=["queue"],
-            )
             pipe = self._redis.pipeline(transaction=False)
             for q in queues:
                 pipe.llen(q)
-            for q, n in zip(queues, pipe.execute(), strict=True):
-                fam.add_metric([q], int(n))
-            return fam
+            lengths = pipe.execute()
         except Exception as e:
-            log.debug("metrics: broker depth unavailable: %s", e)
-            return None
+            log.debug("metrics: broker unavailable: %s", e)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        fam = GaugeMetricFamily(
+            "zenflow_broker_queue_messages",
+            "Messages in the Celery broker's queue list (Redis).",
+            labels=["queue"],
+        )
+        for q, n in zip(queues, lengths, strict=True):
+            fam.add_metric([q], int(n))
+        yield fam
+
+
+def _queue_families(counts: _JobCounts, queues: list[str]) -> Iterator[Metric]:
+    depth = GaugeMetricFamily(
+        "zenflow_queue_depth", "Jobs waiting for a worker (status queued), by queue.", labels=["queue"]
+    )
+    wait = GaugeMetricFamily(
+        "zenflow_queue_oldest_wait_seconds",
+        "How long the longest-waiting queued job of a queue has waited since it was (re)queued (0: none).",
+        labels=["queue"],
+    )
+    workers = GaugeMetricFamily(
+        "zenflow_queue_workers",
+        "Live workers consuming a queue (heartbeat within its timeout).",
+        labels=["queue"],
+    )
+    for q in queues:
+        depth.add_metric([q], counts.queued.get(q, 0))
+        wait.add_metric([q], counts.oldest_wait.get(q, 0.0))
+        workers.add_metric([q], counts.workers.get(q, 0))
+    yield from (depth, wait, workers)
 
 
 class _Proxy(Collector):
@@ -201,28 +260,47 @@ class _Proxy(Collector):
         yield from self.source.collect()
 
 
-class BuiltinCacheCollector(Collector):
-    """``zenflow_builtin_cache_bytes`` and ``zenflow_builtin_cache_budget_bytes``: the built-in models'
-    download cache (api.builtin_cache) against its budget, read at scrape time."""
+class StorageCollector(Collector):
+    """Read at scrape time: ``zenflow_data_free_bytes{volume}`` and ``zenflow_data_size_bytes{volume}``
+    of the file systems holding uploads (``files``) and job outputs (``jobs``), and the built-in models'
+    download cache (api.builtin_cache): ``zenflow_builtin_cache_bytes`` against
+    ``zenflow_builtin_cache_budget_bytes``."""
 
-    def __init__(self, cache: Callable[[], Any]) -> None:
-        self.cache = cache
+    def __init__(self, settings: Callable[[], Any], cache: Callable[[], Any]) -> None:
+        self.settings, self.cache = settings, cache
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._volumes()
         cache = self.cache()
-        if cache is None:
-            return
-        usage = cache.usage()
-        yield GaugeMetricFamily(
-            "zenflow_builtin_cache_bytes",
-            "Bytes of built-in models' weights written for download (data_dir/builtin-models).",
-            value=usage.bytes,
+        if cache is not None:
+            usage = cache.usage()
+            yield GaugeMetricFamily(
+                "zenflow_builtin_cache_bytes",
+                "Bytes of built-in models' weights written for download (data_dir/builtin-models).",
+                value=usage.bytes,
+            )
+            yield GaugeMetricFamily(
+                "zenflow_builtin_cache_budget_bytes",
+                "The most those weights are kept at (least recently used removed first).",
+                value=usage.budget_bytes,
+            )
+
+    def _volumes(self) -> Iterator[Metric]:
+        settings = self.settings()
+        free = GaugeMetricFamily(
+            "zenflow_data_free_bytes", "Bytes free to the service on a data volume.", labels=["volume"]
         )
-        yield GaugeMetricFamily(
-            "zenflow_builtin_cache_budget_bytes",
-            "The most those weights are kept at (least recently used removed first).",
-            value=usage.budget_bytes,
+        size = GaugeMetricFamily(
+            "zenflow_data_size_bytes", "Size of a data volume in bytes.", labels=["volume"]
         )
+        for volume, path in (("files", settings.resolved_files_dir), ("jobs", settings.resolved_jobs_dir)):
+            try:
+                st = os.statvfs(path)
+            except OSError:
+                continue  # not made yet
+            free.add_metric([volume], st.f_bavail * st.f_frsize)
+            size.add_metric([volume], st.f_blocks * st.f_frsize)
+        yield from (free, size)
 
 
 def metrics_registry(jobs: Collector | None, *more: Collector) -> CollectorRegistry:
@@ -275,9 +353,8 @@ def install_metrics(
     request_duration_histogram()
     app.add_middleware(MetricsMiddleware)
     jobs = JobsCollector(session_factory or _session_factory_of(app), _settings_of(app))
-    registry = metrics_registry(
-        jobs, BuiltinCacheCollector(lambda: getattr(app.state, "builtin_cache", None))
-    )
+    storage = StorageCollector(_settings_of(app), lambda: getattr(app.state, "builtin_cache", None))
+    registry = metrics_registry(jobs, storage)
 
     def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

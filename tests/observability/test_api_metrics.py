@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,48 @@ def test_metrics_endpoint_jobs_and_queue(db) -> None:
     assert len(names) == len(set(names))
 
 
+def test_queue_workers_and_longest_wait(db) -> None:
+    """Per queue: the live workers consuming it (a stale heartbeat is not live) and how long its
+    longest-waiting job has waited since it was dispatched."""
+    from sqlalchemy import select
+
+    from store import worker_registry
+    from store.orm import utcnow
+
+    now = utcnow()
+    with db() as s:
+        worker_registry.register(s, "gpu0@a", ["gpu-h200", "gpu-default"], {})
+        worker_registry.register(s, "gpu0@b", ["gpu-h200"], {})
+        worker_registry.register(s, "gpu0@gone", ["gpu-a100"], {}, now=now - timedelta(hours=1))
+        waiting = s.scalars(select(FineTuningJob).where(FineTuningJob.queue == "gpu-h200")).one()
+        waiting.dispatched_at = now - timedelta(seconds=600)
+        s.commit()
+    col = JobsCollector(db, lambda: Settings(broker_url="memory://", heartbeat_timeout_seconds=120))
+    fams = {m.name: m for m in col.collect()}
+    workers = {x.labels["queue"]: x.value for x in fams["zenflow_queue_workers"].samples}
+    assert workers == {"gpu-default": 1, "gpu-h200": 2}  # gpu-a100's only worker is not live
+    wait = {x.labels["queue"]: x.value for x in fams["zenflow_queue_oldest_wait_seconds"].samples}
+    assert 600 <= wait["gpu-h200"] < 660 and 0 <= wait["gpu-default"] < 60, wait
+
+
+def test_data_volumes_and_the_builtin_cache(tmp_path: Path) -> None:
+    from api.builtin_cache import BuiltinCache
+    from api.core.prometheus import StorageCollector
+
+    settings = Settings(data_dir=tmp_path)
+    settings.resolved_files_dir.mkdir(parents=True)
+    settings.resolved_jobs_dir.mkdir(parents=True)
+    reg = metrics_registry(
+        None, StorageCollector(lambda: settings, lambda: BuiltinCache(tmp_path / "b", 1000))
+    )
+    for volume in ("files", "jobs"):
+        free = reg.get_sample_value("zenflow_data_free_bytes", {"volume": volume})
+        size = reg.get_sample_value("zenflow_data_size_bytes", {"volume": volume})
+        assert free is not None and size is not None and 0 <= free <= size and size > 0, volume
+    assert reg.get_sample_value("zenflow_builtin_cache_bytes") == 0
+    assert reg.get_sample_value("zenflow_builtin_cache_budget_bytes") == 1000
+
+
 def test_database_down_scrape_still_answers() -> None:
     def broken():
         raise OSError("connection refused")
@@ -178,9 +221,12 @@ def test_broker_queue_length_from_redis(db) -> None:
         col = JobsCollector(db, lambda: Settings(broker_url=url, default_queue=q))
         fams = {m.name: m for m in col.collect()}
         got = {s.labels["queue"]: s.value for s in fams["zenflow_broker_queue_messages"].samples}
-        assert got[q] == 2
+        assert got[q] == 2 and fams["zenflow_broker_up"].samples[0].value == 1
     finally:
         client.delete(q)
+    gone = JobsCollector(db, lambda: Settings(broker_url="redis://127.0.0.1:1/0", default_queue=q))
+    fams = {m.name: m for m in gone.collect()}
+    assert fams["zenflow_broker_up"].samples[0].value == 0 and "zenflow_broker_queue_messages" not in fams
 
 
 def test_multiprocess_dir_is_merged(tmp_path: Path, monkeypatch) -> None:

@@ -55,6 +55,28 @@ def test_promtool_check_rules() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_promtool_test_rules_fire_the_alerts_and_only_them() -> None:
+    """deploy/prometheus/alerts_test.yml: series that fire each queue, storage, broker and API alert,
+    and series that must not."""
+    tests = ALERTS.with_name("alerts_test.yml")
+    out = subprocess.run(
+        [_promtool(), "test", "rules", tests.name],
+        cwd=tests.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    tested = set(re.findall(r"alertname: (\w+)", tests.read_text()))
+    assert {
+        "ZenflowQueueWithoutWorker",
+        "ZenflowQueueBacklog",
+        "ZenflowBrokerDown",
+        "ZenflowDataVolumeFilling",
+        "ZenflowApiServerErrors",
+    } <= tested
+
+
 def test_scrape_jobs_and_rules_files() -> None:
     cfg = yaml.safe_load(PROM_CONFIG.read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
@@ -200,6 +222,11 @@ PAGING = (
     "zenflow_inference_requests_total",
     "zenflow_stall_seconds_total",
     "zenflow_jobs",
+    "zenflow_queue_workers",
+    "zenflow_queue_oldest_wait_seconds",
+    "zenflow_broker_up",
+    "zenflow_data_free_bytes",
+    "http_request_duration_seconds",
 )
 
 
