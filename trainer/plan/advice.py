@@ -300,9 +300,9 @@ def with_fixes(problems: list[Problem], fitting: list[tuple[Fix, Plan]], failed:
         loc = fitting[0][0].loc
         text = "; ".join(describe_fix(f, p) for f, p in fitting)
         head = Problem(loc, f"{first.message}; fits with one change: {text}")
-    else:
+    else:  # the job's settings are not what to change (none of them alone fits): the model, or the box
         why = "; ".join(failed) if failed else "none to try"
-        head = Problem(first.loc, f"{first.message}; no single setting fits this box: {why}")
+        head = Problem(("model",), f"{first.message}; no single setting fits this box: {why}")
     rest_loc = fitting[0][0].loc if fitting else None
     return [
         head,

@@ -183,6 +183,8 @@ def test_no_single_setting_fits_says_why(models: dict[str, Path]) -> None:
     plan = plan_spec(_spec(models["8b"], hyperparameters=HP), tiny, num_examples=1000)
     assert not plan.fits and "no single setting fits this box:" in plan.problems[0].message
     assert "use LoRA (hyperparameters.lora: {r: 16}): still needs device" in plan.problems[0].message
+    # LoRA does not fit either, so the field named is the model, not hyperparameters.lora
+    assert plan.problems[0].loc == ("model",)
 
 
 def test_reserves_are_kept_and_stated(models: dict[str, Path]) -> None:
