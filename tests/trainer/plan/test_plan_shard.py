@@ -161,3 +161,21 @@ def test_llama3_70b_full_fine_tune_fits_8_h200_only_sharded() -> None:
     one = json.loads(out)
     assert rc == 3 and not one["fits"] and one["problems"][0]["loc"] == ["resources", "gpus"]
     assert "set resources.gpus 4 (planned: fits in offload mode" in one["problems"][0]["message"]
+
+
+@pytest.mark.slow
+def test_llama3_70b_lora_on_8_h100_counts_the_export_copy_once(tmp_path: Path) -> None:
+    """Issue 39's must-show: rank 0 alone merges the LoRA export into a CPU copy of the weights, so the
+    box's host holds it once, not once a rank (it was 135.7 GiB a rank, 1.1 TiB in all: more than a
+    1 TiB box, which refused the job)."""
+    spec = tmp_path / "lora.yaml"
+    spec.write_text(
+        f"model: {EXAMPLE_70B.with_name('llama-3-70b')}\ntraining_file: train.jsonl\n"
+        "hyperparameters: {batch_size: 16, max_seq_length: 4096, lora: {r: 16}}\nresources: {gpus: 8}\n"
+    )
+    rc, out = _cli(str(spec), "--gpu", "h100", "--gpus", "8", "--host-memory", "1TiB", "--json")
+    doc = json.loads(out)
+    copy = doc["params"] * 2  # bf16 weights, merged
+    assert doc["host"]["checkpoint"] < copy / 8 + 4 * GiB, doc["host"]
+    assert doc["host_bytes_all_ranks"] < copy + 8 * 40 * GiB  # one copy on the box, not eight
+    assert rc == 0 and doc["fits"], doc["problems"]
