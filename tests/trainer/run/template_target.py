@@ -9,6 +9,9 @@ import signal
 import sys
 import time
 
+mode = sys.argv[1]
+if mode == "term":  # before the report: the test sends SIGTERM as soon as it has read it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
 print(
     json.dumps(
         {
@@ -25,7 +28,6 @@ print(
     ),
     flush=True,
 )
-mode = sys.argv[1]
 if mode == "exit":
     sys.exit(int(sys.argv[2]))
 if mode == "gather":  # a rank that fails first takes the others down: exit once all have reported
@@ -38,7 +40,6 @@ if mode == "gather":  # a rank that fails first takes the others down: exit once
         time.sleep(0.05)
     sys.exit(int(sys.argv[3]))
 if mode == "term":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
     time.sleep(120)
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
