@@ -33,7 +33,8 @@ SMALL = WorkerCapacity(
     pcie_gbps=50.0,
 )
 BIG = SMALL.model_copy(update={"host_memory_bytes": 256 * GiB})
-#: Engine settings whose host-memory problem the plan attributes to engine.accumulate_on.
+#: Engine settings whose job fits none of the small workers, whatever single setting changes: the
+#: refusal's field is then the model (trainer.plan.advice.with_fixes).
 ENGINE = {"mode": "zenflow", "accumulate_on": "host"}
 
 Register = Callable[..., None]
@@ -91,7 +92,7 @@ def test_job_too_big_for_every_worker_is_refused_and_leaves_no_row(
     r = _create(client, team, file_id)
     assert r.status_code == 400, r.text
     err = error_of(r)
-    assert err["param"] == "engine.accumulate_on" and err["code"] == "insufficient_capacity"
+    assert err["param"] == "model" and err["code"] == "insufficient_capacity"
     # the closest worker (most host memory) and the numbers: what the job needs, what the worker has
     assert "any of the 2 live workers of its queue; the closest is worker adm-small-b@test" in err["message"]
     assert "GiB of host memory" in err["message"] and "the machine has 1.5 GiB" in err["message"]
@@ -127,7 +128,7 @@ def test_no_worker_registered_uses_the_default_capacity(
         app.state.settings = settings
     assert r.status_code == 400, r.text
     err = error_of(r)
-    assert err["param"] == "engine.accumulate_on"
+    assert err["param"] == "model"
     assert f"the default worker (none registered on queue {settings.default_queue})" in err["message"]
     assert "the machine has 1.0 GiB" in err["message"]
 
@@ -161,5 +162,5 @@ def test_worker_recheck_fails_a_job_that_no_longer_fits_with_the_same_message(
     assert job["error"] == {
         "code": "insufficient_capacity",
         "message": error_of(refused)["message"],
-        "param": "engine.accumulate_on",
+        "param": "model",
     }
