@@ -36,37 +36,26 @@ def _promtool() -> str:
     return path
 
 
-def test_promtool_check_config() -> None:
-    out = subprocess.run(
-        [_promtool(), "check", "config", PROM_CONFIG.name],
-        cwd=PROM_CONFIG.parent,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def _promtool_in(folder: Path, *args: str) -> str:
+    """``promtool ARGS`` run in ``folder``; its output, once it succeeded."""
+    out = subprocess.run([_promtool(), *args], cwd=folder, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS" in out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_promtool_check_config() -> None:
+    assert "SUCCESS" in _promtool_in(PROM_CONFIG.parent, "check", "config", PROM_CONFIG.name)
 
 
 def test_promtool_check_rules() -> None:
-    out = subprocess.run(
-        [_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    _promtool_in(ALERTS.parent, "check", "rules", ALERTS.name)
 
 
 def test_promtool_test_rules_fire_the_alerts_and_only_them() -> None:
     """deploy/prometheus/alerts_test.yml: series that fire each queue, storage, broker and API alert,
     and series that must not."""
     tests = ALERTS.with_name("alerts_test.yml")
-    out = subprocess.run(
-        [_promtool(), "test", "rules", tests.name],
-        cwd=tests.parent,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    _promtool_in(tests.parent, "test", "rules", tests.name)
     tested = set(re.findall(r"alertname: (\w+)", tests.read_text()))
     assert {
         "ZenflowQueueWithoutWorker",
