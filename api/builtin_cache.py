@@ -51,7 +51,7 @@ class BuiltinCache:
         path = self.root / f"{name}-seed{seed}"
         with self._lock:
             if not (path / WEIGHTS).is_file():
-                self._evict(room=self._expected_size(name))
+                self._evict(making=name)
                 _write(name, seed, path)
             os.utime(path)  # the least recently used goes first
             self._sending[path] += 1
@@ -62,7 +62,7 @@ class BuiltinCache:
                 self._sending[path] -= 1
                 if not self._sending[path]:
                     del self._sending[path]
-                self._evict(room=0)
+                self._evict()
 
     def sweep_partial(self, max_age_seconds: float) -> None:
         """Remove folders a killed process left half-written (younger ones may be another replica's
@@ -85,13 +85,11 @@ class BuiltinCache:
         done.sort(key=lambda p: p.stat().st_mtime_ns)
         return [(p, _size(p)) for p in done]
 
-    def _expected_size(self, name: str) -> int:
-        """What a new folder of ``name`` will take: the size of one at another seed, if there is one."""
-        return next((size for p, size in self._folders() if p.name.startswith(f"{name}-seed")), 0)
-
-    def _evict(self, room: int) -> None:
-        """Remove least recently used folders not being sent until ``room`` more bytes fit the budget."""
+    def _evict(self, making: str | None = None) -> None:
+        """Remove least recently used folders not being sent until the total fits the budget, with room
+        for a new folder of ``making`` (the size of one at another seed, if there is one)."""
         folders = self._folders()
+        room = next((size for p, size in folders if making and p.name.startswith(f"{making}-seed")), 0)
         total = sum(size for _, size in folders)
         for path, size in folders:
             if total + room <= self.budget_bytes:

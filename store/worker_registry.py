@@ -62,19 +62,33 @@ def get(session: Session, name: str) -> Worker | None:
     return session.get(Worker, name)
 
 
+def _live(live_seconds: float, now: datetime | None) -> Any:
+    """The condition a live worker meets: a heartbeat at most ``live_seconds`` old."""
+    return Worker.heartbeat_at >= (now or utcnow()) - timedelta(seconds=live_seconds)
+
+
 def live_workers(
     session: Session, queue: str, *, live_seconds: float, now: datetime | None = None
 ) -> list[Worker]:
     """The workers consuming ``queue`` whose heartbeat is at most ``live_seconds`` old, by name."""
-    cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
-    rows = session.scalars(select(Worker).where(Worker.heartbeat_at >= cutoff).order_by(Worker.name))
+    rows = session.scalars(select(Worker).where(_live(live_seconds, now)).order_by(Worker.name))
     # The queue filter in Python: JSON containment differs between PostgreSQL and SQLite, and a
     # service has a few workers, not thousands.
     return [w for w in rows if queue in (w.queues or [])]
 
 
+def live_workers_by_queue(
+    session: Session, *, live_seconds: float, now: datetime | None = None
+) -> dict[str, int]:
+    """How many live workers consume each queue (queues with none left out)."""
+    counts: dict[str, int] = {}
+    for queues in session.scalars(select(Worker.queues).where(_live(live_seconds, now))):
+        for q in queues or []:
+            counts[q] = counts.get(q, 0) + 1
+    return counts
+
+
 def live_job_sizes(session: Session, *, live_seconds: float, now: datetime | None = None) -> list[int]:
     """The job sizes (ranks per job) live workers run, ascending; empty when no worker is live."""
-    cutoff = (now or utcnow()) - timedelta(seconds=live_seconds)
-    rows = session.scalars(select(Worker.gpus_per_job).where(Worker.heartbeat_at >= cutoff).distinct())
+    rows = session.scalars(select(Worker.gpus_per_job).where(_live(live_seconds, now)).distinct())
     return sorted(int(n) for n in rows)

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from prometheus_client import (
@@ -120,14 +119,16 @@ class _JobCounts:
     #: queue -> jobs waiting, seconds the longest-waiting one has waited since it was (re)dispatched
     queued: dict[str, int]
     oldest_wait: dict[str, float]
-    #: queue -> live workers consuming it (heartbeat within the heartbeat timeout)
+    #: queue -> live workers consuming it (the registry's rule: heartbeat within ``worker_live_seconds``)
     workers: dict[str, int]
 
 
 def _read_jobs(session: Any, settings: Any) -> _JobCounts:
     from sqlalchemy import func, select
 
-    from store.orm import FineTuningJob, JobStatus, Worker, as_utc, utcnow
+    from store import worker_registry
+    from store.orm import FineTuningJob, JobStatus, as_utc, utcnow
+    from store.settings import get_settings
 
     now = utcnow()
     by_status = {
@@ -142,13 +143,8 @@ def _read_jobs(session: Any, settings: Any) -> _JobCounts:
         .where(FineTuningJob.status == JobStatus.queued.value)
         .group_by(FineTuningJob.queue)
     ).all()
-    live = float(getattr(settings, "heartbeat_timeout_seconds", 120.0))
-    workers: dict[str, int] = {}
-    for queues in session.scalars(
-        select(Worker.queues).where(Worker.heartbeat_at >= now - timedelta(seconds=live))
-    ):
-        for q in queues or []:
-            workers[q] = workers.get(q, 0) + 1
+    live = (settings or get_settings()).worker_live_seconds
+    workers = worker_registry.live_workers_by_queue(session, live_seconds=live, now=now)
     return _JobCounts(
         by_status=by_status,
         queued={q: int(n) for q, n, _ in queued_rows},
@@ -240,7 +236,7 @@ def _queue_families(counts: _JobCounts, queues: list[str]) -> Iterator[Metric]:
     )
     workers = GaugeMetricFamily(
         "zenflow_queue_workers",
-        "Live workers consuming a queue (heartbeat within its timeout).",
+        "Live workers consuming a queue (registry heartbeat within worker_live_seconds).",
         labels=["queue"],
     )
     for q in queues:

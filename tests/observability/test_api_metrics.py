@@ -171,7 +171,7 @@ def test_queue_workers_and_longest_wait(db) -> None:
         waiting = s.scalars(select(FineTuningJob).where(FineTuningJob.queue == "gpu-h200")).one()
         waiting.dispatched_at = now - timedelta(seconds=600)
         s.commit()
-    col = JobsCollector(db, lambda: Settings(broker_url="memory://", heartbeat_timeout_seconds=120))
+    col = JobsCollector(db, lambda: Settings(broker_url="memory://", worker_live_seconds=120))
     fams = {m.name: m for m in col.collect()}
     workers = {x.labels["queue"]: x.value for x in fams["zenflow_queue_workers"].samples}
     assert workers == {"gpu-default": 1, "gpu-h200": 2}  # gpu-a100's only worker is not live

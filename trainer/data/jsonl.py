@@ -45,11 +45,12 @@ def stopped_note(max_errors: int, line: int) -> DataError:
 def error_summary(errors: Sequence[Mapping[str, Any]], shown: int = 5) -> str:
     """The first ``shown`` errors' messages, then how many more there are and, where the check stopped
     early, its note (never counted among the lines' errors)."""
-    lines = [e for e in errors if not str(e.get("detail", "")).startswith(CHECK_STOPPED)]
+    notes = [e for e in errors if str(e.get("detail", "")).startswith(CHECK_STOPPED)]
+    lines = [e for e in errors if e not in notes]
     parts = [str(e.get("message") or e.get("detail") or "invalid") for e in lines[:shown]]
     if len(lines) > shown:
         parts.append(f"and {len(lines) - shown} more")
-    parts += [str(e["message"]) for e in errors if str(e.get("detail", "")).startswith(CHECK_STOPPED)]
+    parts += [str(e["message"]) for e in notes]
     return "; ".join(parts)
 
 
