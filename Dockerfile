@@ -40,7 +40,7 @@ ENV ZENFLOW_CPU_ADAM_ARCH=${CPU_ADAM_ARCH}
 # project's): PYTHONDONTWRITEBYTECODE and a read-only /app mean a job process could never cache them.
 RUN ZENFLOW_CPU_ADAM_BUILD=require pip install --no-build-isolation -e . \
     && python -m offload.cpu_adam_build --check \
-    && python -m compileall -q api contract demo offload store trainer worker
+    && python -m compileall -q api contract demo offload serving store trainer worker
 
 RUN useradd --create-home --uid 1000 zenflow \
     && mkdir -p /data \

@@ -27,11 +27,13 @@ from api.core.errors import install_error_handlers
 from api.core.guards import HeaderLimitMiddleware, no_nul_in_ids
 from api.core.prometheus import install_metrics
 from api.docs_pages import install_docs
-from api.inference.service import InferenceService
 from api.jobs import checks
 from api.jobs.check_pool import CheckPool
 from api.routers import chat, events, files, health, jobs, models, quotas
 from api.storage import LocalFileStore
+from serving.client import EngineClient
+from serving.local import LocalEngine
+from serving.remote import RemoteEngine
 from store.db import make_engine
 from store.settings import Settings, get_settings
 
@@ -137,9 +139,21 @@ def _set_state(
     app.state.enqueue = enqueue or checks.enqueue
     app.state.key_cache = KeyCache(api_settings.key_cache_seconds)
     app.state.db_limiter = anyio.CapacityLimiter(api_settings.db_threads or _pool_size(engine))
-    app.state.inference = InferenceService(api_settings)  # models load on first use
+    app.state.inference = engine_client(api_settings)
     app.state.data_checks = CheckPool(settings.data_check_workers)  # processes start on first use
     app.state.builtin_cache = BuiltinCache(settings.data_dir / BUILTIN_DIR, api_settings.builtin_cache_bytes)
+
+
+def engine_client(api_settings: ApiSettings) -> EngineClient:
+    """Where chat and completions run: the serving process when one is configured, else this process
+    (models load on first use)."""
+    if api_settings.inference_server_url:
+        return RemoteEngine(
+            api_settings.inference_server_url,
+            api_settings.inference_server_token.get_secret_value(),
+            timeout_seconds=api_settings.inference_timeout_seconds,
+        )
+    return LocalEngine(api_settings)
 
 
 def _include_routers(app: FastAPI) -> None:

@@ -1,24 +1,24 @@
 """Built-in inference against transformers ``generate`` on the same loaded model, in the same run.
 
-    python -m bench.inference                                  # tiny-llama on the CPU, 64 new tokens
+    python -m bench.inference                                  # tiny-llama on the CPU, 4 and 16 streams
     python -m bench.inference --model small-llama --max-tokens 128 --streams 4
     python -m bench.inference --model "$(python -m bench.pretrained | tail -1)"   # a pretrained folder
     python -m bench.inference --json
 
 Two comparisons, each against its baseline measured alongside it on the model the service itself
-loaded (``InferenceService.cache``), greedy, one text prompt of ``--prompt-tokens`` bytes, at most
+loaded (``serving.local.LocalEngine``'s built-in cache), greedy, one text prompt of ``--prompt-tokens`` bytes, at most
 ``--max-tokens`` new tokens (both sides stop at the model's eos the same way):
 
-* **concurrent**: ``--streams`` streamed ``/v1/completions`` requests sent at once through the
-  service (admission, the generation threads, the server-sent events the handler yields) against one
-  direct ``model.generate`` of a batch of as many rows: completion tokens per second of each, and the
+* **concurrent**: for each count in ``--streams`` (4 and 16), that many streamed ``/v1/completions``
+  requests sent at once through the engine client (``serving.client``: admission, the generation
+  threads, the server-sent events) against one direct ``model.generate`` of a batch of as many rows: completion tokens per second of each, and the
   ratio. Served one after another, the streams reach about 1/streams of the batched figure; decoded
   together in shared forward passes, close to it.
 * **single**: one streamed request against one direct ``generate`` of one row: time to the first token
   (from the call; for the stream, its first text chunk) and the cost of each later token.
 
-The service is driven in process (no HTTP, no database: the handler's own coroutine with a request that
-never disconnects), so the figures are the backend's and the event bridge's, not the network's. Each
+The engine is driven in process (``serving.local.LocalEngine``, as the serving process runs it; no HTTP,
+no database, a client that never disconnects), so the figures are the backend's and the event bridge's, not the network's. Each
 figure is the median of ``--repeats`` runs after one warm-up run of each.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import statistics
 import time
@@ -65,13 +64,6 @@ def _median(runs: list[Figures]) -> Figures:
         seconds=statistics.median(r.seconds for r in runs),
         first_token_seconds=statistics.median(r.first_token_seconds for r in runs),
     )
-
-
-class _Client:
-    """A request that never disconnects: what the service's disconnect watcher polls."""
-
-    async def is_disconnected(self) -> bool:
-        return False
 
 
 def _prompt(n: int) -> str:
@@ -125,11 +117,12 @@ def direct(loaded: Any, prompt_ids: list[int], rows: int, max_tokens: int) -> Fi
     return Figures(tokens, seconds, streamer.at - t0)
 
 
-async def _stream(service: Any, ref: Any, body: Any, team: str) -> Figures:
-    """One streamed completion through the service's handler: its text chunks as they come."""
-    kwargs = {"team_id": team} if "team_id" in inspect.signature(service.completion).parameters else {}
+async def _stream(engine: Any, model: Any, body: Any, team: str) -> Figures:
+    """One streamed completion through the engine client: its text chunks as they come."""
+    from serving.client import Call, never_disconnected
+
     t0 = time.perf_counter()
-    response = await service.completion(_Client(), ref, body, **kwargs)
+    response = await engine.generate(Call(body, model, team, never_disconnected))
     first = 0.0
     tokens = 0
     async for chunk in response.body_iterator:
@@ -146,12 +139,12 @@ async def _stream(service: Any, ref: Any, body: Any, team: str) -> Figures:
     return Figures(tokens, seconds, first)
 
 
-async def served(service: Any, ref: Any, prompt: str, streams: int, max_tokens: int) -> Figures:
+async def served(engine: Any, model: Any, prompt: str, streams: int, max_tokens: int) -> Figures:
     """``streams`` streamed requests at once (one team each, so no team's share gets in the way)."""
-    from api.inference.schemas import CompletionRequest
+    from serving.schemas import CompletionRequest
 
     body = CompletionRequest(
-        model=ref.id,
+        model=model.id,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
@@ -159,7 +152,7 @@ async def served(service: Any, ref: Any, prompt: str, streams: int, max_tokens: 
         stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     t0 = time.perf_counter()
-    runs = await asyncio.gather(*(_stream(service, ref, body, f"bench-{i}") for i in range(streams)))
+    runs = await asyncio.gather(*(_stream(engine, model, body, f"bench-{i}") for i in range(streams)))
     seconds = time.perf_counter() - t0
     return Figures(sum(r.tokens for r in runs), seconds, min(r.first_token_seconds for r in runs))
 
@@ -167,81 +160,80 @@ async def served(service: Any, ref: Any, prompt: str, streams: int, max_tokens: 
 def compare(
     model: str,
     *,
-    streams: int = 4,
+    streams: tuple[int, ...] = (4, 16),
     max_tokens: int = 64,
     prompt_tokens: int = 32,
     repeats: int = 3,
     device: str = "cpu",
 ) -> dict[str, Any]:
+    """Each stream count's served tokens/s against a direct batch of as many rows, and one stream against
+    one row, all on the one model the engine loaded, in this run."""
     from pathlib import Path
 
-    from api.core.config import ApiSettings
-    from api.inference.service import InferenceService
-    from api.model_names import ModelRef
+    from serving.client import ServedModel
+    from serving.config import ServingSettings
+    from serving.local import LocalEngine
 
-    settings = ApiSettings(
+    most = max(streams)
+    settings = ServingSettings(
         _env_file=None,
         inference_device=device,
         inference_max_tokens=max(max_tokens, 16),
-        inference_queue_size=max(8, streams),
+        inference_queue_size=max(8, most),
+        inference_batch_rows=max(16, most),
     )
     path = Path(model) if Path(model).is_dir() else None
-    ref = ModelRef(
-        id=model,
-        kind="builtin" if path is None else "base",
-        path=path,
-        adapter_path=None,
-        owned_by="system",
-        created=0,
-    )
+    ref = ServedModel(id=model, source=str(path) if path else model)
     prompt = _prompt(prompt_tokens)
 
     async def run() -> dict[str, Any]:
-        service = InferenceService(settings)
+        engine = LocalEngine(settings)
         try:
-            loaded = service.cache.get(str(path) if path else model)
+            loaded = engine.builtin.cache.get(ref.source)
             ids = list(loaded.tokenizer(prompt)["input_ids"])
             # warm-up: the model, the threads, the allocator
-            direct(loaded, ids, streams, max_tokens)
-            await served(service, ref, prompt, streams, max_tokens)
-            out: dict[str, list[Figures]] = {
-                "direct_batch": [],
-                "concurrent": [],
-                "direct_one": [],
-                "one": [],
-            }
+            direct(loaded, ids, most, max_tokens)
+            await served(engine, ref, prompt, most, max_tokens)
+            out: dict[str, list[Figures]] = {}
             for _ in range(repeats):
-                out["direct_batch"].append(direct(loaded, ids, streams, max_tokens))
-                out["concurrent"].append(await served(service, ref, prompt, streams, max_tokens))
-                out["direct_one"].append(direct(loaded, ids, 1, max_tokens))
-                out["one"].append(await served(service, ref, prompt, 1, max_tokens))
+                for n in streams:
+                    out.setdefault(f"direct_batch_{n}", []).append(direct(loaded, ids, n, max_tokens))
+                    out.setdefault(f"concurrent_{n}", []).append(
+                        await served(engine, ref, prompt, n, max_tokens)
+                    )
+                out.setdefault("direct_one", []).append(direct(loaded, ids, 1, max_tokens))
+                out.setdefault("one", []).append(await served(engine, ref, prompt, 1, max_tokens))
             return {k: _median(v).as_dict() for k, v in out.items()}
         finally:
-            await service.aclose()
+            await engine.aclose()
 
     figures = asyncio.run(run())
+    one, direct_one = figures["one"], figures["direct_one"]
     return {
         "model": model,
         "device": device,
-        "streams": streams,
+        "streams": list(streams),
         "max_tokens": max_tokens,
         "prompt_tokens": prompt_tokens,
         "repeats": repeats,
         **figures,
-        "concurrent_ratio": figures["concurrent"]["tokens_per_second"]
-        / figures["direct_batch"]["tokens_per_second"],
-        "single_ratio": figures["one"]["tokens_per_second"] / figures["direct_one"]["tokens_per_second"],
-        "first_token_extra_ms": 1000
-        * (figures["one"]["first_token_seconds"] - figures["direct_one"]["first_token_seconds"]),
-        "per_token_extra_ms": 1000
-        * (figures["one"]["per_token_seconds"] - figures["direct_one"]["per_token_seconds"]),
+        "concurrent_ratio": {
+            n: figures[f"concurrent_{n}"]["tokens_per_second"]
+            / figures[f"direct_batch_{n}"]["tokens_per_second"]
+            for n in streams
+        },
+        "single_ratio": one["tokens_per_second"] / direct_one["tokens_per_second"],
+        "first_token_extra_ms": 1000 * (one["first_token_seconds"] - direct_one["first_token_seconds"]),
+        "per_token_extra_ms": 1000 * (one["per_token_seconds"] - direct_one["per_token_seconds"]),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.inference", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-llama", help="a built-in config or a model folder")
-    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument(
+        "--streams", default="4,16", help="stream counts, each against a direct batch of as many rows"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -255,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     doc = compare(
         args.model,
-        streams=args.streams,
+        streams=tuple(int(n) for n in args.streams.split(",")),
         max_tokens=args.max_tokens,
         prompt_tokens=args.prompt_tokens,
         repeats=args.repeats,
@@ -269,19 +261,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{doc['max_tokens']} new tokens, greedy, median of {doc['repeats']}"
     )
     print(f"{'run':34s} {'tokens':>7s} {'tokens/s':>10s} {'first token':>12s} {'per token':>10s}")
-    rows = (
-        ("direct_batch", f"direct generate, batch of {doc['streams']}"),
-        ("concurrent", f"{doc['streams']} concurrent streams"),
+    rows = [
+        *(
+            row
+            for n in doc["streams"]
+            for row in (
+                (f"direct_batch_{n}", f"direct generate, batch of {n}"),
+                (f"concurrent_{n}", f"{n} concurrent streams"),
+            )
+        ),
         ("direct_one", "direct generate, one row"),
         ("one", "one stream"),
-    )
+    ]
     for key, label in rows:
         r = doc[key]
         print(
             f"{label:34s} {r['tokens']:7d} {r['tokens_per_second']:10,.0f} "
             f"{1000 * r['first_token_seconds']:9.1f} ms {1000 * r['per_token_seconds']:7.2f} ms"
         )
-    print(f"{doc['streams']} streams / direct batch, tokens/s: {doc['concurrent_ratio']:.2f}x")
+    for n, ratio in doc["concurrent_ratio"].items():
+        print(f"{n} streams / direct batch of {n}, tokens/s: {ratio:.2f}x")
     print(
         f"one stream / direct generate, tokens/s: {doc['single_ratio']:.2f}x "
         f"(first token {doc['first_token_extra_ms']:+.1f} ms, per token {doc['per_token_extra_ms']:+.2f} ms)"

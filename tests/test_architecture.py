@@ -23,7 +23,7 @@ import networkx  # torch's own dependency
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("demo", "api", "worker", "trainer", "offload", "store", "contract")
+PACKAGES = ("demo", "api", "worker", "serving", "trainer", "offload", "store", "contract")
 MAX_FUNCTION_LINES = 80
 
 

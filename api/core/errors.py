@@ -21,25 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
+from serving.errors import ServingError
+
 log = logging.getLogger(__name__)
 
-_DEFAULT_CODES = {
-    400: "invalid_request",
-    401: "invalid_api_key",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    409: "conflict",
-    413: "file_too_large",
-    415: "unsupported_media_type",
-    422: "invalid_request",
-    429: "quota_exceeded",
-    431: "request_header_too_large",
-    502: "bad_gateway",
-    503: "service_unavailable",
-    504: "timeout",
-    507: "insufficient_storage",
-}
 
 # Pieces pydantic adds to ``loc`` for union members and wrapped validators; not field names.
 _TAG = re.compile(
@@ -47,40 +32,20 @@ _TAG = re.compile(
 )
 
 
-class APIError(Exception):
+def error_response(err: ServingError) -> JSONResponse:
+    """``err`` as the HTTP answer: its status, envelope and headers."""
+    headers = dict(err.headers)
+    # The openai SDK retries 409 ("lock timeout") unless told otherwise; ours are final.
+    if err.status_code == 409:
+        headers.setdefault("x-should-retry", "false")
+    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+
+
+class APIError(ServingError):
     """An error answered in the OpenAI shape; raise it anywhere in a request."""
 
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str | None = None,
-        headers: dict[str, str] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        self.code = code if code is not None else _DEFAULT_CODES.get(status_code)
-        self.type = type or ("server_error" if status_code >= 500 else "invalid_request_error")
-        self.headers = dict(headers or {})
-        self.extra = extra or {}
-
-    def body(self) -> dict[str, Any]:
-        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        err.update(self.extra)
-        return {"error": err}
-
     def response(self) -> JSONResponse:
-        headers = dict(self.headers)
-        # The openai SDK retries 409 ("lock timeout") unless told otherwise; ours are final.
-        if self.status_code == 409:
-            headers.setdefault("x-should-retry", "false")
-        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
+        return error_response(self)
 
 
 #: What each documented error status means (the OpenAPI ``responses`` of the routes).
@@ -225,8 +190,8 @@ def _db_unavailable(exc: Exception) -> bool:
     return isinstance(exc, sa_exc.DBAPIError) and bool(exc.connection_invalidated)
 
 
-async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+async def _api_error(_request: Request, exc: ServingError) -> JSONResponse:
+    return error_response(exc)
 
 
 async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -287,7 +252,7 @@ async def _unhandled(_request: Request, exc: Exception) -> JSONResponse:
 
 #: Each failure's handler, in the order they are registered.
 _HANDLERS: tuple[tuple[type[Exception], Callable[[Request, Any], Awaitable[JSONResponse]]], ...] = (
-    (APIError, _api_error),
+    (ServingError, _api_error),
     (RequestValidationError, _request_validation),
     (ValidationError, _pydantic_validation),
     (StarletteHTTPException, _http_error),

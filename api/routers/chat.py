@@ -1,4 +1,6 @@
-"""``/v1/chat/completions`` and ``/v1/completions``: generation on the team's models (api.inference)."""
+"""``/v1/chat/completions`` and ``/v1/completions``: generation on the team's models. The route resolves
+the model for the team and hands the request to the app's engine client (``serving.client``): the engine
+in this process, or the serving process's."""
 
 from __future__ import annotations
 
@@ -8,23 +10,37 @@ from fastapi import APIRouter, Request
 
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import error_responses
-from api.inference.schemas import (
+from api.model_names import ModelRef, spec_model_name, team_model
+from serving.client import Call, EngineClient, ServedModel
+from serving.schemas import (
     ChatCompletionObject,
     ChatCompletionRequest,
     CompletionRequest,
     TextCompletionObject,
 )
-from api.inference.service import InferenceService
-from api.model_names import team_model
+from store.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["inference"], responses=error_responses(400, 401, 404, 429, 503, 504))
 
 _STREAM: dict[str, Any] = {"text/event-stream": {}}
 
 
-def _service(request: Request) -> InferenceService:
-    service: InferenceService = request.app.state.inference
-    return service
+def _engine(request: Request) -> EngineClient:
+    engine: EngineClient = request.app.state.inference
+    return engine
+
+
+def served(ref: ModelRef) -> ServedModel:
+    """The model as the engine takes it: its id, what the built-in backend loads, its LoRA adapter."""
+    adapter = None if ref.adapter_path is None else str(ref.adapter_path)
+    return ServedModel(id=ref.id, source=spec_model_name(ref), adapter_path=adapter)
+
+
+async def _generate(
+    request: Request, body: ChatCompletionRequest | CompletionRequest, team_id: str, settings: Settings
+) -> Any:
+    ref = await run_db(request, team_model, team_id, body.model, settings)
+    return await _engine(request).generate(Call(body, served(ref), team_id, request.is_disconnected))
 
 
 @router.post(
@@ -44,8 +60,7 @@ async def create_chat_completion(
 ) -> Any:
     """A reply to ``messages`` from a base model or one of the team's fine-tuned models, through the
     model's chat template."""
-    ref = await run_db(request, team_model, team.team_id, body.model, settings)
-    return await _service(request).chat(request, ref, body, team.team_id)
+    return await _generate(request, body, team.team_id, settings)
 
 
 @router.post(
@@ -64,5 +79,4 @@ async def create_completion(
     body: CompletionRequest, request: Request, team: TeamDep, settings: SettingsDep
 ) -> Any:
     """A continuation of ``prompt`` as it is (no chat template), for prompt-style models."""
-    ref = await run_db(request, team_model, team.team_id, body.model, settings)
-    return await _service(request).completion(request, ref, body, team.team_id)
+    return await _generate(request, body, team.team_id, settings)

@@ -33,6 +33,9 @@ router = APIRouter(prefix="/v1", tags=["files"], responses=error_responses(401, 
 
 SUPPORTED_PURPOSES = ("fine-tune",)
 
+#: Form fields of an upload that take a job's data options (used with ``model``).
+DATA_OPTION_FIELDS = ("max_seq_length", "truncation", "system_message")
+
 _UPLOAD_DOC = {
     "requestBody": {
         "required": True,
@@ -41,6 +44,8 @@ _UPLOAD_DOC = {
                 "schema": {
                     "type": "object",
                     "required": ["file", "purpose"],
+                    # the data options are the check's: each is refused (400) without `model`
+                    "dependentRequired": {name: ["model"] for name in DATA_OPTION_FIELDS},
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(SUPPORTED_PURPOSES)},
@@ -177,10 +182,6 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         raise
     finally:
         upload.discard()
-
-
-#: Form fields of an upload that take a job's data options (used with ``model``).
-DATA_OPTION_FIELDS = ("max_seq_length", "truncation", "system_message")
 
 
 def _data_options(fields: dict[str, str]) -> HyperparametersRequest:

@@ -271,7 +271,7 @@ def test_flood_gets_429_with_retry_after_and_slots_come_back(
     server: ServerThread, chat_app: FastAPI, owner: TeamKey
 ) -> None:
     assert _chat(server, owner, 1).status_code == 200  # the model is loaded before the flood
-    pool = chat_app.state.inference.pool
+    pool = chat_app.state.inference.builtin.pool
     with concurrent.futures.ThreadPoolExecutor(8) as clients:
         answers = list(clients.map(lambda _: _chat(server, owner, 30), range(8)))
     refused = [r for r in answers if r.status_code == 429]
@@ -298,7 +298,7 @@ def _cancelled(server: ServerThread) -> float:
 def test_client_that_disconnects_mid_stream_frees_its_slot(
     server: ServerThread, chat_app: FastAPI, owner: TeamKey
 ) -> None:
-    pool = chat_app.state.inference.pool
+    pool = chat_app.state.inference.builtin.pool
     assert _chat(server, owner, 1).status_code == 200
     tokens_before, cancelled_before = _completion_tokens(server), _cancelled(server)
     body = {"model": SLOW_MODEL, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0, "stream": True}
@@ -319,7 +319,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(
 def test_client_that_gives_up_on_a_whole_answer_frees_its_slot(
     server: ServerThread, chat_app: FastAPI, owner: TeamKey
 ) -> None:
-    pool = chat_app.state.inference.pool
+    pool = chat_app.state.inference.builtin.pool
     assert _chat(server, owner, 1).status_code == 200
     tokens_before, cancelled_before = _completion_tokens(server), _cancelled(server)
     with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and closes the connection
@@ -350,7 +350,7 @@ def test_request_over_the_time_limit_gets_504(settings: Settings) -> None:
         )
         assert r.status_code == 504, r.text
         assert error_of(r)["code"] == "timeout"
-        _wait_for(lambda: app.state.inference.pool.slots_in_use == 0)
+        _wait_for(lambda: app.state.inference.builtin.pool.slots_in_use == 0)
 
 
 def test_per_request_caps_are_400s_before_anything_runs(settings: Settings) -> None:
@@ -399,12 +399,12 @@ def test_per_request_caps_are_400s_before_anything_runs(settings: Settings) -> N
             r = post(path, **body)
             assert r.status_code == 400, (body, r.text)
             assert error_of(r)["param"] == param, (body, error_of(r))
-        assert app.state.inference.pool.slots_in_use == 0
+        assert app.state.inference.builtin.pool.slots_in_use == 0
         # no max_tokens: 2 prompts x n 3 = 6 choices share the 20 tokens, 3 each at most
         r = post("completions", prompt=["a", "b"], n=3, temperature=1.0, seed=1)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 6 and r.json()["usage"]["completion_tokens"] <= 18
-        _wait_for(lambda: app.state.inference.pool.slots_in_use == 0)
+        _wait_for(lambda: app.state.inference.builtin.pool.slots_in_use == 0)
 
 
 def test_a_flooding_team_gets_429_while_another_team_is_served(
@@ -413,7 +413,7 @@ def test_a_flooding_team_gets_429_while_another_team_is_served(
     """Two slots (one thread, one waiting place): a team alone may hold both, and a second team asking
     then is admitted at once and answered while the first team's requests still run."""
     assert _chat(server, owner, 1).status_code == 200  # the model is loaded before the flood
-    pool = chat_app.state.inference.pool
+    pool = chat_app.state.inference.builtin.pool
     flooder, other = make_team(chat_app), make_team(chat_app)
     with concurrent.futures.ThreadPoolExecutor(6) as clients:
         flood = [clients.submit(_chat, server, flooder, 300) for _ in range(6)]
@@ -471,7 +471,7 @@ def test_another_model_is_served_while_a_team_floods_one(
         answered.set()
         assert r.status_code == 200, r.text
         assert [f.result() for f in floods] == ["open", "open"]  # answered while both still generated
-    _wait_for(lambda: chat_app.state.inference.pool.slots_in_use == 0)
+    _wait_for(lambda: chat_app.state.inference.builtin.pool.slots_in_use == 0)
 
 
 def _batch_steps(server: ServerThread) -> tuple[float, float]:
@@ -523,4 +523,4 @@ def test_concurrent_requests_share_forward_passes_and_answer_as_alone(
     assert together == alone
     steps_after, single_after = _batch_steps(server)
     assert steps_after - steps > single_after - single  # some forward passes decoded several requests
-    _wait_for(lambda: chat_app.state.inference.pool.slots_in_use == 0)
+    _wait_for(lambda: chat_app.state.inference.builtin.pool.slots_in_use == 0)

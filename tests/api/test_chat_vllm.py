@@ -219,8 +219,8 @@ def test_foreign_model_never_reaches_vllm(
 
 def test_an_answer_that_fails_mid_read_frees_its_slot() -> None:
     """vLLM answers 200 and then the body times out: a 504, and the slot is free again (no 429 later)."""
-    from api.core.errors import APIError
-    from api.inference.vllm import VLLMForwarder
+    from serving.errors import ServingError
+    from serving.vllm import VLLMForwarder
 
     class TimesOut(httpx.AsyncByteStream):
         async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -237,7 +237,7 @@ def test_an_answer_that_fails_mid_read_frees_its_slot() -> None:
     async def twice() -> list[int]:
         codes = []
         for _ in range(2):
-            with pytest.raises(APIError) as err:
+            with pytest.raises(ServingError) as err:
                 await forwarder.forward(
                     "/v1/chat/completions", {"model": "m"}, "m", stream=False, endpoint="chat"
                 )

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {
     "proxy",
     "api",
+    "serving",
     "worker",
     "worker-node2",
     "redis",
@@ -57,8 +58,8 @@ def test_worker_reserves_an_nvidia_gpu_and_uses_cuda_torch() -> None:
 
 def test_vllm_is_an_optional_profile_the_api_can_forward_to() -> None:
     c = _compose()
-    vllm, api = c["services"]["vllm"], c["services"]["api"]
-    assert vllm["profiles"] == ["vllm"] and "vllm" not in api.get(
+    vllm, api, serving = c["services"]["vllm"], c["services"]["api"], c["services"]["serving"]
+    assert vllm["profiles"] == ["vllm"] and "vllm" not in serving.get(
         "depends_on", {}
     )  # the default stack has none
     cmd = " ".join(vllm["command"])
@@ -66,8 +67,25 @@ def test_vllm_is_an_optional_profile_the_api_can_forward_to() -> None:
     assert vllm["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     # Adapters are read from the job folders at the path the API knows them by.
     assert "zenflow-data:/data:ro" in vllm["volumes"] and "zenflow-data:/data" in api["volumes"]
-    assert api["environment"]["ZENFLOW_API_INFERENCE_VLLM_URL"] == "http://vllm:8000"
-    assert _default(api["environment"]["ZENFLOW_API_INFERENCE_BACKEND"]) in ("builtin", "vllm")
+    assert "zenflow-data:/data:ro" in serving["volumes"]  # the same paths in the API, serving and vLLM
+    # the serving process forwards to vLLM; the API never does
+    assert serving["environment"]["ZENFLOW_API_INFERENCE_VLLM_URL"] == "http://vllm:8000"
+    assert _default(serving["environment"]["ZENFLOW_API_INFERENCE_BACKEND"]) in ("builtin", "vllm")
+    assert "ZENFLOW_API_INFERENCE_VLLM_URL" not in api["environment"]
+
+
+def test_serving_is_its_own_internal_service_the_api_calls_with_a_shared_token() -> None:
+    c = _compose()
+    api, serving = c["services"]["api"], c["services"]["serving"]
+    assert serving["command"][:3] == ["python", "-m", "serving"] and "8001" in serving["command"]
+    assert "ports" not in serving and [str(p) for p in serving["expose"]] == ["8001"]  # internal only
+    assert "8001/readyz" in " ".join(serving["healthcheck"]["test"])
+    assert api["environment"]["ZENFLOW_API_INFERENCE_SERVER_URL"] == "http://serving:8001"
+    token = "ZENFLOW_API_INFERENCE_SERVER_TOKEN"
+    # one variable for both, and no default: compose refuses to start without it
+    assert api["environment"][token] == serving["environment"][token]
+    assert re.fullmatch(r"\$\{ZENFLOW_INFERENCE_SERVER_TOKEN:\?.+\}", api["environment"][token])
+    assert "serving:8001" in (ROOT / "deploy/prometheus/prometheus.yml").read_text()
 
 
 def test_mlflow_is_an_optional_profile_the_workers_can_log_to() -> None:
@@ -108,11 +126,14 @@ def test_environment_names_are_settings_fields() -> None:
     c = _compose()
     fields = {f"ZENFLOW_{n.upper()}" for n in Settings.model_fields}
     fields |= {f"ZENFLOW_API_{n.upper()}" for n in ApiSettings.model_fields}
-    for name in ("api", "worker", "worker-node2"):
+    for name in ("api", "serving", "worker", "worker-node2"):
         env = c["services"][name]["environment"]
         for key in env:
             if key.startswith("ZENFLOW_"):
                 assert key in fields, f"{name}: {key} is read by no setting"
+        if name == "serving":  # no control plane: no database, no queue
+            assert not any(k in env for k in ("ZENFLOW_DATABASE_URL", "ZENFLOW_BROKER_URL"))
+            continue
         assert env["ZENFLOW_DATABASE_URL"].startswith("postgresql+psycopg://")
         assert env["ZENFLOW_BROKER_URL"].startswith("redis://")
 

@@ -148,6 +148,14 @@ def test_upload_with_a_model_checks_every_line(
 def test_upload_options_are_checked(iclient: TestClient, iteam: TeamKey) -> None:
     r = _upload(iclient, iteam, [PLAIN_CHAT], truncation="drop")
     assert r.status_code == 400 and error_of(r)["param"] == "truncation"
+    r = _upload(iclient, iteam, [PLAIN_CHAT], max_seq_length="512")
+    assert r.status_code == 400 and error_of(r)["param"] == "max_seq_length"
+    # and the schema says so (OpenAPI 3.1: JSON Schema's dependentRequired), so no client is surprised
+    upload = iclient.get("/openapi.json").json()["paths"]["/v1/files"]["post"]["requestBody"]
+    form = upload["content"]["multipart/form-data"]["schema"]
+    assert form["dependentRequired"] == {
+        k: ["model"] for k in ("max_seq_length", "truncation", "system_message")
+    }
     r = _upload(iclient, iteam, [PLAIN_CHAT], model="qwen2-tiny", truncation="cut")
     assert r.status_code == 400 and error_of(r)["param"] == "truncation"
     r = _upload(iclient, iteam, [PLAIN_CHAT], model="no-such-model")

@@ -37,7 +37,7 @@ EVENT_METRICS = (
 #: Where the service defines its metric families (prometheus_client constructors and collectors).
 METRIC_SOURCES = (
     "api/core/prometheus.py",
-    "api/inference/prometheus.py",
+    "serving/prometheus.py",
     "worker/metrics/telemetry.py",
     "worker/metrics/server.py",
 )

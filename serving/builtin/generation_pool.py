@@ -1,16 +1,16 @@
 """The generation pool: fair admission, the preparing threads and the batched decode threads, and the
 bridge back to the event loop.
 
-Generation runs in threads inside the API process, never on the event loop. Threads rather than a
-separate process because torch releases the GIL inside its kernels, so the loop keeps serving while a
-model decodes, and the models loaded stay shared by every request without copying weights or
-streaming tokens across a process boundary; deployments that need more throughput put vLLM behind
-the same endpoint (``api.inference.vllm``).
+Generation runs in threads of the process that runs the engine (the serving process; the API's when
+embedded), never on the event loop. Threads, because torch releases the GIL inside its kernels, so the
+loop keeps serving while a model decodes, and the models loaded stay shared by every request without
+copying weights or streaming tokens across a process boundary; deployments that need more throughput
+put vLLM behind the same engine (``serving.vllm``).
 
 A request is admitted while its team holds less than its share of the ``threads + queue_size`` slots
-(``api.inference.team_shares``); beyond that :class:`QueueFull` (429 with ``Retry-After``). Each admitted
+(``serving.builtin.team_shares``); beyond that :class:`QueueFull` (429 with ``Retry-After``). Each admitted
 request is a :class:`Ticket`. A preparing thread loads its model and encodes its prompts (``prepare``,
-``api.inference.builtin``), then its choices go to the decode threads (``api.inference.batcher``), which
+``serving.builtin.prepare``), then its choices go to the decode threads (``serving.builtin.batcher``), which
 decode every request for the same model together. The threads send the request's events to the loop
 through the ticket; the request's side cancels it (client gone) or lets its deadline pass, which the
 decode thread checks before every step. Its slot is released when it is done, or at once when it had
@@ -25,10 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from api.inference import prometheus
-from api.inference.batcher import Batcher
-from api.inference.team_shares import Refusal, TeamShares
-from api.inference.tickets import (
+from serving import prometheus
+from serving.builtin.batcher import Batcher
+from serving.builtin.team_shares import Refusal, TeamShares
+from serving.builtin.tickets import (
     Cancelled,
     Completed,
     Delta,
@@ -41,7 +41,7 @@ from api.inference.tickets import (
 )
 
 if TYPE_CHECKING:
-    from api.inference.batcher import Work
+    from serving.builtin.batcher import Work
 
 __all__ = [
     "Cancelled",

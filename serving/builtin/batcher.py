@@ -1,5 +1,5 @@
 """The decode threads of the built-in backend: one model at a time per thread, every request waiting
-for that model decoded together (``api.inference.generation.Batch``).
+for that model decoded together (``serving.builtin.generation.Batch``).
 
 A prepared request (:class:`Work`: its model loaded, its prompts encoded and checked) waits in its
 model's queue. A free thread takes a model with waiting requests (or a parked batch) that no other
@@ -18,7 +18,7 @@ ago (a model counts as serving every team with a request in its queue or its bat
 waiting longest. So a request to another model waits at most about a slice per model ahead of it, not
 for a flood's whole generation; a batch that runs dry leaves its model at once.
 
-A request reports to its :class:`~api.inference.generation_pool.Ticket`: one batch of events per step
+A request reports to its :class:`~serving.builtin.generation_pool.Ticket`: one batch of events per step
 (one wake-up of the event loop, not one per token), its finish, and the metrics of the tokens computed.
 """
 
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Histogram
 
-from api.inference import prometheus
-from api.inference.generation import Batch, Choice, FinishReason, Row, Sampler
-from api.inference.model_cache import LoadedModel
-from api.inference.tickets import Completed, Delta, Event, Failed, Finished, Ticket, TimedOut
+from serving import prometheus
+from serving.builtin.generation import Batch, Choice, FinishReason, Row, Sampler
+from serving.builtin.model_cache import LoadedModel
+from serving.builtin.tickets import Completed, Delta, Event, Failed, Finished, Ticket, TimedOut
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from api.inference.sampling import SamplingParams
+from serving.builtin.sampling import SamplingParams
 
 #: Stop sequences per request, as OpenAI allows.
 MAX_STOP = 4

@@ -12,8 +12,8 @@ padding columns no row needs any more are cut off the cache's left. That needs t
 decoder (every layer a ``DynamicLayer``); a model with another kind (sliding-window layers) keeps its
 rows together from the first step to the last and admits new ones in the next batch.
 
-Each new token is turned into text incrementally (``api.inference.detokenize``) and cut at a stop
-sequence (``api.inference.sampling.StopText``) without going over the text generated before.
+Each new token is turned into text incrementally (``serving.builtin.detokenize``) and cut at a stop
+sequence (``serving.builtin.sampling.StopText``) without going over the text generated before.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from api.inference.detokenize import IncrementalDecoder
-from api.inference.model_cache import LoadedModel
-from api.inference.sampling import SamplingParams, StopText
+from serving.builtin.detokenize import IncrementalDecoder
+from serving.builtin.model_cache import LoadedModel
+from serving.builtin.sampling import SamplingParams, StopText
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,7 @@ FinishReason = Literal["stop", "length"]
 
 
 class Owner(Protocol):
-    """The request a row belongs to (``api.inference.batcher.Work``)."""
+    """The request a row belongs to (``serving.builtin.batcher.Work``)."""
 
     sampler: Sampler
     team: str

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from api.inference import prometheus
+from serving import prometheus
 
 if TYPE_CHECKING:
     import torch

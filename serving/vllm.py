@@ -19,14 +19,14 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from api.core.errors import APIError
-from api.inference import prometheus
-from api.inference.responses import EventStream
+from serving import prometheus
+from serving.errors import ServingError
+from serving.responses import EventStream
 
 if TYPE_CHECKING:
-    from api.model_names import ModelRef
+    from serving.client import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ BACKEND = "vllm"
 SERVED_TTL_SECONDS = 10.0
 
 
-def unavailable(detail: str) -> APIError:
-    return APIError(
+def unavailable(detail: str) -> ServingError:
+    return ServingError(
         503,
         f"The inference server is unavailable: {detail}",
         code="inference_backend_unavailable",
@@ -44,7 +44,7 @@ def unavailable(detail: str) -> APIError:
     )
 
 
-def upstream_error(status: int, content: bytes) -> APIError:
+def upstream_error(status: int, content: bytes) -> ServingError:
     """vLLM's error as ours: its message (OpenAI's envelope, or vLLM's older flat one) and its status
     for client errors; a 5xx of vLLM is a 502 of ours."""
     message, param = f"The inference server answered {status}", None
@@ -57,8 +57,8 @@ def upstream_error(status: int, content: bytes) -> APIError:
     except ValueError:
         pass
     if 400 <= status < 500 and status not in (401, 403):  # our key is not the client's business
-        return APIError(status, message, param=param)
-    return APIError(502, message, code="inference_backend_error")
+        return ServingError(status, message, param=param)
+    return ServingError(502, message, code="inference_backend_error")
 
 
 class VLLMForwarder:
@@ -96,19 +96,19 @@ class VLLMForwarder:
             await self._http.aclose()
             self._http = None
 
-    async def route(self, ref: ModelRef) -> str | None:
-        """The model name to send to vLLM for ``ref``, or None: the built-in backend serves it."""
-        if ref.adapter_path is not None and await self._ensure_adapter(ref.id, str(ref.adapter_path)):
-            return ref.id
-        return ref.id if ref.id in await self._served_models() else None
+    async def route(self, model: ServedModel) -> str | None:
+        """The model name to send to vLLM for ``model``, or None: the built-in backend serves it."""
+        if model.adapter_path is not None and await self._ensure_adapter(model.id, model.adapter_path):
+            return model.id
+        return model.id if model.id in await self._served_models() else None
 
     async def forward(
         self, path: str, body: dict[str, Any], upstream_model: str, *, stream: bool, endpoint: str
-    ) -> Any:
+    ) -> Response:
         """``body`` sent to vLLM's ``path`` with ``model`` replaced; its answer, streamed or whole."""
         if self.in_flight >= self.max_requests:
             prometheus.request_done(endpoint, BACKEND, "rejected")
-            raise APIError(
+            raise ServingError(
                 429,
                 "Too many inference requests in progress; retry after 1 s",
                 code="rate_limit_exceeded",
@@ -121,7 +121,7 @@ class VLLMForwarder:
             response = await self._client.send(request, stream=True)
         except httpx.TimeoutException as e:
             self._finish(endpoint, "timeout", started=started)
-            raise APIError(504, "The inference server did not answer in time", code="timeout") from e
+            raise ServingError(504, "The inference server did not answer in time", code="timeout") from e
         except httpx.HTTPError as e:
             self._finish(endpoint, "error", started=started)
             raise unavailable(type(e).__name__) from e
@@ -134,7 +134,7 @@ class VLLMForwarder:
                 outcome = "ok" if response.status_code == 200 else "error"
             except httpx.TimeoutException as e:
                 outcome = "timeout"
-                raise APIError(504, "The inference server did not answer in time", code="timeout") from e
+                raise ServingError(504, "The inference server did not answer in time", code="timeout") from e
             except httpx.HTTPError as e:
                 raise unavailable(type(e).__name__) from e
             finally:

@@ -1,7 +1,7 @@
 """The built-in backend's preparation of one request, run in a preparing thread
-(``api.inference.generation_pool``): load the model (cache), encode the prompts (the chat template for
+(``serving.builtin.generation_pool``): load the model (cache), encode the prompts (the chat template for
 chat) one by one against the per-request caps, check them against the model's context, and hand each
-prompt's choices to the decode threads (``api.inference.batcher``) as one :class:`Work`."""
+prompt's choices to the decode threads (``serving.builtin.batcher``) as one :class:`Work`."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import logging
 import secrets
 from dataclasses import dataclass
 
-from api.core.errors import APIError
-from api.inference.batcher import Work
-from api.inference.generation import Choice, Sampler
-from api.inference.model_cache import LoadedModel, ModelCache, ModelTooLarge
-from api.inference.sampling import SamplingParams
-from api.inference.tickets import Started, Ticket
+from serving.builtin.batcher import Work
+from serving.builtin.generation import Choice, Sampler
+from serving.builtin.model_cache import LoadedModel, ModelCache, ModelTooLarge
+from serving.builtin.sampling import SamplingParams
+from serving.builtin.tickets import Started, Ticket
+from serving.errors import ServingError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def encode(loaded: LoadedModel, prompt: Prompt) -> list[int]:
         try:
             text = tok.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(
+            raise ServingError(
                 400,
                 f"The model's chat template refused the messages: {e}",
                 param=prompt.param,
@@ -68,7 +68,7 @@ def encode(loaded: LoadedModel, prompt: Prompt) -> list[int]:
     if not ids:  # an empty prompt (OpenAI accepts ""): generation starts from bos, else eos
         start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         if start is None:
-            raise APIError(
+            raise ServingError(
                 400,
                 "The prompt is empty and the model has no bos or eos token to start from",
                 param=prompt.param,
@@ -85,7 +85,7 @@ def encode_all(loaded: LoadedModel, req: BuiltinRequest) -> list[list[int]]:
     for prompt in req.prompts:
         ids = encode(loaded, prompt)
         if len(ids) > req.max_prompt_tokens:
-            raise APIError(
+            raise ServingError(
                 400,
                 f"{prompt.param}: {len(ids)} tokens, over this server's {req.max_prompt_tokens} per prompt",
                 param=prompt.param,
@@ -94,7 +94,7 @@ def encode_all(loaded: LoadedModel, req: BuiltinRequest) -> list[list[int]]:
         total += len(ids)
         if total > req.max_request_prompt_tokens:
             param = prompt.param.split("[")[0]
-            raise APIError(
+            raise ServingError(
                 400,
                 f"{param}: over this server's {req.max_request_prompt_tokens} prompt tokens per request "
                 f"(reached at {prompt.param})",
@@ -109,7 +109,7 @@ def new_token_limit(loaded: LoadedModel, prompt: Prompt, prompt_len: int, req: B
     """How many tokens this prompt's choices may generate; 400 when the context cannot hold them."""
     room = loaded.max_length - prompt_len
     if room < 1:
-        raise APIError(
+        raise ServingError(
             400,
             f"This model's maximum context length is {loaded.max_length} tokens; the prompt "
             f"alone has {prompt_len}",
@@ -119,7 +119,7 @@ def new_token_limit(loaded: LoadedModel, prompt: Prompt, prompt_len: int, req: B
     if req.max_tokens is None:
         return min(room, req.server_max_tokens)
     if req.max_tokens > room:
-        raise APIError(
+        raise ServingError(
             400,
             f"This model's maximum context length is {loaded.max_length} tokens; you asked for "
             f"{prompt_len + req.max_tokens} ({prompt_len} in the prompt, {req.max_tokens} in the "
@@ -134,12 +134,12 @@ def load_or_fail(cache: ModelCache, source: str) -> LoadedModel:
     try:
         return cache.get(source)
     except ModelTooLarge as e:
-        raise APIError(
+        raise ServingError(
             503, f"The model cannot be served by this server: {e}", param="model", code="model_too_large"
         ) from e
     except Exception as e:  # unreadable files: not the caller's input, and no traceback for them
         log.exception("inference: loading %s failed", source)
-        raise APIError(
+        raise ServingError(
             503, "The model could not be loaded for inference", param="model", code="model_unavailable"
         ) from e
 

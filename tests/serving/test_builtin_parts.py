@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from api.inference.model_cache import ModelCache, ModelTooLarge
-from api.inference.sampling import StopText
+from serving.builtin.model_cache import ModelCache, ModelTooLarge
+from serving.builtin.sampling import StopText
 from tests.api.chat_support import write_model_folder
 
 
@@ -95,7 +95,7 @@ def test_stop_text_append_matches_update_however_the_text_is_cut() -> None:
 def test_incremental_decoder_adds_up_to_the_whole_decode() -> None:
     """Byte tokens cut UTF-8 characters: nothing half-made is released, and the pieces join into
     ``decode`` of all the tokens, also for bytes that never make a valid character."""
-    from api.inference.detokenize import IncrementalDecoder
+    from serving.builtin.detokenize import IncrementalDecoder
     from trainer.model.catalog import load_tokenizer
 
     tok = load_tokenizer("tiny-llama")
@@ -113,7 +113,7 @@ def test_incremental_decoder_adds_up_to_the_whole_decode() -> None:
 
 
 def test_team_shares_give_a_newcomer_a_slot_while_the_first_team_holds_them_all() -> None:
-    from api.inference.team_shares import TeamShares
+    from serving.builtin.team_shares import TeamShares
 
     shares = TeamShares(4)
     assert all(shares.admit("a") is None for _ in range(4))  # alone: every slot
@@ -132,7 +132,7 @@ def test_team_shares_give_a_newcomer_a_slot_while_the_first_team_holds_them_all(
 
 
 def test_team_shares_never_pass_twice_the_slots() -> None:
-    from api.inference.team_shares import TeamShares
+    from serving.builtin.team_shares import TeamShares
 
     shares = TeamShares(2)
     admitted = sum(shares.admit(f"t{i}") is None for i in range(10))
@@ -145,8 +145,8 @@ class _Owner:
     """What a request is to the batch: its sampler, its team, and where its text goes."""
 
     def __init__(self, temperature: float = 0.0, seed: int = 0, penalty: float = 0.0) -> None:
-        from api.inference.generation import Sampler
-        from api.inference.sampling import SamplingParams
+        from serving.builtin.generation import Sampler
+        from serving.builtin.sampling import SamplingParams
 
         params = SamplingParams(temperature=temperature, presence_penalty=penalty)
         self.sampler = Sampler(params, seed)
@@ -183,8 +183,8 @@ def test_batch_rows_that_join_mid_decode_answer_like_generate_alone() -> None:
     one is cancelled halfway; every other row's greedy text is transformers' own for its prompt."""
     import torch
 
-    from api.inference.generation import Batch, Choice
-    from api.inference.model_cache import load
+    from serving.builtin.generation import Batch, Choice
+    from serving.builtin.model_cache import load
 
     loaded = load("tiny-llama", "cpu", torch.float32)
     prompts = ["hello there", "a much longer prompt about rivers and foxes", "x", "to be cancelled"]
@@ -214,8 +214,8 @@ def test_batch_rows_that_join_mid_decode_answer_like_generate_alone() -> None:
 def test_batch_sampling_is_seeded_per_request_and_choices_differ() -> None:
     import torch
 
-    from api.inference.generation import Batch, Choice
-    from api.inference.model_cache import load
+    from serving.builtin.generation import Batch, Choice
+    from serving.builtin.model_cache import load
 
     loaded = load("tiny-llama", "cpu", torch.float32)
     ids = tuple(loaded.tokenizer("hi")["input_ids"])

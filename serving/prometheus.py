@@ -1,5 +1,6 @@
 """Prometheus metrics of the inference endpoints, process-wide (one set however many apps a process
-builds), served by the API's ``/metrics`` (api.core.prometheus). Labels are bounded: the endpoint, the backend
+builds), served by the serving process's ``/metrics`` (``serving.server``), or the API's
+(api.core.prometheus) when it runs the engine itself. Labels are bounded: the endpoint, the backend
 and an outcome; never a model id (teams create those without limit).
 
 * ``zenflow_inference_requests_total{endpoint, backend, outcome}``: ``ok``, ``rejected`` (429, queue
