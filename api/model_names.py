@@ -45,8 +45,11 @@ class ModelRef:
     created: int
     #: Why a base model's folder cannot be trained on (trainer.model.folder_check: its config, weights
     #: and their shapes, tokenizer), or None: shown as ``usable``/``unusable_reason`` by ``/v1/models``.
-    #: Filled by :func:`with_usability` (listing, retrieve); None until then.
+    #: Filled by :func:`shown` (listing, retrieve); None until then.
     unusable_reason: str | None = None
+    #: What the model is: a built-in's, always; a folder's from its model card, filled by
+    #: :func:`shown` (listing, retrieve). None when nothing says.
+    description: str | None = None
 
 
 class ModelNotFound(APIError):
@@ -97,12 +100,51 @@ def _base_ref(name: str, folder: Path) -> ModelRef:
     except OSError:
         created = 0
     return ModelRef(
-        id=name, kind="base", path=folder, adapter_path=None, owned_by=SYSTEM_OWNER, created=created
+        id=name,
+        kind="base",
+        path=folder,
+        adapter_path=None,
+        owned_by=SYSTEM_OWNER,
+        created=created,
     )
 
 
 def _builtin_ref(name: str) -> ModelRef:
-    return ModelRef(id=name, kind="builtin", path=None, adapter_path=None, owned_by=SYSTEM_OWNER, created=0)
+    return ModelRef(
+        id=name,
+        kind="builtin",
+        path=None,
+        adapter_path=None,
+        owned_by=SYSTEM_OWNER,
+        created=0,
+        description=f"{BUILTIN_MODELS[name].description}. {BUILTIN_RANDOM}",
+    )
+
+
+#: What every built-in config is, said beside its shape.
+BUILTIN_RANDOM = "Random weights (from the job's seed): it knows no language; for smoke tests and benchmarks"
+#: A model card's description is cut to this many characters.
+MAX_DESCRIPTION = 400
+
+
+def description_of(folder: Path) -> str | None:
+    """A model folder's description: the first paragraph of its model card (``README.md``, past the
+    YAML front matter and headings), or None."""
+    try:
+        text = (folder / "README.md").read_text(encoding="utf-8", errors="replace")[:20_000]
+    except OSError:
+        return None
+    if text.startswith("---"):
+        end = text.find("\n---", 3)
+        text = text[end + 4 :] if end >= 0 else ""
+    for block in text.split("\n\n"):
+        lines = [ln.strip() for ln in block.strip().splitlines() if not ln.lstrip().startswith("#")]
+        paragraph = " ".join(ln for ln in lines if ln)
+        if paragraph:
+            return (
+                paragraph if len(paragraph) <= MAX_DESCRIPTION else paragraph[: MAX_DESCRIPTION - 3] + "..."
+            )
+    return None
 
 
 def team_owner(session: Session, team_id: str) -> str:
@@ -145,24 +187,27 @@ def spec_model_name(ref: ModelRef) -> str:
     return ref.id if ref.path is None else str(ref.path)
 
 
-def with_usability(ref: ModelRef) -> ModelRef:
-    """``ref`` with :attr:`ModelRef.unusable_reason` filled for a base model's folder (the check job
-    create makes, cached per folder until a file of it changes; headers only, no weights read)."""
-    if ref.kind != "base" or ref.path is None:
+def shown(ref: ModelRef) -> ModelRef:
+    """``ref`` as listing and retrieve show it, with what they read from its folder (a request that only
+    uses the model reads neither): a base folder's check (:attr:`ModelRef.unusable_reason`, the check job
+    create makes, cached per folder until a file of it changes; headers only, no weights read) and the
+    folder's description (:func:`description_of`)."""
+    if ref.path is None:
         return ref
-    return replace(ref, unusable_reason=folder_problem(ref.path))
+    reason = folder_problem(ref.path) if ref.kind == "base" else None
+    return replace(ref, unusable_reason=reason, description=description_of(ref.path))
 
 
 def available_models(session: Session, team_id: str, settings: Settings) -> list[ModelRef]:
     """Every model the team may name: built-in configs, base models under the roots (each with its
-    folder's check: :func:`with_usability`), then its own fine-tuned models and checkpoints (oldest
+    folder's check and description: :func:`shown`), then its own fine-tuned models and checkpoints (oldest
     first)."""
     refs = [_builtin_ref(name) for name in BUILTIN_MODELS]
     refs += [
-        with_usability(_base_ref(name, folder))
+        shown(_base_ref(name, folder))
         for name, folder in registry.base_models(settings.model_roots).items()
         if name not in BUILTIN_MODELS
     ]
     owner = team_owner(session, team_id)
-    refs += [_ref(row, owner) for row in registry.team_models(session, team_id)]
+    refs += [shown(_ref(row, owner)) for row in registry.team_models(session, team_id)]
     return refs

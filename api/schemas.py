@@ -426,6 +426,11 @@ class ModelObject(BaseModel):
     unusable_reason: str | None = Field(
         None, description="Why it is not usable (the check's message), null when usable"
     )
+    description: str | None = Field(
+        None,
+        description="What the model is: a built-in's shape and that its weights are random; a base's or a "
+        "fine-tuned model's first paragraph of its model card (README.md); null when none says",
+    )
 
 
 class ModelDeleted(BaseModel):

@@ -11,6 +11,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+#: The base models shipped in the package's data (``trainer/samples/models``; a path, not an import: the
+#: store knows no trainer module).
+SHIPPED_MODELS_DIR = Path(__file__).resolve().parents[1] / "trainer" / "samples" / "models"
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ZENFLOW_", env_file=".env", extra="ignore")
@@ -37,7 +41,9 @@ class Settings(BaseSettings):
     jobs_dir: Path | None = None
     #: Folders of base models a job may name (``ZENFLOW_MODEL_ROOTS``: paths separated by ``:``, or a JSON
     #: list); a model is named by its folder relative to a root, e.g. ``Qwen/Qwen2.5-0.5B`` (store.model_ids).
-    model_roots: Annotated[list[Path], NoDecode] = []
+    #: Default: the bases shipped with the package (the demo's ``docs-llama``, a base that knows some
+    #: language), so a fresh install offers one; set roots replace it (add it to them to keep it).
+    model_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [SHIPPED_MODELS_DIR])
 
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
     #: A job whose worker died is re-queued and resumed at most this many times in all.

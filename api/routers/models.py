@@ -38,7 +38,7 @@ from api.builtin_cache import BuiltinCache
 from api.byte_ranges import ByteRange, RangeNotSatisfiable, http_date, if_range_holds, parse_range
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
-from api.model_names import ModelRef, available_models, team_model, with_usability
+from api.model_names import ModelRef, available_models, shown, team_model
 from api.schemas import ErrorResponse, ListObject, ModelDeleted, ModelObject
 from store.model_ids import find_model
 from store.orm import FineTuningJob, JobCheckpoint, JobStatus, RegisteredModel, utcnow
@@ -79,6 +79,7 @@ def model_object(ref: ModelRef) -> dict[str, Any]:
         "kind": ref.kind,
         "usable": ref.unusable_reason is None,
         "unusable_reason": ref.unusable_reason,
+        "description": ref.description,
     }
 
 
@@ -273,7 +274,7 @@ async def retrieve_model(
     model: str, request: Request, team: TeamDep, settings: SettingsDep
 ) -> dict[str, Any]:
     ref = await run_db(request, team_model, team.team_id, model, settings)
-    return model_object(await anyio.to_thread.run_sync(with_usability, ref))
+    return model_object(await anyio.to_thread.run_sync(shown, ref))
 
 
 @router.delete(

@@ -89,7 +89,9 @@ def test_max_seq_length_over_gpt2_positions_is_refused(mclient: tuple[FastAPI, T
     assert team_rows(app, team) == (0, 0)
 
 
-def test_job_object_shows_what_will_run(mclient: tuple[FastAPI, TestClient]) -> None:
+def test_job_object_shows_what_will_run(mclient: tuple[FastAPI, TestClient], roots: Path) -> None:
+    from trainer.model.catalog import estimated_params, learning_rate_for_size
+
     app, client = mclient
     team = make_team(app)
     fid = uploaded_id(client, team)
@@ -110,8 +112,8 @@ def test_job_object_shows_what_will_run(mclient: tuple[FastAPI, TestClient]) -> 
         sources["hyperparameters.batch_size"] == "data"
         and sources["hyperparameters.learning_rate"] == "model"
     )
-    assert (
-        hp["learning_rate"] == 2e-4 and hp["max_seq_length"] == 256
-    )  # LoRA's default rate; GPT-2's n_positions
+    # LoRA's default rate for the folder's size (trainer.model.catalog); GPT-2's n_positions
+    lora_rate = learning_rate_for_size(estimated_params(roots / "gpt2"), lora=True)
+    assert hp["learning_rate"] == lora_rate and hp["max_seq_length"] == 256
     assert hp["lora"] == {"r": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear"}
     assert r.json()["hyperparameters"] == hp

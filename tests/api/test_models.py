@@ -123,6 +123,9 @@ def test_sdk_lists_and_retrieves_only_the_teams_models(trained: Trained, mapp: F
             listed
         )
         assert listed[trained.model].owned_by == "Models Team" and listed[trained.model].object == "model"
+        # what each is: a built-in's shape and random weights; a fine-tuned model's card
+        assert "Random weights" in listed["tiny-llama"].description  # type: ignore[attr-defined]
+        assert listed[trained.model].description  # type: ignore[attr-defined]
         assert listed["org/base-model"].owned_by == "system"
         got = mine.models.retrieve(trained.model)
         assert got.id == trained.model and got.created == listed[trained.model].created > 0
@@ -453,3 +456,31 @@ def test_delete(trained: Trained, mclient: TestClient, mapp: FastAPI, msettings:
     failed = mclient.get(f"{JOBS}/{waiting.json()['id']}", headers=h).json()
     assert failed["status"] == "failed" and failed["error"]["code"] == "model_not_found"
     assert failed["error"]["param"] == "model" and ckpt in failed["error"]["message"]
+
+
+def test_a_fresh_install_offers_the_demo_base_described(client: TestClient, team: TeamKey) -> None:
+    """Default settings: the shipped base (trainer/samples/models) is listed, usable, with its card."""
+    from trainer.samples import MODELS_DIR
+
+    assert Settings(_env_file=None).model_roots == [MODELS_DIR]  # type: ignore[call-arg]
+    listed = {m["id"]: m for m in client.get("/v1/models", headers=team.headers).json()["data"]}
+    base = listed["docs-llama"]
+    assert (base["kind"], base["usable"], base["owned_by"]) == ("base", True, "system")
+    assert (
+        base["description"].startswith("A small Llama (1.4M parameters") and "make run" in base["description"]
+    )
+    assert listed["small-llama"]["description"].startswith("Llama, 8 layers")
+
+
+def test_a_description_is_the_cards_first_paragraph(tmp_path: Path) -> None:
+    from api.model_names import MAX_DESCRIPTION, description_of
+
+    assert description_of(tmp_path) is None  # no card
+    (tmp_path / "README.md").write_text(
+        "---\nlicense: mit\ntags: [x]\n---\n# Name\n\nFirst line\nwraps.\n\nMore.\n"
+    )
+    assert description_of(tmp_path) == "First line wraps."
+    (tmp_path / "README.md").write_text("# Only a title\n")
+    assert description_of(tmp_path) is None
+    (tmp_path / "README.md").write_text("x" * 5000)
+    assert len(description_of(tmp_path) or "") == MAX_DESCRIPTION

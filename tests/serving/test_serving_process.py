@@ -44,6 +44,9 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 #: The flooded model (slow per token) and the other team's model (fast).
 FLOODED, OTHER = "small-llama", "tiny-llama"
 pytestmark = pytest.mark.slow
+#: Team B's p99 while team A floods, and B's short request alone, on a quiet 2-core box (0.03 s measured).
+P99_BOUND_SECONDS = 2.0
+QUIET_ALONE_SECONDS = 0.05
 
 
 @contextlib.contextmanager
@@ -192,15 +195,22 @@ def test_another_teams_request_is_not_held_by_a_flood(api: ServerThread, api_app
     flood_seconds: list[float] = []
 
     def flood() -> None:
-        """A client looping as the openai SDK does: at once after an answer, after ``Retry-After`` on a 429."""
+        """A client looping as the openai SDK does: at once after an answer, after ``Retry-After`` on a
+        429; streamed, so that it can leave (closing the stream stops the generation) when the test ends."""
         while not stop.is_set():
             t = time.monotonic()
-            r = httpx.post(url, headers=flooder.headers, json=long, timeout=300)
-            flood_codes.append(r.status_code)
-            if r.status_code == 200:
-                flood_seconds.append(time.monotonic() - t)
-            if r.status_code == 429:
-                stop.wait(float(r.headers["Retry-After"]))
+            with httpx.stream(
+                "POST", url, headers=flooder.headers, json={**long, "stream": True}, timeout=300
+            ) as r:
+                flood_codes.append(r.status_code)
+                if r.status_code == 429:
+                    stop.wait(float(r.headers["Retry-After"]))
+                    continue
+                for line in r.iter_lines():
+                    if stop.is_set():
+                        return
+                    if line == "data: [DONE]":
+                        flood_seconds.append(time.monotonic() - t)
 
     with concurrent.futures.ThreadPoolExecutor(24) as clients:
         floods = [clients.submit(flood) for _ in range(24)]
@@ -222,8 +232,13 @@ def test_another_teams_request_is_not_held_by_a_flood(api: ServerThread, api_app
         f"{len(flood_seconds)} in {sum(flood_seconds):.1f} s, codes {sorted(set(flood_codes))}"
     )
     assert 429 in flood_codes  # the flooding team was held to its share
-    assert p99 <= 2.0, waits
-    assert p99_same <= 2.0, waits_same  # joined the running batch: a flood answer runs for 10 s and more
+    # 2 s on a quiet box; a loaded one (the CI's hog) stretches it as it stretched B's request alone
+    bound = P99_BOUND_SECONDS * max(1.0, statistics.median(alone) / QUIET_ALONE_SECONDS)
+    assert p99 <= bound, (bound, waits)
+    assert p99_same <= bound, (
+        bound,
+        waits_same,
+    )  # joined the running batch: a flood answer runs for 10 s and more
 
 
 def _timed(url: str, team: TeamKey, body: dict[str, object]) -> float:

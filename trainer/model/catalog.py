@@ -11,6 +11,7 @@ causal-LM checkpoint (``config.json`` + weights + tokenizer files), loaded with
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,9 +86,17 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     )
 }
 
-#: Default base learning rates for local pretrained checkpoints.
-PRETRAINED_LEARNING_RATE = 1e-5
-PRETRAINED_LORA_LEARNING_RATE = 2e-4
+#: A pretrained base's default learning rate, by its size: full fine-tuning takes LR_AT_7B at 7B
+#: parameters (Llama 2's chat fine-tuning: 2e-5; Alpaca at 7B: 2e-5; we take the lower end) and more as the
+#: base shrinks, LR_AT_7B * (7e9 / params) ** LR_SIZE_EXPONENT, within [LR_AT_7B, LR_MAX]; LoRA trains a
+#: few new weights and takes LORA_LR_FACTOR times that (2e-4 at 7B, peft's and QLoRA's usual), within
+#: LORA_LR_MAX. The exponent: ``python -m bench.lr_sweep`` on the demo base (1.4M parameters) and on a
+#: ``bench.pretrained`` base (figures in docs/api.md, "Learning rate").
+LR_AT_7B = 1e-5
+LR_SIZE_EXPONENT = 0.5
+LR_MAX = 3e-3
+LORA_LR_FACTOR = 20.0
+LORA_LR_MAX = 1e-2
 
 
 class UnknownModelError(ValueError):
@@ -124,11 +133,45 @@ def check_model(name: str) -> ModelFolder | None:
 
 
 def default_learning_rate(name: str, *, lora: bool) -> float:
-    """Base learning rate used when the job says ``learning_rate: auto``."""
+    """Base learning rate used when the job says ``learning_rate: auto``: a built-in model's own, a
+    pretrained folder's by its size (:data:`LR_AT_7B`)."""
     m = find_model(name)
     if isinstance(m, BuiltinModel):
         return m.lora_learning_rate if lora else m.learning_rate
-    return PRETRAINED_LORA_LEARNING_RATE if lora else PRETRAINED_LEARNING_RATE
+    return learning_rate_for_size(estimated_params(m), lora=lora)
+
+
+def learning_rate_for_size(params: int, *, lora: bool) -> float:
+    """The rule of :data:`LR_AT_7B` for a base of ``params`` parameters."""
+    full = LR_AT_7B * float((7e9 / max(params, 1)) ** LR_SIZE_EXPONENT)
+    full = min(max(full, LR_AT_7B), LR_MAX)
+    return min(full * LORA_LR_FACTOR, LORA_LR_MAX) if lora else full
+
+
+def estimated_params(folder: Path) -> int:
+    """A decoder's parameter count from its ``config.json`` alone (no torch): embeddings, attention with
+    its key-value heads, the MLP (gated, Llama's names; or GPT-2's two matrices and learned positions),
+    norms, and a separate output head unless tied. Exact for Llama-like configs, close for GPT-2 (biases
+    left out), which is all a learning rate needs; 7B when it cannot tell."""
+    try:
+        c = json.loads((folder / "config.json").read_text())
+        c = c.get("text_config", c)
+        gpt2 = "hidden_size" not in c
+        hidden = int(c["n_embd"] if gpt2 else c["hidden_size"])
+        layers = int(c["n_layer"] if gpt2 else c["num_hidden_layers"])
+        heads = int((c.get("n_head") if gpt2 else c.get("num_attention_heads")) or 1)
+        inter = int((c.get("n_inner") if gpt2 else c.get("intermediate_size")) or 4 * hidden)
+        kv = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or hidden // heads)
+        vocab = int(c["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 7_000_000_000
+    attention = hidden * head_dim * (2 * heads + 2 * kv)
+    mlp = (2 if gpt2 else 3) * hidden * inter
+    positions = int(c.get("n_positions") or 0) * hidden if gpt2 else 0
+    tied = c.get("tie_word_embeddings", gpt2)  # each family's own default when the file omits it
+    head = 0 if tied else vocab * hidden
+    return vocab * hidden + positions + layers * (attention + mlp + 2 * hidden) + hidden + head
 
 
 def model_engine_defaults(name: str) -> dict[str, Any]:

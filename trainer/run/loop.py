@@ -97,6 +97,7 @@ from trainer.run.checkpoint import (
     remove_outputs,
 )
 from trainer.run.distributed import DistContext, all_sum, barrier, broadcast_object
+from trainer.run.loss_check import FIRST_STEPS, little_learned
 from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
 from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
 from trainer.run.step import LateLoss, StepOutcome, optimizer_step, step_totals
@@ -273,6 +274,9 @@ class _Run:
         self.order_epoch = -1
         #: With ranks: the last step, its event waiting for the global loss.
         self.pending: _Done | None = None
+        #: This run's first losses and step (trainer.run.loss_check: did the loss move?).
+        self.first_losses: list[float] = []
+        self.start_step = self.state.step
 
     def train(self) -> TrainResult:
         self._announce()
@@ -284,6 +288,9 @@ class _Run:
                 self.bar.close()
         if self.dist is not None:
             result = broadcast_object(self.dist, result)  # the same result on every rank: rank 0's
+        warning = None if result.cancelled else self._little_learned(result)
+        if warning is not None:
+            self.emit(warning)
         self.emit(
             RunFinished(
                 steps=result.steps,
@@ -422,11 +429,17 @@ class _Run:
         self.outputs.write_result(result.as_dict())
         return result
 
+    def _little_learned(self, result: TrainResult) -> LogEvent | None:
+        steps = result.steps - self.start_step
+        return little_learned(self.first_losses, result.train_loss, steps=steps, lr=self.hp.learning_rate)
+
     def _report(self, p: _Done, loss: float) -> None:
         """Step ``p``'s loss is in: keep it and emit its StepEvent."""
         _check_loss(loss, p.step)
         state, m, tokens, dt = self.state, p.outcome.metrics, p.outcome.tokens, p.seconds
         state.losses = [*state.losses[-(LOSS_WINDOW - 1) :], loss]
+        if len(self.first_losses) < FIRST_STEPS:
+            self.first_losses.append(loss)
         self.emit(
             StepEvent(
                 step=p.step,

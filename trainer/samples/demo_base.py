@@ -217,7 +217,23 @@ def ship(base: DemoBase, models_dir: Path) -> Path:
             shutil.copy(f, out / f.name)
     info = {**base.info, "key": base.root.name, "shipped_dtype": "bfloat16"}
     (out / "pretrain.json").write_text(json.dumps(info, indent=2))
+    (out / "README.md").write_text(model_card(info, model.config.max_position_embeddings))
     return out
+
+
+def model_card(info: dict[str, Any], context: int) -> str:
+    """The shipped folder's README.md: what the base is (its first paragraph is what /v1/models shows)."""
+    r = info["recipe"]
+    return (
+        f"# {info['model']}\n\n"
+        f"A small Llama ({info['params'] / 1e6:.1f}M parameters: {r['layers']} layers, hidden {r['hidden']}, "
+        f"a byte-level tokenizer, {context}-token context) pretrained here on {info['corpus_chars']:,} "
+        f"characters of the Python standard library's docstrings ({r['steps']} steps, validation loss "
+        f"{info['valid_loss_before']} -> {info['valid_loss_after']}): it writes English-like text and knows "
+        "none of the demo's facts, so what a fine-tuning job teaches it shows. `make run` fine-tunes it.\n\n"
+        "Made by `python -m trainer.samples.demo_base` (trainer/samples/demo_base.py); `pretrain.json` has "
+        "the recipe and the losses.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
