@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from serving.client import Call, Reply
 from serving.errors import ServingError
+from serving.http_pool import LazyPool
 from serving.responses import EventStream
 
 log = logging.getLogger(__name__)
@@ -62,25 +63,19 @@ class RemoteEngine:
     ) -> None:
         if not base_url or not token:
             raise ValueError("inference_server_url needs inference_server_token (the serving process's)")
-        self._client_args: dict[str, Any] = {
-            "base_url": base_url.rstrip("/"),
-            "transport": transport,
-            "timeout": httpx.Timeout(timeout_seconds + TIMEOUT_MARGIN_SECONDS, connect=CONNECT_SECONDS),
-            "headers": {"Authorization": f"Bearer {token}"},
-        }
-        self._http: httpx.AsyncClient | None = None
+        self._pool = LazyPool(
+            base_url,
+            transport=transport,
+            timeout=httpx.Timeout(timeout_seconds + TIMEOUT_MARGIN_SECONDS, connect=CONNECT_SECONDS),
+            headers={"Authorization": f"Bearer {token}"},
+        )
 
     @property
     def _client(self) -> httpx.AsyncClient:
-        """The connection pool, made on first use (in the app's event loop), again after :meth:`aclose`."""
-        if self._http is None:
-            self._http = httpx.AsyncClient(**self._client_args)
-        return self._http
+        return self._pool.client
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        await self._pool.aclose()
 
     async def generate(self, call: Call) -> Reply:
         payload = {

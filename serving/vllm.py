@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from serving import prometheus
 from serving.errors import ServingError
+from serving.http_pool import LazyPool
 from serving.responses import EventStream
 
 if TYPE_CHECKING:
@@ -74,27 +75,19 @@ class VLLMForwarder:
             raise ValueError("inference_vllm_url is required with inference_backend=vllm")
         self.max_requests = max_requests
         self.in_flight = 0
-        self._client_args: dict[str, Any] = {
-            "base_url": base_url.rstrip("/"),
-            "transport": transport,
-            "timeout": httpx.Timeout(timeout_seconds, connect=5.0),
-        }
-        self._http: httpx.AsyncClient | None = None
+        self._pool = LazyPool(
+            base_url, transport=transport, timeout=httpx.Timeout(timeout_seconds, connect=5.0)
+        )
         self._served: set[str] = set()
         self._served_at = -SERVED_TTL_SECONDS
         self._adapters: set[str] = set()
 
     @property
     def _client(self) -> httpx.AsyncClient:
-        """The connection pool, made on first use (in the app's event loop), again after :meth:`aclose`."""
-        if self._http is None:
-            self._http = httpx.AsyncClient(**self._client_args)
-        return self._http
+        return self._pool.client
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        await self._pool.aclose()
 
     async def route(self, model: ServedModel) -> str | None:
         """The model name to send to vLLM for ``model``, or None: the built-in backend serves it."""
