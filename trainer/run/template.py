@@ -93,6 +93,23 @@ _MAX_REQUEST_BYTES = 64 << 20
 _PR_SET_PDEATHSIG = 1
 
 
+def signal_main_thread(pid: int, signum: int) -> None:
+    """``signum`` to process ``pid``'s main thread (Linux ``tgkill``), where its Python handler runs: a
+    process-directed signal may be taken by another thread (torch's pool), and then a main thread
+    blocked in a system call (a sleep, a wait) is not woken to run the handler until that call ends.
+    Elsewhere, or without ``tgkill``, a process-directed ``kill``."""
+    tgkill = getattr(_libc(), "tgkill", None) if sys.platform.startswith("linux") else None
+    if tgkill is None or tgkill(pid, pid, signum) != 0:
+        os.kill(pid, signum)  # ProcessLookupError when it is gone, as tgkill's ESRCH
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this process when its parent (thread) dies; exit at once if it already has."""
     if sys.platform.startswith("linux"):
@@ -227,7 +244,7 @@ def run_forked(cmd: Sequence[str], env: Mapping[str, str], *, pid_file: str | No
     def forward(signum: int, _frame: FrameType | None) -> None:
         if child:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child[0], signum)
+                signal_main_thread(child[0], signum)
         else:
             pending.append(signum)
 
@@ -248,7 +265,7 @@ def run_forked(cmd: Sequence[str], env: Mapping[str, str], *, pid_file: str | No
         _write_pid(pid_file, child[0])
     for signum in pending:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(child[0], signum)
+            signal_main_thread(child[0], signum)
     _end_as(_wait_status(sock))
 
 
@@ -435,7 +452,13 @@ def _take_on(request: Request, fds: list[int], template_fds: list[int]) -> None:
     if request.affinity and hasattr(os, "sched_setaffinity"):
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, request.affinity)
-    _reset_torch(request)
+    # the threads torch's reset starts (its intra-op pool) inherit this mask: blocked there, the stand-in's
+    # signals go to the main thread, which runs the handlers
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        _reset_torch(request)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
 
 
 def _reset_torch(request: Request) -> None:
