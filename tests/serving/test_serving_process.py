@@ -44,9 +44,8 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 #: The flooded model (slow per token) and the other team's model (fast).
 FLOODED, OTHER = "small-llama", "tiny-llama"
 pytestmark = pytest.mark.slow
-#: Team B's p99 while team A floods, and B's short request alone, on a quiet 2-core box (0.03 s measured).
+#: Team B's p99 while team A floods (on a quiet 2-core box: 0.4-0.6 s measured).
 P99_BOUND_SECONDS = 2.0
-QUIET_ALONE_SECONDS = 0.05
 
 
 @contextlib.contextmanager
@@ -216,8 +215,10 @@ def test_another_teams_request_is_not_held_by_a_flood(api: ServerThread, api_app
         floods = [clients.submit(flood) for _ in range(24)]
         try:
             time.sleep(2)  # the flood holds its share of the slots
+            started = time.monotonic()
             waits = [_timed(url, other, short) for _ in range(20)]
             waits_same = [_timed(url, other, short_same) for _ in range(20)]
+            window = time.monotonic() - started
         finally:
             stop.set()
         for f in floods:
@@ -232,13 +233,12 @@ def test_another_teams_request_is_not_held_by_a_flood(api: ServerThread, api_app
         f"{len(flood_seconds)} in {sum(flood_seconds):.1f} s, codes {sorted(set(flood_codes))}"
     )
     assert 429 in flood_codes  # the flooding team was held to its share
-    # 2 s on a quiet box; a loaded one (the CI's hog) stretches it as it stretched B's request alone
-    bound = P99_BOUND_SECONDS * max(1.0, statistics.median(alone) / QUIET_ALONE_SECONDS)
+    # 2 s, or on a loaded box (the CI's hog beside the suite) half of what waiting behind the flood
+    # would cost: a flood answer's time (none ended while B measured: longer than that window)
+    flood_answer = statistics.median(flood_seconds) if flood_seconds else window
+    bound = max(P99_BOUND_SECONDS, flood_answer / 2)
     assert p99 <= bound, (bound, waits)
-    assert p99_same <= bound, (
-        bound,
-        waits_same,
-    )  # joined the running batch: a flood answer runs for 10 s and more
+    assert p99_same <= bound, (bound, waits_same)  # joined the running batch, not behind it
 
 
 def _timed(url: str, team: TeamKey, body: dict[str, object]) -> float:
