@@ -76,3 +76,17 @@ class ServingError(Exception):
             type=text("type"),
             headers=kept,
         )
+
+
+#: ``Retry-After`` of an upstream (vLLM, the serving process) that cannot be reached.
+UNAVAILABLE_RETRY_AFTER_SECONDS = 5
+
+
+def backend_unavailable(detail: str) -> ServingError:
+    """503 ``inference_backend_unavailable``: an upstream that did not answer, with ``Retry-After``."""
+    return ServingError(
+        503,
+        f"The inference server is unavailable: {detail}",
+        code="inference_backend_unavailable",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+    )

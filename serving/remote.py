@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 
 from serving.client import Call, Reply
 from serving.errors import ServingError
+from serving.errors import backend_unavailable as unavailable
 from serving.http_pool import LazyPool
 from serving.responses import EventStream
 
@@ -34,16 +35,6 @@ CONNECT_SECONDS = 5.0
 #: Beyond the serving process's own limit (it answers 504 itself at ``inference_timeout_seconds``).
 TIMEOUT_MARGIN_SECONDS = 30.0
 DISCONNECT_POLL_SECONDS = 0.25
-RETRY_AFTER_SECONDS = 5
-
-
-def unavailable(detail: str) -> ServingError:
-    return ServingError(
-        503,
-        f"The inference server is unavailable: {detail}",
-        code="inference_backend_unavailable",
-        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-    )
 
 
 def timed_out() -> ServingError:

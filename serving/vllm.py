@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 
 from serving import prometheus
 from serving.errors import ServingError
+from serving.errors import backend_unavailable as unavailable
 from serving.http_pool import LazyPool
 from serving.responses import EventStream
 
@@ -34,15 +35,6 @@ log = logging.getLogger(__name__)
 BACKEND = "vllm"
 #: How long vLLM's model list is trusted before it is asked again.
 SERVED_TTL_SECONDS = 10.0
-
-
-def unavailable(detail: str) -> ServingError:
-    return ServingError(
-        503,
-        f"The inference server is unavailable: {detail}",
-        code="inference_backend_unavailable",
-        headers={"Retry-After": "5"},
-    )
 
 
 def upstream_error(status: int, content: bytes) -> ServingError:
