@@ -89,6 +89,44 @@ class PreferenceMetrics:
 
 
 @dataclass(frozen=True)
+class GradedSample:
+    """One sampled completion as graded (shown in a reinforcement job's evaluation events)."""
+
+    prompt: str
+    completion: str
+    reward: float
+    #: The grader's error flags that were set (empty when it graded cleanly).
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RewardMetrics:
+    """A reinforcement step's (or evaluation's) completions: their rewards, the sub-rewards of a multi
+    grader's graders (means by name), the completions' tokens, and where the step's time went
+    (trainer.method.reinforcement)."""
+
+    reward_mean: float
+    reward_min: float
+    reward_max: float
+    #: Completions graded.
+    samples: int
+    #: Mean tokens of a completion, and the share that ran to max_completion_tokens without stopping.
+    completion_tokens_mean: float
+    truncated_fraction: float
+    #: Completions whose grading set an error flag (reward 0), and the flags' counts by name.
+    grader_errors: int
+    grader_error_flags: dict[str, int] = field(default_factory=dict)
+    sub_rewards: dict[str, float] = field(default_factory=dict)
+    #: Wall-clock seconds this rank spent sampling and grading (the rest of the step trains).
+    generation_seconds: float = 0.0
+    grading_seconds: float = 0.0
+    #: Completion tokens sampled per second of generation.
+    rollout_tokens_per_second: float = 0.0
+    #: An evaluation's first few completions with their rewards (empty for a training step).
+    examples: list[GradedSample] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class StepEvent(Event):
     """One optimizer step: the mean token loss of its batch and the engine's step record."""
 
@@ -112,6 +150,9 @@ class StepEvent(Event):
     #: A DPO job's rewards and preference accuracy over the step's pairs (None: supervised); ``loss``
     #: is then the mean DPO loss over them.
     preference: PreferenceMetrics | None = None
+    #: A reinforcement job's rewards over the step's completions (None: another method); ``loss`` is then
+    #: the clipped policy-gradient loss.
+    reward: RewardMetrics | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # StepMetrics.as_dict() adds the derived stall_fraction that dataclasses.asdict() leaves out.
@@ -126,6 +167,9 @@ class EvalEvent(Event):
     valid_tokens: int
     #: A DPO job's validation pairs (None: supervised); ``valid_loss`` is then their mean DPO loss.
     preference: PreferenceMetrics | None = None
+    #: A reinforcement job's validation completions (None: another method); ``valid_loss`` is then the
+    #: negative mean reward (what the method minimises), ``valid_tokens`` the completions' tokens.
+    reward: RewardMetrics | None = None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,14 @@ from pydantic import ValidationError
 from contract.engine import Accumulator, EngineKnobs, EngineMode, ResolvedEngine
 from contract.hyperparameters import HyperparametersRequest, ResolvedHyperparameters, RuntimeChoices
 from contract.job import PlanOutcome, Resolution, ResolvedJob, Source
-from contract.method import DpoMethod, ResolvedDpo, ResolvedMethod, ResolvedSupervised
+from contract.method import (
+    DpoMethod,
+    ReinforcementMethod,
+    ResolvedDpo,
+    ResolvedMethod,
+    ResolvedReinforcement,
+    ResolvedSupervised,
+)
 from contract.values import MAX_COUNT, Dtype
 from trainer.plan.gpus import Machine
 from trainer.plan.query import PlanQuery
@@ -186,7 +193,7 @@ def _runtime(
     how: Source = source if planned is not None else "default"
     micro = s.pick("micro_batch_size", hp.micro_batch_size, fallback.micro_batch_size, how)
     ckpt = s.pick("gradient_checkpointing", hp.gradient_checkpointing, fallback.gradient_checkpointing, how)
-    packing = s.pick("packing", hp.packing, False, "default") and spec.dpo is None
+    packing = s.pick("packing", hp.packing, False, "default") and spec.method.type == "supervised"
     return RuntimeChoices(
         micro_batch_size=min(int(micro), batch), gradient_checkpointing=ckpt, packing=packing
     )
@@ -228,7 +235,43 @@ def resolve_method(spec: JobSpec) -> tuple[ResolvedMethod, dict[str, Source]]:
 
         beta = AUTO_DPO_BETA if m.beta == "auto" else float(m.beta)
         return ResolvedDpo(beta=beta), {"method.beta": "default" if m.beta == "auto" else "request"}
+    if isinstance(m, ReinforcementMethod):
+        return _reinforcement(m, max_seq_length(spec.model, spec.hyperparameters), lora=spec.lora is not None)
     return ResolvedSupervised(), {}
+
+
+#: What a reinforcement job's ``auto`` settings resolve to (trainer.method.reinforcement's rules).
+AUTO_RL = {
+    "compute_multiplier": 1.0,
+    "eval_samples": 4,
+    "max_completion_tokens": 256,
+    "temperature": 1.0,
+    "kl_beta": 0.0,
+}
+#: Completions per prompt at compute_multiplier 1 (a GRPO group: its advantages are normalised within it).
+SAMPLES_PER_UNIT_COMPUTE = 8
+
+
+def _reinforcement(
+    m: ReinforcementMethod, seq_len: int, *, lora: bool
+) -> tuple[ResolvedReinforcement, dict[str, Source]]:
+    """A reinforcement job's settings: ``auto`` from :data:`AUTO_RL`; a completion gets at most half of
+    max_seq_length (the prompt the rest); a KL penalty needs LoRA (its reference is the adapter disabled)."""
+    s = _Sourced()
+    vals = {k: s.pick(f"method.{k}", getattr(m, k), auto, "default") for k, auto in AUTO_RL.items()}
+    if float(vals["kl_beta"]) > 0 and not lora:
+        raise ValueError(
+            "method.kl_beta: a KL penalty needs LoRA (the reference is the base with the adapter "
+            "disabled); a full fine-tune would need a second copy of the weights: set kl_beta to 0 or "
+            "add hyperparameters.lora"
+        )
+    vals["max_completion_tokens"] = min(int(vals["max_completion_tokens"]), max(1, seq_len // 2))
+    n = min(64, max(2, round(SAMPLES_PER_UNIT_COMPUTE * float(vals["compute_multiplier"]))))
+    s.sources["method.samples_per_prompt"] = s.sources["method.compute_multiplier"]
+    resolved = ResolvedReinforcement(
+        grader=m.grader, reasoning_effort=m.reasoning_effort, samples_per_prompt=n, **vals
+    )
+    return resolved, s.sources
 
 
 def _free(value: Any) -> Any:

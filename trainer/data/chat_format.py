@@ -315,6 +315,14 @@ class ChatRenderer:
         assert isinstance(out, str)
         return out
 
+    def render_prompt(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """Template-form messages up to the assistant's turn, with the generation prompt (a reinforcement
+        prompt, trainer.data.reinforcement); raises RecordRefused."""
+        try:
+            return self._render(msgs, tools, gen=True)
+        except Exception as exc:  # jinja2 TemplateError from raise_exception, or a template's own bug
+            raise _template_refusal(exc, msgs) from exc
+
     def render(self, rec: dict[str, Any]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and its loss spans; raises RecordRefused."""
         msgs = template_messages(rec["messages"], self.system_message)

@@ -1,12 +1,16 @@
 """Training data: JSONL validation and tokenization with loss masks.
 
-Two formats, one record per line (blank lines are skipped; every line of a file has the same format;
+Four formats, one record per line (blank lines are skipped; every line of a file has the same format;
 a UTF-8 byte order mark and CRLF line ends are accepted):
 
 - chat: the OpenAI chat fine-tuning format, ``{"messages": [...], "tools": [...]}`` with roles system,
   developer, user, assistant and tool, text content (a string or text parts), assistant ``tool_calls``
   and ``weight`` 0/1 (weight 0 keeps the turn as context without loss): :mod:`trainer.data.chat_format`;
-- prompt/completion: ``{"prompt": str, "completion": str}``.
+- prompt/completion: ``{"prompt": str, "completion": str}``;
+- preference pairs (DPO): :mod:`trainer.data.preference`;
+- reinforcement prompts: chat messages up to the model's turn plus the graders' fields,
+  :mod:`trainer.data.reinforcement` (a reinforcement job's chat-shaped records; in an upload's check, a
+  record with no assistant turn).
 
 :func:`validate_file` checks a file and raises :class:`DatasetValidationError` whose ``.errors`` is a
 list of ``{"line", "field", "message", "detail"}`` dicts; ``message`` is the full text, e.g.
@@ -43,15 +47,16 @@ from contract.method import MethodName
 from trainer.data.chat_format import ChatRenderer, RecordRefused, check_chat_record
 from trainer.data.example import IGNORE_INDEX as IGNORE_INDEX  # re-exported: its old home
 from trainer.data.example import Example as Example
-from trainer.data.example import PreferencePair
+from trainer.data.example import PreferencePair, RolloutPrompt
 from trainer.data.jsonl import DataError, error_summary, parse_line, read_lines, stopped_note
 from trainer.data.jsonl import data_error as _err
 from trainer.data.preference import chat_records, check_preference_record, is_preference
+from trainer.data.reinforcement import check_reinforcement_record, is_reinforcement_prompt, tokenize_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-Format = Literal["chat", "prompt_completion", "preference"]
+Format = Literal["chat", "prompt_completion", "preference", "reinforcement"]
 #: Line numbers a report lists per kind (truncated, dropped); the counts are complete.
 MAX_LISTED_LINES = 100
 
@@ -177,11 +182,14 @@ def _check_prompt_completion(no: int, rec: dict[str, Any]) -> list[DataError]:
     return errs
 
 
-def _record_format(rec: dict[str, Any]) -> Format | None:
+def _record_format(rec: dict[str, Any], method: MethodName | None) -> Format | None:
+    """A record's format: a reinforcement job's chat-shaped records are prompts, and so is an upload's
+    record that ends before any assistant turn."""
     if is_preference(rec):
         return "preference"
     if "messages" in rec:
-        return "chat"
+        rl = method == "reinforcement" or (method is None and is_reinforcement_prompt(rec))
+        return "reinforcement" if rl else "chat"
     if "prompt" in rec or "completion" in rec:
         return "prompt_completion"
     return None
@@ -191,9 +199,15 @@ FORMAT_NAMES = {
     "chat": "chat (messages)",
     "prompt_completion": "prompt/completion",
     "preference": "preference (input, preferred_output, non_preferred_output)",
+    "reinforcement": "reinforcement prompt (messages up to the model's turn, with the graders' fields)",
 }
 #: The field a record's whole-example problems are named at, by format.
-_WHOLE = {"chat": "messages", "prompt_completion": "prompt+completion", "preference": "input"}
+_WHOLE = {
+    "chat": "messages",
+    "prompt_completion": "prompt+completion",
+    "preference": "input",
+    "reinforcement": "messages",
+}
 
 
 def _method_problem(rf: Format, method: MethodName | None) -> DataError | None:
@@ -202,6 +216,12 @@ def _method_problem(rf: Format, method: MethodName | None) -> DataError | None:
         return _err(None, "input", f"a DPO job trains on preference pairs, not {FORMAT_NAMES[rf]} records")
     if method == "supervised" and rf == "preference":
         return _err(None, "input", "a preference pair in a supervised job: DPO data needs method type 'dpo'")
+    if method == "reinforcement" and rf != "reinforcement":
+        return _err(
+            None,
+            _WHOLE[rf],
+            f"a reinforcement job trains on prompts (messages), not {FORMAT_NAMES[rf]} records",
+        )
     return None
 
 
@@ -229,7 +249,7 @@ class _Lengths:
                 f"too long: {n} tokens (max_seq_length {self.max_len}); shorten it, raise "
                 'max_seq_length, or set hyperparameters.truncation to "truncate" or "drop"',
             )
-        if self.policy == "truncate":
+        if self.policy == "truncate" and not isinstance(ex, RolloutPrompt):  # a cut prompt loses its question
             cut = (
                 pair.cut(self.max_len)
                 if pair is not None
@@ -247,7 +267,9 @@ class _Lengths:
 
 
 def _learns(ex: Example) -> bool:
-    """Every sequence of the example (both of a pair) has a learned token."""
+    """Every sequence of the example (both of a pair) has a learned token (a prompt's are sampled)."""
+    if isinstance(ex, RolloutPrompt):
+        return bool(ex.input_ids)
     return ex.num_loss_tokens > 0 and (not isinstance(ex, PreferencePair) or ex.rejected.num_loss_tokens > 0)
 
 
@@ -352,7 +374,7 @@ class _FileCheck:
         rec, errs = parse_line(no, text)
         if rec is None:
             return errs
-        rf = _record_format(rec)
+        rf = _record_format(rec, self.opts.method)
         if rf is None:
             return [_err(no, "messages", "missing (expected 'messages', or 'prompt' and 'completion')")]
         if (wrong := _method_problem(rf, self.opts.method)) is not None:
@@ -369,7 +391,7 @@ class _FileCheck:
             return None
         if rf == self.fmt:
             return None
-        key = {"chat": "messages", "prompt_completion": "prompt", "preference": "input"}[rf]
+        key = {"prompt_completion": "prompt", "preference": "input"}.get(rf, "messages")
         return _err(
             no, key, f"{FORMAT_NAMES[rf]} record in a {FORMAT_NAMES[self.fmt]} file (line {self.fmt_line})"
         )
@@ -384,6 +406,8 @@ class _FileCheck:
             return [_err(no, f, d) for f, d in check_chat_record(rec)]
         if rf == "preference":
             return [_err(no, f, d) for f, d in check_preference_record(rec)]
+        if rf == "reinforcement":
+            return [_err(no, f, d) for f, d in check_reinforcement_record(rec)]
         return _check_prompt_completion(no, rec)
 
     def _example(self, no: int, rec: dict[str, Any], rf: Format) -> Example | list[DataError] | None:
@@ -398,7 +422,7 @@ class _FileCheck:
         if self.caps.max_tokens is not None and longest > self.caps.max_tokens:
             return [_err(no, _WHOLE[rf], _over("tokens", longest, self.caps.max_tokens))]
         if not _learns(ex):
-            fld = {"chat": "messages", "prompt_completion": "completion", "preference": "input"}[rf]
+            fld = {"prompt_completion": "completion", "preference": "input"}.get(rf, "messages")
             return [_err(no, fld, "no tokens to learn from")]
         fitted = self.lengths.fit(no, rf, ex)
         if fitted is None or isinstance(fitted, Example):
@@ -498,6 +522,8 @@ def tokenize_record(
             tokenize_record(r, "chat", tokenizer, renderer=renderer) for r in chat_records(rec)
         )
         return PreferencePair(chosen.input_ids, chosen.labels, rejected)
+    if fmt == "reinforcement":
+        return tokenize_prompt(rec, renderer or ChatRenderer(tokenizer))
     if fmt == "chat":
         text, spans = (renderer or ChatRenderer(tokenizer)).render(rec)
         return _mask_by_spans(tokenizer, text, spans, add_special_tokens=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 IGNORE_INDEX = -100
 
@@ -29,3 +30,11 @@ class PreferencePair(Example):
         """Both sequences cut to their first ``n`` tokens."""
         r = self.rejected
         return PreferencePair(self.input_ids[:n], self.labels[:n], Example(r.input_ids[:n], r.labels[:n]))
+
+
+@dataclass
+class RolloutPrompt(Example):
+    """A reinforcement example: ``input_ids`` the prompt rendered up to the assistant's turn (no label:
+    what is learned is sampled during training), ``item`` the dataset row graders read as ``item``."""
+
+    item: dict[str, Any] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from trainer.method.base import TrainingMethod
 METHODS: dict[MethodName, str] = {
     "supervised": "trainer.method.supervised:SupervisedTraining",
     "dpo": "trainer.method.dpo:DpoTraining",
+    "reinforcement": "trainer.method.reinforcement:ReinforcementTraining",
 }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.data.example import Example
-from trainer.events import EvalEvent, Event, PreferenceMetrics
+from trainer.events import EvalEvent, Event, PreferenceMetrics, RewardMetrics
 from trainer.run.distributed import DistContext
 
 if TYPE_CHECKING:
@@ -45,10 +45,17 @@ class MethodSetup:
     #: The weights are row-sharded over the ranks (every rank runs every pass).
     sharded: bool
     emit: Callable[[Event], None]
+    #: The base model's tokenizer (a reinforcement job grades its completions as text).
+    tokenizer: Any = None
+    #: What model graders ask (trainer.graders.model_graders.Judge), or None: none reachable.
+    judge: Any = None
 
 
 class TrainingMethod(Protocol):
     """A fine-tuning method in a run (see the module doc)."""
+
+    #: Validate the base before the first step too (a run that starts at step 0 with a validation set).
+    eval_before_training: bool
 
     def prepare(self, setup: MethodSetup) -> None:
         """Before the engine or a checkpoint touches the weights (DPO: dropout off, the reference)."""
@@ -58,11 +65,15 @@ class TrainingMethod(Protocol):
         """``examples`` (at ``index`` in the training set) as this method's micro-batches."""
         ...
 
+    def filler(self, example: Example, b: Batching) -> MicroBatch:
+        """A micro-batch a rank runs with a zero loss to match the others' count (sharded weights)."""
+        ...
+
     def loss(self, model: Any, mb: Any) -> torch.Tensor:
         """A micro-batch's summed loss over its ``num_learned`` units (tokens, pairs), with grad."""
         ...
 
-    def step_metrics(self, dist: DistContext | None) -> PreferenceMetrics | None:
+    def step_metrics(self, dist: DistContext | None) -> PreferenceMetrics | RewardMetrics | None:
         """What the finished step reports beside its loss (collective with ranks)."""
         ...
 

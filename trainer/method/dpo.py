@@ -253,6 +253,8 @@ class DpoTraining:
     """:class:`trainer.method.base.TrainingMethod` of ``dpo``: pairs in micro-batches, the DPO loss against
     the reference, the reward statistics of each step and validation."""
 
+    eval_before_training = False
+
     def __init__(self, beta: float) -> None:
         self.objective = DpoObjective(beta, None)
 
@@ -287,6 +289,9 @@ class DpoTraining:
 
     def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[PairBatch]:
         return pair_micro_batches(examples, index, b.hp.micro_batch_size, pad_id=b.pad_id, device=b.device)
+
+    def filler(self, example: Example, b: Batching) -> PairBatch:
+        return next(self.micro_batches([example], [0], b))
 
     def loss(self, model: Any, mb: Any) -> torch.Tensor:
         return self.objective.loss(model, mb)

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 class SupervisedTraining:
     """:class:`trainer.method.base.TrainingMethod` of ``supervised``."""
 
+    eval_before_training = False
+
     @classmethod
     def of(cls, resolved: ResolvedMethod) -> SupervisedTraining:
         return cls()
@@ -37,6 +39,9 @@ class SupervisedTraining:
             packing=hp.packing,
             max_seq_length=hp.max_seq_length,
         )
+
+    def filler(self, example: Example, b: Batching) -> Batch:
+        return next(self.micro_batches([example], [0], b))
 
     def loss(self, model: Any, mb: Any) -> torch.Tensor:
         return loss_sum(model, mb)[0]

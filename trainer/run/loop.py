@@ -83,6 +83,7 @@ from trainer.events import (
     EventCallback,
     LogEvent,
     PreferenceMetrics,
+    RewardMetrics,
     RunFinished,
     RunStarted,
     StepEvent,
@@ -234,6 +235,7 @@ class _Done:
     seconds: float
     outcome: StepOutcome
     preference: PreferenceMetrics | None = None
+    reward: RewardMetrics | None = None
 
     @property
     def loss(self) -> LateLoss:
@@ -288,7 +290,8 @@ class _Run:
                 self.bar.close()
         if self.dist is not None:
             result = broadcast_object(self.dist, result)  # the same result on every rank: rank 0's
-        warning = None if result.cancelled else self._little_learned(result)
+        learns_loss = self.spec.method.type != "reinforcement"  # a policy-gradient loss need not fall
+        warning = None if result.cancelled or not learns_loss else self._little_learned(result)
         if warning is not None:
             self.emit(warning)
         self.emit(
@@ -334,6 +337,8 @@ class _Run:
     def _steps(self) -> bool:
         """The optimizer steps up to the total; True when cancelled (every rank alike)."""
         hp, state = self.hp, self.state
+        if state.step == 0 and self.data.valid and hp.eval_every and self.method.eval_before_training:
+            self._eval()
         while state.step < hp.total_steps:
             epoch, b = divmod(state.step, hp.steps_per_epoch)
             if epoch != self.order_epoch:
@@ -365,15 +370,16 @@ class _Run:
         if b == 0:
             engine.new_epoch()
         lr = hp.lr_at(state.step)
-        filler = next(self._micro_batches([0])) if built.sharded else None
+        filler = self.method.filler(self.data.train[0], built.batching) if built.sharded else None
         done = optimizer_step(
             built.model, engine, micro, lr, totals, dist=self.dist, loss_fn=self.method.loss, filler=filler
         )
-        pref = self.method.step_metrics(self.dist)
+        extra = self.method.step_metrics(self.dist)
         self._check_skipped(done, state.step + 1)
         state.step += 1
         state.trained_tokens += done.tokens
-        self.pending = _Done(state.step, epoch, lr, time.perf_counter() - t0, done, pref)
+        pref, reward = (extra, None) if not isinstance(extra, RewardMetrics) else (None, extra)
+        self.pending = _Done(state.step, epoch, lr, time.perf_counter() - t0, done, pref, reward)
         return False
 
     def _check_skipped(self, done: StepOutcome, step: int) -> None:
@@ -455,6 +461,7 @@ class _Run:
                 engine=m,
                 rank_tokens=p.outcome.rank_tokens,
                 preference=p.preference,
+                reward=p.reward,
             )
         )
         if self.bar is not None:

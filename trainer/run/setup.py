@@ -369,6 +369,7 @@ def _prepare_method(
             dist,
             sharded,
             emit,
+            tokenizer=data.tokenizer,
         )
     )
     if sharded:  # a forward without a backward (a reference pass) leaves FSDP2's root gathered
