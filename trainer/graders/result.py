@@ -84,6 +84,9 @@ class GradeResult:
     #: A model grader's tokens (prompt + completion), and the model it sampled.
     token_usage: int | None = None
     sampled_model_name: str | None = None
+    #: The tokens each grading model used (OpenAI's ``model_grader_token_usage_per_model``): model ->
+    #: prompt_tokens, completion_tokens, total_tokens.
+    usage_per_model: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def timed(self, seconds: float) -> GradeResult:
         return replace(self, execution_time=seconds)
@@ -92,3 +95,14 @@ class GradeResult:
 def failed(name: str, type_: str, errors: GraderErrors) -> GradeResult:
     """Reward 0 with ``errors`` (a grader that could not grade)."""
     return GradeResult(0.0, name, type_, errors)
+
+
+def merged_usage(results: list[GradeResult]) -> dict[str, dict[str, int]]:
+    """The results' token usage per model, summed."""
+    out: dict[str, dict[str, int]] = {}
+    for result in results:
+        for model, usage in result.usage_per_model.items():
+            mine = out.setdefault(model, {})
+            for key, count in usage.items():
+                mine[key] = mine.get(key, 0) + count
+    return out
