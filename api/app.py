@@ -29,7 +29,7 @@ from api.core.prometheus import install_metrics
 from api.docs_pages import install_docs
 from api.jobs import checks
 from api.jobs.check_pool import CheckPool
-from api.routers import chat, events, files, health, jobs, models, quotas
+from api.routers import chat, events, files, graders, health, jobs, models, quotas
 from api.storage import LocalFileStore
 from serving.client import EngineClient
 from serving.local import LocalEngine
@@ -167,6 +167,7 @@ def _include_routers(app: FastAPI) -> None:
     app.include_router(models.router, dependencies=ids_checked)
     app.include_router(quotas.router)
     app.include_router(chat.router)
+    app.include_router(graders.router)
 
 
 #: What requests use (upload validation, create's checks), imported before the heap is frozen; with

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from contract.engine import EngineRequest
+from contract.graders import AnyGrader
 from contract.resources import Resources
 from store.orm import as_utc
 from worker.tracking.integrations import MAX_INTEGRATIONS, Integration, one_of_each
@@ -437,3 +438,47 @@ class ModelDeleted(BaseModel):
     id: str
     object: Literal["model"] = "model"
     deleted: bool = True
+
+
+# --- graders (/v1/fine_tuning/alpha/graders): OpenAI's GraderValidateParams, GraderRunParams, responses --
+
+#: A run's sample and item, at most (the body limit bounds both too).
+MAX_MODEL_SAMPLE_CHARS = 256 * 1024
+
+
+class GraderValidateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: AnyGrader
+
+
+class GraderRunRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: AnyGrader
+    model_sample: str = Field(max_length=MAX_MODEL_SAMPLE_CHARS)
+    """The model's output: the ``sample`` namespace (``output_json`` when it parses as JSON)."""
+    item: dict[str, Any] = Field(default_factory=dict)
+    """The dataset row: the ``item`` namespace."""
+
+
+class GraderValidateObject(BaseModel):
+    grader: dict[str, Any]
+
+
+class GraderRunMetadata(BaseModel):
+    name: str
+    type: str
+    errors: dict[str, Any]
+    """Every flag of OpenAI's ``metadata.errors`` (``trainer.graders.result.GraderErrors``)."""
+    execution_time: float
+    scores: dict[str, Any]
+    token_usage: int | None = None
+    sampled_model_name: str | None = None
+
+
+class GraderRunObject(BaseModel):
+    reward: float
+    metadata: GraderRunMetadata
+    sub_rewards: dict[str, Any]
+    model_grader_token_usage_per_model: dict[str, Any]

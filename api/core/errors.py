@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import Scope
 
+from contract.graders import field_path
 from serving.errors import ServingError
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def loc_to_param(loc: Sequence[int | str], *, prefix: str | None = None) -> str 
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header", "form", "cookie"):
         parts = parts[1:]
+    parts = list(field_path(parts))  # a grader's type tags (contract.graders): ``grader.graders.a.name``
     out = ""
     for i, p in enumerate(parts):
         if isinstance(p, int):
