@@ -254,13 +254,16 @@ def report_server(kind: str, message: str) -> None:
 
 
 def exit_status(status: int, rusage: resource.struct_rusage, cpu_limit: float) -> int:
-    """This stage's exit code for the way its child ended."""
+    """This stage's exit code for the way its child ended. The CPU limit kills with SIGKILL (soft and
+    hard limit are equal; PID 1 ignores SIGXCPU anyway); the usage rusage reports is sampled, so it
+    may fall short of the limit: half of it marks a CPU timeout."""
     if os.WIFEXITED(status):
         return os.WEXITSTATUS(status)
+    signo = os.WTERMSIG(status)
     cpu = rusage.ru_utime + rusage.ru_stime
-    if cpu >= max(1, math.ceil(cpu_limit)) - 0.05:
+    if signo in (signal.SIGKILL, signal.SIGXCPU) and cpu >= max(1, math.ceil(cpu_limit)) / 2:
         return EXIT_CPU
-    return 128 + os.WTERMSIG(status)
+    return 128 + signo
 
 
 def unisolated_child(config: dict[str, Any], runner: str) -> None:
