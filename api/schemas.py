@@ -18,7 +18,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from contract.engine import EngineRequest
-from contract.graders import AnyGrader
+from contract.graders import AnyGrader, Grader
 from contract.resources import Resources
 from store.orm import as_utc
 from worker.tracking.integrations import MAX_INTEGRATIONS, Integration, one_of_each
@@ -96,15 +96,37 @@ class DpoIn(BaseModel):
     hyperparameters: DpoHyperparametersIn | None = None
 
 
+class ReinforcementHyperparametersIn(HyperparametersIn):
+    """OpenAI's reinforcement hyperparameters: the supervised ones (``batch_size`` counts prompts), plus
+    ``compute_multiplier`` (completions per prompt: 8 x it), ``eval_interval`` (steps between validations;
+    our ``eval_every``), ``eval_samples`` (completions per validation prompt) and ``reasoning_effort``
+    (recorded; a model without a reasoning mode ignores it); our extras ``max_completion_tokens``,
+    ``temperature`` and ``kl_beta`` (contract.method.ReinforcementMethod) and the trainer's further knobs
+    pass through."""
+
+    compute_multiplier: AutoPosFloat = "auto"
+    eval_interval: AutoPosInt = "auto"
+    eval_samples: AutoPosInt = "auto"
+    reasoning_effort: Literal["default", "low", "medium", "high"] = "default"
+
+
+class ReinforcementIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grader: Grader
+    hyperparameters: ReinforcementHyperparametersIn | None = None
+
+
 class MethodIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["supervised", "dpo"] = Field(
-        description="Supervised fine-tuning (chat or prompt/completion data) or DPO (preference pairs: "
-        "input, preferred_output, non_preferred_output); 'reinforcement' is refused."
+    type: Literal["supervised", "dpo", "reinforcement"] = Field(
+        description="Supervised fine-tuning (chat or prompt/completion data), DPO (preference pairs: "
+        "input, preferred_output, non_preferred_output) or reinforcement (prompts and a grader: GRPO)."
     )
     supervised: SupervisedIn | None = None
     dpo: DpoIn | None = None
+    reinforcement: ReinforcementIn | None = None
 
 
 Metadata = dict[str, str]
@@ -200,13 +222,20 @@ class SupervisedOut(BaseModel):
     hyperparameters: HyperparametersObject
 
 
+class ReinforcementOut(BaseModel):
+    grader: dict[str, Any]
+    hyperparameters: HyperparametersObject
+
+
 class MethodOut(BaseModel):
     """OpenAI's ``method``: the key of the job's type only (the other is left out, not null)."""
 
-    type: Literal["supervised", "dpo"] = "supervised"
+    type: Literal["supervised", "dpo", "reinforcement"] = "supervised"
     supervised: SupervisedOut | None = Field(None, exclude_if=lambda v: v is None)
     #: A DPO job's hyperparameters (``beta`` resolved among them).
     dpo: SupervisedOut | None = Field(None, exclude_if=lambda v: v is None)
+    #: A reinforcement job's grader and hyperparameters (its own settings resolved among them).
+    reinforcement: ReinforcementOut | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class JobError(BaseModel):

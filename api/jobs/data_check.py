@@ -36,11 +36,12 @@ from api.core.errors import APIError
 from api.jobs.check_pool import CheckCancelled, CheckPool, CheckTimeout
 from api.jobs.check_worker import MAX_REPORTED_ERRORS, CheckRequest
 from api.jobs.checks import public_errors
+from api.jobs.grader_check import missing_item_fields
 from contract.hyperparameters import HyperparametersRequest
 from contract.method import MethodName
 from store.orm import File
 from store.settings import Settings
-from trainer.data.dataset import DataOptions, DatasetReport, ExampleLimits
+from trainer.data.dataset import METHOD_FORMATS, DataOptions, DatasetReport, ExampleLimits
 from trainer.data.jsonl import error_summary
 from trainer.resolve import Counts
 from trainer.spec import JobSpec
@@ -48,7 +49,7 @@ from trainer.spec import JobSpec
 log = logging.getLogger(__name__)
 
 #: Part of every key: raise it when the same inputs may check differently (the kept outcomes expire).
-CHECK_VERSION = 2
+CHECK_VERSION = 3
 #: Outcomes kept per file (the oldest goes first).
 MAX_KEPT = 8
 #: Files of a model folder that do not change what its tokenizer makes of text.
@@ -148,8 +149,8 @@ def _kept_for(row: File, request: CheckRequest, key: str, sha256: str, size: int
     )
     if anyone is None or not anyone.get("ok"):
         return None
-    pairs = anyone.get("report", {}).get("format") == "preference"
-    return anyone if pairs == (request.options.method == "dpo") else None
+    fmt = anyone.get("report", {}).get("format")
+    return anyone if fmt in METHOD_FORMATS[request.options.method] else None
 
 
 def plan_job_checks(
@@ -266,7 +267,12 @@ def invalid(param: str, model_name: str, errors: list[dict[str, Any]], *, code: 
 
 
 async def check_job_data(
-    request: Request, team_id: str, model_name: str, checks: list[FileCheck]
+    request: Request,
+    team_id: str,
+    model_name: str,
+    checks: list[FileCheck],
+    *,
+    item_fields: dict[str, str] | None = None,
 ) -> Counts | None:
     """Check the job's files (see the module docstring), the kept outcomes reused; a 400
     ``invalid_training_file`` / ``invalid_validation_file`` naming the lines. Then, should the client
@@ -286,6 +292,9 @@ async def check_job_data(
         done[check.key] = outcome
         if not outcome["ok"]:
             raise invalid(check.param, model_name, outcome["errors"], code=f"invalid_{check.param}")
+        have = (outcome.get("report") or {}).get("fields")
+        if item_fields and (missing := missing_item_fields(item_fields, have, check.param)) is not None:
+            raise missing
         if check.param == "training_file":
             report = outcome.get("report") or {}
             counts = Counts(int(report.get("num_examples") or 1), report.get("num_tokens"))

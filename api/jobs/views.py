@@ -177,10 +177,15 @@ def job_hyperparameters(request: JobRequest, current: Resolution | None) -> dict
 
 
 def job_method(request: JobRequest, current: Resolution | None, hp: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``method``: its type, and the hyperparameters under it (DPO's ``beta`` among them)."""
+    """OpenAI's ``method``: its type, and the hyperparameters under it (DPO's ``beta`` among them; a
+    reinforcement job's own settings and ``eval_interval``, its grader beside them)."""
     method = current.job.method if current is not None else request.method
-    own = method.model_dump(mode="json", exclude={"type"})
-    return {"type": method.type, method.type: {"hyperparameters": {**hp, **own}}}
+    own = method.model_dump(mode="json", exclude={"type", "grader"})
+    inner: dict[str, Any] = {"hyperparameters": {**hp, **own}}
+    if method.type == "reinforcement":
+        inner["hyperparameters"]["eval_interval"] = hp.get("eval_every")
+        inner["grader"] = method.model_dump(mode="json", include={"grader"}, exclude_unset=True)["grader"]
+    return {"type": method.type, method.type: inner}
 
 
 def resolution_objects(resolutions: list[Resolution]) -> list[dict[str, Any]]:

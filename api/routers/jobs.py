@@ -26,6 +26,7 @@ from api.core.guards import AfterCursor
 from api.core.pagination import DEFAULT_LIMIT, MAX_LIMIT, list_object, page
 from api.jobs import admission, checks, data_check
 from api.jobs.admission import admit_quotas
+from api.jobs.grader_check import check_job_grader
 from api.jobs.method import requested_method
 from api.jobs.public_paths import PublicPaths
 from api.jobs.views import (
@@ -176,7 +177,9 @@ async def create_job(
     # Every example rendered with the model's template, in a check process (api.jobs.check_pool), not in a
     # database thread; an outcome kept on the file's row is reused: 400 naming lines; the client gone: no job
     model_name = Path(prepared.spec.model).name
-    counts = await data_check.check_job_data(request, team.team_id, model_name, prepared.data_checks)
+    counts = await data_check.check_job_data(
+        request, team.team_id, model_name, prepared.data_checks, item_fields=prepared.item_fields
+    )
     prepared.counts = counts or prepared.counts
     return await run_db(request, _create_job, request, body, team, settings, idempotency_key, prepared)
 
@@ -195,6 +198,8 @@ class _Prepared:
     data_checks: list[data_check.FileCheck]
     #: The training data's counts: the file's example count until the data check counts them.
     counts: Counts
+    #: A reinforcement job's grader's item fields, by the param reading each (the rows must have them).
+    item_fields: dict[str, str]
 
 
 def _prepare_job(
@@ -215,6 +220,7 @@ def _prepare_job(
             )
 
     method, hyperparameters, hp_param = requested_method(body)
+    item_fields = check_job_grader(method)  # 400 naming the grader's param
     model = team_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
     checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")
@@ -245,7 +251,7 @@ def _prepare_job(
     admission.check_nodes(session, spec.resources.nodes, spec.resources.gpus, queue, settings)  # 400: no gang
     planned = data_check.plan_job_checks(spec, training, validation, settings)
     counts = Counts(training.num_examples or 1)
-    return _Prepared(digest, hp_param, model, seed, job_id, spec, queue, planned, counts)
+    return _Prepared(digest, hp_param, model, seed, job_id, spec, queue, planned, counts, item_fields)
 
 
 def _create_job(

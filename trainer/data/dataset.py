@@ -119,6 +119,8 @@ class DatasetReport:
     num_dropped: int | None = None
     truncated_lines: list[int] = field(default_factory=list)
     dropped_lines: list[int] = field(default_factory=list)
+    #: A reinforcement file's item fields: every top-level field some row has (graders read them).
+    fields: list[str] | None = None
     examples: list[Example] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,6 +135,7 @@ class DatasetReport:
             "truncation": self.truncation,
             "num_truncated": self.num_truncated,
             "num_dropped": self.num_dropped,
+            **({"fields": self.fields} if self.fields is not None else {}),
             "truncated_lines": self.truncated_lines,
             "dropped_lines": self.dropped_lines,
         }
@@ -201,6 +204,15 @@ FORMAT_NAMES = {
     "preference": "preference (input, preferred_output, non_preferred_output)",
     "reinforcement": "reinforcement prompt (messages up to the model's turn, with the graders' fields)",
 }
+#: The formats a job of each method trains on (an upload's check, method None, takes any one).
+METHOD_FORMATS: dict[MethodName | None, tuple[Format, ...]] = {
+    "supervised": ("chat", "prompt_completion"),
+    "dpo": ("preference",),
+    "reinforcement": ("reinforcement",),
+    None: ("chat", "prompt_completion", "preference", "reinforcement"),
+}
+#: Item fields a reinforcement file's report lists (the union of its rows' top-level fields), at most.
+MAX_LISTED_FIELDS = 200
 #: The field a record's whole-example problems are named at, by format.
 _WHOLE = {
     "chat": "messages",
@@ -345,6 +357,7 @@ class _FileCheck:
     num_tokens: int = 0
     max_tokens: int = 0
     loss_tokens: int = 0
+    fields: set[str] = field(default_factory=set)
     examples: list[Example] = field(default_factory=list)
 
     def line(self, no: int, text: str | None) -> None:
@@ -353,6 +366,8 @@ class _FileCheck:
         if isinstance(found, list):
             self._add(found)
             return
+        if found[1] == "reinforcement" and len(self.fields) < MAX_LISTED_FIELDS:
+            self.fields.update(list(found[0])[: MAX_LISTED_FIELDS - len(self.fields)])
         if self.tokenizer is None:
             self.count += 1
             return
@@ -446,6 +461,8 @@ class _FileCheck:
             raise DatasetValidationError(path, self.errors)
         assert self.fmt is not None
         report = DatasetReport(str(path), self.fmt, self.count, examples=self.examples)
+        if self.fmt == "reinforcement":
+            report.fields = sorted(self.fields)
         if self.tokenizer is not None:
             lengths = self.lengths
             report.num_tokens, report.max_tokens = self.num_tokens, self.max_tokens
