@@ -463,7 +463,9 @@ def test_rft_step_and_validation_metrics(tel) -> None:
     assert reg.get_sample_value("zenflow_rft_grader_errors_total", L) == 4
     assert reg.get_sample_value("zenflow_rft_generation_seconds_total", L) == 3.0
     assert reg.get_sample_value("zenflow_rft_grading_seconds_total", L) == 0.5
-    labels = {k for m in reg.collect() if m.name.startswith("zenflow_rft") for s in m.samples for k in s.labels}
+    labels = {
+        k for m in reg.collect() if m.name.startswith("zenflow_rft") for s in m.samples for k in s.labels
+    }
     assert labels == set(L)
     t.job_finished("succeeded")  # the gauges go with the job, the totals stay
     assert reg.get_sample_value("zenflow_rft_reward_mean", L) is None

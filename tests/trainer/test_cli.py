@@ -118,7 +118,7 @@ def test_a_reinforcement_jobs_lines_show_its_rewards(capsys: pytest.CaptureFixtu
     on_event(reward_step())
     on_event(reward_eval())
     step_line, eval_line = capsys.readouterr().err.splitlines()
-    assert step_line.endswith(
-        "reward 0.410 (min 0.000 max 1.000) completion tokens 12 grader errors 2"
-    ), step_line
+    assert step_line.endswith("reward 0.410 (min 0.000 max 1.000) completion tokens 12 grader errors 2"), (
+        step_line
+    )
     assert eval_line == "step 20: validation reward=0.440 (32 samples)"
