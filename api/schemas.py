@@ -355,6 +355,12 @@ class StepMetric(BaseModel):
     cpu_optimizer_seconds: float
     bytes_device_to_host: int
     bytes_host_to_device: int
+    method_metrics: dict[str, Any] | None = Field(
+        default=None,
+        description="A reinforcement job's step figures: reward_mean, reward_min, reward_max, samples, "
+        "completion_tokens_mean, truncated_fraction, grader_errors, grader_error_flags, sub_rewards, "
+        "generation_seconds, grading_seconds, rollout_tokens_per_second (null for other methods).",
+    )
 
 
 class ListObject(BaseModel, Generic[T]):

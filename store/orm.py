@@ -287,6 +287,9 @@ class JobStepMetric(Base):
     cpu_optimizer_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     bytes_device_to_host: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_host_to_device: Mapped[int] = mapped_column(BigInteger, default=0)
+    #: A method's own figures of the step (a reinforcement job's rewards: trainer.events.RewardMetrics
+    #: without its examples); NULL for supervised and DPO steps.
+    method_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
 
 
 class TeamQuota(Base):

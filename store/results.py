@@ -3,7 +3,8 @@
 The OpenAI shape lists it in the job's ``result_files``, so clients fetch it as they do there
 (``client.files.content(job.result_files[0])``). The columns start with OpenAI's ``step``,
 ``train_loss``, ``valid_loss``; ours follow (learning rate, throughput, step and stall seconds, GPU
-utilization, CPU optimizer seconds, bytes each way). The CSV is written next to uploads
+utilization, CPU optimizer seconds, bytes each way), then a reinforcement job's rewards
+(``REWARD_COLUMNS``). The CSV is written next to uploads
 (``files_dir/<team>/<file id>.csv``, through a temp file and a rename) and its row is added to the
 caller's session, so it lands in the same transaction as the job's end state; a transaction that
 fails leaves at most an unreferenced file on disk, never a row without its bytes.
@@ -45,19 +46,56 @@ def _cell(v: object) -> object:
     return "" if v is None else v
 
 
+#: A reinforcement job's columns after those (OpenAI's RFT names): the step's figures from the row's
+#: ``method_metrics``, then the validation reward (the negative of ``valid_loss``, which is what the
+#: method minimises), then one ``train_sub_reward/<grader>`` column per sub-reward of a multi grader.
+REWARD_COLUMNS = {
+    "train_mean_reward": "reward_mean",
+    "train_min_reward": "reward_min",
+    "train_max_reward": "reward_max",
+    "train_completion_tokens_mean": "completion_tokens_mean",
+    "train_truncated_fraction": "truncated_fraction",
+    "train_grader_errors": "grader_errors",
+    "train_generation_seconds": "generation_seconds",
+    "train_grading_seconds": "grading_seconds",
+}
+VALID_REWARD_COLUMN = "valid_mean_reward"
+SUB_REWARD_PREFIX = "train_sub_reward/"
+
+
 def metrics_csv(session: Session, job_id: str) -> tuple[bytes, int]:
-    """The job's step metrics as CSV bytes (oldest step first) and the number of rows."""
-    rows = session.scalars(
-        select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+    """The job's step metrics as CSV bytes (oldest step first) and the number of rows; a reinforcement
+    job's (any step with rewards) has the reward columns too."""
+    rows = list(
+        session.scalars(
+            select(JobStepMetric).where(JobStepMetric.job_id == job_id).order_by(JobStepMetric.step)
+        )
     )
+    rewarded = any((r.method_metrics or {}).get("reward_mean") is not None for r in rows)
+    subs = sorted({k for r in rows for k in (r.method_metrics or {}).get("sub_rewards") or {}})
+    header = [*COLUMNS]
+    if rewarded:
+        header += [*REWARD_COLUMNS, VALID_REWARD_COLUMN, *(SUB_REWARD_PREFIX + k for k in subs)]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(COLUMNS)
-    n = 0
+    w.writerow(header)
     for r in rows:
-        w.writerow([_cell(getattr(r, c)) for c in COLUMNS])
-        n += 1
-    return buf.getvalue().encode(), n
+        cells = [_cell(getattr(r, c)) for c in COLUMNS]
+        if rewarded:
+            cells += _reward_cells(r, subs)
+        w.writerow(cells)
+    return buf.getvalue().encode(), len(rows)
+
+
+def _reward_cells(r: JobStepMetric, subs: list[str]) -> list[object]:
+    figures = r.method_metrics or {}
+    sub_rewards = figures.get("sub_rewards") or {}
+    valid = -r.valid_loss if r.valid_loss is not None else None
+    return [
+        *(_cell(figures.get(k)) for k in REWARD_COLUMNS.values()),
+        _cell(valid),
+        *(_cell(sub_rewards.get(k)) for k in subs),
+    ]
 
 
 def add_results_file(session: Session, job: FineTuningJob, files_dir: Path) -> File:

@@ -39,6 +39,7 @@ from trainer.events import (
     EventCallback,
     LogEvent,
     PreferenceMetrics,
+    RewardMetrics,
     RunStarted,
     StepEvent,
 )
@@ -113,9 +114,10 @@ def _printer(as_json: bool, progress: bool) -> EventCallback:
                     f"step {ev.step}/{ev.total_steps} loss {ev.loss:.4f} lr {ev.lr:.2e} "
                     f"{ev.tokens_per_second:.0f} tok/s stall {ev.stall_fraction:.0%}"
                     + _preference(ev.preference)
+                    + _reward(ev.reward)
                 )
             case EvalEvent():
-                write(f"step {ev.step}: validation loss {ev.valid_loss:.4f}" + _preference(ev.preference))
+                write(_eval_line(ev))
             case CheckpointSaved():
                 write(f"checkpoint saved: {ev.path}")
 
@@ -125,6 +127,24 @@ def _printer(as_json: bool, progress: bool) -> EventCallback:
 def _preference(p: PreferenceMetrics | None) -> str:
     """A DPO step's or evaluation's figures for a printed line (nothing for supervised jobs)."""
     return "" if p is None else f" margin {p.reward_margin:.3f} preference accuracy {p.accuracy:.0%}"
+
+
+def _reward(r: RewardMetrics | None) -> str:
+    """A reinforcement step's rewards for a printed line (nothing for other methods)."""
+    if r is None:
+        return ""
+    errors = f" grader errors {r.grader_errors}" if r.grader_errors else ""
+    return (
+        f" reward {r.reward_mean:.3f} (min {r.reward_min:.3f} max {r.reward_max:.3f})"
+        f" completion tokens {r.completion_tokens_mean:.0f}{errors}"
+    )
+
+
+def _eval_line(ev: EvalEvent) -> str:
+    """An evaluation's line: a reinforcement job's validation reward (its loss is the negative reward)."""
+    if ev.reward is not None:
+        return f"step {ev.step}: validation reward={ev.reward.reward_mean:.3f} ({ev.reward.samples} samples)"
+    return f"step {ev.step}: validation loss {ev.valid_loss:.4f}" + _preference(ev.preference)
 
 
 def _bad_input(e: BaseException) -> str | None:

@@ -125,6 +125,10 @@ class RewardMetrics:
     #: An evaluation's first few completions with their rewards (empty for a training step).
     examples: list[GradedSample] = field(default_factory=list)
 
+    def figures(self) -> dict[str, Any]:
+        """Every figure but the examples, flat: numbers, and the flags' and sub-rewards' dicts by name."""
+        return {k: v for k, v in asdict(self).items() if k != "examples"}
+
 
 @dataclass(frozen=True)
 class StepEvent(Event):

@@ -326,4 +326,5 @@ def step_metric_object(r: JobStepMetric) -> StepMetric:
         cpu_optimizer_seconds=r.cpu_optimizer_seconds or 0.0,
         bytes_device_to_host=r.bytes_device_to_host or 0,
         bytes_host_to_device=r.bytes_host_to_device or 0,
+        method_metrics=r.method_metrics,
     )

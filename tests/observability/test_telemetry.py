@@ -443,3 +443,30 @@ def test_dpo_step_and_validation_gauges(tel) -> None:
     assert reg.get_sample_value("zenflow_dpo_valid_preference_accuracy_ratio", L) == 0.5
     t.job_finished("succeeded")  # the job's series go with it
     assert reg.get_sample_value("zenflow_dpo_reward_margin", L) is None
+
+
+def test_rft_step_and_validation_metrics(tel) -> None:
+    """A reinforcement step's rewards and lengths are gauges, its grader errors and sampling and grading
+    times counters; the evaluation's mean reward a gauge; labels are the bounded step labels only."""
+    from tests.trainer.rewards import reward_eval, reward_step
+
+    t, reg = tel
+    t.job_started("ftjob-r", base_model="tiny", mode="zenflow")
+    t.on_event(reward_step())
+    t.on_event(reward_step(step=21))
+    t.on_event(reward_eval())
+    assert reg.get_sample_value("zenflow_rft_reward_mean", L) == 0.41
+    assert reg.get_sample_value("zenflow_rft_reward_min", L) == 0.0
+    assert reg.get_sample_value("zenflow_rft_reward_max", L) == 1.0
+    assert reg.get_sample_value("zenflow_rft_completion_tokens_mean", L) == 12.5
+    assert reg.get_sample_value("zenflow_rft_valid_reward_mean", L) == 0.44
+    assert reg.get_sample_value("zenflow_rft_grader_errors_total", L) == 4
+    assert reg.get_sample_value("zenflow_rft_generation_seconds_total", L) == 3.0
+    assert reg.get_sample_value("zenflow_rft_grading_seconds_total", L) == 0.5
+    labels = {
+        k for m in reg.collect() if m.name.startswith("zenflow_rft") for s in m.samples for k in s.labels
+    }
+    assert labels == set(L)
+    t.job_finished("succeeded")  # the gauges go with the job, the totals stay
+    assert reg.get_sample_value("zenflow_rft_reward_mean", L) is None
+    assert reg.get_sample_value("zenflow_rft_grader_errors_total", L) == 4

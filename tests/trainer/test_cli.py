@@ -106,3 +106,19 @@ def test_exit_codes_bad_input_2_internal_error_1(tmp_path: Path, capsys: pytest.
     (garbage / "pytorch_model.bin").write_bytes(b"not a torch checkpoint")
     rc, err = train(garbage)
     assert rc == 1 and "Traceback" in err and "zenflow train: internal error" in err, err
+
+
+def test_a_reinforcement_jobs_lines_show_its_rewards(capsys: pytest.CaptureFixture[str]) -> None:
+    """``zenflow train``'s step lines of a reinforcement job show its rewards, its eval lines the validation
+    reward (not the loss, which is the negative reward)."""
+    from tests.trainer.rewards import reward_eval, reward_step
+    from trainer.cli import _printer
+
+    on_event = _printer(as_json=False, progress=False)
+    on_event(reward_step())
+    on_event(reward_eval())
+    step_line, eval_line = capsys.readouterr().err.splitlines()
+    assert step_line.endswith("reward 0.410 (min 0.000 max 1.000) completion tokens 12 grader errors 2"), (
+        step_line
+    )
+    assert eval_line == "step 20: validation reward=0.440 (32 samples)"

@@ -119,3 +119,27 @@ def test_a_dpo_jobs_rewards_and_accuracy_are_tracked() -> None:
         "dpo_valid_reward_margin": 0.4,
         "dpo_valid_accuracy": 0.75,
     }
+
+
+def test_a_reinforcement_jobs_rewards_are_tracked() -> None:
+    """A reinforcement step's rewards, lengths, grader errors and times reach the trackers, each sub-reward
+    under a key MLflow accepts; an evaluation's mean reward as ``rft_valid_reward_mean``."""
+    from tests.trainer.rewards import reward_eval, reward_step
+    from worker.tracking.base import STEP_METRICS, eval_metrics, metric_key, step_metrics
+
+    got = step_metrics(reward_step(), on_cuda=False)
+    assert set(STEP_METRICS) <= set(got)
+    assert {k: v for k, v in got.items() if k.startswith("rft_")} == {
+        "rft_reward_mean": 0.41,
+        "rft_reward_min": 0.0,
+        "rft_reward_max": 1.0,
+        "rft_completion_tokens_mean": 12.5,
+        "rft_grader_errors": 2.0,
+        "rft_generation_seconds": 1.5,
+        "rft_grading_seconds": 0.25,
+        "rft_sub_reward/exact match": 0.5,
+        "rft_sub_reward/fuzzy__x__": 0.25,
+    }
+    assert not [k for k in step_metrics(reward_step(reward=None), on_cuda=False) if k.startswith("rft_")]
+    assert eval_metrics(reward_eval()) == {"valid_loss": -0.44, "rft_valid_reward_mean": 0.44}
+    assert metric_key("a:b\n" + "c" * 200) == ("a_b_" + "c" * 200)[:100]

@@ -14,6 +14,7 @@ event is the failed end state's (worker.job.runner), which carries the error's d
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -26,8 +27,11 @@ from trainer.events import (
     ErrorEvent,
     EvalEvent,
     Event,
+    GradedSample,
     LogEvent,
+    PreferenceMetrics,
     Resolved,
+    RewardMetrics,
     RunStarted,
     StepEvent,
 )
@@ -108,10 +112,12 @@ class DBReporter:
             "bytes_device_to_host": int(eng.bytes_device_to_host),
             "bytes_host_to_device": int(eng.bytes_host_to_device),
         }
+        reward = ev.reward.figures() if ev.reward is not None else {}
+        if reward:
+            metric["method_metrics"] = reward
         pref = asdict(ev.preference) if ev.preference is not None else {}
-        shown = f", preference accuracy={ev.preference.accuracy:.2f}" if ev.preference is not None else ""
         event = event_row(
-            f"Step {ev.step}/{ev.total_steps}: training loss={ev.loss:.4f}{shown}",
+            f"Step {ev.step}/{ev.total_steps}: training loss={ev.loss:.4f}{_shown(ev.preference, ev.reward)}",
             type="metrics",
             data={
                 "step": ev.step,
@@ -121,21 +127,27 @@ class DBReporter:
                 "tokens_per_second": ev.tokens_per_second,
                 "stall_fraction": ev.stall_fraction,
                 **pref,
+                **reward,
             },
         )
         return Write(job={"global_step": ev.step}, metric=metric, events=[event])
 
     def _on_eval(self, ev: EvalEvent) -> Write:
-        pref = (
-            {f"valid_{k}": v for k, v in asdict(ev.preference).items()} if ev.preference is not None else {}
-        )
-        shown = f", preference accuracy={ev.preference.accuracy:.2f}" if ev.preference is not None else ""
+        figures = {**_fields(ev.preference), **(ev.reward.figures() if ev.reward is not None else {})}
         event = event_row(
-            f"Step {ev.step}: validation loss={ev.valid_loss:.4f}{shown}",
+            _eval_message(ev),
             type="metrics",
-            data={"step": ev.step, "valid_loss": ev.valid_loss, "valid_tokens": ev.valid_tokens, **pref},
+            data={
+                "step": ev.step,
+                "valid_loss": ev.valid_loss,
+                "valid_tokens": ev.valid_tokens,
+                **{f"valid_{k}": v for k, v in figures.items()},
+            },
         )
-        return Write(valid_loss={"step": ev.step, "valid_loss": ev.valid_loss}, events=[event])
+        events = [event]
+        if ev.reward is not None and ev.reward.examples:
+            events.append(graded_samples_row(ev.step, ev.reward.examples))
+        return Write(valid_loss={"step": ev.step, "valid_loss": ev.valid_loss}, events=events)
 
     def _on_checkpoint(self, ev: CheckpointSaved) -> Write:
         metrics = {k: v for k, v in ev.metrics.items() if v is not None}
@@ -159,3 +171,57 @@ class DBReporter:
         message = message.removeprefix("DiskFullError: ")
         data = {"error_type": ev.error_type, "errors": ev.errors[:20], "disk_full": message}
         return Write(events=[event_row(message, level="warning", data=data)])
+
+
+#: An evaluation's graded samples: at most this many in the event's data, each text cut to this length;
+#: the message quotes the first few, shorter.
+SAMPLES_KEPT, SAMPLE_CHARS = 8, 2000
+SAMPLES_SHOWN, SHOWN_CHARS = 3, 120
+
+
+def _fields(p: PreferenceMetrics | None) -> dict[str, Any]:
+    return asdict(p) if p is not None else {}
+
+
+def _shown(p: PreferenceMetrics | None, r: RewardMetrics | None) -> str:
+    """A step's or evaluation's method figures for its message (nothing for a supervised job)."""
+    if r is not None:
+        return f", reward mean={r.reward_mean:.2f} (min {r.reward_min:.2f}, max {r.reward_max:.2f})"
+    return f", preference accuracy={p.accuracy:.2f}" if p is not None else ""
+
+
+def _eval_message(ev: EvalEvent) -> str:
+    """A reinforcement evaluation shows its reward (its valid_loss is the negative mean reward)."""
+    if ev.reward is not None:
+        r = ev.reward
+        return f"Step {ev.step}: validation reward={r.reward_mean:.2f} ({r.samples} samples)"
+    return f"Step {ev.step}: validation loss={ev.valid_loss:.4f}{_shown(ev.preference, None)}"
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _quoted(g: GradedSample) -> str:
+    """A sample in a message: its reward, the start of its completion, the grader's error flags."""
+    errors = f" (errors: {', '.join(g.errors[:4])})" if g.errors else ""
+    return f"reward {g.reward:.2f} {json.dumps(_cut(g.completion, SHOWN_CHARS), ensure_ascii=False)}{errors}"
+
+
+def graded_samples_row(step: int, examples: list[GradedSample]) -> dict[str, Any]:
+    """One event with an evaluation's graded samples: what the model wrote and what it scored (texts
+    cut, so the row and its message stay bounded)."""
+    kept = [
+        {
+            "prompt": _cut(g.prompt, SAMPLE_CHARS),
+            "completion": _cut(g.completion, SAMPLE_CHARS),
+            "reward": g.reward,
+            "errors": list(g.errors),
+        }
+        for g in examples[:SAMPLES_KEPT]
+    ]
+    shown = "; ".join(_quoted(g) for g in examples[:SAMPLES_SHOWN])
+    more = f"; {len(examples) - SAMPLES_SHOWN} more" if len(examples) > SAMPLES_SHOWN else ""
+    return event_row(
+        f"Step {step}: graded samples: {shown}{more}", type="message", data={"step": step, "samples": kept}
+    )

@@ -119,6 +119,7 @@ _METRIC_COLUMNS: dict[str, Any] = {
     "cpu_optimizer_seconds": 0.0,
     "bytes_device_to_host": 0,
     "bytes_host_to_device": 0,
+    "method_metrics": None,
 }
 
 

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.registry import REGISTRY
 
 from offload.step_metrics import StepMetrics
-from trainer.events import ErrorEvent, EvalEvent, Event, RunFinished, RunStarted, StepEvent
+from trainer.events import ErrorEvent, EvalEvent, Event, RewardMetrics, RunFinished, RunStarted, StepEvent
 from worker.metrics.multiprocess import multiprocess_mode
 from worker.metrics.nvml import detect_gpu
 
@@ -85,6 +85,50 @@ def _dpo_gauges(registry: CollectorRegistry) -> dict[str, Gauge]:
                 "zenflow_dpo_valid_preference_accuracy_ratio",
                 "DPO: preference accuracy on the validation pairs at the last evaluation.",
             ),
+        )
+    }
+
+
+def _rft_gauges(registry: CollectorRegistry) -> dict[str, Gauge]:
+    """A reinforcement job's last step and evaluation (trainer.events.RewardMetrics): the graders' rewards
+    and the completions' mean length (no grader name is a label: the sub-rewards go to the trackers)."""
+    return {
+        name: Gauge(metric, text, STEP_LABELS, registry=registry, multiprocess_mode="livemostrecent")
+        for name, metric, text in (
+            ("reward_mean", "zenflow_rft_reward_mean", "RFT: mean reward of the last step's completions."),
+            ("reward_min", "zenflow_rft_reward_min", "RFT: lowest reward of the last step's completions."),
+            ("reward_max", "zenflow_rft_reward_max", "RFT: highest reward of the last step's completions."),
+            (
+                "completion_tokens_mean",
+                "zenflow_rft_completion_tokens_mean",
+                "RFT: mean tokens of the last step's sampled completions.",
+            ),
+            (
+                "valid_reward_mean",
+                "zenflow_rft_valid_reward_mean",
+                "RFT: mean reward on the validation prompts at the last evaluation.",
+            ),
+        )
+    }
+
+
+def _rft_counters(registry: CollectorRegistry) -> dict[str, Counter]:
+    """A reinforcement job's steps, summed: completions whose grading failed, and the time spent sampling
+    and grading (rate() against zenflow_step_seconds gives their share of a step)."""
+    return {
+        name: Counter(metric, text, STEP_LABELS, registry=registry)
+        for name, metric, text in (
+            (
+                "grader_errors",
+                "zenflow_rft_grader_errors",
+                "RFT: completions whose grader set an error flag.",
+            ),
+            (
+                "generation_seconds",
+                "zenflow_rft_generation_seconds",
+                "RFT: time spent sampling completions, summed over steps.",
+            ),
+            ("grading_seconds", "zenflow_rft_grading_seconds", "RFT: time spent grading, summed over steps."),
         )
     }
 
@@ -173,6 +217,8 @@ class WorkerTelemetry:
             multiprocess_mode="livemostrecent",
         )
         self.dpo = _dpo_gauges(r)
+        self.rft = _rft_gauges(r)
+        self.rft_totals = _rft_counters(r)
         self.gpu_utilization = Gauge(
             "zenflow_gpu_utilization_ratio",
             "Share of the last step the device computed rather than waited (compute / wall).",
@@ -239,7 +285,7 @@ class WorkerTelemetry:
                 with contextlib.suppress(KeyError):
                     self.current_job.remove(*self._base, *self._job)
             for ls in self._step_labelsets:
-                for g in (self.train_loss, self.gpu_utilization, *self.dpo.values()):
+                for g in (self.train_loss, self.gpu_utilization, *self.dpo.values(), *self.rft.values()):
                     with contextlib.suppress(KeyError):
                         g.remove(*ls)
             for kind in self._mem_kinds:
@@ -296,28 +342,56 @@ class WorkerTelemetry:
             if isinstance(event, RunStarted):
                 self._set_mode(event.mode)
             elif isinstance(event, StepEvent):
-                if event.engine.mode:  # the engine's resolved mode (ranks > 0 see no RunStarted)
-                    self._set_mode(event.engine.mode)
-                base_model, mode = ("unknown", "unknown") if self._job is None else self._job[1:]
-                tokens = event.tokens if event.rank_tokens is None else event.rank_tokens  # a rank: its own
-                self.observe_step(
-                    event.engine, tokens=int(tokens), loss=event.loss, base_model=base_model, mode=mode
-                )
-                if event.preference is not None:
-                    self._observe_preference(asdict(event.preference), base_model, mode)
-            elif isinstance(event, EvalEvent) and event.preference is not None:
-                base_model, mode = ("unknown", "unknown") if self._job is None else self._job[1:]
-                self._observe_preference({"valid_accuracy": event.preference.accuracy}, base_model, mode)
+                self._on_step(event)
+            elif isinstance(event, EvalEvent):
+                self._on_eval(event)
         except Exception:
             log.exception("telemetry: could not record %s", type(event).__name__)
 
+    def _labels(self) -> tuple[str, str]:
+        return ("unknown", "unknown") if self._job is None else (self._job[1], self._job[2])
+
+    def _on_step(self, event: StepEvent) -> None:
+        if event.engine.mode:  # the engine's resolved mode (ranks > 0 see no RunStarted)
+            self._set_mode(event.engine.mode)
+        base_model, mode = self._labels()
+        tokens = event.tokens if event.rank_tokens is None else event.rank_tokens  # a rank: its own
+        self.observe_step(event.engine, tokens=int(tokens), loss=event.loss, base_model=base_model, mode=mode)
+        if event.preference is not None:
+            self._observe_preference(asdict(event.preference), base_model, mode)
+        if event.reward is not None:
+            self._observe_reward(event.reward, base_model, mode)
+
+    def _on_eval(self, event: EvalEvent) -> None:
+        base_model, mode = self._labels()
+        if event.preference is not None:
+            self._observe_preference({"valid_accuracy": event.preference.accuracy}, base_model, mode)
+        if event.reward is not None:
+            self._set_gauges(self.rft, {"valid_reward_mean": event.reward.reward_mean}, base_model, mode)
+
     def _observe_preference(self, values: dict[str, float], base_model: str, mode: str) -> None:
+        self._set_gauges(self.dpo, values, base_model, mode)
+
+    def _observe_reward(self, r: RewardMetrics, base_model: str, mode: str) -> None:
+        """A reinforcement step's rewards and lengths (gauges), its grader errors and times (counters)."""
+        figures = asdict(r)
+        self._set_gauges(self.rft, {k: figures[k] for k in self.rft if k in figures}, base_model, mode)
+        ls = (*self._base, model_label(base_model), str(mode))
+        with self._lock:
+            for name, counter in self.rft_totals.items():
+                value = float(figures[name])
+                if math.isfinite(value) and value > 0:
+                    counter.labels(*ls).inc(value)
+
+    def _set_gauges(
+        self, gauges: dict[str, Gauge], values: dict[str, float], base_model: str, mode: str
+    ) -> None:
         ls = (*self._base, model_label(base_model), str(mode))
         with self._lock:
             self._step_labelsets.add(ls)
             for name, value in values.items():
                 if math.isfinite(value):
-                    self.dpo[name].labels(*ls).set(value)
+                    gauges[name].labels(*ls).set(value)
 
     def _set_mode(self, mode: str) -> None:
         with self._lock:

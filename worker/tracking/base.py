@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.events import EvalEvent, Event, PreferenceMetrics, StepEvent
+from trainer.events import EvalEvent, Event, PreferenceMetrics, RewardMetrics, StepEvent
 
 log = logging.getLogger("zenflow.tracking")
 
@@ -45,12 +46,17 @@ def step_metrics(ev: StepEvent, on_cuda: bool) -> dict[str, float]:
     if on_cuda:
         values["gpu_utilization"] = 1.0 - ev.stall_fraction
     values.update(_preference("dpo_", ev.preference))
+    values.update(_reward(ev.reward))
     return {k: float(v) for k, v in values.items()}
 
 
 def eval_metrics(ev: EvalEvent) -> dict[str, float]:
-    """An evaluation's metrics: ``valid_loss``, and a DPO job's validation rewards and accuracy."""
-    return {"valid_loss": float(ev.valid_loss), **_preference("dpo_valid_", ev.preference)}
+    """An evaluation's metrics: ``valid_loss``, a DPO job's validation rewards and accuracy, a
+    reinforcement job's mean validation reward."""
+    values = {"valid_loss": float(ev.valid_loss), **_preference("dpo_valid_", ev.preference)}
+    if ev.reward is not None:
+        values["rft_valid_reward_mean"] = float(ev.reward.reward_mean)
+    return values
 
 
 def _preference(prefix: str, p: PreferenceMetrics | None) -> dict[str, float]:
@@ -63,6 +69,35 @@ def _preference(prefix: str, p: PreferenceMetrics | None) -> dict[str, float]:
         f"{prefix}reward_margin": p.reward_margin,
         f"{prefix}accuracy": p.accuracy,
     }
+
+
+def _reward(r: RewardMetrics | None) -> dict[str, float]:
+    """A reinforcement step's rewards, lengths, grader errors and times, and each sub-reward of a multi
+    grader as ``rft_sub_reward/<name>`` (none for another method)."""
+    if r is None:
+        return {}
+    values = {
+        "rft_reward_mean": r.reward_mean,
+        "rft_reward_min": r.reward_min,
+        "rft_reward_max": r.reward_max,
+        "rft_completion_tokens_mean": r.completion_tokens_mean,
+        "rft_grader_errors": float(r.grader_errors),
+        "rft_generation_seconds": r.generation_seconds,
+        "rft_grading_seconds": r.grading_seconds,
+    }
+    for name, value in r.sub_rewards.items():
+        values[f"rft_sub_reward/{metric_key(name)}"] = value
+    return values
+
+
+def metric_key(name: str) -> str:
+    """``name`` in the characters MLflow allows in a metric key (alphanumerics, ``_ - . / space``; the
+    rest become ``_``), at most 100 of them (a grader's name is the user's)."""
+    cleaned = _KEY_UNSAFE.sub("_", name).strip() or "_"
+    return cleaned[:100]
+
+
+_KEY_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 The run gets the job's settings and the resolved hyperparameters as params, every step's metrics
 (``worker.tracking.base.STEP_METRICS``, ``gpu_utilization`` on a GPU, a DPO job's ``dpo_*`` rewards and
-preference accuracy, ``valid_loss`` and ``dpo_valid_*`` at evaluations),
+preference accuracy, a reinforcement job's ``rft_*`` rewards and ``rft_sub_reward/<grader>``,
+``valid_loss``, ``dpo_valid_*`` and ``rft_valid_reward_mean`` at evaluations),
 each checkpoint's model id as a tag ``zenflow.checkpoint.<step>``, and the final model's id as the
 tag ``zenflow.fine_tuned_model``. Everything is buffered and sent with ``MlflowClient.log_batch`` every
 ``tracking_flush_seconds`` by the tracking thread; no request is retried inside the client (its

@@ -24,7 +24,21 @@ const CHARTS = [
   { id: "tokens", title: "Tokens per second", unit: "", series: [
     { label: "tokens/s", color: "#8250df", value: (r) => r.tokens_per_second },
   ] },
+  // A reinforcement job's rewards (its rows' method_metrics); shown once a row has them. Its validation
+  // loss is the negative mean validation reward.
+  { id: "reward", title: "Reward", unit: "", only: (r) => reward(r, "reward_mean") !== null, series: [
+    { label: "mean reward", color: "#1a7f37", value: (r) => reward(r, "reward_mean") },
+    { label: "min reward", color: "#9a6700", value: (r) => reward(r, "reward_min") },
+    { label: "max reward", color: "#8250df", value: (r) => reward(r, "reward_max") },
+    { label: "validation reward", color: "#bc4c00", value: (r) => (r.valid_loss == null ? null : -r.valid_loss),
+      sparse: true },
+  ] },
 ];
+
+/** A figure of a reinforcement step's ``method_metrics`` (null for other methods' rows). */
+function reward(row, name) {
+  return row.method_metrics?.[name] ?? null;
+}
 
 /** Whole steps on the x axis. */
 const STEP_INCRS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1000, 10000, 100000].map((p) => m * p)).sort((a, b) => a - b);
@@ -115,7 +129,8 @@ export class MetricCharts {
     setChildren(container);
     this.rows = [];
     this.smoothing = 0;
-    this.charts = CHARTS.map((def) => new Chart(container, def));
+    this.container = container;
+    this.charts = CHARTS.filter((def) => !def.only).map((def) => new Chart(container, def));
     this.observer = new ResizeObserver(() => this.charts.forEach((c) => c.resize()));
     this.observer.observe(container);
   }
@@ -126,7 +141,15 @@ export class MetricCharts {
 
   add(rows) {
     this.rows.push(...rows.filter((r) => r.step > this.lastStep));
+    this.addMethodCharts();
     this.redraw();
+  }
+
+  /** The charts of a method (``only``) once a row of it has come. */
+  addMethodCharts() {
+    for (const def of CHARTS.filter((d) => d.only && this.rows.some(d.only))) {
+      if (!this.charts.some((c) => c.def === def)) this.charts.push(new Chart(this.container, def));
+    }
   }
 
   redraw() {
