@@ -88,7 +88,11 @@ def load_task(model: str, data: str, device: str) -> Task:
     dev = torch.device(device)
     m = load_model(model, dtype=torch.float32, seed=0, tokenizer=tok, device=dev)
     rep = validate_file(
-        data, tokenizer=tok, max_seq_length=256, options=DataOptions(method="reinforcement"), keep_examples=True
+        data,
+        tokenizer=tok,
+        max_seq_length=256,
+        options=DataOptions(method="reinforcement"),
+        keep_examples=True,
     )
     return Task(m, tok, list(rep.examples), dev)
 
@@ -117,7 +121,9 @@ def method_for(task: Task, samples: int, max_tokens: int, batch: int) -> tuple[A
     b = Batching(hp, pad_id=pad, device=task.device)
     m = ReinforcementTraining(resolved)
     out = Path(tempfile.gettempdir())
-    setup = MethodSetup(task.model, [], [], out, b, "bench", False, None, False, lambda e: None, task.tokenizer)
+    setup = MethodSetup(
+        task.model, [], [], out, b, "bench", False, None, False, lambda e: None, task.tokenizer
+    )
     m.prepare(setup)
     return m, b
 
@@ -237,7 +243,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
         for n in _ints(args.samples)
     ]
     if args.json:
-        print(json.dumps({"model": args.model, "device": args.device, "rows": [asdict(r) for r in rows]}, indent=2))
+        print(
+            json.dumps(
+                {"model": args.model, "device": args.device, "rows": [asdict(r) for r in rows]}, indent=2
+            )
+        )
     else:
         print_table(task, args, rows)
     return rows

@@ -16,7 +16,10 @@ def test_rows_per_setting_and_the_baseline(capsys: pytest.CaptureFixture[str]) -
     argv = ["--steps", "1", "--batch", "2", "--samples", "2,3", "--max-tokens", "4", "--json"]
     rows = bench.main(argv)
     printed = json.loads(capsys.readouterr().out)
-    assert [(r["samples_per_prompt"], r["max_completion_tokens"]) for r in printed["rows"]] == [(2, 4), (3, 4)]
+    assert [(r["samples_per_prompt"], r["max_completion_tokens"]) for r in printed["rows"]] == [
+        (2, 4),
+        (3, 4),
+    ]
     for r in rows:
         assert 0 < r.tokens_per_step <= 2 * r.samples_per_prompt * 4
         assert r.rollout_tok_s > 0 and r.forward_tok_s > 0

@@ -180,7 +180,13 @@ def test_reinforcement_samples_per_prompt_are_clamped_to_2_to_64(multiplier: flo
 def test_reinforcement_completion_tokens_are_capped_at_half_the_sequence() -> None:
     from trainer.resolve import resolve_method
 
-    for given, seq, want in [("auto", 128, 64), ("auto", 1024, 256), (100, 128, 64), (24, 128, 24), (3, 5, 2)]:
+    for given, seq, want in [
+        ("auto", 128, 64),
+        ("auto", 1024, 256),
+        (100, 128, 64),
+        (24, 128, 24),
+        (3, 5, 2),
+    ]:
         m, sources = resolve_method(_rl(max_seq_length=seq, max_completion_tokens=given))
         assert m.type == "reinforcement" and m.max_completion_tokens == want, (given, seq)
         assert sources["method.max_completion_tokens"] == ("default" if given == "auto" else "request")

@@ -41,7 +41,9 @@ def test_which_records_are_prompts() -> None:
     answered = {"messages": [*prompt("hi")["messages"], {"role": "assistant", "content": "hello"}]}
     assert not is_reinforcement_prompt(answered)
     # an earlier assistant turn makes it a conversation (an upload's check calls that chat)
-    assert not is_reinforcement_prompt({"messages": [*answered["messages"], {"role": "user", "content": "so?"}]})
+    assert not is_reinforcement_prompt(
+        {"messages": [*answered["messages"], {"role": "user", "content": "so?"}]}
+    )
     assert not is_reinforcement_prompt({"messages": []}) and not is_reinforcement_prompt({"prompt": "x"})
 
 
@@ -68,7 +70,10 @@ def test_a_reinforcement_jobs_file_and_an_uploads_check(tmp_path: Path) -> None:
     pc = write(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(DatasetValidationError) as e:
         validate_file(pc, options=RL)
-    assert e.value.errors[0]["line"] == 1 and "reinforcement job trains on prompts" in e.value.errors[0]["message"]
+    assert (
+        e.value.errors[0]["line"] == 1
+        and "reinforcement job trains on prompts" in e.value.errors[0]["message"]
+    )
 
 
 def test_a_mixed_file_is_refused_naming_the_line(tmp_path: Path) -> None:
@@ -81,7 +86,10 @@ def test_a_mixed_file_is_refused_naming_the_line(tmp_path: Path) -> None:
 
 
 def test_prompts_end_with_the_generation_prompt_and_carry_their_row(tmp_path: Path, tok: Any) -> None:
-    rows = [prompt("Use the word 'class'.", keyword="class", extra={"n": 1}), prompt("Say 'yield'.", keyword="yield")]
+    rows = [
+        prompt("Use the word 'class'.", keyword="class", extra={"n": 1}),
+        prompt("Say 'yield'.", keyword="yield"),
+    ]
     path = write(tmp_path / "p.jsonl", rows)
     rep = validate_file(path, tokenizer=tok, max_seq_length=128, options=RL, keep_examples=True)
     assert rep.format == "reinforcement" and rep.num_examples == 2
@@ -103,5 +111,7 @@ def test_a_prompt_too_long_is_dropped_not_cut(tmp_path: Path, tok: Any) -> None:
     (kept,) = rep.examples
     assert isinstance(kept, RolloutPrompt) and kept.item["keyword"] == "x"
     with pytest.raises(DatasetValidationError) as e:
-        validate_file(path, tokenizer=tok, max_seq_length=48, options=DataOptions("error", method="reinforcement"))
+        validate_file(
+            path, tokenizer=tok, max_seq_length=48, options=DataOptions("error", method="reinforcement")
+        )
     assert [(x["line"], x["field"]) for x in e.value.errors] == [(2, "messages")]

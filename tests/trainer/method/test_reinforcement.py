@@ -64,7 +64,8 @@ def tiny_llama(seed: int = 0) -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    return LlamaForCausalLM(config).to(torch.float64)
+    model = LlamaForCausalLM(config)
+    return model.to(torch.float64)  # type: ignore[arg-type]  # transformers' wrapped Module.to
 
 
 # 2 prompts, 3 completions each (lengths differ: padding too), prompt-major
@@ -72,14 +73,19 @@ PROMPTS = [RolloutPrompt([1, 5, 9, 3], [-100] * 4), RolloutPrompt([1, 7, 3], [-1
 COMPLETIONS = [[11, 12, 2], [13, 2], [14, 15, 16, 17], [20, 2], [21, 22, 23], [24]]
 
 
-def rollout_batches(m: ReinforcementTraining, advantages: list[float], per_batch: int = 4) -> list[RolloutBatch]:
+def rollout_batches(
+    m: ReinforcementTraining, advantages: list[float], per_batch: int = 4
+) -> list[RolloutBatch]:
     rows = rows_of(PROMPTS, Rollout(COMPLETIONS, [False] * 6, 0.0), 3)
     return list(m._batches(rows, advantages, per_batch, batching()))
 
 
 def grads(model: Any, loss: torch.Tensor) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.requires_grad]
-    return [g if g is not None else torch.zeros_like(p) for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params, strict=True)]
+    return [
+        g if g is not None else torch.zeros_like(p)
+        for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params, strict=True)
+    ]
 
 
 def hand_policy_gradient_loss(model: Any, advantages: list[float]) -> torch.Tensor:
@@ -103,7 +109,9 @@ def test_the_loss_gradient_is_the_policy_gradient_over_completion_tokens() -> No
     assert sum(b.num_learned for b in batches) == sum(len(c) for c in COMPLETIONS)
     loss = sum((m.loss(model, b) for b in batches), torch.zeros((), dtype=torch.float64))
     # at ratio 1 the loss's value is -sum(A) over the completions' tokens
-    assert float(loss.detach()) == pytest.approx(-sum(a * len(c) for a, c in zip(adv, COMPLETIONS, strict=True)))
+    assert float(loss.detach()) == pytest.approx(
+        -sum(a * len(c) for a, c in zip(adv, COMPLETIONS, strict=True))
+    )
     ours, hand = grads(model, loss), grads(model, hand_policy_gradient_loss(model, adv))
     assert any(float(h.abs().max()) > 1e-6 for h in hand)
     for a, b in zip(ours, hand, strict=True):
@@ -152,14 +160,16 @@ def test_the_kl_penalty_is_zero_until_the_adapter_moves() -> None:
     adv = [0.9, -0.4, -0.5, 1.3, 0.2, -1.5]
     (batch,) = rollout_batches(plain, adv, per_batch=6)
     # step 0: the adapter's B is zero, the policy is the base: no penalty, nor gradient from it
-    assert float(kl.loss(model, batch)) == pytest.approx(float(plain.loss(model, batch)), abs=1e-12)
+    assert float(kl.loss(model, batch).detach()) == pytest.approx(
+        float(plain.loss(model, batch).detach()), abs=1e-12
+    )
     for a, b in zip(grads(model, kl.loss(model, batch)), grads(model, plain.loss(model, batch)), strict=True):
         torch.testing.assert_close(a, b)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
-    penalty = float(kl.loss(model, batch)) - float(plain.loss(model, batch))
+    penalty = float(kl.loss(model, batch).detach() - plain.loss(model, batch).detach())
     # by hand: beta * sum over completion tokens of exp(d) - d - 1, d = lp_base - lp_policy
     lp = _completion_logps(model)
     with model.disable_adapter():
@@ -216,7 +226,9 @@ def prepared(m: ReinforcementTraining, model: Any, tok: Any, b: Batching, tmp: P
     return m
 
 
-def test_evaluate_reports_the_mean_reward_and_repeats(keyword_task: tuple[Any, Any, list[Any]], tmp_path: Path) -> None:
+def test_evaluate_reports_the_mean_reward_and_repeats(
+    keyword_task: tuple[Any, Any, list[Any]], tmp_path: Path
+) -> None:
     model, tok, valid = keyword_task
     b = batching(micro_batch_size=3)
     m = prepared(method(eval_samples=4, max_completion_tokens=12), model, tok, b, tmp_path)
@@ -234,7 +246,9 @@ def test_evaluate_reports_the_mean_reward_and_repeats(keyword_task: tuple[Any, A
     assert m.step_metrics(None).samples == 0  # validation does not count as the step's rollout
 
 
-def test_a_step_of_alike_rewards_learns_nothing(keyword_task: tuple[Any, Any, list[Any]], tmp_path: Path) -> None:
+def test_a_step_of_alike_rewards_learns_nothing(
+    keyword_task: tuple[Any, Any, list[Any]], tmp_path: Path
+) -> None:
     """The whole path (rollout, grading, advantages, loss) with a keyword every completion contains ('',
     reward 1 for all): every group alike, zero gradient; the step's metrics count its completions."""
     model, tok, valid = keyword_task

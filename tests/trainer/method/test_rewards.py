@@ -47,7 +47,9 @@ def test_a_group_of_equal_rewards_has_zero_advantages() -> None:
     assert group_advantages([1.0, 1.0], 2) == [0.0, 0.0]
     assert group_advantages([], 4) == []
     big = group_advantages([0.0, 1.0], 2)  # two samples: +-1/sqrt(2) over sqrt(0.5)
-    assert big == pytest.approx([-0.5 / (math.sqrt(0.5) + ADVANTAGE_EPS), 0.5 / (math.sqrt(0.5) + ADVANTAGE_EPS)])
+    assert big == pytest.approx(
+        [-0.5 / (math.sqrt(0.5) + ADVANTAGE_EPS), 0.5 / (math.sqrt(0.5) + ADVANTAGE_EPS)]
+    )
 
 
 def result(reward: float, *, sub: dict[str, float] | None = None, **flags: Any) -> GradeResult:
@@ -70,7 +72,11 @@ def test_reward_metrics_of_one_rank() -> None:
     assert (m.reward_mean, m.reward_min, m.reward_max, m.samples) == (0.4375, 0.0, 1.0, 4)
     assert m.completion_tokens_mean == 6.0 and m.truncated_fraction == 0.5
     assert m.grader_errors == 2
-    assert m.grader_error_flags == {"formula_parse_error": 1, "other_error": 1, "python_grader_runtime_error": 1}
+    assert m.grader_error_flags == {
+        "formula_parse_error": 1,
+        "other_error": 1,
+        "python_grader_runtime_error": 1,
+    }
     assert m.sub_rewards == {"a": 0.5, "b": 0.375}  # a missing sub-reward counts 0
     assert (m.generation_seconds, m.grading_seconds, m.rollout_tokens_per_second) == (2.0, 0.5, 12.0)
     assert m.examples == []
@@ -84,11 +90,15 @@ def test_reward_metrics_with_no_samples() -> None:
     assert all(math.isfinite(v) for v in (m.reward_min, m.reward_max))
 
 
-def test_two_ranks_sum_counts_and_take_extremes_of_the_ranks_with_samples(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_ranks_sum_counts_and_take_extremes_of_the_ranks_with_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Rank 1 graded nothing (its inf/-inf must not leak), rank 0 four completions; the seconds are the
     ranks' mean (they sample at once)."""
     busy, idle = RewardSums(), RewardSums()
-    busy.add(Graded([result(0.5), result(0.75), result(0.25), result(0.5)], 1.0), [2, 2, 2, 2], [False] * 4, 3.0)
+    busy.add(
+        Graded([result(0.5), result(0.75), result(0.25), result(0.5)], 1.0), [2, 2, 2, 2], [False] * 4, 3.0
+    )
     idle.generation_seconds, idle.grading_seconds = 1.0, 0.0
     sent: list[list[float]] = []
 
@@ -114,7 +124,9 @@ def test_grade_all_keeps_the_order_and_each_rows_item(monkeypatch: pytest.Monkey
     assert g.rewards == [1.0 if k % 3 == 0 else 0.0 for k in range(40)]
     assert g.seconds >= 0 and not any(r.errors.any() for r in g.results)
     # the text of row k against row k's item only: W2's row mentions w1, which is not its keyword
-    g = grade_all(grader, ["W0!", "about w1", "w1 again"], [{"keyword": "w0"}, {"keyword": "w1"}, {"keyword": "w2"}])
+    g = grade_all(
+        grader, ["W0!", "about w1", "w1 again"], [{"keyword": "w0"}, {"keyword": "w1"}, {"keyword": "w2"}]
+    )
     assert g.rewards == [1.0, 1.0, 0.0]
     missing = grade_all(grader, ["x"], [{}])
     assert missing.rewards == [0.0] and missing.results[0].errors.any()

@@ -59,7 +59,11 @@ def test_cut_at_stop_keeps_the_stop_token_or_the_limit() -> None:
 def test_rollout_seed_is_stable_distinct_and_63_bits() -> None:
     a = rollout_seed(0, "train", (1, 2))
     assert a == rollout_seed(0, "train", (1, 2))
-    others = {rollout_seed(1, "train", (1, 2)), rollout_seed(0, "eval", (1, 2)), rollout_seed(0, "train", (2, 1))}
+    others = {
+        rollout_seed(1, "train", (1, 2)),
+        rollout_seed(0, "eval", (1, 2)),
+        rollout_seed(0, "train", (2, 1)),
+    }
     assert a not in others and len(others) == 3
     assert all(0 <= s < 2**63 for s in (a, *others))
 
