@@ -26,7 +26,8 @@ def lines(src: str, n: int, dst: Path) -> Path:
     return dst
 
 
-def rl_spec(out: Path, train: Path, valid: Path) -> JobSpec:
+def rl_spec(out: Path, train: Path, valid: Path, **extra: Any) -> JobSpec:
+    method = extra.pop("method", {})
     return JobSpec.model_validate(
         {
             "model": str(MODELS_DIR / "docs-llama"),
@@ -44,6 +45,7 @@ def rl_spec(out: Path, train: Path, valid: Path) -> JobSpec:
                 "compute_multiplier": 0.5,
                 "eval_samples": 2,
                 "max_completion_tokens": 8,
+                **method,
             },
             "hyperparameters": {
                 "n_epochs": 2,
@@ -57,6 +59,7 @@ def rl_spec(out: Path, train: Path, valid: Path) -> JobSpec:
             "output_dir": str(out),
             "device": "cpu",
             "dtype": "float32",
+            **extra,
         }
     )
 
@@ -119,3 +122,47 @@ def test_a_reinforcement_job_runs_reports_rewards_and_resumes(
     rewards: list[Any] = [e.reward.reward_mean for e in steps[2:] if e.reward is not None]
     resumed_rewards = [e.reward.reward_mean for e in again.events if isinstance(e, StepEvent) and e.reward]
     assert resumed_rewards == rewards  # the same rollouts: sampled from the step's seed, not the RNG's state
+
+
+#: Rewards that vary within a group from the start: some completions of 8 tokens have an 'e', not all.
+COMMON_LETTER = {
+    "type": "string_check",
+    "name": "has an e",
+    "input": "{{sample.output_text}}",
+    "reference": "e",
+    "operation": "ilike",
+}
+
+
+def test_lora_with_a_kl_penalty_trains_against_the_disabled_adapter(
+    tmp_path: Path, files: tuple[Path, Path]
+) -> None:
+    """The KL term runs inside the engine's model (the adapter disabled for the reference): at step 1 the
+    adapter is the base, so the loss is the KL-free one's; later steps differ."""
+    train, valid = files
+    hp = {
+        "hyperparameters": {
+            "n_epochs": 1,
+            "batch_size": 4,
+            "learning_rate": 1e-2,
+            "seed": 1,
+            "max_seq_length": 64,
+        }
+    }
+    losses = []
+    for beta in (0.0, 0.5):
+        rec = Recorder()
+        spec = rl_spec(
+            tmp_path / str(beta),
+            train,
+            valid,
+            lora={"r": 4},
+            method={"kl_beta": beta, "grader": COMMON_LETTER},
+            **hp,
+        )
+        run_training(spec, on_event=rec)
+        steps = [e for e in rec.events if isinstance(e, StepEvent)]
+        assert len(steps) == 2 and all(e.reward is not None for e in steps)
+        losses.append([e.loss for e in steps])
+    assert losses[1][0] == pytest.approx(losses[0][0], abs=1e-6)
+    assert losses[1][1] > losses[0][1]  # the same rollouts (step 1 alike), plus a positive penalty

@@ -4,6 +4,7 @@ and others for another, the training's RNG and train mode untouched, a fixed len
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -103,9 +104,16 @@ def test_the_global_rng_and_train_mode_are_left_as_they_were(docs_llama: tuple[A
 
 
 def test_fixed_length_decodes_max_new_tokens_then_cuts(docs_llama: tuple[Any, Any]) -> None:
+    """With a stop token the samples meet early, fixed-length decoding runs every row to
+    ``max_new_tokens`` and cuts after; it samples what free decoding does (the sharded ranks' rollout
+    is one process's)."""
     model, tok = docs_llama
     prompts = prompts_of(tok, "Use the word 'yield'.", "A sentence with 'string' in it, please.")
-    s = sampling(tok, n=4, max_new_tokens=10, fixed_length=True)
+    probe = sample_completions(
+        model, prompts, sampling(tok, n=4, max_new_tokens=10, stop_ids=()), device=CPU, seed=3
+    )
+    common = max(range(len(tok)), key=lambda t: sum(c[1:].count(t) for c in probe.completions))
+    s = sampling(tok, n=4, max_new_tokens=10, stop_ids=(common,))
     raw: list[int] = []
     generate = model.generate
 
@@ -116,12 +124,12 @@ def test_fixed_length_decodes_max_new_tokens_then_cuts(docs_llama: tuple[Any, An
 
     model.generate = spy
     try:
-        r = sample_completions(model, prompts, s, device=CPU, seed=3)
+        fixed = sample_completions(model, prompts, replace(s, fixed_length=True), device=CPU, seed=3)
+        free = sample_completions(model, prompts, s, device=CPU, seed=3)
     finally:
         del model.generate
-    assert raw == [s.max_new_tokens]  # every row decoded exactly max_new_tokens, stop tokens or not
-    assert len(r.completions) == 8
-    for c, trunc in zip(r.completions, r.truncated, strict=True):
-        assert len(c) == s.max_new_tokens if trunc else c[-1] in s.stop_ids
-    free = sample_completions(model, prompts, sampling(tok, n=4, max_new_tokens=10), device=CPU, seed=3)
-    assert len(free.completions) == 8
+    assert raw[0] == s.max_new_tokens  # every row decoded to the end, stop tokens or not
+    assert len(fixed.completions) == 8 and any(len(c) < s.max_new_tokens for c in fixed.completions)
+    for c, trunc in zip(fixed.completions, fixed.truncated, strict=True):
+        assert len(c) == s.max_new_tokens if trunc else c[-1] == common and common not in c[:-1]
+    assert free.completions == fixed.completions and free.truncated == fixed.truncated
