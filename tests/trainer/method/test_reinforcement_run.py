@@ -50,7 +50,7 @@ def rl_spec(out: Path, train: Path, valid: Path, **extra: Any) -> JobSpec:
             "hyperparameters": {
                 "n_epochs": 2,
                 "batch_size": 4,
-                "max_seq_length": 64,
+                "max_seq_length": 96,
                 "eval_every": 2,
                 "checkpoint_every": 2,
                 "learning_rate": 1e-3,
@@ -166,3 +166,18 @@ def test_lora_with_a_kl_penalty_trains_against_the_disabled_adapter(
         losses.append([e.loss for e in steps])
     assert losses[1][0] == pytest.approx(losses[0][0], abs=1e-6)
     assert losses[1][1] > losses[0][1]  # the same rollouts (step 1 alike), plus a positive penalty
+
+
+def test_a_prompt_leaves_room_for_its_completion(tmp_path: Path, files: tuple[Path, Path]) -> None:
+    """A reinforcement job's prompt is at most max_seq_length - max_completion_tokens (the row it makes
+    with its completion fits max_seq_length); other methods' examples have the whole length."""
+    from trainer.run.setup import example_budget
+
+    train, valid = files
+    assert example_budget(rl_spec(tmp_path, train, valid)) == 96 - 8
+    auto = rl_spec(tmp_path, train, valid, method={"max_completion_tokens": "auto"})
+    assert example_budget(auto) == 96 - 48  # auto: 256, capped at half of max_seq_length
+    sft = JobSpec.model_validate(
+        {**rl_spec(tmp_path, train, valid).model_dump(), "method": {"type": "supervised"}}
+    )
+    assert example_budget(sft) == 96
