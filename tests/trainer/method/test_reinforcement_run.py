@@ -17,7 +17,7 @@ from trainer.run.loop import run_training
 from trainer.samples import MODELS_DIR, SAMPLES_DIR
 from trainer.spec import JobSpec
 
-pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 
 def lines(src: str, n: int, dst: Path) -> Path:
@@ -78,6 +78,7 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_a_reinforcement_job_runs_reports_rewards_and_resumes(
     tmp_path: Path, files: tuple[Path, Path]
 ) -> None:
@@ -134,6 +135,7 @@ COMMON_LETTER = {
 }
 
 
+@pytest.mark.slow
 def test_lora_with_a_kl_penalty_trains_against_the_disabled_adapter(
     tmp_path: Path, files: tuple[Path, Path]
 ) -> None:
