@@ -132,3 +132,71 @@ def test_a_run_decides_again_only_when_it_must() -> None:
         again.job.sources["engine.mode"] == "resume"
         and again.job.changes(first.job)["engine.mode"]["to"] == other
     )
+
+
+_KEYWORD_GRADER = {
+    "type": "string_check",
+    "name": "k",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.keyword}}",
+    "operation": "ilike",
+}
+
+
+def _rl(lora: bool = False, max_seq_length: int = 1024, **method: Any) -> JobSpec:
+    hp: dict[str, Any] = {"max_seq_length": max_seq_length}
+    extra: dict[str, Any] = {"lora": {"r": 4}} if lora else {}
+    return _spec(
+        method={"type": "reinforcement", "grader": _KEYWORD_GRADER, **method}, hyperparameters=hp, **extra
+    )
+
+
+def test_reinforcement_auto_values_and_their_sources() -> None:
+    from trainer.resolve import AUTO_RL, SAMPLES_PER_UNIT_COMPUTE, resolve_method
+
+    m, sources = resolve_method(_rl())
+    assert m.type == "reinforcement" and m.samples_per_prompt == SAMPLES_PER_UNIT_COMPUTE == 8
+    assert (m.compute_multiplier, m.eval_samples, m.max_completion_tokens) == (1.0, 4, 256)
+    assert (m.temperature, m.kl_beta, m.clip_epsilon) == (1.0, 0.0, 0.2)
+    assert {f"method.{k}" for k in AUTO_RL} | {"method.samples_per_prompt"} == set(sources)
+    assert set(sources.values()) == {"default"}
+    m, sources = resolve_method(_rl(compute_multiplier=2.5, eval_samples=2, temperature=0.7))
+    assert (m.samples_per_prompt, m.eval_samples, m.temperature) == (20, 2, 0.7)
+    assert sources["method.samples_per_prompt"] == sources["method.compute_multiplier"] == "request"
+    assert sources["method.max_completion_tokens"] == "default"
+    job = resolve(_rl(compute_multiplier=0.5), CPU, Counts(40), at="create", reason="t")[0].job
+    assert job.method.type == "reinforcement" and job.method.samples_per_prompt == 4
+    assert job.sources["method.samples_per_prompt"] == "request"
+
+
+@pytest.mark.parametrize(("multiplier", "n"), [(0.01, 2), (0.2, 2), (0.4, 3), (1, 8), (7.9, 63), (8, 64)])
+def test_reinforcement_samples_per_prompt_are_clamped_to_2_to_64(multiplier: float, n: int) -> None:
+    from trainer.resolve import resolve_method
+
+    m, _ = resolve_method(_rl(compute_multiplier=multiplier))
+    assert m.type == "reinforcement" and m.samples_per_prompt == n
+
+
+def test_reinforcement_completion_tokens_are_capped_at_half_the_sequence() -> None:
+    from trainer.resolve import resolve_method
+
+    for given, seq, want in [
+        ("auto", 128, 64),
+        ("auto", 1024, 256),
+        (100, 128, 64),
+        (24, 128, 24),
+        (3, 5, 2),
+    ]:
+        m, sources = resolve_method(_rl(max_seq_length=seq, max_completion_tokens=given))
+        assert m.type == "reinforcement" and m.max_completion_tokens == want, (given, seq)
+        assert sources["method.max_completion_tokens"] == ("default" if given == "auto" else "request")
+
+
+def test_reinforcement_kl_needs_lora() -> None:
+    from trainer.resolve import resolve_method
+
+    with pytest.raises(ValueError, match=r"^method\.kl_beta: .*LoRA"):
+        resolve_method(_rl(kl_beta=0.05))
+    m, sources = resolve_method(_rl(lora=True, kl_beta=0.05))
+    assert m.type == "reinforcement" and m.kl_beta == 0.05 and sources["method.kl_beta"] == "request"
+    assert resolve_method(_rl(kl_beta=0))[0].type == "reinforcement"  # 0 is KL-free: no LoRA needed
