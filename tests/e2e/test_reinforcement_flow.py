@@ -81,13 +81,18 @@ def _scrape(port: int) -> str:
         return str(r.read().decode())
 
 
-def _wait(sdk: openai.OpenAI, job_id: str, seconds: float) -> Any:
-    deadline = time.monotonic() + seconds
+def _wait(sdk: openai.OpenAI, job_id: str, seconds: float, metrics_port: int) -> tuple[Any, str]:
+    """The job once it ended, and the worker's /metrics as scraped while it trained (past step 5: the
+    job's gauges are cleared when it ends)."""
+    deadline, scraped = time.monotonic() + seconds, ""
     job = sdk.fine_tuning.jobs.retrieve(job_id)
     while job.status not in ("succeeded", "failed", "cancelled") and time.monotonic() < deadline:
         time.sleep(2)
+        step = sdk.get(f"/fine_tuning/jobs/{job_id}", cast_to=object)["progress"]["step"]  # type: ignore[index]
+        if not scraped and step >= 5:
+            scraped = _scrape(metrics_port)
         job = sdk.fine_tuning.jobs.retrieve(job_id)
-    return job
+    return job, scraped
 
 
 def _upload(sdk: openai.OpenAI, name: str) -> str:
@@ -143,8 +148,7 @@ def test_reinforcement_job_through_the_sdk_learns_and_is_seen(
                 ZENFLOW_WORKER_METRICS_PORT=str(metrics_port),
                 ZENFLOW_TRACKING_REQUEST_TIMEOUT_SECONDS="120",
             ):
-                job = _wait(sdk, job.id, 1500)
-                scraped = _scrape(metrics_port)
+                job, scraped = _wait(sdk, job.id, 1500, metrics_port)
             events = sdk.fine_tuning.jobs.list_events(job.id, limit=1000).data
             assert job.status == "succeeded", (
                 [e.message for e in events][:40],
@@ -164,7 +168,12 @@ def test_reinforcement_job_through_the_sdk_learns_and_is_seen(
     assert evals[0][0] == 0 and last - first >= 0.3, evals
     steps = [e for e in events if e.data and "reward_mean" in e.data]  # type: ignore[operator]
     assert len(steps) == job.hyperparameters.model_extra["total_steps"], len(steps)  # type: ignore[index]
-    assert "zenflow_rft_reward_mean" in scraped and "zenflow_rft_valid_reward_mean" in scraped
+    for family in (
+        "zenflow_rft_reward_mean",
+        "zenflow_rft_valid_reward_mean",
+        "zenflow_rft_generation_seconds_total",
+    ):
+        assert f"\n{family}{{" in scraped, scraped[-3000:]
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name(experiment)
