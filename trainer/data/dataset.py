@@ -185,13 +185,22 @@ def _check_prompt_completion(no: int, rec: dict[str, Any]) -> list[DataError]:
     return errs
 
 
-def _record_format(rec: dict[str, Any], method: MethodName | None) -> Format | None:
-    """A record's format: a reinforcement job's chat-shaped records are prompts, and so is an upload's
-    record that ends before any assistant turn."""
+#: A chat record's own top-level fields; a prompt with others carries a grader's item fields.
+_CHAT_FIELDS = frozenset({"messages", "tools", "parallel_tool_calls"})
+
+
+def _record_format(rec: dict[str, Any], method: MethodName | None, file_fmt: Format | None) -> Format | None:
+    """A record's format: a reinforcement job's chat-shaped records are prompts; in an upload's check
+    (no method) so is a record with no assistant turn that carries other fields or sits in a file of
+    prompts (a bare one is a chat record missing its answer)."""
     if is_preference(rec):
         return "preference"
     if "messages" in rec:
-        rl = method == "reinforcement" or (method is None and is_reinforcement_prompt(rec))
+        rl = method == "reinforcement" or (
+            method is None
+            and is_reinforcement_prompt(rec)
+            and (file_fmt == "reinforcement" or (file_fmt is None and bool(set(rec) - _CHAT_FIELDS)))
+        )
         return "reinforcement" if rl else "chat"
     if "prompt" in rec or "completion" in rec:
         return "prompt_completion"
@@ -389,7 +398,7 @@ class _FileCheck:
         rec, errs = parse_line(no, text)
         if rec is None:
             return errs
-        rf = _record_format(rec, self.opts.method)
+        rf = _record_format(rec, self.opts.method, self.fmt)
         if rf is None:
             return [_err(no, "messages", "missing (expected 'messages', or 'prompt' and 'completion')")]
         if (wrong := _method_problem(rf, self.opts.method)) is not None:
