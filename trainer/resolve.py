@@ -48,6 +48,7 @@ from contract.values import MAX_COUNT, Dtype
 from trainer.plan.gpus import Machine
 from trainer.plan.query import PlanQuery
 from trainer.plan.records import Plan
+from trainer.plan.rollout import RolloutQuery
 from trainer.spec import JobSpec
 
 #: The largest batch size ``auto`` resolves to.
@@ -308,7 +309,20 @@ def plan_query(spec: JobSpec, counts: Counts | None = None, pins: Pins | None = 
         gradient_checkpointing=_free(hp.gradient_checkpointing),
         accumulate_on=acc,
         shard_params=_free(spec.engine.shard_params),
+        rollout=_rollout_query(spec),
     )
+
+
+def _rollout_query(spec: JobSpec) -> RolloutQuery | None:
+    """A reinforcement job's sampling per prompt as its resolution will have it (None: another method)."""
+    if not isinstance(spec.method, ReinforcementMethod):
+        return None
+    try:
+        m, _ = resolve_method(spec)
+    except ValueError:  # a KL penalty without LoRA: refused when resolved; the plan counts no rollout
+        return None
+    assert isinstance(m, ResolvedReinforcement)
+    return RolloutQuery(m.samples_per_prompt, m.max_completion_tokens)
 
 
 def plan_spec(

@@ -9,6 +9,7 @@ weights, gradients and optimizer state, FSDP's gather buffers, and sends their c
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import NamedTuple
 
 from contract.engine import Accumulator, EngineMode
@@ -17,6 +18,7 @@ from trainer.plan.engine import EngineBytes, engine_bytes, engine_config
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.query import PlanQuery
 from trainer.plan.records import PlanChoices
+from trainer.plan.rollout import generation_seconds, rollout_bytes
 from trainer.plan.shapes import Activations, ModelShape, activation_bytes
 from trainer.plan.shards import gather_bytes, reduce_scatter_bytes, row_shards, shard_numel, traffic_bytes
 from trainer.plan.speed import StepTime, step_times
@@ -132,9 +134,10 @@ def candidate(
     cuda = m.device_type == "cuda"
     eng = engine_bytes_on_rank(job, mode, acc, landing)
     # DPO (trainer.method.dpo): a pair is two rows in one forward and backward; with LoRA the reference is
-    # one more forward of them without grad (a third more work), without it a table of 8 B a pair
+    # one more forward of them without grad (a third more work), without it a table of 8 B a pair. A
+    # reinforcement job's prompt is its completions' rows (trainer.plan.rollout: their sampling too)
     dpo = q.method == "dpo"
-    rows = 2 if dpo else 1
+    rows = 2 if dpo else q.rollout.samples_per_prompt if q.rollout is not None else 1
     work = rows * (4 / 3 if dpo and q.lora is not None else 1.0)
     act = activation_bytes(shape, mb * rows, job.seq, e, checkpointing=ckpt)
     n = job.ranks if job.shard else 1
@@ -151,6 +154,9 @@ def candidate(
         # trainable parameter, made at the step, after backward has freed the activations): the peak
         # is the larger of the two, so only the excess over the activations is added
         device["step_fp32_gradients"] = max(0, 4 * trainable - act.peak_bytes)
+    if q.rollout is not None:  # sampled before the training forward: only the excess over its peak
+        cache = rollout_bytes(shape, job.batch * rows, job.seq, e)
+        device["rollout_kv_cache"] = max(0, cache - act.peak_bytes)
     if cuda:
         device["runtime"] = CUDA_RUNTIME_BYTES
     host = _host_bytes(job, eng, mode, dpo)
@@ -184,6 +190,8 @@ def candidate(
         interconnect_bytes=traffic_bytes(shape, e, n, -(-job.batch // mb)) if job.shard else 0.0,
         landing_buffers=landing or not landing_optional(job),
     )
+    if q.rollout is not None:
+        times = {k: _with_rollout(job, t) for k, t in times.items()}
     settings = PlanChoices(
         mode=mode,
         micro_batch_size=mb,
@@ -197,6 +205,23 @@ def candidate(
     return Candidate(
         settings, device, host, act, times[mode], dev_total, host_total, fits_device, fits_host, fits_locked
     )
+
+
+def _with_rollout(job: JobShape, t: StepTime) -> StepTime:
+    """``t`` with the rollout's sampling before it (the whole step's prompts on this rank, at once)."""
+    r = job.query.rollout
+    assert r is not None
+    gen = generation_seconds(
+        job.shape,
+        job.machine,
+        rows=job.batch * r.samples_per_prompt,
+        prompt_tokens=max(1, job.seq - r.completion_tokens),
+        completion_tokens=r.completion_tokens,
+        dtype_bytes=job.dtype_bytes,
+    )
+    step = t.step_seconds + gen
+    tokens = t.tokens_per_second * t.step_seconds
+    return replace(t, generation_seconds=gen, step_seconds=step, tokens_per_second=tokens / step)
 
 
 def _host_bytes(job: JobShape, eng: EngineBytes, mode: EngineMode, dpo: bool) -> dict[str, int]:

@@ -213,6 +213,16 @@ def format_plan(plan: Plan) -> str:
         f"host, {m.cores} cores, PCIe {m.pcie_gbps:g} GB/s, CPU AdamW {m.cpu_adam_gbps:g} GB/s",
         *(f"  {k:13s}{v}" for k, v in m.sources.items()),
         f"step         batch {plan.batch_size} x {plan.max_seq_length} tokens",
+        *(
+            [
+                f"rollout      sampling ~{plan.generation_seconds:.3g} s of each step's "
+                f"~{plan.step_seconds:.3g} s (in every mode's step s below); its KV cache and logits "
+                f"{format_bytes(plan.rollout_cache_bytes)} (rollout_kv_cache: what exceeds the "
+                "activations' peak)"
+            ]
+            if plan.generation_seconds
+            else []
+        ),
         f"settings     mode {s.mode}, micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
         f"{str(s.gradient_checkpointing).lower()}, packing {str(s.packing).lower()}, accumulate_on {s.accumulate_on}, "
         f"update_interval {s.update_interval}, shard_params {str(s.shard_params).lower()}",

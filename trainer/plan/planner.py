@@ -63,6 +63,7 @@ from trainer.plan.candidates import (
 from trainer.plan.gpus import Machine, format_bytes
 from trainer.plan.query import PlanQuery
 from trainer.plan.records import ENGINE_MODES, EngineMode, ModeEstimate, Plan, PlanChoices, Problem
+from trainer.plan.rollout import rollout_bytes
 from trainer.plan.shapes import model_shape
 
 __all__ = ["Machine", "Plan", "PlanChoices", "PlanQuery", "Problem", "plan_job"]
@@ -165,9 +166,21 @@ def _plan(
         },
         step_seconds=chosen.time.step_seconds,
         tokens_per_second=chosen.time.tokens_per_second,
+        generation_seconds=chosen.time.generation_seconds,
+        rollout_cache_bytes=_rollout_cache(job),
         modes={k: _estimate(c) for k, c in best_by_mode.items()},
         reasons=reasons,
         problems=found,
+    )
+
+
+def _rollout_cache(job: JobShape) -> int:
+    """A reinforcement job's sampling cache on one rank (0 for the other methods)."""
+    r = job.query.rollout
+    return (
+        0
+        if r is None
+        else rollout_bytes(job.shape, job.batch * r.samples_per_prompt, job.seq, job.dtype_bytes)
     )
 
 
@@ -288,4 +301,5 @@ def _estimate(c: Candidate) -> ModeEstimate:
         cpu_seconds=t.cpu_seconds,
         bound=t.bound,
         update_interval=t.update_interval,
+        generation_seconds=t.generation_seconds,
     )

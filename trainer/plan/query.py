@@ -11,6 +11,7 @@ from contract.lora import LoraSpec
 from contract.method import MethodName
 from contract.resources import Resources
 from contract.values import Dtype
+from trainer.plan.rollout import RolloutQuery
 
 
 class PlanQuery(NamedTuple):
@@ -39,6 +40,8 @@ class PlanQuery(NamedTuple):
     shard_params: bool | None = None
     #: zenflow's device copy of the split weights; None: kept unless only dropping it makes the job fit.
     landing_buffers: bool | None = None
+    #: A reinforcement job's sampling per prompt (trainer.plan.rollout); None for the other methods.
+    rollout: RolloutQuery | None = None
 
     def dtype_on(self, device_type: str) -> Dtype:
         """The parameters' dtype on a machine of ``device_type``."""

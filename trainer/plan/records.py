@@ -57,6 +57,8 @@ class ModeEstimate(BaseModel):
     update_interval: int | None = None
     #: Sharded weights: FSDP's collectives per step over the GPU interconnect (overlapped with compute).
     interconnect_seconds: float = 0.0
+    #: A reinforcement job: the rollout's sampling per step (in ``step_seconds``).
+    generation_seconds: float = 0.0
 
 
 class Plan(BaseModel):
@@ -101,6 +103,9 @@ class Plan(BaseModel):
     activations: dict[str, int]
     step_seconds: float
     tokens_per_second: float
+    #: A reinforcement job: the rollout's sampling per step (in ``step_seconds``) and its KV cache.
+    generation_seconds: float = 0.0
+    rollout_cache_bytes: int = 0
     #: Per engine mode: its best configuration, whether it fits, predicted step time.
     modes: dict[EngineMode, ModeEstimate]
     #: Why these settings (one sentence each).
@@ -122,5 +127,13 @@ class Plan(BaseModel):
             f"checkpointing {'on' if s.gradient_checkpointing else 'off'}, "
             f"{'sharded' if s.shard_params else 'replicated'} weights over {self.ranks} rank(s), device {format_bytes(self.device_bytes)} "
             f"of {format_bytes(self.device_capacity_bytes)}, host {format_bytes(self.host_bytes)} of "
-            f"{format_bytes(self.host_capacity_bytes)}, ~{self.step_seconds:.3g} s/step"
+            f"{format_bytes(self.host_capacity_bytes)}, ~{self.step_seconds:.3g} s/step{self._rollout()}"
+        )
+
+    def _rollout(self) -> str:
+        if not self.generation_seconds:
+            return ""
+        return (
+            f" (sampling ~{self.generation_seconds:.3g} s of it, KV cache "
+            f"{format_bytes(self.rollout_cache_bytes)})"
         )

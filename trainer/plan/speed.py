@@ -93,6 +93,8 @@ class StepTime:
     update_interval: int | None = None
     #: Sharded weights: the collectives' seconds per step (overlapped with the compute).
     interconnect_seconds: float = 0.0
+    #: A reinforcement job: the rollout's sampling before the step (included in ``step_seconds``).
+    generation_seconds: float = 0.0
 
 
 def matmul_params(shape: ModelShape) -> int:
