@@ -1,0 +1,102 @@
+"""``POST /v1/fine_tuning/jobs`` with ``method.type: "reinforcement"`` (OpenAI's shape): the grader checked
+at create (a 400 naming its param, nothing written), the item fields its templates read found in the
+rows, and the job object showing the method back with its grader and resolved hyperparameters."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.api.conftest import Enqueued, TeamKey, error_of, uploaded_id
+from tests.api.test_jobs import _job_rows, create
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"Use the word '{w}'."}], "keyword": w}
+    for w in ("file", "value", "object", "return")
+]
+GRADER = {
+    "type": "string_check",
+    "name": "uses the word",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.keyword}}",
+    "operation": "ilike",
+}
+
+
+@pytest.fixture
+def prompts(client: TestClient, team: TeamKey) -> str:
+    return uploaded_id(client, team, "".join(json.dumps(r) + "\n" for r in ROWS).encode())
+
+
+def _body(fid: str, grader: dict[str, Any], **hp: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny-llama",
+        "training_file": fid,
+        "method": {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hp}},
+    }
+
+
+def test_reinforcement_job_shows_its_grader_and_resolved_settings(
+    client: TestClient, team: TeamKey, prompts: str, enqueued: Enqueued
+) -> None:
+    r = create(client, team, _body(prompts, GRADER, batch_size=2, compute_multiplier=0.5, eval_interval=3))
+    assert r.status_code == 200, r.text
+    method = r.json()["method"]
+    assert method["type"] == "reinforcement" and set(method) == {"type", "reinforcement"}
+    assert method["reinforcement"]["grader"] == GRADER
+    hp = method["reinforcement"]["hyperparameters"]
+    assert hp["batch_size"] == 2 and hp["compute_multiplier"] == 0.5 and hp["samples_per_prompt"] == 4
+    assert hp["eval_interval"] == 3 and hp["eval_samples"] == 4 and hp["kl_beta"] == 0.0
+    assert hp["reasoning_effort"] == "default" and hp["max_completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("grader", "param"),
+    [
+        ({**GRADER, "reference": "{{item.answer}}"}, "method.reinforcement.grader.reference"),
+        ({**GRADER, "input": "{{sample.output_text"}, "method.reinforcement.grader.input"),
+        (
+            {"type": "multi", "name": "m", "graders": {"a": GRADER}, "calculate_output": "a +"},
+            "method.reinforcement.grader.calculate_output",
+        ),
+        (
+            {
+                "type": "score_model",
+                "name": "judge",
+                "model": "tiny-llama",
+                "input": [{"role": "user", "content": "Score {{sample.output_text}}"}],
+            },
+            "method.reinforcement.grader.model",
+        ),
+        ({**GRADER, "operation": "regex"}, "method.reinforcement.grader.operation"),
+    ],
+)
+def test_a_bad_grader_is_400_naming_its_param_and_writes_nothing(
+    client: TestClient,
+    app: Any,
+    team: TeamKey,
+    prompts: str,
+    enqueued: Enqueued,
+    grader: dict[str, Any],
+    param: str,
+) -> None:
+    before, calls = _job_rows(app, team), len(enqueued.calls)
+    r = create(client, team, _body(prompts, grader))
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == param, r.json()
+    assert _job_rows(app, team) == before and len(enqueued.calls) == calls
+
+
+def test_kl_penalty_without_lora_is_refused(client: TestClient, team: TeamKey, prompts: str) -> None:
+    r = create(client, team, _body(prompts, GRADER, kl_beta=0.1))
+    assert r.status_code == 400 and "LoRA" in error_of(r)["message"], r.text
+
+
+def test_chat_data_in_a_reinforcement_job_is_refused_by_line(client: TestClient, team: TeamKey) -> None:
+    r = create(client, team, _body(uploaded_id(client, team), GRADER))
+    assert r.status_code == 400, r.text
+    message = error_of(r)["message"]
+    assert "line 1: messages[2].role: the prompt ends with an assistant message" in message, message
