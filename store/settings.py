@@ -171,6 +171,22 @@ class Settings(BaseSettings):
     #: At the job's end, how long the sinks may still try a server that is away before what they hold is
     #: left in the job's output folder.
     tracking_close_seconds: float = Field(20.0, ge=0, allow_inf_nan=False)
+    # --- the Python grader's sandbox (trainer.graders.sandbox.SandboxLimits, built by worker.grading): ---
+    # --- per call, in the API's /v1/fine_tuning/alpha/graders routes and in a worker's training jobs ---
+    # The defaults are SandboxLimits' own (tests/store/test_settings.py holds them equal).
+    #: CPU seconds of each grader process (RLIMIT_CPU), then ``timeout``.
+    python_grader_cpu_seconds: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
+    #: The whole call, start-up included, then its processes are killed (``timeout``). The API waits for
+    #: a /graders/run at most 120 s whatever this says.
+    python_grader_wall_seconds: float = Field(30.0, gt=0, le=3600, allow_inf_nan=False)
+    #: Address space of each grader process (RLIMIT_AS); the interpreter itself needs some 30 MiB.
+    python_grader_memory_bytes: int = Field(512 * 2**20, ge=64 * 2**20, le=2**40)
+    #: Processes and threads of one call at once (RLIMIT_NPROC in its own user namespace).
+    python_grader_max_processes: int = Field(16, ge=1, le=4096)
+    #: Run graders without namespaces where the kernel allows none (no network isolation, the server's
+    #: files and user): for a single-tenant install whose graders the operator trusts, never for a
+    #: service open to API keys. Off: such a host fails every call with ``sandbox_unavailable``.
+    python_grader_allow_unisolated: bool = False
 
     @field_validator("allowed_integrations", mode="before")
     @classmethod

@@ -4,11 +4,14 @@ the item fields its templates read, for the data check to find in the rows (api.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.core.errors import APIError
 from contract.graders import AnyGrader, LabelModelGrader, MultiGrader, ScoreModelGrader
 from contract.method import ReinforcementMethod
+
+if TYPE_CHECKING:
+    from trainer.graders.sandbox import SandboxLimits
 
 #: Where a job's grader is in the create request.
 GRADER_PARAM = "method.reinforcement.grader"
@@ -25,9 +28,10 @@ def _model_grader(grader: AnyGrader, path: str) -> str | None:
     return None
 
 
-def check_job_grader(method: dict[str, Any]) -> dict[str, str]:
+def check_job_grader(method: dict[str, Any], limits: SandboxLimits | None = None) -> dict[str, str]:
     """The item fields the job's grader reads, by the param that reads each (empty for another method);
-    a 400 for a grader with a problem, naming its param."""
+    a 400 for a grader with a problem, naming its param (a Python grader's source imported in the
+    sandbox under ``limits``: the server's, worker.grading)."""
     if method.get("type") != "reinforcement":
         return {}
     from trainer.graders.template import item_fields
@@ -43,7 +47,7 @@ def check_job_grader(method: dict[str, Any]) -> dict[str, str]:
             param=param,
             code="invalid_grader",
         )
-    problems = grader_errors(grader, path=GRADER_PARAM)
+    problems = grader_errors(grader, path=GRADER_PARAM, limits=limits)
     if problems:
         message = "; ".join(f"{where}: {msg}" for where, msg in problems)
         raise APIError(400, f"Invalid grader: {message}", param=problems[0][0], code="invalid_grader")

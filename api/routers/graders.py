@@ -3,7 +3,8 @@
 
 Team-scoped: a model grader may name only a model the team may use (``api.model_names.team_model``: 404
 naming the grader's ``model`` otherwise) and is judged through the app's engine client. Grading runs in a
-worker thread, never on the event loop, and is waited for at most :data:`RUN_TIMEOUT_S` (504 after).
+worker thread, never on the event loop, and is waited for at most :data:`RUN_TIMEOUT_S` (504 after). A
+Python grader runs under the server's sandbox limits (``ZENFLOW_PYTHON_GRADER_*``, worker.grading).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from store.settings import Settings
 from trainer.graders.grade import grade
 from trainer.graders.result import GradeResult, Sample
 from trainer.graders.validate import grader_errors
+from worker.grading import sandbox_limits
 
 router = APIRouter(
     prefix="/v1/fine_tuning/alpha/graders", tags=["graders"], responses=error_responses(400, 401, 404, 413)
@@ -65,8 +67,15 @@ async def _judge_models(
     return models
 
 
-def _check(grader: AnyGrader, models: dict[str, ServedModel]) -> None:
-    problems = grader_errors(grader, judge_models=models.__contains__)
+async def _check(grader: AnyGrader, models: dict[str, ServedModel], settings: Settings) -> None:
+    """A 400 naming the first problem of the grader (a Python grader's source is imported in the sandbox,
+    under the server's limits, in a worker thread: never on the event loop)."""
+    limits = sandbox_limits(settings)
+
+    def problems_of() -> list[tuple[str, str]]:
+        return grader_errors(grader, judge_models=models.__contains__, limits=limits)
+
+    problems = await anyio.to_thread.run_sync(problems_of)
     if problems:
         message = "; ".join(f"{param}: {msg}" for param, msg in problems)
         raise APIError(400, f"Invalid grader: {message}", param=problems[0][0], code="invalid_grader")
@@ -78,7 +87,7 @@ async def validate_grader(
 ) -> GraderValidateObject:
     """The grader as given when it is valid; a 400 naming the first bad param otherwise."""
     models = await _judge_models(request, body.grader, team.team_id, settings)
-    _check(body.grader, models)
+    await _check(body.grader, models, settings)
     return GraderValidateObject(grader=body.grader.model_dump(mode="json", exclude_unset=True))
 
 
@@ -115,13 +124,14 @@ async def run_grader(
     on this sample is a 200 with its flag set, never an error of the request."""
     _item_size(body.item)
     models = await _judge_models(request, body.grader, team.team_id, settings)
-    _check(body.grader, models)
+    await _check(body.grader, models, settings)
     engine: EngineClient = request.app.state.inference
     judge = EngineJudge(engine, team.team_id, models)
     sample = Sample.of_text(body.model_sample)
+    limits = sandbox_limits(settings)
 
     def run() -> GradeResult:
-        return grade(body.grader, sample, body.item, judge=judge)
+        return grade(body.grader, sample, body.item, judge=judge, limits=limits)
 
     with anyio.move_on_after(RUN_TIMEOUT_S) as scope:
         result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)

@@ -56,6 +56,7 @@ from store.settings import Settings
 from trainer.resolve import Counts
 from trainer.spec import JobSpec
 from worker.capacity.fit import Admitted
+from worker.grading import sandbox_limits
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def _prepare_job(
             )
 
     method, hyperparameters, hp_param = requested_method(body)
-    item_fields = check_job_grader(method)  # 400 naming the grader's param
+    item_fields = check_job_grader(method, sandbox_limits(settings))  # 400 naming the grader's param
     model = team_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
     checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")

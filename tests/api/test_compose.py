@@ -218,3 +218,19 @@ def test_a_two_node_deployment_shares_the_data_volume_and_has_two_addresses() ->
         gpus[0] != gpus[1]
         and one["environment"]["NVIDIA_VISIBLE_DEVICES"] != two["environment"]["NVIDIA_VISIBLE_DEVICES"]
     )
+
+
+def test_only_the_grader_runners_leave_dockers_seccomp_and_apparmor_profiles() -> None:
+    """The API and the workers run Python graders in namespaces of their own (docs/graders.md): seccomp
+    and AppArmor unconfined there, no capability added, not privileged; every other service keeps
+    Docker's defaults."""
+    c = _compose()
+    runners = {"api", "worker", "worker-node2"}
+    for name, svc in c["services"].items():
+        assert not svc.get("privileged") and not svc.get("cap_add"), name
+        opts = svc.get("security_opt")
+        if name in runners:
+            assert opts == ["seccomp=unconfined", "apparmor=unconfined"], name
+            assert "user" not in svc, name  # the image's unprivileged user
+        else:
+            assert opts is None, name

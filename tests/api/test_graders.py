@@ -1,10 +1,12 @@
 """The grader endpoints through the official openai SDK against uvicorn: ``client.fine_tuning.alpha.graders``
 ``validate`` and ``run`` (string_check scores a right and a wrong sample 1 and 0, a multi grader's
 sub_rewards, a bad formula's 400 naming ``grader.calculate_output``), a model grader judged by a served
-built-in model answers 200 with its flags whatever the model says, another team's ``ft:`` model is 404."""
+built-in model answers 200 with its flags whatever the model says, another team's ``ft:`` model is 404; a
+Python grader runs under the server's sandbox limits (``python_grader_wall_seconds``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -147,3 +149,40 @@ def test_another_teams_fine_tuned_model_cannot_judge(
         _sdk(server, owner).fine_tuning.alpha.graders.validate(grader={**JUDGE, "model": ft}).grader
         is not None
     )  # type: ignore[arg-type]
+
+
+SLEEPER = {
+    "type": "python",
+    "name": "sleeps",
+    "source": "import time\n\ndef grade(sample, item):\n    time.sleep(60)\n    return 1.0\n",
+}
+
+
+@pytest.fixture(scope="module")
+def limited_server(settings: Settings) -> Iterator[tuple[ServerThread, FastAPI]]:
+    """An API whose settings give a Python grader 2 s of wall clock (ZENFLOW_PYTHON_GRADER_WALL_SECONDS)."""
+    from api.app import create_app
+
+    app = create_app(
+        settings.model_copy(update={"python_grader_wall_seconds": 2.0}), TEST_API_SETTINGS, enqueue=Enqueued()
+    )
+    with ServerThread(app) as s:
+        yield s, app
+
+
+def test_a_python_grader_runs_under_the_servers_wall_clock(
+    limited_server: tuple[ServerThread, FastAPI],
+) -> None:
+    from trainer.graders.sandbox import run_python_grader
+
+    if run_python_grader("def grade(sample, item):\n    return 1\n", {}, {}).error == "server":
+        pytest.skip("no sandbox on this host")
+    server, app = limited_server
+    sdk = _sdk(server, make_team(app))
+    t0 = time.monotonic()
+    r = sdk.fine_tuning.alpha.graders.run(grader=SLEEPER, model_sample="4", item={})  # type: ignore[arg-type]
+    took = time.monotonic() - t0
+    assert r.reward == 0.0 and r.metadata.errors.python_grader_runtime_error is True
+    assert r.metadata.errors.python_grader_runtime_error_details == "timed out after 2 s (wall)"
+    # the source's check and the 2 s call, each with an interpreter's start on a loaded box
+    assert took < 2 * 2.0 + 10

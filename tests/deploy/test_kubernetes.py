@@ -139,6 +139,28 @@ def test_the_service_pods_run_as_non_root_with_their_probes(objects: list[dict[s
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", name
 
 
+def test_only_the_grader_runners_leave_the_default_seccomp_and_apparmor_profiles(
+    objects: list[dict[str, Any]],
+) -> None:
+    """The API and the workers run Python graders in namespaces of their own (docs/graders.md): their
+    containers are Unconfined for seccomp and AppArmor, and nothing more (not privileged, every capability
+    dropped, none added, non-root); no other container leaves the runtime's defaults."""
+    runners = {"zenflow-api", "zenflow-worker"}
+    for owner, c in _containers(objects):
+        sc = c.get("securityContext", {})
+        if owner in runners:
+            assert sc["seccompProfile"] == {"type": "Unconfined"}, owner
+            assert sc["appArmorProfile"] == {"type": "Unconfined"}, owner
+            assert sc.get("privileged") is False and sc["allowPrivilegeEscalation"] is False, owner
+            assert sc["capabilities"] == {"drop": ["ALL"]}, owner
+        else:
+            assert "seccompProfile" not in sc and "appArmorProfile" not in sc, owner
+            assert not sc.get("privileged"), owner
+    for o in objects:
+        pod = o.get("spec", {}).get("template", {}).get("spec", {})
+        assert "seccompProfile" not in pod.get("securityContext", {}), o["metadata"]["name"]
+
+
 def test_prometheus_scrapes_every_component_pod_by_pod(tmp_path: Path) -> None:
     """deploy/kubernetes/prometheus.yml: a valid config (promtool, with the alert rules beside it) whose
     jobs find each component's pods through its headless Service, at the port its containers serve."""

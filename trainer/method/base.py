@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from contract.hyperparameters import ResolvedHyperparameters
+    from trainer.graders.sandbox import SandboxLimits
     from trainer.run.step import MicroBatch
 
 
@@ -49,6 +50,9 @@ class MethodSetup:
     tokenizer: Any = None
     #: What model graders ask (trainer.graders.model_graders.Judge), or None: none reachable.
     judge: Any = None
+    #: A Python grader's sandbox limits (the worker's settings, worker.grading), or None: SandboxLimits'
+    #: defaults.
+    grader_limits: SandboxLimits | None = None
 
 
 class TrainingMethod(Protocol):

@@ -41,6 +41,8 @@ from trainer.run.distributed import DistContext
 if TYPE_CHECKING:
     import torch
 
+    from trainer.graders.sandbox import SandboxLimits
+
 #: Graded completions an evaluation shows in its event.
 SHOWN_SAMPLES = 3
 #: Characters of a prompt or completion shown in an event.
@@ -100,6 +102,7 @@ class ReinforcementTraining:
         self.seed = 0
         self.sharded = False
         self.judge: Any = None
+        self.limits: SandboxLimits | None = None
         self.sums = self._new_sums()
 
     @classmethod
@@ -113,11 +116,12 @@ class ReinforcementTraining:
         return RewardSums(sub_names=names)
 
     def prepare(self, setup: MethodSetup) -> None:
-        """Dropout off; the tokenizer (completions are graded as text) and the run's seed kept."""
+        """Dropout off; the tokenizer (completions are graded as text), the run's seed and its graders'
+        judge and sandbox limits kept."""
         disable_dropout(setup.model)
         self.model = setup.model
         self.tokenizer, self.seed, self.sharded = setup.tokenizer, setup.batching.hp.seed, setup.sharded
-        self.judge = setup.judge
+        self.judge, self.limits = setup.judge, setup.grader_limits
 
     def _sampling(self, n: int, b: Batching) -> Sampling:
         tok = self.tokenizer
@@ -153,7 +157,7 @@ class ReinforcementTraining:
         n = self.m.samples_per_prompt
         rollout, texts = self._rollout(prompts, n, b, rollout_seed(self.seed, "train", tuple(index)))
         items = [prompts[k // n].item for k in range(len(texts))]
-        graded = grade_all(self.m.grader, texts, items, judge=self.judge)
+        graded = grade_all(self.m.grader, texts, items, judge=self.judge, limits=self.limits)
         self.sums.add(graded, [len(c) for c in rollout.completions], rollout.truncated, rollout.seconds)
         advantages = group_advantages(graded.rewards, n)
         return self._batches(rows_of(prompts, rollout, n), advantages, n * b.hp.micro_batch_size, b)
@@ -232,7 +236,7 @@ class ReinforcementTraining:
         """Some validation prompts sampled and graded into ``sums`` (the first few kept to show)."""
         rollout, texts = self._rollout(part, n, b, rollout_seed(self.seed, "eval", tuple(index)))
         items = [part[j // n].item for j in range(len(texts))]
-        graded = grade_all(self.m.grader, texts, items, judge=self.judge)
+        graded = grade_all(self.m.grader, texts, items, judge=self.judge, limits=self.limits)
         sums.add(graded, [len(c) for c in rollout.completions], rollout.truncated, rollout.seconds)
         for j in range(min(len(texts), SHOWN_SAMPLES - len(sums.examples))):
             r = graded.results[j]

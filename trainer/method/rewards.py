@@ -13,12 +13,15 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contract.graders import Grader
 from trainer.events import GradedSample, RewardMetrics
 from trainer.graders.result import GraderErrors, GradeResult, Sample
 from trainer.run.distributed import DistContext, all_sum
+
+if TYPE_CHECKING:
+    from trainer.graders.sandbox import SandboxLimits
 
 #: Graders running at once in one rank.
 GRADING_THREADS = 8
@@ -39,15 +42,21 @@ class Graded:
 
 
 def grade_all(
-    grader: Grader, texts: Sequence[str], items: Sequence[Mapping[str, Any]], *, judge: Any = None
+    grader: Grader,
+    texts: Sequence[str],
+    items: Sequence[Mapping[str, Any]],
+    *,
+    judge: Any = None,
+    limits: SandboxLimits | None = None,
 ) -> Graded:
-    """Each ``texts[i]`` graded against ``items[i]`` (trainer.graders.grade.grade), in order."""
+    """Each ``texts[i]`` graded against ``items[i]`` (trainer.graders.grade.grade), in order; a Python
+    grader's calls under ``limits`` (None: SandboxLimits' defaults)."""
     from trainer.graders.grade import grade
 
     t0 = time.perf_counter()
 
     def one(k: int) -> GradeResult:
-        return grade(grader, Sample.of_text(texts[k]), items[k], judge=judge)
+        return grade(grader, Sample.of_text(texts[k]), items[k], judge=judge, limits=limits)
 
     with ThreadPoolExecutor(max_workers=max(1, min(GRADING_THREADS, len(texts)))) as pool:
         results = list(pool.map(one, range(len(texts))))

@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from contract.job import Resolution
 from trainer.data.batching import epoch_order, rank_part
@@ -103,6 +103,9 @@ from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
 from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
 from trainer.run.step import LateLoss, StepOutcome, optimizer_step, step_totals
 from trainer.spec import JobSpec
+
+if TYPE_CHECKING:
+    from trainer.graders.sandbox import SandboxLimits
 
 __all__ = ["ResumeMismatchError", "TrainResult", "run_training"]
 
@@ -152,14 +155,16 @@ def run_training(
     dist: DistContext | None = None,
     resolution: Resolution | None = None,
     machine: Machine | None = None,
+    grader_limits: SandboxLimits | None = None,
 ) -> TrainResult:
     """Run one job to completion (or cancellation) and return its result; see the module docstring.
 
     ``on_event`` receives every :mod:`trainer.events` record (with ranks: see the module docstring);
     ``progress`` shows a tqdm bar (default: when stderr is a TTY; rank 0 only). ``dist``: this process is
     one of the job's data-parallel ranks (None: the only process). ``resolution``: the job's (None: decided
-    here), for ``machine`` (None: this one as detected). Raises DatasetValidationError for bad data,
-    UnknownModelError, and any training error (after an ErrorEvent).
+    here), for ``machine`` (None: this one as detected). ``grader_limits``: a Python grader's sandbox
+    limits (a reinforcement job's; None: trainer.graders.sandbox.SandboxLimits' defaults). Raises
+    DatasetValidationError for bad data, UnknownModelError, and any training error (after an ErrorEvent).
     """
     dist = _group(spec, dist)
     main = dist is None or dist.is_main
@@ -176,7 +181,7 @@ def run_training(
         return done
     try:
         data = load_data(spec, emit, dist, resolution=resolution, machine=machine, resume=resume)
-        built = build(spec, data, out, resume=resume, emit=emit, dist=dist)
+        built = build(spec, data, out, resume=resume, emit=emit, dist=dist, grader_limits=grader_limits)
         try:
             show = main and _use_progress(progress)
             return _Run(spec, out, data, built, emit, should_cancel, show, dist).train()

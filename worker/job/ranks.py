@@ -64,15 +64,17 @@ def peer_lost(e: BaseException) -> bool:
 
 def run_peer_rank(job_id: str, dist: Any) -> int:
     """Rank > 0 of a job's group: train the JobSpec rank 0 hands over, with its resolution (none: exit at
-    once) and report
+    once) and its own worker's Python grader limits (worker.grading), and report
     only this rank's step metrics, to Prometheus. Exit 0 when the run ends (done, cancelled, or an
     input error rank 0 reports), 74 on a full disk, 1 on any other failure (logged here)."""
+    from store.settings import get_settings
     from trainer.data.dataset import DatasetValidationError
     from trainer.model.catalog import UnknownModelError
     from trainer.model.folder_check import ModelFolderError
     from trainer.run.checkpoint import DiskFullError, is_out_of_space
     from trainer.run.distributed import broadcast_object
     from trainer.run.loop import run_training
+    from worker.grading import sandbox_limits
     from worker.metrics.telemetry import track_job
 
     stop = threading.Event()
@@ -85,7 +87,12 @@ def run_peer_rank(job_id: str, dist: Any) -> int:
         mode = resolution.job.engine.mode if resolution is not None else "unknown"
         with track_job(job_id, base_model=spec.model, mode=mode, count=False) as tj:
             run_training(
-                spec, on_event=tj.wrap(), should_cancel=stop.is_set, dist=dist, resolution=resolution
+                spec,
+                on_event=tj.wrap(),
+                should_cancel=stop.is_set,
+                dist=dist,
+                resolution=resolution,
+                grader_limits=sandbox_limits(get_settings()),  # its own worker's: they bound its host
             )
     except (DatasetValidationError, UnknownModelError, ModelFolderError) as e:
         log.info("job %s rank %d: %s (rank 0 reports it)", job_id, dist.rank, e)

@@ -451,6 +451,7 @@ class _Run:
     ) -> Any:
         """run_training under the job's Prometheus telemetry (which sees every event after the database)."""
         from trainer.run.loop import run_training
+        from worker.grading import sandbox_limits
         from worker.metrics.telemetry import track_job
 
         spec, monitor = self.spec, self.monitor
@@ -464,6 +465,7 @@ class _Run:
                     dist=self.dist,
                     resolution=resolution,
                     machine=machine,
+                    grader_limits=sandbox_limits(self.settings),
                 )
         finally:
             monitor.stop()

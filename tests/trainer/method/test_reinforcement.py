@@ -1,7 +1,8 @@
 """GRPO's loss and validation (trainer.method.reinforcement): at ratio 1 the clipped objective's gradient
 is the plain policy gradient over the completions' tokens (checked against one computed by hand), the
 prompt carries none, a group of equal rewards none either; the KL penalty (LoRA) is 0 while the adapter
-is the base; an evaluation reports the mean reward as ``-valid_loss`` and repeats on the same weights."""
+is the base; an evaluation reports the mean reward as ``-valid_loss`` and repeats on the same weights;
+the run's grader limits (MethodSetup.grader_limits) reach the rollout's and the evaluation's grading."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 from contract.method import ResolvedReinforcement
 from trainer.data.example import RolloutPrompt
 from trainer.events import EvalEvent
+from trainer.graders.sandbox import SandboxLimits
+from trainer.method import reinforcement
 from trainer.method.base import Batching, MethodSetup
 from trainer.method.reinforcement import ReinforcementTraining, RolloutBatch, rows_of
-from trainer.method.rewards import group_advantages
+from trainer.method.rewards import Graded, grade_all, group_advantages
 from trainer.method.rollout import Rollout
 from trainer.samples import MODELS_DIR, SAMPLES_DIR
 
@@ -208,7 +211,9 @@ def keyword_task() -> tuple[Any, Any, list[Any]]:
     return model, tok, list(rep.examples)
 
 
-def prepared(m: ReinforcementTraining, model: Any, tok: Any, b: Batching, tmp: Path) -> ReinforcementTraining:
+def prepared(
+    m: ReinforcementTraining, model: Any, tok: Any, b: Batching, tmp: Path, **kw: Any
+) -> ReinforcementTraining:
     setup = MethodSetup(
         model=model,
         train=[],
@@ -221,6 +226,7 @@ def prepared(m: ReinforcementTraining, model: Any, tok: Any, b: Batching, tmp: P
         sharded=False,
         emit=lambda e: None,
         tokenizer=tok,
+        **kw,
     )
     m.prepare(setup)
     return m
@@ -265,3 +271,27 @@ def test_a_step_of_alike_rewards_learns_nothing(
     metrics = m.step_metrics(None)
     assert metrics.samples == 12 and metrics.reward_mean == 1.0 and metrics.grader_errors == 0
     assert m.step_metrics(None).samples == 0  # the next step starts from nothing
+
+
+def test_the_runs_grader_limits_reach_the_grader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MethodSetup.grader_limits is what a step's rollout and an evaluation grade under (the sampling
+    stubbed: the completions are given)."""
+    limits = SandboxLimits(wall_seconds=1.5, memory_bytes=128 * 2**20)
+    tok: Any = SimpleNamespace(decode=lambda ids, skip_special_tokens: "a prompt")
+    m = prepared(method(), tiny_llama(), tok, batching(), tmp_path, grader_limits=limits)
+
+    def given(prompts: list[RolloutPrompt], n: int, b: Batching, seed: int) -> tuple[Rollout, list[str]]:
+        k = len(prompts) * n
+        return Rollout(COMPLETIONS[:k], [False] * k, 0.0), ["a text"] * k
+
+    seen: list[SandboxLimits | None] = []
+
+    def grading(*args: Any, limits: SandboxLimits | None = None, **kw: Any) -> Graded:
+        seen.append(limits)
+        return grade_all(*args, limits=limits, **kw)
+
+    monkeypatch.setattr(m, "_rollout", given)
+    monkeypatch.setattr(reinforcement, "grade_all", grading)
+    list(m.micro_batches(list(PROMPTS), [0, 1], batching()))
+    m.evaluate(m.model, list(PROMPTS), batching(), None, False, step=0)
+    assert seen and all(x is limits for x in seen)

@@ -1,17 +1,20 @@
 """A rollout graded (trainer.method.rewards): GRPO's group-normalised advantages, the reward statistics
-of a step (one rank and two), and grading in order with the job's grader."""
+of a step (one rank and two), and grading in order with the job's grader, a Python grader under the
+limits given (a sleeping grader stopped at a small wall clock)."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from contract.graders import Grader, StringCheckGrader
+from contract.graders import Grader, PythonGrader, StringCheckGrader
 from trainer.graders.result import GraderErrors, GradeResult
+from trainer.graders.sandbox import SandboxLimits, run_python_grader
 from trainer.method import rewards
 from trainer.method.rewards import ADVANTAGE_EPS, Graded, RewardSums, grade_all, group_advantages
 
@@ -130,3 +133,29 @@ def test_grade_all_keeps_the_order_and_each_rows_item(monkeypatch: pytest.Monkey
     assert g.rewards == [1.0, 1.0, 0.0]
     missing = grade_all(grader, ["x"], [{}])
     assert missing.rewards == [0.0] and missing.results[0].errors.any()
+
+
+SLEEPER = "import time\n\ndef grade(sample, item):\n    time.sleep(60)\n    return 1.0\n"
+
+
+def sandbox_available() -> bool:
+    return run_python_grader("def grade(sample, item):\n    return 1\n", {}, {}).error != "server"
+
+
+def sleeping_grader() -> PythonGrader:
+    return PythonGrader.model_validate({"type": "python", "name": "sleeps", "source": SLEEPER})
+
+
+def test_grade_all_runs_a_python_grader_under_the_limits_given() -> None:
+    """A grader that sleeps a minute is stopped at the given wall clock (1 s), each call flagged."""
+    if not sandbox_available():
+        pytest.skip("no sandbox on this host")
+    limits = SandboxLimits(wall_seconds=1.0)
+    t0 = time.monotonic()
+    g = grade_all(sleeping_grader(), ["a", "b", "c"], [{}, {}, {}], limits=limits)
+    took = time.monotonic() - t0
+    assert g.rewards == [0.0, 0.0, 0.0]
+    for r in g.results:
+        assert r.errors.python_grader_runtime_error
+        assert r.errors.python_grader_runtime_error_details == "timed out after 1 s (wall)"
+    assert took < 2 * limits.wall_seconds + 10  # the three calls at once; interpreters' start on a loaded box
