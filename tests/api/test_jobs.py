@@ -174,7 +174,11 @@ def test_create_commits_then_enqueues_then_stamps_dispatched_at(
             "method.supervised.hyperparameters.batch_size",
             None,
         ),
-        ({"method": {"type": "reinforcement"}}, "method.reinforcement", None),  # a reinforcement job needs its grader
+        (
+            {"method": {"type": "reinforcement"}},
+            "method.reinforcement",
+            None,
+        ),  # a reinforcement job needs its grader
         ({"hyperparameters": {"max_steps": 0}}, "hyperparameters.max_steps", None),
         (
             {
