@@ -102,6 +102,19 @@ def max_seq_length(model: str, hp: HyperparametersRequest) -> int:
     return given if isinstance(given, int) else min(model_max_length(model), AUTO_MAX_SEQ_LENGTH)
 
 
+def completion_budget(spec: JobSpec) -> int:
+    """The tokens a reinforcement job's completion may have (0 for the other methods): a prompt and the
+    completion sampled after it are one row of at most max_seq_length."""
+    if not isinstance(spec.method, ReinforcementMethod):
+        return 0
+    return _completion_tokens(spec.method, max_seq_length(spec.model, spec.hyperparameters))
+
+
+def example_budget(spec: JobSpec) -> int:
+    """The tokens an example may have: max_seq_length, less a reinforcement job's completion."""
+    return max_seq_length(spec.model, spec.hyperparameters) - completion_budget(spec)
+
+
 def _epochs(given: int | str, num_examples: int) -> int:
     if isinstance(given, int):
         return given
@@ -253,6 +266,13 @@ AUTO_RL = {
 SAMPLES_PER_UNIT_COMPUTE = 8
 
 
+def _completion_tokens(m: ReinforcementMethod, seq_len: int) -> int:
+    """``max_completion_tokens``: the request's or auto's, at most half of max_seq_length."""
+    given = m.max_completion_tokens
+    tokens = AUTO_RL["max_completion_tokens"] if given == "auto" else given
+    return min(int(tokens), max(1, seq_len // 2))
+
+
 def _reinforcement(
     m: ReinforcementMethod, seq_len: int, *, lora: bool
 ) -> tuple[ResolvedReinforcement, dict[str, Source]]:
@@ -266,7 +286,7 @@ def _reinforcement(
             "disabled); a full fine-tune would need a second copy of the weights: set kl_beta to 0 or "
             "add hyperparameters.lora"
         )
-    vals["max_completion_tokens"] = min(int(vals["max_completion_tokens"]), max(1, seq_len // 2))
+    vals["max_completion_tokens"] = _completion_tokens(m, seq_len)
     n = min(64, max(2, round(SAMPLES_PER_UNIT_COMPUTE * float(vals["compute_multiplier"]))))
     s.sources["method.samples_per_prompt"] = s.sources["method.compute_multiplier"]
     resolved = ResolvedReinforcement(

@@ -43,7 +43,7 @@ from store.orm import File
 from store.settings import Settings
 from trainer.data.dataset import METHOD_FORMATS, DataOptions, DatasetReport, ExampleLimits
 from trainer.data.jsonl import error_summary
-from trainer.resolve import Counts
+from trainer.resolve import Counts, completion_budget
 from trainer.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -120,15 +120,18 @@ def plan_check(
     sha256: str,
     size: int,
     method: MethodName | None = None,
+    completion_tokens: int = 0,
 ) -> FileCheck:
     """The check of one file (a stored ``row``, or an upload not stored yet) with its kept outcome, for a
     job of ``method`` (None: an upload's, whose records may be any method's). Reads the model's folder:
     call it off the event loop."""
-    options = DataOptions(hyperparameters.truncation, hyperparameters.system_message, method)
+    options = DataOptions(
+        hyperparameters.truncation, hyperparameters.system_message, method, completion_tokens
+    )
     request = CheckRequest(
         path=str(path),
         model=model,
-        max_seq_length=data_max_length(model, hyperparameters),
+        max_seq_length=data_max_length(model, hyperparameters) - completion_tokens,
         options=options,
         limits=example_limits(settings),
         budget_seconds=settings.data_check_timeout_seconds,
@@ -169,6 +172,7 @@ def plan_job_checks(
             sha256=row.sha256,
             size=row.bytes,
             method=spec.method.type,
+            completion_tokens=completion_budget(spec),  # a reinforcement prompt leaves room for it
         )
         for param, row in files
         if row is not None

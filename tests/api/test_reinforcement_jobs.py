@@ -100,3 +100,21 @@ def test_chat_data_in_a_reinforcement_job_is_refused_by_line(client: TestClient,
     assert r.status_code == 400, r.text
     message = error_of(r)["message"]
     assert "line 1: messages[2].role: the prompt ends with an assistant message" in message, message
+
+
+def test_a_prompt_with_no_room_for_its_completion_is_named_at_create(
+    client: TestClient, team: TeamKey
+) -> None:
+    """max_seq_length 128 less max_completion_tokens 64 leaves a prompt 64 tokens; a longer one is a 400
+    naming its line and both numbers (truncation "error"), never a row longer than max_seq_length."""
+    long = {"messages": [{"role": "user", "content": "word " * 60}], "keyword": "file"}
+    fid = uploaded_id(client, team, "".join(json.dumps(r) + "\n" for r in [*ROWS, long]).encode())
+    body = _body(fid, GRADER, max_seq_length=128, max_completion_tokens=64, truncation="error")
+    r = create(client, team, body)
+    assert r.status_code == 400, r.text
+    message = error_of(r)["message"]
+    assert "line 5" in message and "max_seq_length 128 less the 64 of its completion" in message, message
+    assert (
+        create(client, team, _body(fid, GRADER, max_seq_length=512, max_completion_tokens=64)).status_code
+        == 200
+    )

@@ -70,11 +70,14 @@ class DataOptions:
     #: The job's method: ``dpo`` takes preference pairs only, ``supervised`` chat or prompt/completion
     #: records only; None (an upload's check) takes any one format.
     method: MethodName | None = None
+    #: A reinforcement job's completion tokens, kept out of max_seq_length for its prompts (the limit a
+    #: check is given is what is left; its messages name both).
+    completion_tokens: int = 0
 
     @classmethod
-    def of(cls, hyperparameters: Any, method: MethodName) -> DataOptions:
+    def of(cls, hyperparameters: Any, method: MethodName, completion_tokens: int = 0) -> DataOptions:
         """The options a job's (requested or resolved) hyperparameters give, for its ``method``."""
-        return cls(hyperparameters.truncation, hyperparameters.system_message, method)
+        return cls(hyperparameters.truncation, hyperparameters.system_message, method, completion_tokens)
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,8 @@ class _Lengths:
 
     max_len: int | None
     policy: Truncation
+    #: Tokens of max_seq_length kept for a reinforcement prompt's completion (``max_len`` is what is left).
+    reserved: int = 0
     truncated: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
     num_truncated: int = 0
@@ -267,7 +272,7 @@ class _Lengths:
             return _err(
                 no,
                 _WHOLE[fmt],
-                f"too long: {n} tokens (max_seq_length {self.max_len}); shorten it, raise "
+                f"too long: {n} tokens ({self._limit()}); shorten it, raise "
                 'max_seq_length, or set hyperparameters.truncation to "truncate" or "drop"',
             )
         if self.policy == "truncate" and not isinstance(ex, RolloutPrompt):  # a cut prompt loses its question
@@ -285,6 +290,12 @@ class _Lengths:
         if len(self.dropped) < MAX_LISTED_LINES:
             self.dropped.append(no)
         return None
+
+    def _limit(self) -> str:
+        if not self.reserved:
+            return f"max_seq_length {self.max_len}"
+        total = (self.max_len or 0) + self.reserved
+        return f"max_seq_length {total} less the {self.reserved} of its completion, max_completion_tokens"
 
 
 def _learns(ex: Example) -> bool:
@@ -328,7 +339,7 @@ def validate_file(
         caps=limits or ExampleLimits(),
         tokenizer=tokenizer,
         renderer=ChatRenderer(tokenizer, opts.system_message) if tokenizer is not None else None,
-        lengths=_Lengths(max_seq_length, opts.truncation),
+        lengths=_Lengths(max_seq_length, opts.truncation, opts.completion_tokens),
         max_errors=max_errors,
         keep_examples=keep_examples,
     )

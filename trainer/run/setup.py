@@ -32,7 +32,7 @@ from trainer.method import method_for
 from trainer.method.base import Batching, MethodSetup, TrainingMethod
 from trainer.model.lora import apply_lora
 from trainer.plan.gpus import Machine
-from trainer.resolve import Counts, for_run, max_seq_length, resolve_method
+from trainer.resolve import Counts, completion_budget, example_budget, for_run
 from trainer.run.checkpoint import (
     CheckpointInfo,
     checkpoint_pins,
@@ -144,7 +144,7 @@ def load_data(
     # crash mid-run (learned positions) or train past the model's limit (RoPE).
     if problems := model_limit_errors(spec):
         raise ValueError("; ".join(f"{'.'.join(e.loc)} {e.message}" for e in problems))
-    options = DataOptions.of(spec.hyperparameters, spec.method.type)  # truncation, system_message
+    options = DataOptions.of(spec.hyperparameters, spec.method.type, completion_budget(spec))
     max_len = example_budget(spec)
     train, rep = load_examples(spec.training_file, tokenizer, max_len, options)
     emit(LogEvent(rep.event_message("training"), data=rep.as_dict()))
@@ -167,17 +167,6 @@ def load_data(
             f"({dist.world_size}): each optimizer step's examples are split across them"
         )
     return RunData(tokenizer, train, valid, resolution, int(tokenizer.pad_token_id))
-
-
-def example_budget(spec: JobSpec) -> int:
-    """The tokens an example may have: max_seq_length, less a reinforcement job's completion (a prompt
-    and the completion sampled after it are one row of at most max_seq_length)."""
-    max_len = max_seq_length(spec.model, spec.hyperparameters)
-    if spec.method.type != "reinforcement":
-        return max_len
-    method = resolve_method(spec)[0]
-    assert method.type == "reinforcement"
-    return max_len - method.max_completion_tokens
 
 
 def _run_resolution(

@@ -173,7 +173,7 @@ def test_lora_with_a_kl_penalty_trains_against_the_disabled_adapter(
 def test_a_prompt_leaves_room_for_its_completion(tmp_path: Path, files: tuple[Path, Path]) -> None:
     """A reinforcement job's prompt is at most max_seq_length - max_completion_tokens (the row it makes
     with its completion fits max_seq_length); other methods' examples have the whole length."""
-    from trainer.run.setup import example_budget
+    from trainer.resolve import example_budget
 
     train, valid = files
     assert example_budget(rl_spec(tmp_path, train, valid)) == 96 - 8
