@@ -147,16 +147,24 @@ def _judged(
     )
 
 
+def _answer(
+    grader: ModelGrader, sample: Sample, item: Mapping[str, Any], judge: Judge
+) -> JudgeReply | GradeResult:
+    """The judge's reply to parse, or the grade already decided: its failure, or its refusal (reward 0)."""
+    reply = _ask(grader, sample, item, judge)
+    if isinstance(reply, GradeResult) or reply.refusal is None:
+        return reply
+    return _judged(
+        grader, reply, 0.0, GraderErrors(model_grader_refusal_error=True), {"refusal": reply.refusal}
+    )
+
+
 def grade_score_model(
     grader: ScoreModelGrader, sample: Sample, item: Mapping[str, Any], judge: Judge
 ) -> GradeResult:
-    reply = _ask(grader, sample, item, judge)
+    reply = _answer(grader, sample, item, judge)
     if isinstance(reply, GradeResult):
         return reply
-    if reply.refusal is not None:
-        return _judged(
-            grader, reply, 0.0, GraderErrors(model_grader_refusal_error=True), {"refusal": reply.refusal}
-        )
     score = parse_score(reply.text)
     if score is None:
         return _judged(grader, reply, 0.0, GraderErrors(model_grader_parse_error=True), {})
@@ -168,13 +176,9 @@ def grade_score_model(
 def grade_label_model(
     grader: LabelModelGrader, sample: Sample, item: Mapping[str, Any], judge: Judge
 ) -> GradeResult:
-    reply = _ask(grader, sample, item, judge)
+    reply = _answer(grader, sample, item, judge)
     if isinstance(reply, GradeResult):
         return reply
-    if reply.refusal is not None:
-        return _judged(
-            grader, reply, 0.0, GraderErrors(model_grader_refusal_error=True), {"refusal": reply.refusal}
-        )
     label = parse_label(reply.text, grader.labels)
     if label is None:
         return _judged(grader, reply, 0.0, GraderErrors(model_grader_parse_error=True), {})
