@@ -25,11 +25,14 @@ BUILTIN_VARS = {"__rate_interval": "15s", "__interval": "5s", "__range": "1m"}
 #: them are checked for validity but not for data.
 GPU_ONLY_METRICS = ("zenflow_nvml_gpu_utilization_ratio",)
 #: Series that exist only once something has happened (a chat request, a skipped step, a job's end, a
-#: Redis broker, a DPO job's step): expressions reading them are checked for validity, and for data where
-#: they have any (the DPO gauges' data: tests/observability/test_telemetry.py).
+#: Redis broker, a DPO or reinforcement job's step): expressions reading them are checked for validity,
+#: and for data where they have any (the DPO and reinforcement gauges' data:
+#: tests/observability/test_telemetry.py; a reinforcement job's series on a live worker:
+#: tests/e2e/test_reinforcement_flow.py).
 EVENT_METRICS = (
     "zenflow_inference_",
     "zenflow_dpo_",
+    "zenflow_rft_",
     "zenflow_steps_skipped_total",
     "zenflow_worker_jobs_total",
     "zenflow_broker_queue_messages",
