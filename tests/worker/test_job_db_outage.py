@@ -251,7 +251,7 @@ def steps_outlasting(url: str, workers: Workers, data: Path, queue: str, *, seco
         )
     per_step = times[len(times) // 2]
     assert per_step > 0, times
-    return 60 + max(940, int(seconds / per_step))
+    return 60 + min(15_000, max(940, int(seconds / per_step)))  # the job below has at most 16,000
 
 
 @pytest.mark.slow
@@ -276,7 +276,8 @@ def test_outage_past_the_window_interrupts_requeues_and_resumes(
             db_url,
             data,
             queue=unique_queue,
-            hyperparameters={**HP, "max_steps": total, "checkpoint_every": 50},
+            # max_steps decides (epochs of 16 steps: 1000 of them would be 16,000 steps)
+            hyperparameters={**HP, "n_epochs": 1000, "max_steps": total, "checkpoint_every": 50},
         )
         workers.enqueue(job_id)
         wait_for(
