@@ -25,17 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.samples import MODELS_DIR, SAMPLES_DIR
+from trainer.samples import KEYWORD_GRADER, KEYWORD_TRAIN_FILE, MODELS_DIR
 
 DEFAULT_MODEL = str(MODELS_DIR / "docs-llama")
-DEFAULT_DATA = str(SAMPLES_DIR / "keyword_rl_train.jsonl")
-GRADER = {
-    "type": "string_check",
-    "name": "uses the word",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.keyword}}",
-    "operation": "ilike",
-}
+DEFAULT_DATA = str(KEYWORD_TRAIN_FILE)
 
 
 @dataclass
@@ -107,7 +100,7 @@ def method_for(task: Task, samples: int, max_tokens: int, batch: int) -> tuple[A
 
     resolved = ResolvedReinforcement.model_validate(
         {
-            "grader": GRADER,
+            "grader": KEYWORD_GRADER,
             "compute_multiplier": samples / 8,
             "samples_per_prompt": samples,
             "eval_samples": 1,

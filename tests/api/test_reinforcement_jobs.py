@@ -12,18 +12,12 @@ from fastapi.testclient import TestClient
 
 from tests.api.conftest import Enqueued, TeamKey, error_of, uploaded_id
 from tests.api.test_jobs import _job_rows, create
+from trainer.samples import KEYWORD_GRADER
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"Use the word '{w}'."}], "keyword": w}
     for w in ("file", "value", "object", "return")
 ]
-GRADER = {
-    "type": "string_check",
-    "name": "uses the word",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.keyword}}",
-    "operation": "ilike",
-}
 
 
 @pytest.fixture
@@ -42,11 +36,13 @@ def _body(fid: str, grader: dict[str, Any], **hp: Any) -> dict[str, Any]:
 def test_reinforcement_job_shows_its_grader_and_resolved_settings(
     client: TestClient, team: TeamKey, prompts: str, enqueued: Enqueued
 ) -> None:
-    r = create(client, team, _body(prompts, GRADER, batch_size=2, compute_multiplier=0.5, eval_interval=3))
+    r = create(
+        client, team, _body(prompts, KEYWORD_GRADER, batch_size=2, compute_multiplier=0.5, eval_interval=3)
+    )
     assert r.status_code == 200, r.text
     method = r.json()["method"]
     assert method["type"] == "reinforcement" and set(method) == {"type", "reinforcement"}
-    assert method["reinforcement"]["grader"] == GRADER
+    assert method["reinforcement"]["grader"] == KEYWORD_GRADER
     hp = method["reinforcement"]["hyperparameters"]
     assert hp["batch_size"] == 2 and hp["compute_multiplier"] == 0.5 and hp["samples_per_prompt"] == 4
     assert hp["eval_interval"] == 3 and hp["eval_samples"] == 4 and hp["kl_beta"] == 0.0
@@ -56,10 +52,10 @@ def test_reinforcement_job_shows_its_grader_and_resolved_settings(
 @pytest.mark.parametrize(
     ("grader", "param"),
     [
-        ({**GRADER, "reference": "{{item.answer}}"}, "method.reinforcement.grader.reference"),
-        ({**GRADER, "input": "{{sample.output_text"}, "method.reinforcement.grader.input"),
+        ({**KEYWORD_GRADER, "reference": "{{item.answer}}"}, "method.reinforcement.grader.reference"),
+        ({**KEYWORD_GRADER, "input": "{{sample.output_text"}, "method.reinforcement.grader.input"),
         (
-            {"type": "multi", "name": "m", "graders": {"a": GRADER}, "calculate_output": "a +"},
+            {"type": "multi", "name": "m", "graders": {"a": KEYWORD_GRADER}, "calculate_output": "a +"},
             "method.reinforcement.grader.calculate_output",
         ),
         (
@@ -71,7 +67,7 @@ def test_reinforcement_job_shows_its_grader_and_resolved_settings(
             },
             "method.reinforcement.grader.model",
         ),
-        ({**GRADER, "operation": "regex"}, "method.reinforcement.grader.operation"),
+        ({**KEYWORD_GRADER, "operation": "regex"}, "method.reinforcement.grader.operation"),
     ],
 )
 def test_a_bad_grader_is_400_naming_its_param_and_writes_nothing(
@@ -91,12 +87,12 @@ def test_a_bad_grader_is_400_naming_its_param_and_writes_nothing(
 
 
 def test_kl_penalty_without_lora_is_refused(client: TestClient, team: TeamKey, prompts: str) -> None:
-    r = create(client, team, _body(prompts, GRADER, kl_beta=0.1))
+    r = create(client, team, _body(prompts, KEYWORD_GRADER, kl_beta=0.1))
     assert r.status_code == 400 and "LoRA" in error_of(r)["message"], r.text
 
 
 def test_chat_data_in_a_reinforcement_job_is_refused_by_line(client: TestClient, team: TeamKey) -> None:
-    r = create(client, team, _body(uploaded_id(client, team), GRADER))
+    r = create(client, team, _body(uploaded_id(client, team), KEYWORD_GRADER))
     assert r.status_code == 400, r.text
     message = error_of(r)["message"]
     assert "line 1: messages[2].role: the prompt ends with an assistant message" in message, message
@@ -109,12 +105,14 @@ def test_a_prompt_with_no_room_for_its_completion_is_named_at_create(
     naming its line and both numbers (truncation "error"), never a row longer than max_seq_length."""
     long = {"messages": [{"role": "user", "content": "word " * 60}], "keyword": "file"}
     fid = uploaded_id(client, team, "".join(json.dumps(r) + "\n" for r in [*ROWS, long]).encode())
-    body = _body(fid, GRADER, max_seq_length=128, max_completion_tokens=64, truncation="error")
+    body = _body(fid, KEYWORD_GRADER, max_seq_length=128, max_completion_tokens=64, truncation="error")
     r = create(client, team, body)
     assert r.status_code == 400, r.text
     message = error_of(r)["message"]
     assert "line 5" in message and "max_seq_length 128 less the 64 of its completion" in message, message
     assert (
-        create(client, team, _body(fid, GRADER, max_seq_length=512, max_completion_tokens=64)).status_code
+        create(
+            client, team, _body(fid, KEYWORD_GRADER, max_seq_length=512, max_completion_tokens=64)
+        ).status_code
         == 200
     )

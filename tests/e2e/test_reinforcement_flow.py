@@ -29,6 +29,7 @@ from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, ServerThread, make_team
 from tests.e2e.test_full_flow import running_worker
 from tests.e2e.test_tracking_flow import flow_settings, mlflow_uri
+from trainer.samples import KEYWORD_GRADER
 
 __all__ = ["flow_settings", "mlflow_uri"]
 
@@ -36,14 +37,6 @@ SAMPLES = Path(__file__).resolve().parents[2] / "trainer" / "samples"
 pytestmark = pytest.mark.slow
 #: Epochs of the job (3 steps each; see the module doc).
 EPOCHS = int(os.environ.get("ZENFLOW_E2E_RL_EPOCHS", "4"))
-
-KEYWORD_GRADER = {
-    "type": "string_check",
-    "name": "uses the word",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.keyword}}",
-    "operation": "ilike",
-}
 
 
 def _python_grader(source: str) -> dict[str, Any]:

@@ -22,23 +22,16 @@ from trainer.method.base import Batching, MethodSetup
 from trainer.method.reinforcement import ReinforcementTraining, RolloutBatch, rows_of
 from trainer.method.rewards import Graded, grade_all, group_advantages
 from trainer.method.rollout import Rollout
-from trainer.samples import MODELS_DIR, SAMPLES_DIR
+from trainer.samples import KEYWORD_GRADER, MODELS_DIR, SAMPLES_DIR
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 CPU = torch.device("cpu")
-GRADER = {
-    "type": "string_check",
-    "name": "uses the word",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.keyword}}",
-    "operation": "ilike",
-}
 
 
 def method(**kw: Any) -> ReinforcementTraining:
     args: dict[str, Any] = {
-        "grader": GRADER,
+        "grader": KEYWORD_GRADER,
         "compute_multiplier": 1.0,
         "samples_per_prompt": 3,
         "eval_samples": 2,
