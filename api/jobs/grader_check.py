@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from api.core.errors import APIError
-from contract.graders import AnyGrader, LabelModelGrader, MultiGrader, ScoreModelGrader
 from contract.method import ReinforcementMethod
 
 if TYPE_CHECKING:
@@ -17,15 +16,10 @@ if TYPE_CHECKING:
 GRADER_PARAM = "method.reinforcement.grader"
 
 
-def _model_grader(grader: AnyGrader, path: str) -> str | None:
-    """The param of a model grader in ``grader`` (None: none)."""
-    if isinstance(grader, ScoreModelGrader | LabelModelGrader):
-        return f"{path}.model"
-    if isinstance(grader, MultiGrader):
-        for key, sub in grader.graders.items():
-            if (found := _model_grader(sub, f"{path}.graders.{key}")) is not None:
-                return found
-    return None
+def invalid_grader(problems: list[tuple[str, str]]) -> APIError:
+    """The 400 of a grader's problems (trainer.graders.validate), naming the first one's param."""
+    message = "; ".join(f"{where}: {msg}" for where, msg in problems)
+    return APIError(400, f"Invalid grader: {message}", param=problems[0][0], code="invalid_grader")
 
 
 def check_job_grader(method: dict[str, Any], limits: SandboxLimits | None = None) -> dict[str, str]:
@@ -35,10 +29,11 @@ def check_job_grader(method: dict[str, Any], limits: SandboxLimits | None = None
     if method.get("type") != "reinforcement":
         return {}
     from trainer.graders.template import item_fields
-    from trainer.graders.validate import grader_errors
+    from trainer.graders.validate import grader_errors, model_graders
 
     grader = ReinforcementMethod.model_validate(method).grader
-    if (param := _model_grader(grader, GRADER_PARAM)) is not None:
+    if (found := next(model_graders(grader, GRADER_PARAM), None)) is not None:
+        param = found[0]
         raise APIError(
             400,
             f"{param}: model graders (score_model, label_model) are not available in training jobs on this "
@@ -49,8 +44,7 @@ def check_job_grader(method: dict[str, Any], limits: SandboxLimits | None = None
         )
     problems = grader_errors(grader, path=GRADER_PARAM, limits=limits)
     if problems:
-        message = "; ".join(f"{where}: {msg}" for where, msg in problems)
-        raise APIError(400, f"Invalid grader: {message}", param=problems[0][0], code="invalid_grader")
+        raise invalid_grader(problems)
     return item_fields(grader, GRADER_PARAM)
 
 

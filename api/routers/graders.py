@@ -10,7 +10,6 @@ Python grader runs under the server's sandbox limits (``ZENFLOW_PYTHON_GRADER_*`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -19,6 +18,7 @@ from fastapi import APIRouter, Request
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
 from api.graders_judge import EngineJudge
+from api.jobs.grader_check import invalid_grader
 from api.model_names import team_model
 from api.routers.chat import served
 from api.schemas import (
@@ -28,12 +28,12 @@ from api.schemas import (
     GraderValidateObject,
     GraderValidateRequest,
 )
-from contract.graders import AnyGrader, LabelModelGrader, MultiGrader, ScoreModelGrader
+from contract.graders import AnyGrader
 from serving.client import EngineClient, ServedModel
 from store.settings import Settings
 from trainer.graders.grade import grade
 from trainer.graders.result import GradeResult, Sample
-from trainer.graders.validate import grader_errors
+from trainer.graders.validate import grader_errors, model_graders
 from worker.grading import sandbox_limits
 
 router = APIRouter(
@@ -44,15 +44,6 @@ router = APIRouter(
 RUN_TIMEOUT_S = 120.0
 #: The item's JSON, at most.
 MAX_ITEM_BYTES = 512 * 1024
-
-
-def model_graders(grader: AnyGrader, path: str = "grader") -> Iterator[tuple[str, str]]:
-    """Each model grader's ``model`` param path and the model it names."""
-    if isinstance(grader, ScoreModelGrader | LabelModelGrader):
-        yield f"{path}.model", grader.model
-    elif isinstance(grader, MultiGrader):
-        for key, sub in grader.graders.items():
-            yield from model_graders(sub, f"{path}.graders.{key}")
 
 
 async def _judge_models(
@@ -77,8 +68,7 @@ async def _check(grader: AnyGrader, models: dict[str, ServedModel], settings: Se
 
     problems = await anyio.to_thread.run_sync(problems_of)
     if problems:
-        message = "; ".join(f"{param}: {msg}" for param, msg in problems)
-        raise APIError(400, f"Invalid grader: {message}", param=problems[0][0], code="invalid_grader")
+        raise invalid_grader(problems)
 
 
 @router.post("/validate", response_model=GraderValidateObject)

@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 Problem = tuple[str, str]
 
 
+def model_graders(grader: AnyGrader, path: str = "grader") -> Iterator[tuple[str, str]]:
+    """Each model grader's ``model`` param path and the model it names (a multi grader's too)."""
+    if isinstance(grader, ScoreModelGrader | LabelModelGrader):
+        yield f"{path}.model", grader.model
+    elif isinstance(grader, MultiGrader):
+        for key, sub in grader.graders.items():
+            yield from model_graders(sub, f"{path}.graders.{key}")
+
+
 def grader_errors(
     grader: AnyGrader,
     *,

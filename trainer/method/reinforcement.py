@@ -34,7 +34,7 @@ from trainer.data.example import IGNORE_INDEX, Example, RolloutPrompt
 from trainer.events import EvalEvent, GradedSample, RewardMetrics
 from trainer.method.base import Batching, MethodSetup
 from trainer.method.dpo import disable_dropout
-from trainer.method.rewards import RewardSums, grade_all, group_advantages
+from trainer.method.rewards import RewardSums, error_flags, grade_all, group_advantages
 from trainer.method.rollout import Rollout, Sampling, rollout_seed, sample_completions
 from trainer.run.distributed import DistContext
 
@@ -59,6 +59,17 @@ class RolloutBatch:
     num_tokens: int
     #: The completions' tokens: what the step's loss averages over.
     num_learned: int
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a completion: eos and the chat template's end of turn (found by rendering a
+    conversation: once per run, in ``prepare``)."""
+    from trainer.data.tokenizer import end_of_turn_token
+
+    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if (eot := end_of_turn_token(tokenizer)) is not None:
+        stops.add(int(tokenizer.convert_tokens_to_ids(eot)))
+    return tuple(sorted(stops))
 
 
 def _prompt(ex: Example) -> RolloutPrompt:
@@ -102,6 +113,7 @@ class ReinforcementTraining:
         self.seed = 0
         self.sharded = False
         self.judge: Any = None
+        self.stop_ids: tuple[int, ...] = ()
         self.limits: SandboxLimits | None = None
         self.sums = self._new_sums()
 
@@ -121,21 +133,16 @@ class ReinforcementTraining:
         disable_dropout(setup.model)
         self.model = setup.model
         self.tokenizer, self.seed, self.sharded = setup.tokenizer, setup.batching.hp.seed, setup.sharded
+        self.stop_ids = stop_ids(setup.tokenizer)
         self.judge, self.limits = setup.judge, setup.grader_limits
 
     def _sampling(self, n: int, b: Batching) -> Sampling:
-        tok = self.tokenizer
-        from trainer.data.tokenizer import end_of_turn_token
-
-        stops = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        if (eot := end_of_turn_token(tok)) is not None:
-            stops.add(int(tok.convert_tokens_to_ids(eot)))
         return Sampling(
             n=n,
             max_new_tokens=self.m.max_completion_tokens,
             temperature=self.m.temperature,
             pad_id=b.pad_id,
-            stop_ids=tuple(sorted(stops)),
+            stop_ids=self.stop_ids,
             fixed_length=self.sharded,
         )
 
@@ -241,5 +248,5 @@ class ReinforcementTraining:
         for j in range(min(len(texts), SHOWN_SAMPLES - len(sums.examples))):
             r = graded.results[j]
             prompt = self.tokenizer.decode(part[j // n].input_ids, skip_special_tokens=True)
-            flags = [k for k, v in r.errors.as_dict().items() if v is True]
+            flags = error_flags(r.errors)
             sums.examples.append(GradedSample(prompt[-SHOWN_CHARS:], texts[j][:SHOWN_CHARS], r.reward, flags))

@@ -75,7 +75,8 @@ def group_advantages(rewards: Sequence[float], n: int) -> list[float]:
     return out
 
 
-def _flags(errors: GraderErrors) -> list[str]:
+def error_flags(errors: GraderErrors) -> list[str]:
+    """The names of the boolean flags set in ``errors``."""
     d = asdict(errors)
     return [k for k in ERROR_FLAGS if d[k]]
 
@@ -104,7 +105,7 @@ class RewardSums:
         for r in graded.results:
             self.total += r.reward
             self.lowest, self.highest = min(self.lowest, r.reward), max(self.highest, r.reward)
-            flags = _flags(r.errors)
+            flags = error_flags(r.errors)
             self.errors += 1 if flags else 0
             for f in flags:
                 self.flags[f] = self.flags.get(f, 0) + 1

@@ -270,7 +270,7 @@ def test_the_runs_grader_limits_reach_the_grader(tmp_path: Path, monkeypatch: py
     """MethodSetup.grader_limits is what a step's rollout and an evaluation grade under (the sampling
     stubbed: the completions are given)."""
     limits = SandboxLimits(wall_seconds=1.5, memory_bytes=128 * 2**20)
-    tok: Any = SimpleNamespace(decode=lambda ids, skip_special_tokens: "a prompt")
+    tok: Any = SimpleNamespace(decode=lambda ids, skip_special_tokens: "a prompt", eos_token_id=None)
     m = prepared(method(), tiny_llama(), tok, batching(), tmp_path, grader_limits=limits)
 
     def given(prompts: list[RolloutPrompt], n: int, b: Batching, seed: int) -> tuple[Rollout, list[str]]:
