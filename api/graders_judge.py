@@ -14,7 +14,7 @@ from starlette.responses import Response
 from serving.client import Call, EngineClient, ServedModel, never_disconnected
 from serving.errors import ServingError
 from serving.schemas import ChatCompletionRequest
-from trainer.graders.model_graders import JudgeError, JudgeReply
+from trainer.graders.model_graders import JudgeError, JudgeReply, reply_of
 
 
 class EngineJudge:
@@ -38,7 +38,7 @@ class EngineJudge:
             raise JudgeError(f"{err.status_code}: {err.message}") from None
         except ValueError as err:  # the prompt does not make a chat request (e.g. over a serving bound)
             raise JudgeError(str(err)[:500]) from None
-        return _reply(_completion(reply), model)
+        return reply_of(_completion(reply), model)
 
 
 def _completion(reply: dict[str, Any] | Response) -> dict[str, Any]:
@@ -51,18 +51,3 @@ def _completion(reply: dict[str, Any] | Response) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise JudgeError("the engine's answer is not a completion object")
     return parsed
-
-
-def _reply(completion: dict[str, Any], model: str) -> JudgeReply:
-    try:
-        message = completion["choices"][0]["message"]
-    except (KeyError, IndexError, TypeError):
-        raise JudgeError("the engine's answer has no message") from None
-    usage = completion.get("usage") or {}
-    counts = {k: int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens") if k in usage}
-    return JudgeReply(
-        text=str(message.get("content") or ""),
-        model=str(completion.get("model") or model),
-        token_usage=counts,
-        refusal=message.get("refusal"),
-    )

@@ -18,6 +18,7 @@ from typing import Literal
 from sqlalchemy.orm import Session
 
 from api.core.errors import APIError
+from contract.serving import ServedModel
 from store import model_ids as registry
 from store.orm import RegisteredModel, Team, as_utc
 from store.settings import Settings
@@ -185,6 +186,12 @@ def team_model(
 def spec_model_name(ref: ModelRef) -> str:
     """What goes into ``JobSpec.model``: the built-in config's name, else the model's folder."""
     return ref.id if ref.path is None else str(ref.path)
+
+
+def served(ref: ModelRef) -> ServedModel:
+    """The model as the engine takes it: its id, what the built-in backend loads, its LoRA adapter."""
+    adapter = None if ref.adapter_path is None else str(ref.adapter_path)
+    return ServedModel(id=ref.id, source=spec_model_name(ref), adapter_path=adapter)
 
 
 def shown(ref: ModelRef) -> ModelRef:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from contract.graders import Grader
+from contract.serving import JudgeModels
 from contract.values import Auto
 
 _N = TypeVar("_N", int | str, float | str)
@@ -76,6 +77,9 @@ class ReinforcementMethod(_Method):
     kl_beta: float | Auto = "auto"
     """The KL penalty's weight against the reference (our extra); auto: 0 (KL-free). Above 0 it needs
     LoRA: the reference is the adapter disabled, never a second copy of the weights."""
+    judges: JudgeModels | None = None
+    """The model graders' models as the API resolved them for the job's team at create (no client
+    gives it: the API's request schema has no such field); None: the grader has no model graders."""
 
     @field_validator("compute_multiplier")
     @classmethod

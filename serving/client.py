@@ -12,10 +12,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel
 from starlette.responses import Response
 
+from contract.serving import ServedModel
 from serving.schemas import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["Call", "Disconnected", "EngineClient", "Reply", "ServedModel", "never_disconnected"]
 
 #: Whether the client that asked has gone (the engine then stops the generation at its next token).
 Disconnected = Callable[[], Awaitable[bool]]
@@ -23,16 +25,6 @@ Disconnected = Callable[[], Awaitable[bool]]
 #: An answer: the completion object, or a response of the engine's own (a server-sent event stream,
 #: or vLLM's answer passed through).
 Reply = dict[str, Any] | Response
-
-
-class ServedModel(BaseModel):
-    """A model as the API resolved it for a team: its id (what the answers and vLLM call it), what the
-    built-in backend loads (``source``: a built-in config's name or a model folder), and the LoRA
-    adapter folder of a fine-tuned model trained with LoRA (vLLM loads it as ``id``)."""
-
-    id: str
-    source: str
-    adapter_path: str | None = None
 
 
 @dataclass(frozen=True)

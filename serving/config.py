@@ -3,7 +3,8 @@ the API, so one environment configures the API and the serving process alike).
 
 Read by the serving process (``python -m serving``) and by the API, which is its own serving process
 when ``inference_server_url`` is empty (the embedded default) and otherwise sends every chat and
-completion request there (``serving.remote``).
+completion request there (``serving.remote``). Where the serving process is (its URL, token and request
+timeout) is ``store.serving_endpoint``'s, which the workers read too.
 """
 
 from __future__ import annotations
@@ -11,19 +12,15 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from store.serving_endpoint import ServingEndpoint
 
 
-class ServingSettings(BaseSettings):
+class ServingSettings(ServingEndpoint):
     model_config = SettingsConfigDict(env_prefix="ZENFLOW_API_", env_file=".env", extra="ignore")
 
-    #: The serving process the API sends chat and completion requests to (``http://serving:8001``);
-    #: empty: the API serves them itself, in its own process (the embedded default).
-    inference_server_url: str = ""
-    #: Shared by the API and the serving process: the serving process answers only requests that bear
-    #: it (it trusts the team and the model folder the API names), and refuses to start without one.
-    inference_server_token: SecretStr = SecretStr("")
     #: ``builtin``: transformers ``generate`` in the serving process; ``vllm``: forward to ``inference_vllm_url``
     #: the models vLLM serves (LoRA adapters loaded per model id), the others stay built-in.
     inference_backend: Literal["builtin", "vllm"] = "builtin"
@@ -53,8 +50,6 @@ class ServingSettings(BaseSettings):
     inference_max_prompt_tokens: int = Field(8192, ge=1)
     inference_max_request_prompt_tokens: int = Field(32768, ge=1)
     inference_max_request_tokens: int = Field(16384, ge=1)
-    #: A request (waiting included) ends with 504 / a stream error after this long, its generation stopped.
-    inference_timeout_seconds: float = Field(300.0, gt=0)
     #: Loaded models kept (least recently used dropped first), and their memory budget in bytes.
     inference_max_models: int = Field(2, ge=1)
     inference_memory_bytes: int = Field(8 * 1024**3, gt=0)
@@ -65,11 +60,9 @@ class ServingSettings(BaseSettings):
     inference_max_tokens: int = Field(2048, ge=1)
 
     @model_validator(mode="after")
-    def _urls_need_their_parts(self) -> Self:
+    def _vllm_needs_its_url(self) -> Self:
         if self.inference_backend == "vllm" and not self.inference_vllm_url:
             raise ValueError("inference_vllm_url is required with inference_backend=vllm")
-        if self.inference_server_url and not self.inference_server_token.get_secret_value():
-            raise ValueError("inference_server_url needs inference_server_token (the serving process's)")
         return self
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse
 
+from contract.serving import INTERNAL_PATHS
 from serving.client import Call, Reply
 from serving.errors import ServingError
 from serving.errors import backend_unavailable as unavailable
@@ -29,8 +30,6 @@ from serving.responses import EventStream
 
 log = logging.getLogger(__name__)
 
-#: Where the serving process takes each endpoint's calls (``serving.server``).
-PATHS = {"chat": "/internal/v1/chat/completions", "completions": "/internal/v1/completions"}
 CONNECT_SECONDS = 5.0
 #: Beyond the serving process's own limit (it answers 504 itself at ``inference_timeout_seconds``).
 TIMEOUT_MARGIN_SECONDS = 30.0
@@ -74,7 +73,7 @@ class RemoteEngine:
             "model": call.model.model_dump(),
             "request": call.body.model_dump(mode="json", exclude_unset=True),
         }
-        request = self._client.build_request("POST", PATHS[call.endpoint], json=payload)
+        request = self._client.build_request("POST", INTERNAL_PATHS[call.endpoint], json=payload)
         response = await self._send_watching(request, call)
         if response.status_code != 200 or not call.body.stream:
             content = await self._read(response)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from contract.serving import INTERNAL_PATHS
 from serving.client import Call, Reply, ServedModel
 from serving.config import ServingSettings, server_token
 from serving.errors import ServingError
@@ -65,7 +66,7 @@ def _authorized(request: Request, authorization: str | None) -> LocalEngine:
     return engine
 
 
-@router.post("/internal/v1/chat/completions", response_model=None)
+@router.post(INTERNAL_PATHS["chat"], response_model=None)
 async def chat(
     call: ChatCall, request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Reply:
@@ -73,7 +74,7 @@ async def chat(
     return await engine.generate(Call(call.request, call.model, call.team, request.is_disconnected))
 
 
-@router.post("/internal/v1/completions", response_model=None)
+@router.post(INTERNAL_PATHS["completions"], response_model=None)
 async def completions(
     call: CompletionCall, request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Reply:

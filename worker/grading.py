@@ -1,12 +1,23 @@
-"""The Python grader's sandbox limits from the service's settings (``ZENFLOW_PYTHON_GRADER_*``): one
-place that turns them into :class:`trainer.graders.sandbox.SandboxLimits`, for the API's grader routes and
-a worker's training jobs (``run_training(grader_limits=...)``). The limits not in the settings keep
-SandboxLimits' defaults."""
+"""What a job's graders reach outside the run with, from the service's settings: the Python grader's
+sandbox limits (``ZENFLOW_PYTHON_GRADER_*``: :func:`sandbox_limits`, for the API's grader routes too) and,
+for a grader with model graders, the judge: the serving process (``store.serving_endpoint``) asked for
+the models the API resolved for the job's team at create (:func:`job_grading`). The limits not in the
+settings keep SandboxLimits' defaults."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from contract.method import MethodRequest, ReinforcementMethod
+from store.serving_endpoint import ServingEndpoint
 from store.settings import Settings
+from trainer.graders.grading import Grading
 from trainer.graders.sandbox import SandboxLimits
+
+
+class NoJudgeError(RuntimeError):
+    """A job whose grader has model graders on a worker that knows no serving process."""
 
 
 def sandbox_limits(settings: Settings) -> SandboxLimits:
@@ -18,3 +29,25 @@ def sandbox_limits(settings: Settings) -> SandboxLimits:
         max_processes=settings.python_grader_max_processes,
         allow_unisolated=settings.python_grader_allow_unisolated,
     )
+
+
+@contextmanager
+def job_grading(settings: Settings, endpoint: ServingEndpoint, method: MethodRequest) -> Iterator[Grading]:
+    """The job's grading on this worker, its judge's connections closed after; NoJudgeError before the
+    run starts when its model graders have no serving process to ask (never a run graded 0 throughout)."""
+    limits = sandbox_limits(settings)
+    judges = method.judges if isinstance(method, ReinforcementMethod) else None
+    if judges is None:
+        yield Grading(limits)
+        return
+    if not endpoint.inference_server_url:
+        raise NoJudgeError(
+            "the job's model graders are judged by the serving process, and this worker has none "
+            "configured (ZENFLOW_API_INFERENCE_SERVER_URL and ZENFLOW_API_INFERENCE_SERVER_TOKEN)"
+        )
+    from trainer.graders.serving_judge import ServingJudge
+
+    token = endpoint.inference_server_token.get_secret_value()
+    timeout = endpoint.inference_timeout_seconds
+    with ServingJudge(endpoint.inference_server_url, token, judges, timeout_seconds=timeout) as judge:
+        yield Grading(limits, judge)

@@ -180,7 +180,7 @@ def job_method(request: JobRequest, current: Resolution | None, hp: dict[str, An
     """OpenAI's ``method``: its type, and the hyperparameters under it (DPO's ``beta`` among them; a
     reinforcement job's own settings and ``eval_interval``, its grader beside them)."""
     method = current.job.method if current is not None else request.method
-    own = method.model_dump(mode="json", exclude={"type", "grader"})
+    own = method.model_dump(mode="json", exclude={"type", "grader", "judges"})
     inner: dict[str, Any] = {"hyperparameters": {**hp, **own}}
     if method.type == "reinforcement":
         inner["hyperparameters"]["eval_interval"] = hp.get("eval_every")

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 
 from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import error_responses
-from api.model_names import ModelRef, spec_model_name, team_model
-from serving.client import Call, EngineClient, ServedModel
+from api.model_names import served, team_model
+from serving.client import Call, EngineClient
 from serving.schemas import (
     ChatCompletionObject,
     ChatCompletionRequest,
@@ -28,12 +28,6 @@ _STREAM: dict[str, Any] = {"text/event-stream": {}}
 def _engine(request: Request) -> EngineClient:
     engine: EngineClient = request.app.state.inference
     return engine
-
-
-def served(ref: ModelRef) -> ServedModel:
-    """The model as the engine takes it: its id, what the built-in backend loads, its LoRA adapter."""
-    adapter = None if ref.adapter_path is None else str(ref.adapter_path)
-    return ServedModel(id=ref.id, source=spec_model_name(ref), adapter_path=adapter)
 
 
 async def _generate(

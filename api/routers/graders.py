@@ -19,8 +19,7 @@ from api.core.deps import SettingsDep, TeamDep, run_db
 from api.core.errors import APIError, error_responses
 from api.graders_judge import EngineJudge
 from api.jobs.grader_check import invalid_grader
-from api.model_names import team_model
-from api.routers.chat import served
+from api.model_names import served, team_model
 from api.schemas import (
     GraderRunMetadata,
     GraderRunObject,

@@ -221,7 +221,16 @@ def _prepare_job(
             )
 
     method, hyperparameters, hp_param = requested_method(body)
-    item_fields = check_job_grader(method, sandbox_limits(settings))  # 400 naming the grader's param
+    graded = check_job_grader(  # 400 naming the grader's param, 404 its model not the team's
+        session,
+        team.team_id,
+        method,
+        settings,
+        serving_url=request.app.state.api_settings.inference_server_url,
+        limits=sandbox_limits(settings),
+    )
+    if graded.judges is not None:
+        method = {**method, "judges": graded.judges.model_dump(mode="json")}
     model = team_model(session, team.team_id, body.model, settings)  # 400 a path, 404 not the team's
     checks.check_model_folder(model.path, body.model)  # config, weights, tokenizer: 400 naming the cause
     training = _check_file(session, team.team_id, body.training_file, "training_file")
@@ -252,7 +261,7 @@ def _prepare_job(
     admission.check_nodes(session, spec.resources.nodes, spec.resources.gpus, queue, settings)  # 400: no gang
     planned = data_check.plan_job_checks(spec, training, validation, settings)
     counts = Counts(training.num_examples or 1)
-    return _Prepared(digest, hp_param, model, seed, job_id, spec, queue, planned, counts, item_fields)
+    return _Prepared(digest, hp_param, model, seed, job_id, spec, queue, planned, counts, graded.item_fields)
 
 
 def _create_job(

@@ -1,15 +1,20 @@
 """``POST /v1/fine_tuning/jobs`` with ``method.type: "reinforcement"`` (OpenAI's shape): the grader checked
 at create (a 400 naming its param, nothing written), the item fields its templates read found in the
-rows, and the job object showing the method back with its grader and resolved hyperparameters."""
+rows, and the job object showing the method back with its grader and resolved hyperparameters; a model
+grader's model resolved for the team and recorded for the workers' judge (contract.serving.JudgeModels)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from contract.job import JobRequest
+from contract.serving import ServedModel
+from store.orm import FineTuningJob
 from tests.api.conftest import Enqueued, TeamKey, error_of, uploaded_id
 from tests.api.test_jobs import _job_rows, create
 from trainer.samples import KEYWORD_GRADER
@@ -116,3 +121,66 @@ def test_a_prompt_with_no_room_for_its_completion_is_named_at_create(
         ).status_code
         == 200
     )
+
+
+def _judged(model: str) -> dict[str, Any]:
+    return {
+        "type": "multi",
+        "name": "m",
+        "graders": {
+            "keyword": KEYWORD_GRADER,
+            "judge": {
+                "type": "score_model",
+                "name": "judge",
+                "model": model,
+                "input": [{"role": "user", "content": "Score {{sample.output_text}} for {{item.keyword}}"}],
+                "range": [0, 1],
+            },
+        },
+        "calculate_output": "0.5 * keyword + 0.5 * judge",
+    }
+
+
+@pytest.fixture
+def with_serving(client: TestClient, app: Any) -> Iterator[None]:
+    """The API (started) configured with a serving process (create only records what its workers ask)."""
+    before = app.state.api_settings
+    app.state.api_settings = before.model_copy(update={"inference_server_url": "http://serving.invalid:8001"})
+    try:
+        yield
+    finally:
+        app.state.api_settings = before
+
+
+def test_model_graders_are_resolved_for_the_team_at_create(
+    client: TestClient, app: Any, team: TeamKey, prompts: str, enqueued: Enqueued, with_serving: None
+) -> None:
+    r = create(client, team, _body(prompts, _judged("tiny-llama")))
+    assert r.status_code == 200, r.text
+    assert r.json()["method"]["reinforcement"]["grader"] == _judged("tiny-llama")
+    assert "judges" not in json.dumps(r.json())  # the server's own record, not the job object's
+    with app.state.sessionmaker() as s:
+        request = s.get(FineTuningJob, r.json()["id"]).request
+    judges = JobRequest.model_validate(request).method.judges  # type: ignore[union-attr]
+    assert judges is not None and judges.team == team.id
+    assert judges.models == {"tiny-llama": ServedModel(id="tiny-llama", source="tiny-llama")}
+
+
+def test_a_judge_model_the_team_may_not_use_is_404_naming_it(
+    client: TestClient, app: Any, team: TeamKey, prompts: str, enqueued: Enqueued, with_serving: None
+) -> None:
+    before = _job_rows(app, team)
+    r = create(client, team, _body(prompts, _judged("ft:tiny-llama:another-team:abc123")))
+    assert r.status_code == 404, r.text
+    assert error_of(r)["param"] == "method.reinforcement.grader.graders.judge.model", r.json()
+    assert _job_rows(app, team) == before
+
+
+def test_model_graders_without_a_serving_process_are_400_naming_the_model(
+    client: TestClient, team: TeamKey, prompts: str
+) -> None:
+    r = create(client, team, _body(prompts, _judged("tiny-llama")))
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "method.reinforcement.grader.graders.judge.model"
+    assert "serving process" in err["message"] and "INFERENCE_SERVER_URL" in err["message"], err

@@ -43,6 +43,22 @@ class Judge(Protocol):
     def chat(self, model: str, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> JudgeReply: ...
 
 
+def reply_of(completion: Any, model: str) -> JudgeReply:
+    """The judge's reply in an OpenAI chat completion object (JudgeError when it has no message)."""
+    try:
+        message = completion["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        raise JudgeError("the judge's answer has no message") from None
+    usage = completion.get("usage") or {}
+    counts = {k: int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens") if k in usage}
+    return JudgeReply(
+        text=str(message.get("content") or ""),
+        model=str(completion.get("model") or model),
+        token_usage=counts,
+        refusal=message.get("refusal"),
+    )
+
+
 def messages(grader: ModelGrader, sample: Sample, item: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The grader's messages rendered as chat messages (developer is sent as system), and the reply's form."""
     out = [

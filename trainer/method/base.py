@@ -5,19 +5,19 @@ built, its micro-batches, its loss, what each step and each validation report. T
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.data.example import Example
 from trainer.events import EvalEvent, Event, PreferenceMetrics, RewardMetrics
+from trainer.graders.grading import Grading
 from trainer.run.distributed import DistContext
 
 if TYPE_CHECKING:
     import torch
 
     from contract.hyperparameters import ResolvedHyperparameters
-    from trainer.graders.sandbox import SandboxLimits
     from trainer.run.step import MicroBatch
 
 
@@ -48,11 +48,8 @@ class MethodSetup:
     emit: Callable[[Event], None]
     #: The base model's tokenizer (a reinforcement job grades its completions as text).
     tokenizer: Any = None
-    #: What model graders ask (trainer.graders.model_graders.Judge), or None: none reachable.
-    judge: Any = None
-    #: A Python grader's sandbox limits (the worker's settings, worker.grading), or None: SandboxLimits'
-    #: defaults.
-    grader_limits: SandboxLimits | None = None
+    #: The graders' sandbox limits and judge (the worker's, worker.grading); the defaults: no judge.
+    grading: Grading = field(default_factory=Grading)
 
 
 class TrainingMethod(Protocol):

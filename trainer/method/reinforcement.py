@@ -134,7 +134,7 @@ class ReinforcementTraining:
         self.model = setup.model
         self.tokenizer, self.seed, self.sharded = setup.tokenizer, setup.batching.hp.seed, setup.sharded
         self.stop_ids = stop_ids(setup.tokenizer)
-        self.judge, self.limits = setup.judge, setup.grader_limits
+        self.judge, self.limits = setup.grading.judge, setup.grading.limits
 
     def _sampling(self, n: int, b: Batching) -> Sampling:
         return Sampling(

@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from contract.job import Resolution
 from trainer.data.batching import epoch_order, rank_part
@@ -89,6 +89,7 @@ from trainer.events import (
     StepEvent,
     skipped_step_warning,
 )
+from trainer.graders.grading import Grading
 from trainer.plan.gpus import Machine
 from trainer.run.checkpoint import (
     FINAL_DIR,
@@ -103,9 +104,6 @@ from trainer.run.outputs import LOSS_WINDOW, RunOutputs, mean_loss
 from trainer.run.setup import Built, ResumeMismatchError, RunData, build, load_data, release
 from trainer.run.step import LateLoss, StepOutcome, optimizer_step, step_totals
 from trainer.spec import JobSpec
-
-if TYPE_CHECKING:
-    from trainer.graders.sandbox import SandboxLimits
 
 __all__ = ["ResumeMismatchError", "TrainResult", "run_training"]
 
@@ -155,15 +153,15 @@ def run_training(
     dist: DistContext | None = None,
     resolution: Resolution | None = None,
     machine: Machine | None = None,
-    grader_limits: SandboxLimits | None = None,
+    grading: Grading | None = None,
 ) -> TrainResult:
     """Run one job to completion (or cancellation) and return its result; see the module docstring.
 
     ``on_event`` receives every :mod:`trainer.events` record (with ranks: see the module docstring);
     ``progress`` shows a tqdm bar (default: when stderr is a TTY; rank 0 only). ``dist``: this process is
     one of the job's data-parallel ranks (None: the only process). ``resolution``: the job's (None: decided
-    here), for ``machine`` (None: this one as detected). ``grader_limits``: a Python grader's sandbox
-    limits (a reinforcement job's; None: trainer.graders.sandbox.SandboxLimits' defaults). Raises
+    here), for ``machine`` (None: this one as detected). ``grading``: a reinforcement job's graders' sandbox
+    limits and judge (None: the sandbox's defaults, no judge). Raises
     DatasetValidationError for bad data, UnknownModelError, and any training error (after an ErrorEvent).
     """
     dist = _group(spec, dist)
@@ -181,7 +179,7 @@ def run_training(
         return done
     try:
         data = load_data(spec, emit, dist, resolution=resolution, machine=machine, resume=resume)
-        built = build(spec, data, out, resume=resume, emit=emit, dist=dist, grader_limits=grader_limits)
+        built = build(spec, data, out, resume=resume, emit=emit, dist=dist, grading=grading)
         try:
             show = main and _use_progress(progress)
             return _Run(spec, out, data, built, emit, should_cancel, show, dist).train()

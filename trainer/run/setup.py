@@ -28,6 +28,7 @@ from contract.job import Resolution, ResolvedJob
 from trainer.data.dataset import DataOptions, Example, load_examples
 from trainer.data.packing import use_packing_attention
 from trainer.events import Event, LogEvent, Resolved
+from trainer.graders.grading import Grading
 from trainer.method import method_for
 from trainer.method.base import Batching, MethodSetup, TrainingMethod
 from trainer.model.lora import apply_lora
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 
     from offload.config import EngineConfig
     from offload.engine import ZenFlowEngine
-    from trainer.graders.sandbox import SandboxLimits
     from trainer.plan.records import Plan
 
 
@@ -354,7 +354,7 @@ def _prepare_method(
     batching: Batching,
     dist: DistContext | None,
     emit: Callable[[Event], None],
-    grader_limits: SandboxLimits | None = None,
+    grading: Grading | None = None,
 ) -> TrainingMethod:
     """The job's method, prepared on the base weights (before the engine or a checkpoint touches them)."""
     method = method_for(data.job.method)
@@ -372,7 +372,7 @@ def _prepare_method(
             sharded,
             emit,
             tokenizer=data.tokenizer,
-            grader_limits=grader_limits,
+            grading=grading or Grading(),
         )
     )
     if sharded:  # a forward without a backward (a reference pass) leaves FSDP2's root gathered
@@ -388,11 +388,11 @@ def build(
     resume: bool,
     emit: Callable[[Event], None],
     dist: DistContext | None = None,
-    grader_limits: SandboxLimits | None = None,
+    grading: Grading | None = None,
 ) -> Built:
     """Model on its device, the method and the engine around it, and the run's progress (restored when
-    resuming). The engine is closed again when anything after its construction fails. ``grader_limits``:
-    the method's Python graders' sandbox limits (None: their defaults)."""
+    resuming). The engine is closed again when anything after its construction fails. ``grading``:
+    the method's graders' sandbox limits and judge (None: the defaults, no judge)."""
     import torch
 
     job, hp = data.job, data.hp
@@ -403,7 +403,7 @@ def build(
     if sharded:
         _shard(m.model, dist, device, emit)
     batching = Batching(hp, data.pad_id, device)
-    method = _prepare_method(spec, data, m.model, out, batching, dist, emit, grader_limits)
+    method = _prepare_method(spec, data, m.model, out, batching, dist, emit, grading)
     found = _checkpoint_state(out, job, dist) if resume else None
     restore = _rank_restore(*found, dist, sharded) if found is not None else None
     threads = torch.get_num_threads()  # before the engine's core placement caps it

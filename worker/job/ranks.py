@@ -67,6 +67,7 @@ def run_peer_rank(job_id: str, dist: Any) -> int:
     once) and its own worker's Python grader limits (worker.grading), and report
     only this rank's step metrics, to Prometheus. Exit 0 when the run ends (done, cancelled, or an
     input error rank 0 reports), 74 on a full disk, 1 on any other failure (logged here)."""
+    from store.serving_endpoint import get_serving_endpoint
     from store.settings import get_settings
     from trainer.data.dataset import DatasetValidationError
     from trainer.model.catalog import UnknownModelError
@@ -74,7 +75,7 @@ def run_peer_rank(job_id: str, dist: Any) -> int:
     from trainer.run.checkpoint import DiskFullError, is_out_of_space
     from trainer.run.distributed import broadcast_object
     from trainer.run.loop import run_training
-    from worker.grading import sandbox_limits
+    from worker.grading import job_grading
     from worker.metrics.telemetry import track_job
 
     stop = threading.Event()
@@ -85,14 +86,17 @@ def run_peer_rank(job_id: str, dist: Any) -> int:
             return EXIT_DONE
         spec, resolution = job
         mode = resolution.job.engine.mode if resolution is not None else "unknown"
-        with track_job(job_id, base_model=spec.model, mode=mode, count=False) as tj:
+        with (
+            job_grading(get_settings(), get_serving_endpoint(), spec.method) as grading,  # its own worker's
+            track_job(job_id, base_model=spec.model, mode=mode, count=False) as tj,
+        ):
             run_training(
                 spec,
                 on_event=tj.wrap(),
                 should_cancel=stop.is_set,
                 dist=dist,
                 resolution=resolution,
-                grader_limits=sandbox_limits(get_settings()),  # its own worker's: they bound its host
+                grading=grading,
             )
     except (DatasetValidationError, UnknownModelError, ModelFolderError) as e:
         log.info("job %s rank %d: %s (rank 0 reports it)", job_id, dist.rank, e)

@@ -450,14 +450,18 @@ class _Run:
         self, on_event: Callable[[Any], None], resolution: Resolution | None, machine: Machine
     ) -> Any:
         """run_training under the job's Prometheus telemetry (which sees every event after the database)."""
+        from store.serving_endpoint import get_serving_endpoint
         from trainer.run.loop import run_training
-        from worker.grading import sandbox_limits
+        from worker.grading import job_grading
         from worker.metrics.telemetry import track_job
 
         spec, monitor = self.spec, self.monitor
         mode = resolution.job.engine.mode if resolution is not None else "unknown"
         try:
-            with track_job(self.job_id, base_model=spec.model, mode=mode, paused=monitor.paused) as tj:
+            with (
+                job_grading(self.settings, get_serving_endpoint(), spec.method) as grading,
+                track_job(self.job_id, base_model=spec.model, mode=mode, paused=monitor.paused) as tj,
+            ):
                 return run_training(
                     spec,
                     on_event=tj.wrap(on_event),
@@ -465,7 +469,7 @@ class _Run:
                     dist=self.dist,
                     resolution=resolution,
                     machine=machine,
-                    grader_limits=sandbox_limits(self.settings),
+                    grading=grading,
                 )
         finally:
             monitor.stop()

@@ -2,7 +2,8 @@
 is the plain policy gradient over the completions' tokens (checked against one computed by hand), the
 prompt carries none, a group of equal rewards none either; the KL penalty (LoRA) is 0 while the adapter
 is the base; an evaluation reports the mean reward as ``-valid_loss`` and repeats on the same weights;
-the run's grader limits (MethodSetup.grader_limits) reach the rollout's and the evaluation's grading."""
+the run's grading (MethodSetup.grading: sandbox limits and judge) reaches the rollout's and the evaluation's
+graders."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from contract.method import ResolvedReinforcement
 from trainer.data.example import RolloutPrompt
 from trainer.events import EvalEvent
+from trainer.graders.grading import Grading
 from trainer.graders.sandbox import SandboxLimits
 from trainer.method import reinforcement
 from trainer.method.base import Batching, MethodSetup
@@ -266,25 +268,26 @@ def test_a_step_of_alike_rewards_learns_nothing(
     assert m.step_metrics(None).samples == 0  # the next step starts from nothing
 
 
-def test_the_runs_grader_limits_reach_the_grader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MethodSetup.grader_limits is what a step's rollout and an evaluation grade under (the sampling
-    stubbed: the completions are given)."""
+def test_the_runs_grading_reaches_the_grader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MethodSetup.grading (the sandbox limits and the judge) is what a step's rollout and an evaluation
+    grade with (the sampling stubbed: the completions are given)."""
     limits = SandboxLimits(wall_seconds=1.5, memory_bytes=128 * 2**20)
+    judge = SimpleNamespace(chat=None)
     tok: Any = SimpleNamespace(decode=lambda ids, skip_special_tokens: "a prompt", eos_token_id=None)
-    m = prepared(method(), tiny_llama(), tok, batching(), tmp_path, grader_limits=limits)
+    m = prepared(method(), tiny_llama(), tok, batching(), tmp_path, grading=Grading(limits, judge))
 
     def given(prompts: list[RolloutPrompt], n: int, b: Batching, seed: int) -> tuple[Rollout, list[str]]:
         k = len(prompts) * n
         return Rollout(COMPLETIONS[:k], [False] * k, 0.0), ["a text"] * k
 
-    seen: list[SandboxLimits | None] = []
+    seen: list[tuple[Any, Any]] = []
 
-    def grading(*args: Any, limits: SandboxLimits | None = None, **kw: Any) -> Graded:
-        seen.append(limits)
-        return grade_all(*args, limits=limits, **kw)
+    def grading(*args: Any, limits: SandboxLimits | None = None, judge: Any = None, **kw: Any) -> Graded:
+        seen.append((limits, judge))
+        return grade_all(*args, limits=limits, judge=judge, **kw)
 
     monkeypatch.setattr(m, "_rollout", given)
     monkeypatch.setattr(reinforcement, "grade_all", grading)
     list(m.micro_batches(list(PROMPTS), [0, 1], batching()))
     m.evaluate(m.model, list(PROMPTS), batching(), None, False, step=0)
-    assert seen and all(x is limits for x in seen)
+    assert len(seen) == 2 and all(x[0] is limits and x[1] is judge for x in seen)
