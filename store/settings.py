@@ -183,6 +183,12 @@ class Settings(BaseSettings):
     python_grader_memory_bytes: int = Field(512 * 2**20, ge=64 * 2**20, le=2**40)
     #: Processes and threads of one call at once (RLIMIT_NPROC in its own user namespace).
     python_grader_max_processes: int = Field(16, ge=1, le=4096)
+    #: The result a call may print back (its JSON number; more fails the call), the largest file it may
+    #: write and its private /tmp's size (RLIMIT_FSIZE, the tmpfs), and its open files (RLIMIT_NOFILE:
+    #: the interpreter holds some 10 at start).
+    python_grader_output_bytes: int = Field(64 * 2**10, ge=1024, le=16 * 2**20)
+    python_grader_file_bytes: int = Field(16 * 2**20, ge=2**20, le=2**30)
+    python_grader_open_files: int = Field(64, ge=32, le=4096)
     #: Run graders without namespaces where the kernel allows none (no network isolation, the server's
     #: files and user): for a single-tenant install whose graders the operator trusts, never for a
     #: service open to API keys. Off: such a host fails every call with ``sandbox_unavailable``.

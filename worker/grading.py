@@ -1,8 +1,7 @@
 """What a job's graders reach outside the run with, from the service's settings: the Python grader's
 sandbox limits (``ZENFLOW_PYTHON_GRADER_*``: :func:`sandbox_limits`, for the API's grader routes too) and,
 for a grader with model graders, the judge: the serving process (``store.serving_endpoint``) asked for
-the models the API resolved for the job's team at create (:func:`job_grading`). The limits not in the
-settings keep SandboxLimits' defaults."""
+the models the API resolved for the job's team at create (:func:`job_grading`)."""
 
 from __future__ import annotations
 
@@ -27,6 +26,9 @@ def sandbox_limits(settings: Settings) -> SandboxLimits:
         wall_seconds=settings.python_grader_wall_seconds,
         memory_bytes=settings.python_grader_memory_bytes,
         max_processes=settings.python_grader_max_processes,
+        output_bytes=settings.python_grader_output_bytes,
+        file_bytes=settings.python_grader_file_bytes,
+        open_files=settings.python_grader_open_files,
         allow_unisolated=settings.python_grader_allow_unisolated,
     )
 

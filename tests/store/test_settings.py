@@ -25,6 +25,9 @@ def test_each_environment_variable_reaches_the_limits(monkeypatch: pytest.Monkey
         "ZENFLOW_PYTHON_GRADER_MEMORY_BYTES": str(256 * 2**20),
         "ZENFLOW_PYTHON_GRADER_MAX_PROCESSES": "4",
         "ZENFLOW_PYTHON_GRADER_ALLOW_UNISOLATED": "true",
+        "ZENFLOW_PYTHON_GRADER_OUTPUT_BYTES": "4096",
+        "ZENFLOW_PYTHON_GRADER_FILE_BYTES": str(2**21),
+        "ZENFLOW_PYTHON_GRADER_OPEN_FILES": "48",
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -36,6 +39,9 @@ def test_each_environment_variable_reaches_the_limits(monkeypatch: pytest.Monkey
         memory_bytes=256 * 2**20,
         max_processes=4,
         allow_unisolated=True,
+        output_bytes=4096,
+        file_bytes=2**21,
+        open_files=48,
     )
 
 
