@@ -105,19 +105,13 @@ if [ ! -x /usr/bin/chromium ] && as_root_with_apt; then
   optional "chromium (apt-get)" "tests/console" apt_install chromium fonts-liberation
 fi
 
-# WordNet for the meteor metric of the text_similarity grader (trainer/graders/wordnet.py): Debian's
-# wordnet-base and wordnet-sense-index (installed only when missing, only as root with apt-get) laid out where NLTK looks,
-# .venv/share/nltk_data/corpora/wordnet: its files copied, and the lexnames table NLTK's reader opens
-# (Debian ships it only in the lexnames(5WN) page). Without it meteor is refused with a clear error.
+# WordNet for the meteor metric of the text_similarity grader: Debian's wordnet-base and
+# wordnet-sense-index (installed only when missing, only as root with apt-get) laid out where NLTK looks
+# (scripts/wordnet_layout.sh, which the Dockerfile runs too). Without it meteor is refused with a clear error.
 wordnet_dir=.venv/share/nltk_data/corpora/wordnet
 wordnet_layout() {
   if [ ! -f /usr/share/wordnet/index.sense ]; then apt_install wordnet-base wordnet-sense-index; fi
-  mkdir -p "$wordnet_dir"
-  cp -f /usr/share/wordnet/* "$wordnet_dir"/  # copies: NLTK refuses links that lead out of its data root
-  zcat /usr/share/man/man5/lexnames.5WN.gz | awk -F'\t' '
-    /^[0-9][0-9]\t/ { split($2, n, "."); c = (n[1] == "noun") ? 1 : (n[1] == "verb") ? 2 : (n[1] == "adj") ? 3 : 4
-                        gsub(/ /, "", $2); printf "%s\t%s\t%d\n", $1, $2, c }' >"$wordnet_dir/lexnames.tmp"
-  [ "$(wc -l <"$wordnet_dir/lexnames.tmp")" -eq 45 ] && mv "$wordnet_dir/lexnames.tmp" "$wordnet_dir/lexnames"
+  bash scripts/wordnet_layout.sh .venv/share/nltk_data
 }
 if [ ! -s "$wordnet_dir/lexnames" ] && { [ -f /usr/share/wordnet/index.sense ] || as_root_with_apt; }; then
   optional "WordNet for meteor (wordnet-base)" "the meteor metric and its tests" wordnet_layout
