@@ -96,8 +96,11 @@ def test_the_components_and_how_they_connect(objects: list[dict[str, Any]]) -> N
     assert api["command"][:2] == ["zenflow", "serve"] and "--no-worker" in api["command"]
     assert serving["command"] == ["python", "-m", "serving", "--host", "0.0.0.0", "--port", "8001"]
     assert _by(objects, "Service", "zenflow-serving")["spec"]["ports"][0]["port"] == 8001
-    env = {e["name"]: e for e in api["env"]}
-    assert env["ZENFLOW_API_INFERENCE_SERVER_URL"]["value"] == "http://zenflow-serving:8001"
+    for caller in (api, worker):  # chat; a reinforcement job's model graders
+        env = {e["name"]: e for e in caller["env"]}
+        assert env["ZENFLOW_API_INFERENCE_SERVER_URL"]["value"] == "http://zenflow-serving:8001"
+        token = env["ZENFLOW_API_INFERENCE_SERVER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert token == {"name": "zenflow-secrets", "key": "inference-server-token"}
     # one worker per GPU: a GPU each, the launcher that starts a Celery worker per GPU it sees
     assert worker["command"] == ["python", "-m", "worker", "--gpus", "auto"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1 and worker["image"].endswith(":cuda")
@@ -105,11 +108,11 @@ def test_the_components_and_how_they_connect(objects: list[dict[str, Any]]) -> N
     assert migrate["command"] == ["zenflow", "db", "upgrade"]
     config = _by(objects, "ConfigMap", "zenflow-config")["data"]
     assert config["ZENFLOW_API_MIGRATE_ON_START"] == "false"  # the Job migrates, not each API replica
-    policy = _by(objects, "NetworkPolicy", "zenflow-serving-from-api")["spec"]
+    policy = _by(objects, "NetworkPolicy", "zenflow-serving-callers")["spec"]
     assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "zenflow-serving"}
-    assert {"app.kubernetes.io/name": "zenflow-api"} in [
-        f.get("podSelector", {}).get("matchLabels") for f in policy["ingress"][0]["from"]
-    ]
+    callers = [f.get("podSelector", {}).get("matchLabels") for f in policy["ingress"][0]["from"]]
+    for caller in ("zenflow-api", "zenflow-worker"):
+        assert {"app.kubernetes.io/name": caller} in callers
 
 
 def test_secrets_come_from_the_operators_secret_and_settings_are_read(objects: list[dict[str, Any]]) -> None:
