@@ -32,6 +32,7 @@ from contract.method import ResolvedMethod, ResolvedReinforcement
 from trainer.data.batching import Batch, collate, rank_part
 from trainer.data.example import IGNORE_INDEX, Example, RolloutPrompt
 from trainer.events import EvalEvent, GradedSample, RewardMetrics
+from trainer.graders.validate import model_graders
 from trainer.method.base import Batching, MethodSetup
 from trainer.method.dpo import disable_dropout
 from trainer.method.rewards import RewardSums, error_flags, grade_all, group_advantages
@@ -129,7 +130,14 @@ class ReinforcementTraining:
 
     def prepare(self, setup: MethodSetup) -> None:
         """Dropout off; the tokenizer (completions are graded as text), the run's seed and its graders'
-        judge and sandbox limits kept."""
+        judge and sandbox limits kept. A grader with model graders and no judge to ask is refused here,
+        before a step is trained on rewards of 0."""
+        judged = next(model_graders(self.m.grader, "method.grader"), None)
+        if judged is not None and setup.grading.judge is None:
+            raise ValueError(
+                f"{judged[0]}: model graders need a served model to ask, and this run has none (a job's "
+                "model graders are judged by the service's serving process: submit it to the API)"
+            )
         disable_dropout(setup.model)
         self.model = setup.model
         self.tokenizer, self.seed, self.sharded = setup.tokenizer, setup.batching.hp.seed, setup.sharded

@@ -291,3 +291,22 @@ def test_the_runs_grading_reaches_the_grader(tmp_path: Path, monkeypatch: pytest
     list(m.micro_batches(list(PROMPTS), [0, 1], batching()))
     m.evaluate(m.model, list(PROMPTS), batching(), None, False, step=0)
     assert len(seen) == 2 and all(x[0] is limits and x[1] is judge for x in seen)
+
+
+def test_model_graders_without_a_judge_are_refused_before_a_step(tmp_path: Path) -> None:
+    """A run whose grader asks a model and has no judge (a library run, no serving process) would train
+    on rewards of 0 with server-error flags: it stops at prepare, naming the grader's model."""
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "model": "tiny-llama",
+        "input": [{"role": "user", "content": "Rate {{sample.output_text}}"}],
+    }
+    grader = {"type": "multi", "name": "m", "graders": {"judge": judge}, "calculate_output": "judge"}
+    tok: Any = SimpleNamespace(decode=lambda ids, skip_special_tokens: "a prompt", eos_token_id=None)
+    with pytest.raises(ValueError, match=r"^method\.grader\.graders\.judge\.model: model graders need"):
+        prepared(method(grader=grader), tiny_llama(), tok, batching(), tmp_path)
+    m = prepared(
+        method(grader=grader), tiny_llama(), tok, batching(), tmp_path, grading=Grading(judge=object())
+    )  # type: ignore[arg-type]
+    assert m.judge is not None
