@@ -28,6 +28,15 @@ WORKDIR /app
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" \
     && pip install "setuptools>=68" wheel "ninja>=1.11"
 COPY . .
+# WordNet for the meteor metric of the text_similarity grader (trainer/graders/wordnet.py): Debian's
+# wordnet-base laid out where NLTK looks (the lexnames table comes from its man page, which the slim
+# image's dpkg excludes unless included by name).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        -o Dpkg::Options::="--path-include=/usr/share/man/man5/lexnames.5WN.gz" \
+        wordnet-base wordnet-sense-index \
+    && rm -rf /var/lib/apt/lists/* \
+    && bash scripts/wordnet_layout.sh /usr/local/share/nltk_data
 # The C++ optimizer is compiled for the CPU of the machine that builds the image (-march=native): a
 # host with another CPU refuses that build at job start; for a mixed fleet build with e.g.
 # --build-arg CPU_ADAM_ARCH=-march=x86-64-v3 (kept in the image's environment: an input of the build).
