@@ -296,8 +296,8 @@ def test_console_upload_create_follow_download_chat(
     page.get_by_label(f"Compare job {other_id}").check()
     page.get_by_role("button", name="Compare selected").click()
     expect(page.locator("#compare-figure")).to_have_attribute("data-series", "2")
-    expect(page.locator("#compare-status")).to_contain_text(f"{job_id} (8 steps)")
-    expect(page.locator("#compare-status")).to_contain_text(f"{other_id} (4 steps)")
+    expect(page.locator("#compare-status")).to_contain_text(f"({job_id}) (8 steps)")
+    expect(page.locator("#compare-status")).to_contain_text(f"({other_id}) (4 steps)")
     legend = page.locator("#compare-figure .u-legend .u-series")
     expect(legend).to_have_count(2)  # one series a run
     expect(legend.first).to_contain_text(job_id)
