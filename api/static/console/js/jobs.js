@@ -33,7 +33,8 @@ const METHOD_FORMATS = {
   reinforcement: ["reinforcement"],
 };
 const FORMAT_NAMES = {
-  chat: "chat", prompt_completion: "prompt/completion", preference: "preference pairs", reinforcement: "prompts with item fields for the grader",
+  chat: "chat", prompt_completion: "prompt/completion", preference: "preference pairs",
+  reinforcement: "prompts with item fields for the grader",
 };
 
 /** Whether a form control belongs to another method than ``method`` (its own or its fieldset's data-method). */
@@ -219,7 +220,8 @@ export function initJobs(bus) {
     fileOptions($("#job-training-file"), files, null, method);
     fileOptions($("#job-validation-file"), files, "none", method);
     const kinds = METHOD_FORMATS[method].map((f) => FORMAT_NAMES[f]).join(" or ");
-    setChildren($("#job-files-note"), `Files for a ${METHOD_NAMES[method]} job: ${kinds}. Files of another kind are listed but cannot be chosen.`);
+    setChildren($("#job-files-note"),
+      `Files for a ${METHOD_NAMES[method]} job: ${kinds}. Files of another kind are listed but cannot be chosen.`);
   }
   form.elements.namedItem("method").addEventListener("change", () => {
     markField(form, null);

@@ -5,6 +5,8 @@ import { bytes, h, num } from "./dom.js";
 
 const count = (n) => Number(n).toLocaleString("en-US");
 const pctOf = (part, whole) => (whole ? ` (${num((100 * part) / whole, 3)}%)` : "");
+/** "1.2 GiB of 21.5 GiB (5.6%)", or undefined when the plan has no such figure. */
+const used = (part, whole) => (part === undefined ? undefined : `${bytes(part)} of ${bytes(whole)}${pctOf(part, whole)}`);
 const seconds = (s) => `${num(s, 3)} s`;
 const yesNo = (v) => (v ? "yes" : "no");
 
@@ -27,15 +29,14 @@ export function planRows(plan) {
     ["batch size", plan.batch_size],
     ["max sequence length", plan.max_seq_length === undefined ? undefined : `${count(plan.max_seq_length)} tokens`],
     ["tokens per step", plan.tokens_per_step === undefined ? undefined : count(plan.tokens_per_step)],
-    ["device memory (a rank)", plan.device_bytes === undefined ? undefined
-      : `${bytes(plan.device_bytes)} of ${bytes(plan.device_capacity_bytes)}${pctOf(plan.device_bytes, plan.device_capacity_bytes)}`],
-    ["host memory (a rank)", plan.host_bytes === undefined ? undefined
-      : `${bytes(plan.host_bytes)} of ${bytes(plan.host_capacity_bytes)}${pctOf(plan.host_bytes, plan.host_capacity_bytes)}`],
+    ["device memory (a rank)", used(plan.device_bytes, plan.device_capacity_bytes)],
+    ["host memory (a rank)", used(plan.host_bytes, plan.host_capacity_bytes)],
     ["host memory (all ranks)", (plan.ranks ?? 1) > 1 ? bytes(plan.host_bytes_all_ranks) : undefined],
     ["step time (predicted)", plan.step_seconds === undefined ? undefined : seconds(plan.step_seconds)],
     ["of it sampling", plan.generation_seconds ? seconds(plan.generation_seconds) : undefined],
     ["rollout KV cache", plan.rollout_cache_bytes ? bytes(plan.rollout_cache_bytes) : undefined],
-    ["tokens per second (predicted)", plan.tokens_per_second === undefined ? undefined : count(Math.round(plan.tokens_per_second))],
+    ["tokens per second (predicted)",
+      plan.tokens_per_second === undefined ? undefined : count(Math.round(plan.tokens_per_second))],
   ];
   return rows.filter(([, v]) => v !== undefined && v !== null);
 }
