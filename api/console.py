@@ -6,12 +6,15 @@ styles and requests only from this origin, no inline script or style, no plugins
 itself renders server text with ``textContent`` only, so the policy is a second line, not the first.
 The API reference pages (``/docs``, api.docs_pages) are served the same way, under their own policy.
 
-Views (hash routes, js/router.js; one page, so every view is a link): ``#/jobs`` the create form and the
-runs table (compare the ticked runs' curves on one chart), ``#/jobs/<id>`` one job (hyperparameters as
-resolved, data, duration and estimated finish, plan, charts with smoothing and log scale, checkpoints,
-events by level), ``#/files`` and ``#/files/<id>`` datasets (upload; one file's check, problems by line,
-length histogram, first examples with the learned turns marked), ``#/models`` (delete the team's own),
-``#/chat`` (streamed chat, and two models side by side), ``#/quotas``. Deletes ask in a ``<dialog>``.
+Views (hash routes, js/router.js; one page, so every view is a link): ``#/jobs`` the create form (by
+method: supervised, DPO, reinforcement with its grader checked first; files of the method's kind) and the
+runs table by run name (compare the ticked runs' curves on one chart), ``#/jobs/<id>`` one job (the
+method's charts first, with smoothing and log scale; hyperparameters as resolved, data, duration and
+estimated finish, plan in readable units, checkpoints, events by level), ``#/files`` and
+``#/files/<id>`` datasets (upload; one file's check, problems by line, length histogram, first examples
+with the learned turns marked), ``#/models`` (checkpoints under their model; download and delete the
+team's own), ``#/chat`` (streamed chat, and two models side by side), ``#/quotas``. Deletes ask in a
+``<dialog>``.
 """
 
 from __future__ import annotations

@@ -195,6 +195,10 @@ class FileObject(BaseModel):
     #: Extras: what the validator found, and the content digest.
     num_examples: int | None = None
     sha256: str | None = None
+    #: Extra: the records' format as the upload's check found it (``chat`` and ``prompt_completion``
+    #: train supervised jobs, ``preference`` DPO, ``reinforcement`` reinforcement); null for a file
+    #: uploaded before the format was kept.
+    format: Literal["chat", "prompt_completion", "preference", "reinforcement"] | None = None
     #: Upload response only, when the upload named a ``model``: the data checked with that model's
     #: tokenizer (api.jobs.data_check.upload_summary: tokens, truncated and dropped examples with lines).
     validation: dict[str, Any] | None = None
@@ -359,7 +363,8 @@ class StepMetric(BaseModel):
         default=None,
         description="A reinforcement job's step figures: reward_mean, reward_min, reward_max, samples, "
         "completion_tokens_mean, truncated_fraction, grader_errors, grader_error_flags, sub_rewards, "
-        "generation_seconds, grading_seconds, rollout_tokens_per_second (null for other methods).",
+        "generation_seconds, grading_seconds, rollout_tokens_per_second; a DPO job's: chosen_reward, "
+        "rejected_reward, reward_margin, accuracy (null for supervised steps).",
     )
 
 

@@ -24,7 +24,7 @@ from contract.job import JobRequest
 from contract.lora import LoraSpec
 from contract.resources import Resources
 from store.settings import Settings
-from trainer.data.dataset import DatasetValidationError, ExampleLimits, validate_file
+from trainer.data.dataset import DatasetReport, DatasetValidationError, ExampleLimits, validate_file
 from trainer.data.jsonl import error_summary
 from trainer.limits import JobLimits, LimitError, limit_errors
 from trainer.model.folder_check import ModelFolderError
@@ -55,9 +55,12 @@ def public_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def validate_dataset(path: Path, *, param: str = "file", limits: ExampleLimits | None = None) -> int:
+def validate_dataset(
+    path: Path, *, param: str = "file", limits: ExampleLimits | None = None
+) -> DatasetReport:
     """Run the trainer's validator on an uploaded file (the bounds of one example that need no tokenizer:
-    messages, characters); the number of examples, or a 400 naming the field."""
+    messages, characters); its report (the number of examples, the records' format), or a 400 naming
+    the field."""
     try:
         report = validate_file(path, limits=limits)
     except DatasetValidationError as exc:
@@ -74,7 +77,7 @@ def validate_dataset(path: Path, *, param: str = "file", limits: ExampleLimits |
         raise APIError(
             400, f"Invalid fine-tuning file: {exc}", param=param, code="invalid_file_format"
         ) from exc
-    return report.num_examples
+    return report
 
 
 def check_model_folder(folder: Path | None, name: str) -> None:

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 CHECK_VERSION = 3
 #: Outcomes kept per file (the oldest goes first).
 MAX_KEPT = 8
+#: The upload's own check (no tokenizer: the records' format and count), kept beside the outcomes by key
+#: and never dropped: the file object's ``format`` (:func:`file_format`).
+UPLOAD_KEY = "upload"
 #: Files of a model folder that do not change what its tokenizer makes of text.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
@@ -184,10 +187,27 @@ def remember(session: Session, file_id: str, key: str, outcome: dict[str, Any]) 
     row = session.get(File, file_id, with_for_update=True)
     if row is None:
         return
-    kept = {k: v for k, v in (row.data_checks or {}).items() if k != key}
+    kept = {k: v for k, v in (row.data_checks or {}).items() if k not in (key, UPLOAD_KEY)}
     kept[key] = outcome
-    row.data_checks = dict(list(kept.items())[-MAX_KEPT:])
+    upload = (row.data_checks or {}).get(UPLOAD_KEY)
+    row.data_checks = {**({UPLOAD_KEY: upload} if upload else {}), **dict(list(kept.items())[-MAX_KEPT:])}
     session.commit()
+
+
+def upload_check(report: DatasetReport) -> dict[str, Any]:
+    """What is kept of an upload's own check (under UPLOAD_KEY): its records' format and count."""
+    return {"ok": True, "report": {"format": report.format, "num_examples": report.num_examples}}
+
+
+def file_format(data_checks: dict[str, Any] | None) -> str | None:
+    """A file's records' format (chat, prompt_completion, preference, reinforcement) as its kept checks
+    report it; None for a file uploaded before the format was kept and never checked since."""
+    kept = data_checks or {}
+    for outcome in (kept.get(UPLOAD_KEY), *kept.values()):
+        fmt = (outcome or {}).get("report", {}).get("format") if (outcome or {}).get("ok") else None
+        if fmt:
+            return str(fmt)
+    return None
 
 
 def kept_outcome(outcome: dict[str, Any]) -> dict[str, Any] | None:

@@ -88,6 +88,7 @@ def file_object(row: File) -> FileObject:
         status=_FILE_STATUSES.get(row.status, "processed"),
         num_examples=row.num_examples,
         sha256=row.sha256,
+        format=data_check.file_format(row.data_checks),  # type: ignore[arg-type]
     )
 
 
@@ -140,7 +141,7 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
         if upload.bytes == 0:
             raise APIError(400, "The file is empty", param="file", code="invalid_file_format")
         data_options = _data_options(upload.fields)
-        num_examples = await run_in_threadpool(
+        report = await run_in_threadpool(
             checks.validate_dataset, upload.tmp_path, limits=data_check.example_limits(settings)
         )
         validation = kept = None
@@ -163,9 +164,9 @@ async def create_file(request: Request, team: TeamDep, settings: SettingsDep) ->
             bytes=upload.bytes,
             sha256=upload.sha256,
             storage_path=str(final),
-            num_examples=num_examples,
+            num_examples=report.num_examples,
             status="processed",
-            data_checks=kept,
+            data_checks={data_check.UPLOAD_KEY: data_check.upload_check(report), **(kept or {})},
         )
 
         def insert() -> FileObject:

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from api.jobs import data_check
 from api.jobs.check_pool import CheckPool
 from api.server import uvicorn_command
 from store.orm import File
@@ -231,7 +232,9 @@ def test_a_create_reuses_the_check_of_its_upload(cclient: TestClient, capp: Fast
     assert cclient.post(JOBS, headers=cteam.headers, json=other).status_code == 200  # ... and kept
     assert checks.submitted == before + 2
     with capp.state.sessionmaker() as s:
-        assert len(s.scalar(select(File.data_checks).where(File.id == fid)) or {}) == 2
+        kept = s.scalar(select(File.data_checks).where(File.id == fid)) or {}
+    assert len(kept) == 3 and data_check.UPLOAD_KEY in kept  # two checks with the model, the upload's own
+    assert cclient.get(f"/v1/files/{fid}", headers=cteam.headers).json()["format"] == "chat"
     assert team_rows(capp, cteam)[0] == 3
 
 

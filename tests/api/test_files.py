@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
@@ -26,10 +27,29 @@ def test_upload_retrieve_content(client: TestClient, team: TeamKey) -> None:
     assert f["id"].startswith("file-") and f["bytes"] == len(content) and isinstance(f["created_at"], int)
     assert f["filename"] == "train.jsonl"  # path components stripped
     assert f["sha256"] == hashlib.sha256(content).hexdigest() and f["num_examples"] == 5
+    assert f["format"] == "chat"  # what the upload's check found (a client picks files by method with it)
 
     assert client.get(f"/v1/files/{f['id']}", headers=team.headers).json() == f
     c = client.get(f"/v1/files/{f['id']}/content", headers=team.headers)
     assert c.status_code == 200 and c.content == content
+
+
+def test_a_files_format_is_what_its_records_are(client: TestClient, team: TeamKey) -> None:
+    rows = {
+        "prompt_completion": {"prompt": "Q", "completion": "A"},
+        "preference": {
+            "input": {"messages": [{"role": "user", "content": "Q"}]},
+            "preferred_output": [{"role": "assistant", "content": "yes"}],
+            "non_preferred_output": [{"role": "assistant", "content": "no"}],
+        },
+        "reinforcement": {"messages": [{"role": "user", "content": "Q"}], "keyword": "x"},
+    }
+    for fmt, row in rows.items():
+        r = upload(client, team, (json.dumps(row) + "\n").encode() * 3)
+        assert r.status_code == 200, r.text
+        assert r.json()["format"] == fmt
+        listed = client.get("/v1/files", headers=team.headers).json()["data"][0]
+        assert (listed["id"], listed["format"]) == (r.json()["id"], fmt)
 
 
 def test_list_paginates_newest_first(client: TestClient, team: TeamKey) -> None:

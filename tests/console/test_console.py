@@ -15,28 +15,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import subprocess
-import sys
 import tarfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-from tests.support import (
-    REDIS_URL,
-    create_database,
-    drop_database,
-    require_redis,
-    stop_process_group,
-    unavailable,
-)
-from trainer.run.launch import free_port
+from tests.console.harness import LiveServer, page_problems
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -44,7 +31,6 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 #: Where the views' screenshots go (kept between runs; the folder's own .gitignore keeps them out of git).
 SCREENSHOTS = Path(os.environ.get("ZENFLOW_SCREENSHOT_DIR") or Path(__file__).parent / "screenshots")
-CHROMIUM = Path("/usr/bin/chromium")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -81,144 +67,6 @@ def test_console_is_served_with_a_strict_policy(tmp_path: Path) -> None:
         assert "innerHTML" not in source and "insertAdjacentHTML" not in source, module.name
 
 
-@dataclass
-class LiveServer:
-    base_url: str
-    database_url: str
-    log: Path
-
-    def team_key(self) -> tuple[str, str]:
-        """A new team and key in the server's database: (team name, key)."""
-        from sqlalchemy.orm import Session
-
-        from api.core.auth import create_key, create_team
-        from store.db import make_engine
-
-        engine = make_engine(self.database_url)
-        try:
-            with Session(engine) as s:
-                team = create_team(s, f"console-{secrets.token_hex(3)}")
-                _, key = create_key(s, team, "console test")
-                s.commit()
-                return team.name, key
-        finally:
-            engine.dispose()
-
-    def set_storage_quota(self, team_name: str, storage_bytes: int) -> None:
-        """The team's own storage limit (a row of team_quotas, as ``zenflow quotas set`` writes)."""
-        from sqlalchemy import select
-        from sqlalchemy.orm import Session
-
-        from store.db import make_engine
-        from store.orm import Team, TeamQuota
-
-        engine = make_engine(self.database_url)
-        try:
-            with Session(engine) as s:
-                team = s.scalars(select(Team).where(Team.name == team_name)).one()
-                s.merge(TeamQuota(team_id=team.id, storage_bytes=storage_bytes))
-                s.commit()
-        finally:
-            engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """``zenflow serve --worker`` on a private PostgreSQL database and Redis queue."""
-    import redis
-
-    redis_url = require_redis(REDIS_URL)
-    database_url = create_database("zf_console")
-    queue = f"zf-test-console-{secrets.token_hex(4)}"
-    data_dir = tmp_path_factory.mktemp("zf-console")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZENFLOW_")}
-    env.update(
-        ZENFLOW_DATABASE_URL=database_url,
-        ZENFLOW_BROKER_URL=redis_url,
-        ZENFLOW_DEFAULT_QUEUE=queue,
-        ZENFLOW_DATA_DIR=str(data_dir / "var"),
-        ZENFLOW_API_STREAM_POLL_SECONDS="0.1",
-        PYTHONUNBUFFERED="1",
-    )
-    port = free_port()
-    log = data_dir / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "api.cli.main",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker",
-                "--no-reaper",
-                "--log-level",
-                "warning",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield LiveServer(base, database_url, log)
-    finally:
-        stop_process_group(proc)
-        drop_database(database_url)
-        r = redis.Redis.from_url(redis_url)
-        for key in r.scan_iter(f"*{queue}*"):
-            r.delete(key)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    """Headless Debian Chromium (never Playwright's own download)."""
-    if not CHROMIUM.exists():
-        unavailable(
-            f"Chromium is not installed at {CHROMIUM} (scripts/bootstrap.sh installs the Debian package)"
-        )
-    from playwright.sync_api import sync_playwright
-
-    args = ["--no-sandbox"] if os.geteuid() == 0 else []  # Chromium's sandbox refuses to run as root
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=args)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-def _page_problems(page: Page) -> list[str]:
-    """Uncaught exceptions and console errors (a CSP refusal is one) the page reports, as they come.
-    Chromium also logs each 4xx answer as "Failed to load resource": those are expected here."""
-    problems: list[str] = []
-    page.on("pageerror", lambda exc: problems.append(f"uncaught: {exc}"))
-    page.on(
-        "console",
-        lambda msg: (
-            problems.append(msg.text)
-            if msg.type == "error" and not msg.text.startswith("Failed to load resource")
-            else None
-        ),
-    )
-    return problems
-
-
 def test_api_docs_render_under_their_policy(browser: Browser, tmp_path: Path) -> None:
     """/docs in Chromium: Swagger UI, vendored, renders the API's operations under the page's CSP
     with no violation or error, and the page requests nothing from another origin."""
@@ -235,7 +83,7 @@ def test_api_docs_render_under_their_policy(browser: Browser, tmp_path: Path) ->
     )
     with ServerThread(app) as server:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        problems = _page_problems(page)
+        problems = page_problems(page)
         requested: list[str] = []
         page.on("request", lambda r: requested.append(r.url))
         page.goto(f"{server.base_url}/docs")
@@ -264,7 +112,7 @@ def test_console_upload_create_follow_download_chat(
 
     team, key = live_server.team_key()
     page = browser.new_page(accept_downloads=True, viewport={"width": 1280, "height": 900})
-    problems = _page_problems(page)
+    problems = page_problems(page)
     page.set_default_timeout(30_000)
     expect.set_options(timeout=30_000)  # a loaded CI machine: a create checks and tokenizes the data first
     page.goto(f"{live_server.base_url}/console/")
@@ -448,8 +296,8 @@ def test_console_upload_create_follow_download_chat(
     page.get_by_label(f"Compare job {other_id}").check()
     page.get_by_role("button", name="Compare selected").click()
     expect(page.locator("#compare-figure")).to_have_attribute("data-series", "2")
-    expect(page.locator("#compare-status")).to_contain_text(f"{job_id} (8 steps)")
-    expect(page.locator("#compare-status")).to_contain_text(f"{other_id} (4 steps)")
+    expect(page.locator("#compare-status")).to_contain_text(f"({job_id}) (8 steps)")
+    expect(page.locator("#compare-status")).to_contain_text(f"({other_id}) (4 steps)")
     legend = page.locator("#compare-figure .u-legend .u-series")
     expect(legend).to_have_count(2)  # one series a run
     expect(legend.first).to_contain_text(job_id)

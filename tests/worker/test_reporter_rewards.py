@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tests.trainer.rewards import EXAMPLES, reward_eval, reward_step
+from trainer.events import PreferenceMetrics
 from worker.job.reporter import SAMPLE_CHARS, DBReporter
 from worker.job.writer import Write, _StepRows
 
@@ -50,6 +51,18 @@ def test_other_methods_steps_have_no_method_metrics() -> None:
     rows = _StepRows("ftjob-1", {})
     rows.take(w)
     assert rows.added[20]["method_metrics"] is None
+
+
+def test_a_dpo_step_keeps_its_reward_margin_and_accuracy_in_method_metrics() -> None:
+    pref = PreferenceMetrics(chosen_reward=0.3, rejected_reward=-0.2, reward_margin=0.5, accuracy=0.75)
+    (w,) = _report(reward_step(reward=None, preference=pref))
+    assert w.events[0]["message"] == "Step 20/120: training loss=0.0000, preference accuracy=0.75"
+    assert w.metric is not None and w.metric["method_metrics"] == {
+        "chosen_reward": 0.3,
+        "rejected_reward": -0.2,
+        "reward_margin": 0.5,
+        "accuracy": 0.75,
+    }
 
 
 def test_a_reinforcement_evaluation_shows_its_reward_and_graded_samples() -> None:

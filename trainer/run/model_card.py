@@ -20,6 +20,12 @@ from typing import Any
 from trainer.spec import JobSpec
 
 CARD_FILE = "README.md"
+#: How the card says a method trained the model.
+TRAINED_WITH = {
+    "supervised": "supervised fine-tuning (chat examples, loss on the assistant's turns)",
+    "dpo": "direct preference optimization (DPO: preferred and non-preferred answers to the same prompts)",
+    "reinforcement": "reinforcement fine-tuning (GRPO: sampled completions rewarded by a grader)",
+}
 #: Tags every card carries (plus ``lora`` for adapters).
 TAGS = ("zenflow", "fine-tuned", "text-generation")
 
@@ -73,8 +79,7 @@ def model_card(
         "",
         f"# {what} of {base}",
         "",
-        "Trained with supervised fine-tuning (chat examples, loss on the assistant's turns) by the "
-        "ZenFlow fine-tuning service."
+        f"Trained with {TRAINED_WITH.get(spec.method.type, spec.method.type)} by the ZenFlow fine-tuning service."
         + (" The adapter's weights are on top of the base model below." if adapter else ""),
         "",
         "## Base model",

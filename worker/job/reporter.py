@@ -113,9 +113,9 @@ class DBReporter:
             "bytes_host_to_device": int(eng.bytes_host_to_device),
         }
         reward = ev.reward.figures() if ev.reward is not None else {}
-        if reward:
-            metric["method_metrics"] = reward
         pref = asdict(ev.preference) if ev.preference is not None else {}
+        if reward or pref:  # a reinforcement step's rewards, a DPO step's reward margin and accuracy
+            metric["method_metrics"] = {**pref, **reward}
         event = event_row(
             f"Step {ev.step}/{ev.total_steps}: training loss={ev.loss:.4f}{_shown(ev.preference, ev.reward)}",
             type="metrics",

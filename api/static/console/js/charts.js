@@ -7,12 +7,36 @@ import { h, num, setChildren } from "./dom.js";
 
 const pct = (v) => (v === null || v === undefined ? null : v * 100);
 
-/** Chart definitions: a title, a unit for the text, and series read from a metrics row. */
+/**
+ * Chart definitions: a title (by method where it differs), a unit for the text, and series read from a
+ * metrics row. ``methods``: the job methods it is drawn for (all when absent), in this order, the
+ * method's own charts first.
+ */
 const CHARTS = [
-  { id: "loss", title: "Loss", unit: "", logScale: true, series: [
-    { label: "train loss", color: "#0969da", value: (r) => r.train_loss },
-    { label: "validation loss", color: "#bc4c00", value: (r) => r.valid_loss, sparse: true },
+  // A DPO job's rewards (its rows' method_metrics): beta x (policy - reference) log-probabilities.
+  { id: "margin", title: "DPO reward margin", unit: "", methods: ["dpo"], series: [
+    { label: "reward margin", color: "#1a7f37", value: (r) => figure(r, "reward_margin") },
+    { label: "chosen reward", color: "#0969da", value: (r) => figure(r, "chosen_reward") },
+    { label: "rejected reward", color: "#cf222e", value: (r) => figure(r, "rejected_reward") },
   ] },
+  { id: "accuracy", title: "DPO preference accuracy", unit: "%", methods: ["dpo"], series: [
+    { label: "accuracy", color: "#8250df", value: (r) => pct(figure(r, "accuracy")) },
+  ] },
+  // A reinforcement job's rewards; its validation loss is the negative mean validation reward.
+  { id: "reward", title: "Reward", unit: "", methods: ["reinforcement"], series: [
+    { label: "mean reward", color: "#1a7f37", value: (r) => figure(r, "reward_mean") },
+    { label: "min reward", color: "#9a6700", value: (r) => figure(r, "reward_min") },
+    { label: "max reward", color: "#8250df", value: (r) => figure(r, "reward_max") },
+    { label: "validation reward", color: "#bc4c00", value: (r) => (r.valid_loss == null ? null : -r.valid_loss),
+      sparse: true },
+  ] },
+  { id: "loss", title: { supervised: "Loss", dpo: "DPO loss", reinforcement: "Policy loss" }, unit: "",
+    logScale: true, series: [
+      { label: "train loss", color: "#0969da", value: (r) => r.train_loss },
+      // A reinforcement job's valid_loss is its negative validation reward: drawn on the reward chart.
+      { label: "validation loss", color: "#bc4c00", value: (r) => r.valid_loss, sparse: true,
+        methods: ["supervised", "dpo"] },
+    ] },
   { id: "stall", title: "Stall fraction", unit: "%",
     empty: "not reported: this run measured no stall (its engine mode has no offloaded optimizer step)", series: [
       { label: "stall", color: "#cf222e", value: (r) => pct(r.stall_fraction) },
@@ -24,20 +48,27 @@ const CHARTS = [
   { id: "tokens", title: "Tokens per second", unit: "", series: [
     { label: "tokens/s", color: "#8250df", value: (r) => r.tokens_per_second },
   ] },
-  // A reinforcement job's rewards (its rows' method_metrics); shown once a row has them. Its validation
-  // loss is the negative mean validation reward.
-  { id: "reward", title: "Reward", unit: "", only: (r) => reward(r, "reward_mean") !== null, series: [
-    { label: "mean reward", color: "#1a7f37", value: (r) => reward(r, "reward_mean") },
-    { label: "min reward", color: "#9a6700", value: (r) => reward(r, "reward_min") },
-    { label: "max reward", color: "#8250df", value: (r) => reward(r, "reward_max") },
-    { label: "validation reward", color: "#bc4c00", value: (r) => (r.valid_loss == null ? null : -r.valid_loss),
-      sparse: true },
-  ] },
 ];
 
-/** A figure of a reinforcement step's ``method_metrics`` (null for other methods' rows). */
-function reward(row, name) {
+/** A figure of a DPO or reinforcement step's ``method_metrics`` (null for a supervised row). */
+function figure(row, name) {
   return row.method_metrics?.[name] ?? null;
+}
+
+/** A metrics row's ``metric``: one of its own fields, else a figure of its method's. */
+export function metricValue(row, metric) {
+  return row[metric] ?? figure(row, metric);
+}
+
+const drawnFor = (def, method) => !def.methods || def.methods.includes(method);
+
+/** The chart definitions of ``method``, each with its title and series for it. */
+function chartsFor(method) {
+  return CHARTS.filter((def) => drawnFor(def, method)).map((def) => ({
+    ...def,
+    title: typeof def.title === "string" ? def.title : def.title[method],
+    series: def.series.filter((s) => drawnFor(s, method)),
+  }));
 }
 
 /** Whole steps on the x axis. */
@@ -123,16 +154,30 @@ class Chart {
   }
 }
 
-/** The charts of one job in ``container``: add metrics rows as they come. */
+/** The charts of one job in ``container``: add metrics rows as they come; ``setMethod`` once the job's
+ *  method is known (supervised's charts until then). */
 export class MetricCharts {
   constructor(container) {
-    setChildren(container);
     this.rows = [];
     this.smoothing = 0;
+    this.log = false;
     this.container = container;
-    this.charts = CHARTS.filter((def) => !def.only).map((def) => new Chart(container, def));
+    this.charts = [];
+    this.setMethod("supervised");
     this.observer = new ResizeObserver(() => this.charts.forEach((c) => c.resize()));
     this.observer.observe(container);
+  }
+
+  /** Draw ``method``'s charts (its own first: DPO's reward margin and accuracy, reinforcement's reward). */
+  setMethod(method) {
+    if (method === this.method) return;
+    this.method = method;
+    this.charts.forEach((c) => c.plot.destroy());
+    setChildren(this.container);
+    this.container.dataset.method = method;
+    this.charts = chartsFor(method).map((def) => new Chart(this.container, def));
+    if (this.log) this.charts.forEach((c) => c.setLog(true));
+    this.redraw();
   }
 
   get lastStep() {
@@ -141,15 +186,7 @@ export class MetricCharts {
 
   add(rows) {
     this.rows.push(...rows.filter((r) => r.step > this.lastStep));
-    this.addMethodCharts();
     this.redraw();
-  }
-
-  /** The charts of a method (``only``) once a row of it has come. */
-  addMethodCharts() {
-    for (const def of CHARTS.filter((d) => d.only && this.rows.some(d.only))) {
-      if (!this.charts.some((c) => c.def === def)) this.charts.push(new Chart(this.container, def));
-    }
   }
 
   redraw() {
@@ -162,6 +199,7 @@ export class MetricCharts {
   }
 
   setLog(log) {
+    this.log = log;
     this.charts.forEach((c) => c.setLog(log));
     this.redraw();
   }
@@ -183,7 +221,7 @@ export function compareChart(container, runs, { metric, smoothing = 0, log = fal
   const columns = runs.map((run) => {
     const col = steps.map(() => null);
     for (const row of run.rows) {
-      const v = row[metric];
+      const v = metricValue(row, metric);
       if (v !== null && v !== undefined && (!log || v > 0)) col[index.get(row.step)] = v;
     }
     return ema(col, metric === "valid_loss" ? 0 : smoothing);

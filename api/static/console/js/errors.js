@@ -33,14 +33,41 @@ export function showInfo(container, ...content) {
   setChildren(container, h("p", {}, ...content));
 }
 
-/** Mark the form control named by the error's ``param`` (if any) invalid; clear the others. */
-export function markField(form, param) {
+/** The form control an error's ``param`` names: ``method.<type>.`` (a DPO or reinforcement job's
+ *  settings) and ``method.reinforcement.grader`` map to the form's own fields; the longest name that
+ *  ``param`` starts with wins (``hyperparameters.lora.alpha`` before ``hyperparameters.lora``). */
+function fieldOf(form, param) {
+  const name = param.replace(/^method\.(supervised|dpo|reinforcement)\./, "")
+    .replace(/^(supervised|dpo|reinforcement)\./, "");
+  const named = [...form.elements].filter((el) => el.name && !el.hidden
+    && (name === el.name || name.startsWith(`${el.name}.`) || name.startsWith(`${el.name}[`)));
+  return named.sort((a, b) => b.name.length - a.name.length)[0] ?? null;
+}
+
+/**
+ * Mark the form control named by the error's ``param`` (if any) invalid and show ``message`` beside it
+ * (its ``aria-describedby``); clear the marks and messages of the others.
+ */
+export function markField(form, param, message) {
   for (const el of form.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
-  if (!param) return;
-  const name = param.replace(/^method\.supervised\./, "");
-  const field = [...form.elements].find((el) => el.name && (name === el.name || name.startsWith(`${el.name}.`)));
-  if (field) {
-    field.setAttribute("aria-invalid", "true");
-    field.focus();
+  for (const el of form.querySelectorAll(".field-error")) {
+    const owner = form.querySelector(`[aria-describedby~="${el.id}"]`);
+    if (owner) {
+      const rest = owner.getAttribute("aria-describedby").split(" ").filter((id) => id !== el.id);
+      if (rest.length) owner.setAttribute("aria-describedby", rest.join(" "));
+      else owner.removeAttribute("aria-describedby");
+    }
+    el.remove();
   }
+  if (!param) return;
+  const field = fieldOf(form, param);
+  if (!field) return;
+  field.setAttribute("aria-invalid", "true");
+  if (message) {
+    const id = `${field.id}-error`;
+    const note = h("p", { id, class: "field-error error", role: "alert", "data-param": param }, message);
+    field.after(note);
+    field.setAttribute("aria-describedby", [field.getAttribute("aria-describedby"), id].filter(Boolean).join(" "));
+  }
+  field.focus();
 }

@@ -8,6 +8,11 @@ import { BASE_FIRST, fillModelSelect } from "./models.js";
 import { confirmAction, href } from "./router.js";
 
 const VALIDATION_KEY = "zenflow.validation.";
+/** The file object's ``format``, and the method that trains on it. */
+const FORMATS = {
+  chat: "chat (supervised)", prompt_completion: "prompt/completion (supervised)", preference: "preference pairs (DPO)",
+  reinforcement: "prompts (reinforcement)",
+};
 
 /** The upload's ``validation`` object (the check with a model), kept in this tab: the API returns it
  *  only in the upload's answer. */
@@ -46,7 +51,7 @@ export function initFiles(bus) {
       const files = await listAll("/files", { max: 500 });
       setChildren(tbody, files.map((f) => h("tr", { "data-file": f.id },
         h("td", { class: "id" }, h("a", { href: href("files", f.id) }, f.id)), h("td", {}, f.filename),
-        h("td", {}, f.purpose),
+        h("td", {}, f.purpose), h("td", { class: "format" }, FORMATS[f.format] ?? f.format ?? ""),
         h("td", {}, f.num_examples ?? ""), h("td", {}, bytes(f.bytes)), h("td", {}, when(f.created_at)),
         h("td", {}, h("button", { type: "button", class: "danger", "aria-label": `Delete file ${f.id}`,
           onclick: async () => { if (await deleteFile(f, result)) await refresh(); } }, "Delete")))));

@@ -8,7 +8,9 @@ import { MetricCharts } from "./charts.js";
 import { $, duration, h, num, setChildren, when } from "./dom.js";
 import { downloadModel } from "./download.js";
 import { showError, showInfo } from "./errors.js";
+import { planView } from "./plan.js";
 import { confirmAction, go, href } from "./router.js";
+import { METHOD_NAMES, jobMethod, runName } from "./runs.js";
 
 /** A hyperparameter's value as text (objects as compact JSON, null as "none"). */
 function show(value) {
@@ -47,6 +49,10 @@ export function initFollow(bus) {
 
   function renderJob(job) {
     setChildren($("#job-id"), job.id);
+    setChildren($("#job-name"), runName(job));
+    setChildren($("#job-method-name"), METHOD_NAMES[jobMethod(job)], job.hyperparameters?.lora ? " with a LoRA adapter" : "",
+      jobMethod(job) === "reinforcement" && job.method?.reinforcement?.grader?.name
+        ? ` (grader ${job.method.reinforcement.grader.name})` : "");
     const status = $("#job-status");
     status.className = `status-${job.status}`;
     setChildren(status, job.status, job.cancel_requested && !TERMINAL.has(job.status) ? " (cancel requested)" : "",
@@ -100,14 +106,7 @@ export function initFollow(bus) {
 
   /** What an event tells the view besides the log: the plan, the data check. */
   function noteEvent(state, ev) {
-    if (ev.data?.plan) {
-      const plan = ev.data.plan;
-      const facts = Object.entries(plan).filter(([, v]) => v === null || typeof v !== "object");
-      setChildren($("#job-plan"), h("p", {}, ev.message),
-        h("table", { class: "kv" }, h("caption", { class: "sr-only" }, "The job's plan"),
-          h("tbody", {}, facts.map(([k, v]) => h("tr", {}, h("th", { scope: "row" }, k),
-            h("td", { class: "mono" }, show(v)))))));
-    }
+    if (ev.data?.plan) setChildren($("#job-plan"), planView(ev.message, ev.data.plan));
     if (ev.data?.errors?.length) {  // a data error ends the run: its lines' problems
       showError($("#job-data-errors"), { message: ev.message, errors: ev.data.errors });
     }
@@ -184,6 +183,7 @@ export function initFollow(bus) {
       state.job = await apiJson(path);
       if (state !== current) return;
       renderJob(state.job);
+      state.charts.setMethod(jobMethod(state.job));
       for (;;) {
         const page = await apiJson(`${path}/metrics`, { query: { after: state.charts.lastStep || undefined } });
         if (state !== current) return;
@@ -239,7 +239,7 @@ export function initFollow(bus) {
     for (const sel of ["#events-log", "#events-status", "#events-count", "#download-status", "#job-error",
       "#checkpoints-table tbody", "#job-hyperparameters tbody", "#job-data tbody", "#job-status",
       "#job-base-model", "#job-result-model", "#job-tokens", "#job-progress-text", "#job-created", "#job-duration",
-      "#job-eta", "#job-data-errors"]) setChildren($(sel));
+      "#job-eta", "#job-data-errors", "#job-name", "#job-method-name"]) setChildren($(sel));
     for (const sel of ["#download-model", "#download-adapter", "#chat-with-job", "#compare-with-base", "#pause-job",
       "#resume-job"]) $(sel).hidden = true;
     setChildren($("#job-plan"), h("p", { class: "hint" }, "No plan recorded yet."));

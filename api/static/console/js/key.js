@@ -1,4 +1,5 @@
 // The API key section: keep the pasted key (this tab, or this device), check it against the server.
+// Once a key is accepted the section folds to one line (the views start at the top of the page).
 
 import { forgetKey, getKey, keyRemembered, setKey } from "./api.js";
 import { $ } from "./dom.js";
@@ -10,15 +11,26 @@ export function initKey(bus) {
   const input = $("#api-key");
   const remember = $("#remember-key");
   const status = $("#key-status");
+  const section = $("#key-section");
+
+  /** The form (no key yet, or changing it), or the one line of a key in use. */
+  function folded(fold) {
+    form.hidden = fold;
+    $("#key-heading").hidden = fold;
+    $("#key-set").hidden = !fold;
+    section.classList.toggle("folded", fold);
+  }
 
   async function check() {
     try {
       const models = await loadModels();
       showInfo(status, `Key accepted: ${models.length} models available.`);
+      folded(true);
       bus.dispatchEvent(new CustomEvent("models", { detail: models }));
       bus.dispatchEvent(new CustomEvent("key"));
     } catch (err) {
       showError(status, err);
+      folded(false);
     }
   }
 
@@ -31,6 +43,10 @@ export function initKey(bus) {
   $("#forget-key").addEventListener("click", () => {
     forgetKey();
     showInfo(status, "Key forgotten.");
+  });
+  $("#change-key").addEventListener("click", () => {
+    folded(false);
+    input.focus();
   });
 
   remember.checked = keyRemembered();

@@ -18,7 +18,8 @@ export function initQuotas(bus) {
     try {
       const q = await apiJson("/quotas");
       setChildren(status);
-      setChildren($("#quotas-period"), `Team ${q.organization_id}; GPU-hours are counted over the last ${q.period_days} days.`);
+      setChildren($("#quotas-period"), "Your team's limits and use. GPU-hours are a job's ranks times its run time, ",
+        `counted over the last ${num(q.period_days, 3)} days.`);
       const custom = new Set(q.custom ?? []);
       setChildren($("#quotas-table tbody"), ROWS.map((r) => {
         const used = q.usage?.[r.usage] ?? 0;
