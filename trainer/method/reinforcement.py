@@ -150,7 +150,7 @@ class ReinforcementTraining:
             temperature=self.m.temperature,
             pad_id=b.pad_id,
             stop_ids=self.stop_ids,
-            fixed_length=self.sharded,
+            synced=self.sharded,
         )
 
     def _rollout(
