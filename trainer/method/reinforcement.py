@@ -156,8 +156,10 @@ class ReinforcementTraining:
     def _rollout(
         self, prompts: list[RolloutPrompt], n: int, b: Batching, seed: int
     ) -> tuple[Rollout, list[str]]:
-        """``n`` completions of each prompt and their text (a rank with no prompt still samples one, with
-        sharded weights: every rank runs the same forwards)."""
+        """``n`` completions of each prompt and their text (a rank with no prompt samples nothing, but
+        with sharded weights it samples one, unkept: every rank runs the same forwards)."""
+        if not prompts and not self.sharded:
+            return Rollout([], [], 0.0), []
         ids = [p.input_ids for p in prompts] or [[b.pad_id]]
         rollout = sample_completions(self.model, ids, self._sampling(n, b), device=b.device, seed=seed)
         if not prompts:
