@@ -2,8 +2,9 @@
 
 One ``generate`` call per rollout: the prompts left-padded into one batch, each repeated ``n`` times,
 decoded with the KV cache under ``no_grad`` in eval mode. The sampling is seeded from the job's seed and
-the prompts' indices, in a forked RNG, so a resumed run samples what the uninterrupted one would have
-and the training's own RNG is untouched. Each completion is cut after its first stop token here.
+what identifies the rollout (a training step's: the step and its prompts' indices), in a forked RNG, so
+a resumed run samples what the uninterrupted one would have and the training's own RNG is untouched.
+Each completion is cut after its first stop token here.
 
 With sharded weights every rank must run as many forwards as the others (each forward all-gathers
 FSDP's weights): a rollout is then ``synced``, ``generate``'s ``synced_gpus`` (one all-reduce of "my rows
@@ -52,7 +53,7 @@ class Sampling:
 
 
 def rollout_seed(seed: int, *parts: object) -> int:
-    """A 63-bit seed of the job's seed and what identifies the rollout (its prompts' indices, a rank)."""
+    """A 63-bit seed of the job's seed and what identifies the rollout (its step, its prompts' indices)."""
     digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 

@@ -116,7 +116,9 @@ def _sharded_rollout(rank: int, world: int) -> tuple[int, list[list[int]], list[
     prompts = prompts_of(tok, ["Use the word 'yield'.", "A sentence with 'string' in it, please."][rank])
     s = sampling(tok, n=3, max_new_tokens=10, stop_ids=tuple(range(len(tok))) if rank == 0 else ())
     alone = sample_completions(model, prompts, s, device=CPU, seed=3 + rank)
-    shard_model(model, init_from_env(device="cpu", timeout_seconds=60), CPU)
+    ctx = init_from_env(device="cpu", timeout_seconds=60)
+    assert ctx is not None
+    shard_model(model, ctx, CPU)
     forwards = [0]
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     synced = sample_completions(model, prompts, replace(s, synced=True), device=CPU, seed=3 + rank)
