@@ -12,12 +12,18 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.method.test_reinforcement_run import lines, rl_spec, weights
+from tests.trainer.method.test_reinforcement_run import (
+    COMMON_LETTER,
+    base_weights,
+    figures,
+    lines,
+    rl_spec,
+    weights,
+)
 from tests.trainer.run.test_distributed_run import MODES, assert_close
 from tests.trainer.run.test_loop import Recorder
 from trainer.events import RunStarted, StepEvent
 from trainer.run.loop import run_training
-from trainer.samples import MODELS_DIR
 from trainer.spec import JobSpec
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -25,14 +31,6 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 #: 6 prompts, 2 a step: 3 steps an epoch, 2 epochs.
 HP = {"n_epochs": 2, "batch_size": 2, "max_seq_length": 96, "learning_rate": 1e-2, "seed": 1}
 STEPS = 6
-#: A reward that varies within a group (some 8-token completions have an 'e', not all): it learns.
-COMMON_LETTER = {
-    "type": "string_check",
-    "name": "has an e",
-    "input": "{{sample.output_text}}",
-    "reference": "e",
-    "operation": "ilike",
-}
 LORA = {"r": 4}
 
 
@@ -54,12 +52,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def steps_of(rec: Recorder) -> list[StepEvent]:
     return [e for e in rec.events if isinstance(e, StepEvent)]
-
-
-def base_weights() -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(MODELS_DIR / "docs-llama" / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +100,7 @@ def test_every_mode_learns_and_the_modes_agree(
 
 def _figures(e: StepEvent) -> dict[str, Any]:
     assert e.reward is not None
-    return {k: v for k, v in e.reward.figures().items() if not k.endswith(("_seconds", "_per_second"))}
+    return figures(e.reward.figures())
 
 
 @pytest.mark.slow

@@ -14,10 +14,16 @@ import pytest
 import torch
 
 from tests.trainer.dist_ranks import Job, RankOutcome, train_on_ranks
-from tests.trainer.method.test_reinforcement_run import lines, rl_spec, weights
-from tests.trainer.run.test_distributed_run import MODES
+from tests.trainer.method.test_reinforcement_run import (
+    COMMON_LETTER,
+    base_weights,
+    figures,
+    lines,
+    rl_spec,
+    weights,
+)
+from tests.trainer.run.test_distributed_run import MODES, ok
 from trainer.data.batching import epoch_order, rank_part
-from trainer.run.loop import TrainResult
 from trainer.spec import JobSpec
 
 pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.slow]
@@ -42,14 +48,6 @@ RETURN_ROWS = {
     "input": "{{item.keyword}}",
     "reference": "return",
     "operation": "eq",
-}
-#: A reward that varies within a group (some 8-token completions have an 'e', not all): it learns.
-COMMON_LETTER = {
-    "type": "string_check",
-    "name": "has an e",
-    "input": "{{sample.output_text}}",
-    "reference": "e",
-    "operation": "ilike",
 }
 SAMPLES = 4  # compute_multiplier 0.5
 
@@ -113,18 +111,6 @@ def runs(files: tuple[Path, Path], root: Path) -> dict[str, list[RankOutcome]]:
     return dict(zip(jobs, outcomes, strict=True))
 
 
-def ok(outcomes: list[RankOutcome]) -> TrainResult:
-    for o in outcomes:
-        assert o.error is None, o.error
-    assert outcomes[0].result == outcomes[1].result and outcomes[0].result is not None
-    return TrainResult(**outcomes[0].result)
-
-
-def figures(r: dict[str, Any]) -> dict[str, Any]:
-    """A step's reward figures but its timings."""
-    return {k: v for k, v in r.items() if not k.endswith(("_seconds", "_per_second"))}
-
-
 def step_rewards(o: RankOutcome) -> dict[int, dict[str, Any]]:
     return {step: r for t, step, r in o.rewards if t == "step"}
 
@@ -173,7 +159,7 @@ def test_two_ranks_learn_and_resume_mid_epoch_to_the_same_steps(
     assert all(0 <= r["reward_min"] <= r["reward_mean"] <= r["reward_max"] <= 1 for r in rewards.values())
     evals = [(step, r["samples"]) for t, step, r in runs[layout][0].rewards if t == "eval"]
     assert evals == [(0, 3 * 2), (3, 3 * 2), (4, 3 * 2)]  # the validation prompts, all of them
-    base = weights_of_base()
+    base = base_weights()
     trained = weights(root / layout)
     assert any(not torch.equal(trained[k], base[k]) for k in base)
 
@@ -189,14 +175,6 @@ def test_two_ranks_learn_and_resume_mid_epoch_to_the_same_steps(
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def weights_of_base() -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    from trainer.samples import MODELS_DIR
-
-    return load_file(str(MODELS_DIR / "docs-llama" / "model.safetensors"))
-
-
 @pytest.mark.parametrize("job", ["zenflow", "sharded-offload", "sharded-lora", "lora"])
 def test_two_ranks_train_in_every_mode_and_with_lora(
     job: str, root: Path, runs: dict[str, list[RankOutcome]]
@@ -209,5 +187,5 @@ def test_two_ranks_train_in_every_mode_and_with_lora(
     rewards = step_rewards(runs[job][0])
     assert [r["samples"] for r in rewards.values()] == [4 * SAMPLES, 1 * SAMPLES] * 2
     assert all(0 <= r["reward_min"] <= r["reward_mean"] <= r["reward_max"] <= 1 for r in rewards.values())
-    base, trained = weights_of_base(), weights(root / job)  # the merged model, with LoRA
+    base, trained = base_weights(), weights(root / job)  # the merged model, with LoRA
     assert any(not torch.equal(trained[k], base[k]) for k in base)
