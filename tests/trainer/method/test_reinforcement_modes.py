@@ -1,7 +1,8 @@
 """A reinforcement job in every engine mode (``device``, ``offload``, ``zenflow``), full fine-tune and
 LoRA, in one process on docs-llama: a few steps each with finite losses and rewards, weights that moved,
-the modes agreeing (the same first rollout, the same losses and weights within float rounding), and a
-zenflow run cut after a mid-epoch checkpoint resumed to the uninterrupted run's steps and weights."""
+the modes agreeing (every mode the same first rollout and loss; offload the device's rollouts, losses and
+weights throughout, within float rounding; zenflow's CPU columns land a window late, its later steps its
+own), and runs cut after a mid-epoch checkpoint resumed to the uninterrupted runs' steps and weights."""
 
 from __future__ import annotations
 
