@@ -148,7 +148,7 @@ def one_step(task: Task, m: Any, b: Any, opt: Any, step: int, batch: int) -> Ste
     n = len(task.prompts)
     index = [(step * batch + k) % n for k in range(batch)]
     t0 = time.perf_counter()
-    batches = list(m.micro_batches([task.prompts[i] for i in index], index, b))
+    batches = list(m.micro_batches([task.prompts[i] for i in index], index, b, step=step))
     t1 = time.perf_counter()
     learned = sum(rb.num_learned for rb in batches)
     for rb in batches:

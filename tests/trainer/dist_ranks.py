@@ -5,11 +5,11 @@ tests/dist_ranks.py (spawned processes, a deadline, each rank's results returned
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tests.dist_ranks import run_ranks
-from trainer.events import Event, LogEvent
+from trainer.events import EvalEvent, Event, LogEvent, StepEvent
 from trainer.spec import JobSpec
 
 
@@ -34,6 +34,8 @@ class RankOutcome:
     reductions: dict[str, int] = field(default_factory=dict)
     #: The LogEvents' (message, data), in order.
     logs: list[tuple[str, dict[str, Any] | None]] = field(default_factory=list)
+    #: A reinforcement job's reward figures, (event type, step, RewardMetrics as a dict), in order.
+    rewards: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
 
 
 class _Watch:
@@ -43,6 +45,7 @@ class _Watch:
         self.job, self.rank, self.steps, self.polls = job, rank, 0, 0
         self.events: list[tuple[str, int | None, float | None, int | None]] = []
         self.logs: list[tuple[str, dict[str, Any] | None]] = []
+        self.rewards: list[tuple[str, int, dict[str, Any]]] = []
 
     def __call__(self, ev: Event) -> None:
         engine = getattr(ev, "engine", None)
@@ -58,6 +61,8 @@ class _Watch:
             self.steps += 1
         if isinstance(ev, LogEvent):
             self.logs.append((ev.message, ev.data))
+        if isinstance(ev, StepEvent | EvalEvent) and ev.reward is not None:
+            self.rewards.append((ev.type, ev.step, asdict(ev.reward)))
 
     def cancel(self) -> bool:
         j = self.job
@@ -100,7 +105,7 @@ def _train_jobs(rank: int, world: int, jobs: list[Job]) -> list[RankOutcome]:
             ).as_dict()
         except Exception as e:
             o.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        o.events, o.logs = w.events, w.logs
+        o.events, o.logs, o.rewards = w.events, w.logs, w.rewards
         o.reductions = dict(counts)
         outcomes.append(o)
     return outcomes

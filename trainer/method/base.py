@@ -62,8 +62,11 @@ class TrainingMethod(Protocol):
         """Before the engine or a checkpoint touches the weights (DPO: dropout off, the reference)."""
         ...
 
-    def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[MicroBatch]:
-        """``examples`` (at ``index`` in the training set) as this method's micro-batches."""
+    def micro_batches(
+        self, examples: list[Example], index: list[int], b: Batching, *, step: int = 0
+    ) -> Iterator[MicroBatch]:
+        """``examples`` (at ``index`` in the training set) as this method's micro-batches for the run's
+        optimizer step ``step`` (0-based, counted over the epochs: what a rollout's seed derives from)."""
         ...
 
     def filler(self, example: Example, b: Batching) -> MicroBatch:

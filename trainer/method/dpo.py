@@ -287,7 +287,9 @@ class DpoTraining:
         pairs = sum(len(v) for v in sets.values())
         setup.emit(LogEvent(f"DPO reference log-probabilities of {pairs} pairs {how} ({REFERENCE_FILE})"))
 
-    def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[PairBatch]:
+    def micro_batches(
+        self, examples: list[Example], index: list[int], b: Batching, *, step: int = 0
+    ) -> Iterator[PairBatch]:
         return pair_micro_batches(examples, index, b.hp.micro_batch_size, pad_id=b.pad_id, device=b.device)
 
     def filler(self, example: Example, b: Batching) -> PairBatch:

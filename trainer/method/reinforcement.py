@@ -73,6 +73,13 @@ def stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(stops))
 
 
+def train_seed(seed: int, step: int, index: Sequence[int]) -> int:
+    """A training rollout's seed: the run's seed, the optimizer step (0-based over the epochs: the same
+    prompts in a later epoch sample afresh) and the prompts' indices (each rank's part its own), so a
+    resumed run samples what the uninterrupted one did."""
+    return rollout_seed(seed, "train", step, tuple(index))
+
+
 def _prompt(ex: Example) -> RolloutPrompt:
     if not isinstance(ex, RolloutPrompt):
         raise TypeError("a reinforcement job's examples are prompts")
@@ -151,14 +158,16 @@ class ReinforcementTraining:
             temperature=self.m.temperature,
             pad_id=b.pad_id,
             stop_ids=self.stop_ids,
-            fixed_length=self.sharded,
+            synced=self.sharded,
         )
 
     def _rollout(
         self, prompts: list[RolloutPrompt], n: int, b: Batching, seed: int
     ) -> tuple[Rollout, list[str]]:
-        """``n`` completions of each prompt and their text (a rank with no prompt still samples one, with
-        sharded weights: every rank runs the same forwards)."""
+        """``n`` completions of each prompt and their text (a rank with no prompt samples nothing, but
+        with sharded weights it samples one, unkept: every rank runs the same forwards)."""
+        if not prompts and not self.sharded:
+            return Rollout([], [], 0.0), []
         ids = [p.input_ids for p in prompts] or [[b.pad_id]]
         rollout = sample_completions(self.model, ids, self._sampling(n, b), device=b.device, seed=seed)
         if not prompts:
@@ -166,11 +175,14 @@ class ReinforcementTraining:
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in rollout.completions]
         return rollout, texts
 
-    def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[RolloutBatch]:
-        """The step's rollout, graded, as micro-batches of ``micro_batch_size`` prompts' completions."""
+    def micro_batches(
+        self, examples: list[Example], index: list[int], b: Batching, *, step: int = 0
+    ) -> Iterator[RolloutBatch]:
+        """The step's rollout, graded, as micro-batches of ``micro_batch_size`` prompts' completions. Its
+        seed is the run's seed, the step and the prompts' indices (:func:`train_seed`)."""
         prompts = [_prompt(e) for e in examples]
         n = self.m.samples_per_prompt
-        rollout, texts = self._rollout(prompts, n, b, rollout_seed(self.seed, "train", tuple(index)))
+        rollout, texts = self._rollout(prompts, n, b, train_seed(self.seed, step, index))
         items = [prompts[k // n].item for k in range(len(texts))]
         graded = grade_all(self.m.grader, texts, items, judge=self.judge, limits=self.limits)
         self.sums.add(graded, [len(c) for c in rollout.completions], rollout.truncated, rollout.seconds)

@@ -2,10 +2,14 @@
 
 One ``generate`` call per rollout: the prompts left-padded into one batch, each repeated ``n`` times,
 decoded with the KV cache under ``no_grad`` in eval mode. The sampling is seeded from the job's seed and
-the prompts' indices, in a forked RNG, so a resumed run samples what the uninterrupted one would have
-and the training's own RNG is untouched. With sharded weights every rank must run as many forwards as
-the others (FSDP's gathers), so a rollout then decodes exactly ``max_new_tokens`` on every rank, and each
-completion is cut after its first stop token here.
+what identifies the rollout (a training step's: the step and its prompts' indices), in a forked RNG, so
+a resumed run samples what the uninterrupted one would have and the training's own RNG is untouched.
+Each completion is cut after its first stop token here.
+
+With sharded weights every rank must run as many forwards as the others (each forward all-gathers
+FSDP's weights): a rollout is then ``synced``, ``generate``'s ``synced_gpus`` (one all-reduce of "my rows
+are done" a token), and a rank whose completions have all stopped keeps running forwards, sampling
+nothing, until every rank's have (or ``max_new_tokens``). It samples what an unsynced rollout does.
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ class Sampling:
     pad_id: int
     #: The tokens that end a completion: eos and the chat template's end of turn.
     stop_ids: tuple[int, ...]
-    #: Decode exactly ``max_new_tokens`` (sharded weights: every rank the same forwards).
-    fixed_length: bool = False
+    #: Every rank of the default process group decodes until all are done (sharded weights: every rank
+    #: the same forwards).
+    synced: bool = False
 
 
 def rollout_seed(seed: int, *parts: object) -> int:
-    """A 63-bit seed of the job's seed and what identifies the rollout (its prompts' indices, a rank)."""
+    """A 63-bit seed of the job's seed and what identifies the rollout (its step, its prompts' indices)."""
     digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
@@ -96,10 +101,10 @@ def sample_completions(
                 top_k=0,
                 top_p=1.0,
                 max_new_tokens=s.max_new_tokens,
-                min_new_tokens=s.max_new_tokens if s.fixed_length else 0,
                 pad_token_id=s.pad_id,
-                eos_token_id=None if s.fixed_length or not s.stop_ids else list(s.stop_ids),
+                eos_token_id=list(s.stop_ids) if s.stop_ids else None,
                 use_cache=True,
+                synced_gpus=s.synced,
             )
     finally:
         model.train(was_training)

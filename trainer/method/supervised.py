@@ -29,7 +29,9 @@ class SupervisedTraining:
     def prepare(self, setup: MethodSetup) -> None:
         """Nothing: the model trains as loaded."""
 
-    def micro_batches(self, examples: list[Example], index: list[int], b: Batching) -> Iterator[Batch]:
+    def micro_batches(
+        self, examples: list[Example], index: list[int], b: Batching, *, step: int = 0
+    ) -> Iterator[Batch]:
         hp = b.hp
         return micro_batches(
             examples,

@@ -52,8 +52,16 @@ def shard_model(model: Any, dist: DistContext, device: torch.device) -> int:
     blocks = list(_blocks(model))
     for b in blocks:
         fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(_root(model), mesh=mesh)
     return len(blocks)
+
+
+def _root(model: Any) -> Any:
+    """The module FSDP2's root is: the transformers model, inside LoRA's wrapper (peft's ``generate``
+    calls the wrapped model's ``generate``, whose forwards never pass the wrapper's own forward, where the
+    root's hooks would gather its weights; a training forward passes both)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 def rank_param_bytes(model: Any) -> int:

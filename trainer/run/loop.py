@@ -359,7 +359,7 @@ class _Run:
         idx = self.order[b * hp.batch_size : (b + 1) * hp.batch_size]
         if self.dist is not None:
             idx = rank_part(idx, self.dist.rank, self.dist.world_size)
-        micro = list(self._micro_batches(idx))
+        micro = list(self._micro_batches(idx, state.step))
         prev = self.pending.loss if self.pending is not None else None
         totals = step_totals(
             self.dist, micro, cancel=self.should_cancel(), prev_loss=prev, count_micro=built.sharded
@@ -471,8 +471,9 @@ class _Run:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{p.lr:.2e}", tok_s=f"{tokens / dt:.0f}")
 
-    def _micro_batches(self, idx: list[int]) -> Iterator[Any]:
-        return self.method.micro_batches([self.data.train[i] for i in idx], idx, self.built.batching)
+    def _micro_batches(self, idx: list[int], step: int) -> Iterator[Any]:
+        examples = [self.data.train[i] for i in idx]
+        return self.method.micro_batches(examples, idx, self.built.batching, step=step)
 
     def _eval(self) -> None:
         built = self.built

@@ -310,3 +310,21 @@ def test_model_graders_without_a_judge_are_refused_before_a_step(tmp_path: Path)
         method(grader=grader), tiny_llama(), tok, batching(), tmp_path, grading=Grading(judge=object())
     )  # type: ignore[arg-type]
     assert m.judge is not None
+
+
+def test_the_same_prompts_at_a_later_step_sample_afresh(
+    keyword_task: tuple[Any, Any, list[Any]], tmp_path: Path
+) -> None:
+    """A rollout's seed is the run's seed, the step and the prompts' indices: the same step samples the
+    same completions (a resume reproduces them), a later epoch's step with the same prompts others."""
+    model, tok, valid = keyword_task
+    b = batching(micro_batch_size=2)
+    m = prepared(method(samples_per_prompt=4, max_completion_tokens=8), model, tok, b, tmp_path)
+
+    def rows(step: int) -> list[list[int]]:
+        batches = m.micro_batches(list(valid[:2]), [0, 1], b, step=step)
+        return [r for x in batches for r in x.batch.input_ids.tolist()]
+
+    first = rows(0)
+    assert rows(0) == first and rows(3) != first
+    assert reinforcement.train_seed(0, 0, [0, 1]) != reinforcement.train_seed(0, 0, [1, 0])

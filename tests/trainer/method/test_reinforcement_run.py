@@ -78,6 +78,18 @@ def weights(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "final" / "model.safetensors"))
 
 
+def base_weights() -> dict[str, torch.Tensor]:
+    """docs-llama's own weights (what a run's ``weights`` moved from)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(MODELS_DIR / "docs-llama" / "model.safetensors"))
+
+
+def figures(reward: dict[str, Any]) -> dict[str, Any]:
+    """A step's reward figures (RewardMetrics.figures()) but its timings: what a rerun repeats."""
+    return {k: v for k, v in reward.items() if not k.endswith(("_seconds", "_per_second"))}
+
+
 @pytest.mark.slow
 def test_a_reinforcement_job_runs_reports_rewards_and_resumes(
     tmp_path: Path, files: tuple[Path, Path]

@@ -103,33 +103,36 @@ def test_the_global_rng_and_train_mode_are_left_as_they_were(docs_llama: tuple[A
     model.train()
 
 
-def test_fixed_length_decodes_max_new_tokens_then_cuts(docs_llama: tuple[Any, Any]) -> None:
-    """With a stop token the samples meet early, fixed-length decoding runs every row to
-    ``max_new_tokens`` and cuts after; it samples what free decoding does (the sharded ranks' rollout
-    is one process's)."""
-    model, tok = docs_llama
-    prompts = prompts_of(tok, "Use the word 'yield'.", "A sentence with 'string' in it, please.")
-    probe = sample_completions(
-        model, prompts, sampling(tok, n=4, max_new_tokens=10, stop_ids=()), device=CPU, seed=3
-    )
-    common = max(range(len(tok)), key=lambda t: sum(c[1:].count(t) for c in probe.completions))
-    s = sampling(tok, n=4, max_new_tokens=10, stop_ids=(common,))
-    raw: list[int] = []
-    generate = model.generate
+def _sharded_rollout(rank: int, world: int) -> tuple[int, list[list[int]], list[list[int]]]:
+    """One rank: docs-llama's completions of its own prompt unsharded, then with the weights sharded over
+    the ranks (FSDP2) and ``synced``; rank 0 stops at a token every sample has at once, rank 1 never
+    stops. The forwards the sharded model ran, and both rollouts."""
+    from trainer.model.catalog import load_model, load_tokenizer
+    from trainer.run.distributed import init_from_env
+    from trainer.run.fsdp_model import shard_model
 
-    def spy(*a: Any, **kw: Any) -> Any:
-        out = generate(*a, **kw)
-        raw.append(out.shape[1] - kw["input_ids"].shape[1])
-        return out
+    tok = load_tokenizer(DOCS_LLAMA)
+    model = load_model(DOCS_LLAMA, dtype=torch.float32, seed=0, tokenizer=tok)
+    prompts = prompts_of(tok, ["Use the word 'yield'.", "A sentence with 'string' in it, please."][rank])
+    s = sampling(tok, n=3, max_new_tokens=10, stop_ids=tuple(range(len(tok))) if rank == 0 else ())
+    alone = sample_completions(model, prompts, s, device=CPU, seed=3 + rank)
+    ctx = init_from_env(device="cpu", timeout_seconds=60)
+    assert ctx is not None
+    shard_model(model, ctx, CPU)
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    synced = sample_completions(model, prompts, replace(s, synced=True), device=CPU, seed=3 + rank)
+    return forwards[0], synced.completions, alone.completions
 
-    model.generate = spy
-    try:
-        fixed = sample_completions(model, prompts, replace(s, fixed_length=True), device=CPU, seed=3)
-        free = sample_completions(model, prompts, s, device=CPU, seed=3)
-    finally:
-        del model.generate
-    assert raw[0] == s.max_new_tokens  # every row decoded to the end, stop tokens or not
-    assert len(fixed.completions) == 8 and any(len(c) < s.max_new_tokens for c in fixed.completions)
-    for c, trunc in zip(fixed.completions, fixed.truncated, strict=True):
-        assert len(c) == s.max_new_tokens if trunc else c[-1] == common and common not in c[:-1]
-    assert free.completions == fixed.completions and free.truncated == fixed.truncated
+
+@pytest.mark.slow
+def test_sharded_ranks_decode_in_step_until_every_rank_is_done() -> None:
+    """FSDP2 weights: each forward all-gathers every rank's rows, so a rank whose samples all stopped at
+    their first token keeps running forwards until the other's reach ``max_new_tokens`` (else the other
+    waits in its gathers: the deadline); the completions are the unsharded, unsynced ones."""
+    from tests.dist_ranks import run_ranks
+
+    (early, stopped, alone0), (late, running, alone1) = run_ranks(_sharded_rollout, 2, timeout=120)
+    assert early == late == 10  # the prefill and 9 decoding steps on both ranks
+    assert all(len(c) == 1 for c in stopped) and all(len(c) == 10 for c in running)
+    assert stopped == alone0 and running == alone1
