@@ -159,11 +159,19 @@ class DatasetReport:
                 f"{self.num_truncated} truncated to {self.max_seq_length} tokens ({_lines_text(self.truncated_lines, self.num_truncated)})"
             )
         if self.num_dropped:
-            why = "too long" if self.truncation == "drop" else "no assistant token left after truncation"
+            why = _drop_reason(self.format, self.truncation)
             parts.append(
                 f"{self.num_dropped} dropped, {why} ({_lines_text(self.dropped_lines, self.num_dropped)})"
             )
         return "; ".join(parts)
+
+
+def _drop_reason(fmt: str, truncation: str) -> str:
+    """Why an over-long example was dropped: a reinforcement prompt has no completion to keep (its room
+    is max_seq_length less max_completion_tokens), the others lost every trained token to truncation."""
+    if fmt == "reinforcement":
+        return "no room for the completion (max_seq_length less max_completion_tokens)"
+    return "too long" if truncation == "drop" else "no assistant token left after truncation"
 
 
 def _lines_text(lines: list[int], count: int) -> str:

@@ -108,6 +108,10 @@ def test_a_prompt_too_long_is_dropped_not_cut(tmp_path: Path, tok: Any) -> None:
     path = write(tmp_path / "p.jsonl", [prompt("short", keyword="x"), prompt(long_text, keyword="y")])
     rep = validate_file(path, tokenizer=tok, max_seq_length=48, options=RL, keep_examples=True)
     assert rep.num_examples == 1 and rep.num_dropped == 1 and rep.num_truncated == 0
+    assert (
+        rep.cut_summary()
+        == "1 dropped, no room for the completion (max_seq_length less max_completion_tokens) (line 2)"
+    )
     (kept,) = rep.examples
     assert isinstance(kept, RolloutPrompt) and kept.item["keyword"] == "x"
     with pytest.raises(DatasetValidationError) as e:
