@@ -171,6 +171,10 @@ class Settings(BaseSettings):
     #: At the job's end, how long the sinks may still try a server that is away before what they hold is
     #: left in the job's output folder.
     tracking_close_seconds: float = Field(20.0, ge=0, allow_inf_nan=False)
+    #: text_similarity's ``cosine``: a Hugging Face model folder the API and the workers embed texts with,
+    #: on the CPU of the process that grades (trainer.graders.embedding: mean-pooled, normalised; e.g. a
+    #: sentence-transformers folder on the models volume). Empty: a grader with cosine is refused.
+    grader_embedding_model: str = ""
     # --- the Python grader's sandbox (trainer.graders.sandbox.SandboxLimits, built by worker.grading): ---
     # --- per call, in the API's /v1/fine_tuning/alpha/graders routes and in a worker's training jobs ---
     # The defaults are SandboxLimits' own (tests/store/test_settings.py holds them equal).

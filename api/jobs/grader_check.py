@@ -60,7 +60,9 @@ def check_job_grader(
 
     grader = ReinforcementMethod.model_validate(method).grader
     judges = _judges(session, team_id, grader, settings, serving_url)
-    problems = grader_errors(grader, path=GRADER_PARAM, limits=limits)
+    problems = grader_errors(
+        grader, path=GRADER_PARAM, embeddings=bool(settings.grader_embedding_model), limits=limits
+    )
     if problems:
         raise invalid_grader(problems)
     return JobGrader(item_fields(grader, GRADER_PARAM), judges)

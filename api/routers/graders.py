@@ -33,7 +33,7 @@ from store.settings import Settings
 from trainer.graders.grade import grade
 from trainer.graders.result import GradeResult, Sample
 from trainer.graders.validate import grader_errors, model_graders
-from worker.grading import sandbox_limits
+from worker.grading import embeddings, sandbox_limits
 
 router = APIRouter(
     prefix="/v1/fine_tuning/alpha/graders", tags=["graders"], responses=error_responses(400, 401, 404, 413)
@@ -63,7 +63,12 @@ async def _check(grader: AnyGrader, models: dict[str, ServedModel], settings: Se
     limits = sandbox_limits(settings)
 
     def problems_of() -> list[tuple[str, str]]:
-        return grader_errors(grader, judge_models=models.__contains__, limits=limits)
+        return grader_errors(
+            grader,
+            judge_models=models.__contains__,
+            embeddings=bool(settings.grader_embedding_model),
+            limits=limits,
+        )
 
     problems = await anyio.to_thread.run_sync(problems_of)
     if problems:
@@ -117,10 +122,10 @@ async def run_grader(
     engine: EngineClient = request.app.state.inference
     judge = EngineJudge(engine, team.team_id, models)
     sample = Sample.of_text(body.model_sample)
-    limits = sandbox_limits(settings)
+    limits, embed = sandbox_limits(settings), embeddings(settings)
 
     def run() -> GradeResult:
-        return grade(body.grader, sample, body.item, judge=judge, limits=limits)
+        return grade(body.grader, sample, body.item, judge=judge, limits=limits, embed=embed)
 
     with anyio.move_on_after(RUN_TIMEOUT_S) as scope:
         result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)

@@ -2,7 +2,8 @@
 ``validate`` and ``run`` (string_check scores a right and a wrong sample 1 and 0, a multi grader's
 sub_rewards, a bad formula's 400 naming ``grader.calculate_output``), a model grader judged by a served
 built-in model answers 200 with its flags whatever the model says, another team's ``ft:`` model is 404; a
-Python grader runs under the server's sandbox limits (``python_grader_wall_seconds``)."""
+Python grader runs under the server's sandbox limits (``python_grader_wall_seconds``); cosine runs where the
+settings name an embedding model (``grader_embedding_model``) and is a 400 elsewhere."""
 
 from __future__ import annotations
 
@@ -186,3 +187,39 @@ def test_a_python_grader_runs_under_the_servers_wall_clock(
     assert r.metadata.errors.python_grader_runtime_error_details == "timed out after 2 s (wall)"
     # the source's check and the 2 s call, each with an interpreter's start on a loaded box
     assert took < 2 * 2.0 + 10
+
+
+COSINE: dict[str, Any] = {**EXACT, "type": "text_similarity", "name": "close", "evaluation_metric": "cosine"}
+del COSINE["operation"]
+
+
+@pytest.fixture(scope="module")
+def embedding_server(settings: Settings) -> Iterator[tuple[ServerThread, FastAPI]]:
+    """An API whose settings name an embedding model (ZENFLOW_GRADER_EMBEDDING_MODEL: the demo base)."""
+    from api.app import create_app
+    from trainer.samples import MODELS_DIR
+
+    folder = str(MODELS_DIR / "docs-llama")
+    app = create_app(
+        settings.model_copy(update={"grader_embedding_model": folder}), TEST_API_SETTINGS, enqueue=Enqueued()
+    )
+    with ServerThread(app) as s:
+        yield s, app
+
+
+def test_cosine_runs_where_an_embedding_model_is_configured_and_is_refused_elsewhere(
+    client: openai.OpenAI, embedding_server: tuple[ServerThread, FastAPI]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.fine_tuning.alpha.graders.validate(grader=COSINE)  # type: ignore[arg-type]
+    assert caught.value.param == "grader.evaluation_metric"  # type: ignore[attr-defined]
+    server, app = embedding_server
+    sdk = _sdk(server, make_team(app))
+    assert sdk.fine_tuning.alpha.graders.validate(grader=COSINE).grader is not None  # type: ignore[arg-type]
+    text = "The capital of Japan is Tokyo."
+    same = sdk.fine_tuning.alpha.graders.run(grader=COSINE, model_sample=text, item={"answer": text})  # type: ignore[arg-type]
+    other = sdk.fine_tuning.alpha.graders.run(
+        grader=COSINE, model_sample="def f(): pass", item={"answer": text}
+    )  # type: ignore[arg-type]
+    assert same.reward == pytest.approx(1.0, abs=1e-5) and not same.metadata.errors.other_error
+    assert other.reward < same.reward

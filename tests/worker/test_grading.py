@@ -1,7 +1,8 @@
 """A job's grading on a worker (worker.grading.job_grading): the server's sandbox limits for every job; a
 judge only for a grader with model graders, asking the serving process the settings name, its
 connections closed with the run; and a job with model graders on a worker that knows no serving process
-refused before it starts, never trained on rewards of 0."""
+refused before it starts, never trained on rewards of 0; the embedding model's setting gives every job
+the cosine metric's embedder."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from contract.method import ReinforcementMethod, SupervisedMethod
 from contract.serving import JudgeModels, ServedModel
 from store.serving_endpoint import ServingEndpoint
 from store.settings import Settings
+from trainer.graders.embedding import Embedder
 from trainer.graders.serving_judge import ServingJudge
-from trainer.samples import KEYWORD_GRADER
+from trainer.samples import KEYWORD_GRADER, MODELS_DIR
 from worker.grading import NoJudgeError, job_grading, sandbox_limits
 
 SETTINGS = Settings(_env_file=None, python_grader_wall_seconds=7)  # type: ignore[call-arg]
@@ -52,3 +54,13 @@ def test_model_graders_on_a_worker_without_a_serving_process_are_refused_before_
         job_grading(SETTINGS, NO_SERVING, _method(JUDGES)),
     ):
         pytest.fail("the run started")
+
+
+def test_the_embedding_model_setting_gives_every_job_its_cosine_embedder() -> None:
+    folder = str(MODELS_DIR / "docs-llama")
+    settings = SETTINGS.model_copy(update={"grader_embedding_model": folder})
+    for method in (_method(None), _method(JUDGES)):
+        with job_grading(settings, SERVING, method) as grading:
+            assert isinstance(grading.embed, Embedder) and grading.embed.folder == folder
+    with job_grading(SETTINGS, SERVING, _method(None)) as grading:
+        assert grading.embed is None

@@ -166,7 +166,7 @@ class DatasetReport:
         return "; ".join(parts)
 
 
-def _drop_reason(fmt: str, truncation: str) -> str:
+def _drop_reason(fmt: str, truncation: str | None) -> str:
     """Why an over-long example was dropped: a reinforcement prompt has no completion to keep (its room
     is max_seq_length less max_completion_tokens), the others lost every trained token to truncation."""
     if fmt == "reinforcement":

@@ -32,6 +32,7 @@ from contract.method import ResolvedMethod, ResolvedReinforcement
 from trainer.data.batching import Batch, collate, rank_part
 from trainer.data.example import IGNORE_INDEX, Example, RolloutPrompt
 from trainer.events import EvalEvent, GradedSample, RewardMetrics
+from trainer.graders.grading import Grading
 from trainer.graders.validate import model_graders
 from trainer.method.base import Batching, MethodSetup
 from trainer.method.dpo import disable_dropout
@@ -42,7 +43,6 @@ from trainer.run.distributed import DistContext
 if TYPE_CHECKING:
     import torch
 
-    from trainer.graders.sandbox import SandboxLimits
 
 #: Graded completions an evaluation shows in its event.
 SHOWN_SAMPLES = 3
@@ -120,9 +120,8 @@ class ReinforcementTraining:
         self.model: Any = None
         self.seed = 0
         self.sharded = False
-        self.judge: Any = None
+        self.grading = Grading()
         self.stop_ids: tuple[int, ...] = ()
-        self.limits: SandboxLimits | None = None
         self.sums = self._new_sums()
 
     @classmethod
@@ -149,7 +148,7 @@ class ReinforcementTraining:
         self.model = setup.model
         self.tokenizer, self.seed, self.sharded = setup.tokenizer, setup.batching.hp.seed, setup.sharded
         self.stop_ids = stop_ids(setup.tokenizer)
-        self.judge, self.limits = setup.grading.judge, setup.grading.limits
+        self.grading = setup.grading
 
     def _sampling(self, n: int, b: Batching) -> Sampling:
         return Sampling(
@@ -184,7 +183,7 @@ class ReinforcementTraining:
         n = self.m.samples_per_prompt
         rollout, texts = self._rollout(prompts, n, b, train_seed(self.seed, step, index))
         items = [prompts[k // n].item for k in range(len(texts))]
-        graded = grade_all(self.m.grader, texts, items, judge=self.judge, limits=self.limits)
+        graded = grade_all(self.m.grader, texts, items, self.grading)
         self.sums.add(graded, [len(c) for c in rollout.completions], rollout.truncated, rollout.seconds)
         advantages = group_advantages(graded.rewards, n)
         return self._batches(rows_of(prompts, rollout, n), advantages, n * b.hp.micro_batch_size, b)
@@ -263,7 +262,7 @@ class ReinforcementTraining:
         """Some validation prompts sampled and graded into ``sums`` (the first few kept to show)."""
         rollout, texts = self._rollout(part, n, b, rollout_seed(self.seed, "eval", tuple(index)))
         items = [part[j // n].item for j in range(len(texts))]
-        graded = grade_all(self.m.grader, texts, items, judge=self.judge, limits=self.limits)
+        graded = grade_all(self.m.grader, texts, items, self.grading)
         sums.add(graded, [len(c) for c in rollout.completions], rollout.truncated, rollout.seconds)
         for j in range(min(len(texts), SHOWN_SAMPLES - len(sums.examples))):
             r = graded.results[j]

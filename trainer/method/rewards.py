@@ -13,15 +13,13 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from contract.graders import Grader
 from trainer.events import GradedSample, RewardMetrics
+from trainer.graders.grading import Grading
 from trainer.graders.result import GraderErrors, GradeResult, Sample
 from trainer.run.distributed import DistContext, all_sum
-
-if TYPE_CHECKING:
-    from trainer.graders.sandbox import SandboxLimits
 
 #: Graders running at once in one rank.
 GRADING_THREADS = 8
@@ -45,18 +43,18 @@ def grade_all(
     grader: Grader,
     texts: Sequence[str],
     items: Sequence[Mapping[str, Any]],
-    *,
-    judge: Any = None,
-    limits: SandboxLimits | None = None,
+    grading: Grading | None = None,
 ) -> Graded:
-    """Each ``texts[i]`` graded against ``items[i]`` (trainer.graders.grade.grade), in order; a Python
-    grader's calls under ``limits`` (None: SandboxLimits' defaults)."""
+    """Each ``texts[i]`` graded against ``items[i]`` (trainer.graders.grade.grade), in order, with the
+    run's ``grading`` (None: the sandbox's default limits, no judge, no embeddings)."""
     from trainer.graders.grade import grade
 
+    g = grading or Grading()
     t0 = time.perf_counter()
 
     def one(k: int) -> GradeResult:
-        return grade(grader, Sample.of_text(texts[k]), items[k], judge=judge, limits=limits)
+        sample = Sample.of_text(texts[k])
+        return grade(grader, sample, items[k], judge=g.judge, limits=g.limits, embed=g.embed)
 
     with ThreadPoolExecutor(max_workers=max(1, min(GRADING_THREADS, len(texts)))) as pool:
         results = list(pool.map(one, range(len(texts))))

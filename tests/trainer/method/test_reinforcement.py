@@ -280,17 +280,17 @@ def test_the_runs_grading_reaches_the_grader(tmp_path: Path, monkeypatch: pytest
         k = len(prompts) * n
         return Rollout(COMPLETIONS[:k], [False] * k, 0.0), ["a text"] * k
 
-    seen: list[tuple[Any, Any]] = []
+    seen: list[Grading | None] = []
 
-    def grading(*args: Any, limits: SandboxLimits | None = None, judge: Any = None, **kw: Any) -> Graded:
-        seen.append((limits, judge))
-        return grade_all(*args, limits=limits, judge=judge, **kw)
+    def grading(grader: Any, texts: Any, items: Any, grading: Grading | None = None) -> Graded:
+        seen.append(grading)
+        return grade_all(grader, texts, items, grading)
 
     monkeypatch.setattr(m, "_rollout", given)
     monkeypatch.setattr(reinforcement, "grade_all", grading)
     list(m.micro_batches(list(PROMPTS), [0, 1], batching()))
     m.evaluate(m.model, list(PROMPTS), batching(), None, False, step=0)
-    assert len(seen) == 2 and all(x[0] is limits and x[1] is judge for x in seen)
+    assert len(seen) == 2 and all(g is not None and g.limits is limits and g.judge is judge for g in seen)
 
 
 def test_model_graders_without_a_judge_are_refused_before_a_step(tmp_path: Path) -> None:
@@ -309,7 +309,7 @@ def test_model_graders_without_a_judge_are_refused_before_a_step(tmp_path: Path)
     m = prepared(
         method(grader=grader), tiny_llama(), tok, batching(), tmp_path, grading=Grading(judge=object())
     )  # type: ignore[arg-type]
-    assert m.judge is not None
+    assert m.grading.judge is not None
 
 
 def test_the_same_prompts_at_a_later_step_sample_afresh(
