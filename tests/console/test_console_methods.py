@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from tests.api.test_dpo import preference_jsonl
 from tests.console.harness import LiveServer, page_problems
 
 if TYPE_CHECKING:
@@ -31,18 +32,6 @@ pytestmark = pytest.mark.services  # the service on PostgreSQL and Redis, driven
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WIDE, PHONE = 1400, 420
 SHOTS = os.environ.get("ZENFLOW_CONSOLE_SHOTS")
-
-
-def _pairs(n: int) -> bytes:
-    rows = [
-        {
-            "input": {"messages": [{"role": "user", "content": f"Question {i}: agree?"}]},
-            "preferred_output": [{"role": "assistant", "content": "yes indeed"}],
-            "non_preferred_output": [{"role": "assistant", "content": "no way"}],
-        }
-        for i in range(n)
-    ]
-    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
 
 
 @dataclass
@@ -87,7 +76,7 @@ def team(live_server: LiveServer) -> Iterator[Team]:
     t = Team(name, key, live_server.base_url, {}, {})
     uploads = {
         "sft": ("capitals.jsonl", TRAIN_FILE.read_bytes()),
-        "dpo": ("pairs.jsonl", _pairs(16)),
+        "dpo": ("pairs.jsonl", preference_jsonl(16)),
         "rl_valid": ("keyword_valid.jsonl", (SAMPLES_DIR / "keyword_rl_valid.jsonl").read_bytes()),
         "rl": ("keyword_train.jsonl", KEYWORD_TRAIN_FILE.read_bytes()),
     }

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from pydantic import SecretStr
@@ -22,7 +21,7 @@ from store.settings import Settings
 from tests.api.conftest import TEST_API_SETTINGS, ServerThread, free_port, make_team
 from tests.e2e.test_full_flow import running_worker
 from tests.e2e.test_tracking_flow import flow_settings
-from tests.serving.test_serving_process import TOKEN, serving_process
+from tests.serving.test_serving_process import TOKEN, chat_requests_answered, serving_process
 from trainer.samples import KEYWORD_GRADER, KEYWORD_TRAIN_FILE
 
 __all__ = ["flow_settings"]
@@ -44,15 +43,6 @@ GRADER = {
 }
 #: Prompts per step and completions per prompt (compute_multiplier 0.25 x 8), prompts trained on.
 BATCH, SAMPLES, PROMPTS = 4, 2, 8
-
-
-def _chat_requests(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("zenflow_inference_requests_total{") and 'endpoint="chat"' in line
-    )
 
 
 def _upload(sdk: openai.OpenAI, tmp_path: Path, rows: list[str]) -> str:
@@ -98,7 +88,7 @@ def test_a_jobs_model_grader_is_judged_by_the_serving_process(
             )
             assert not ran.metadata.errors.model_grader_server_error, ran
             assert ran.metadata.sampled_model_name == "tiny-llama" and 0.0 <= ran.reward <= 1.0
-            before = _chat_requests(serving_url)
+            before = chat_requests_answered(serving_url)
             job = sdk.fine_tuning.jobs.create(
                 model="tiny-llama",
                 training_file=_upload(sdk, tmp_path, rows),
@@ -130,7 +120,7 @@ def test_a_jobs_model_grader_is_judged_by_the_serving_process(
                 [e.message for e in events][:40],
                 (tmp_path / "worker.log").read_text()[-4000:],
             )
-            judged = _chat_requests(serving_url) - before
+            judged = chat_requests_answered(serving_url) - before
     finally:
         configure_celery()
         app.state.engine.dispose()

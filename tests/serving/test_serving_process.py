@@ -86,6 +86,16 @@ def serving_process(port: int, **env: str) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait(timeout=30)
 
 
+def chat_requests_answered(url: str) -> float:
+    """The serving process's count of chat requests (``zenflow_inference_requests_total``, any outcome)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("zenflow_inference_requests_total{") and 'endpoint="chat"' in line
+    )
+
+
 @pytest.fixture(scope="module")
 def port() -> int:
     return free_port()

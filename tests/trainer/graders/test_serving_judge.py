@@ -16,7 +16,7 @@ import pytest
 from contract.graders import ScoreModelGrader
 from contract.serving import JudgeModels, ServedModel
 from tests.api.conftest import free_port
-from tests.serving.test_serving_process import TOKEN, serving_process
+from tests.serving.test_serving_process import TOKEN, chat_requests_answered, serving_process
 from trainer.graders import serving_judge
 from trainer.graders.grade import grade
 from trainer.graders.model_graders import JudgeError
@@ -46,25 +46,15 @@ def serving() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-def _chat_requests(url: str) -> float:
-    """The serving process's count of chat requests answered."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("zenflow_inference_requests_total{") and 'endpoint="chat"' in line
-    )
-
-
 @pytest.mark.slow
 def test_the_serving_process_judges_for_the_jobs_team(serving: str) -> None:
-    before = _chat_requests(serving)
+    before = chat_requests_answered(serving)
     with ServingJudge(serving, TOKEN, JUDGES, timeout_seconds=60) as judge:
         result = grade(JUDGE, Sample.of_text("a value"), ITEM, judge=judge)
     assert not result.errors.model_grader_server_error, result.errors
     assert result.sampled_model_name == "tiny-llama" and result.token_usage and result.token_usage > 0
     assert "reply" in result.scores and 0.0 <= result.reward <= 1.0  # a random model's reply: any score
-    assert _chat_requests(serving) == before + 1
+    assert chat_requests_answered(serving) == before + 1
 
 
 @pytest.mark.slow
