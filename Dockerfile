@@ -42,9 +42,11 @@ RUN ZENFLOW_CPU_ADAM_BUILD=require pip install --no-build-isolation -e . \
     && python -m offload.cpu_adam_build --check \
     && python -m compileall -q api contract demo offload serving store trainer worker
 
+# /zenflow-targets: where `python -m worker` writes its /metrics endpoints for Prometheus (compose's
+# `worker-targets` volume, which takes this folder's owner when it is first mounted).
 RUN useradd --create-home --uid 1000 zenflow \
-    && mkdir -p /data \
-    && chown -R zenflow /data
+    && mkdir -p /data /zenflow-targets \
+    && chown -R zenflow /data /zenflow-targets
 USER zenflow
 VOLUME ["/data"]
 EXPOSE 8000
