@@ -28,10 +28,13 @@ WORKDIR /app
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" \
     && pip install "setuptools>=68" wheel "ninja>=1.11"
 COPY . .
-# The C++ optimizer is compiled for the CPU of the machine that builds the image (-march=native): a
-# host with another CPU refuses that build at job start; for a mixed fleet build with e.g.
-# --build-arg CPU_ADAM_ARCH=-march=x86-64-v3 (kept in the image's environment: an input of the build).
-ARG CPU_ADAM_ARCH=-march=native
+# The C++ optimizer is compiled for a portable target, x86-64-v3 (AVX2, FMA: Intel Haswell and AMD Zen
+# onwards, every GPU server of the last decade), so an image built on one CPU runs on another; a host
+# lacking those instructions refuses the build at job start with a message naming them (never an
+# illegal instruction). Opt in to more: --build-arg CPU_ADAM_ARCH=-march=x86-64-v4 (AVX-512: Sapphire
+# Rapids, Zen 4) or -march=native (the building CPU's own; then only hosts with its features run it);
+# an Arm image: -march=armv8.2-a. Kept in the image's environment: an input of the build, checked on load.
+ARG CPU_ADAM_ARCH=-march=x86-64-v3
 ENV ZENFLOW_CPU_ADAM_ARCH=${CPU_ADAM_ARCH}
 # Editable, so that the one copy of the code in /app, which the job processes import (`python -m`
 # from the working directory /app puts it first on sys.path), is the installed one and carries the
