@@ -3,6 +3,7 @@ answers before and after it, and the console."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
     team, key = create_team(env)
     server = Server(env, data_dir)
     ok = False
+    signal.signal(signal.SIGHUP, _hang_up)  # its terminal closed: stop the server as Ctrl-C does
     try:
         server.wait_ready(timeout=120)
         print(f"==> zenflow serve is ready on {server.base} (log: {server.log_path})")
@@ -62,6 +64,10 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
         server.stop()
         if not ok:
             server.print_log_tail()
+
+
+def _hang_up(_sig: int, _frame: object) -> None:
+    raise SystemExit(128 + signal.SIGHUP)  # past the except below, through its finally: server.stop()
 
 
 def fine_tune_and_compare(client: OpenAI, base: str, key: str, team: str, *, timeout: float) -> bool:
