@@ -37,10 +37,13 @@ RUN apt-get update \
         wordnet-base wordnet-sense-index \
     && rm -rf /var/lib/apt/lists/* \
     && bash scripts/wordnet_layout.sh /usr/local/share/nltk_data
-# The C++ optimizer is compiled for the CPU of the machine that builds the image (-march=native): a
-# host with another CPU refuses that build at job start; for a mixed fleet build with e.g.
-# --build-arg CPU_ADAM_ARCH=-march=x86-64-v3 (kept in the image's environment: an input of the build).
-ARG CPU_ADAM_ARCH=-march=native
+# The C++ optimizer is compiled for a portable target, x86-64-v3 (AVX2, FMA: Intel Haswell and AMD Zen
+# onwards, every GPU server of the last decade), so an image built on one CPU runs on another; a host
+# lacking those instructions refuses the build at job start with a message naming them (never an
+# illegal instruction). Opt in to more: --build-arg CPU_ADAM_ARCH=-march=x86-64-v4 (AVX-512: Sapphire
+# Rapids, Zen 4) or -march=native (the building CPU's own; then only hosts with its features run it);
+# an Arm image: -march=armv8.2-a. Kept in the image's environment: an input of the build, checked on load.
+ARG CPU_ADAM_ARCH=-march=x86-64-v3
 ENV ZENFLOW_CPU_ADAM_ARCH=${CPU_ADAM_ARCH}
 # Editable, so that the one copy of the code in /app, which the job processes import (`python -m`
 # from the working directory /app puts it first on sys.path), is the installed one and carries the
@@ -51,9 +54,11 @@ RUN ZENFLOW_CPU_ADAM_BUILD=require pip install --no-build-isolation -e . \
     && python -m offload.cpu_adam_build --check \
     && python -m compileall -q api contract demo offload serving store trainer worker
 
+# /zenflow-targets: where `python -m worker` writes its /metrics endpoints for Prometheus (compose's
+# `worker-targets` volume, which takes this folder's owner when it is first mounted).
 RUN useradd --create-home --uid 1000 zenflow \
-    && mkdir -p /data \
-    && chown -R zenflow /data
+    && mkdir -p /data /zenflow-targets \
+    && chown -R zenflow /data /zenflow-targets
 USER zenflow
 VOLUME ["/data"]
 EXPOSE 8000

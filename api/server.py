@@ -134,9 +134,29 @@ def serve(
     return 0
 
 
+#: What stops ``zenflow serve`` cleanly: uvicorn's own (Ctrl-C, ``kill``) and SIGHUP, which a terminal's
+#: process group gets when the terminal is closed. Python's default for SIGHUP ends the process at once,
+#: with no shutdown: the embedded worker's job was left running and a server in a session of its own
+#: (the demo's) lived on with no terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class _ReadyServer(uvicorn.Server):
     """uvicorn's server that logs ``ZenFlow API ready on URL`` once it accepts connections: after the
-    app's startup (migrations, the worker's capacity, the check pool) and the socket's bind, not before."""
+    app's startup (migrations, the worker's capacity, the check pool) and the socket's bind, not before;
+    SIGHUP stops it as SIGTERM does."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = signal.signal(signal.SIGHUP, self.handle_exit)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGHUP, previous)  # uvicorn re-raises it after: _after_uvicorn_signals
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -153,8 +173,8 @@ def ready_url(host: str, port: int) -> str:
 
 @contextlib.contextmanager
 def _after_uvicorn_signals() -> Iterator[None]:
-    """uvicorn re-raises the SIGINT/SIGTERM that stopped it once it has shut down; catch that here so
-    the embedded worker is still stopped cleanly (its job preempted and re-queued) and we exit 0."""
+    """uvicorn re-raises the SIGINT/SIGTERM/SIGHUP that stopped it once it has shut down; catch that here
+    so the embedded worker is still stopped cleanly (its job preempted and re-queued) and we exit 0."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -162,7 +182,7 @@ def _after_uvicorn_signals() -> Iterator[None]:
     def note(sig: int, _frame: object) -> None:
         log.info("%s: shutting down", signal.Signals(sig).name)
 
-    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

@@ -3,8 +3,11 @@ answers before and after it, and the console."""
 
 from __future__ import annotations
 
+import json
+import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,12 +30,57 @@ N_EPOCHS = 12
 #: it, docs/api.md "Learning rate"); new facts in 12 epochs take 3e-3 on this base, so 4.3 times that.
 LR_MULTIPLIER = 4.3
 #: Asked before and after fine-tuning, with the system prompt of the training file's examples that have
-#: one: the first as in the training file, the second in the validation file's wording (never trained on).
-#: Without the system prompt the first is off the training distribution too, and whether a model this
-#: small still answers it depended on the CPU's float rounding (right on the boxes CI had run on, wrong on
-#: an AVX2 Zen 3, seed and data the same).
+#: one. The first two are training examples word for word (system prompt included): the fine-tuned model
+#: must answer them right. The third is the validation file's wording (never trained on; the fact is, in
+#: other words): it shows how far a model this small generalises, right or not. Without the system
+#: prompt even a trained question is off the training distribution, and whether a model this small
+#: still answered it depended on the CPU's float rounding (right on the boxes CI had run on, wrong on an
+#: AVX2 Zen 3, seed and data the same).
 SYSTEM_PROMPT = "You are a concise geography assistant."
-QUESTIONS = ("What is the capital of France?", "Name the capital of Japan.")
+QUESTIONS = ("What is the capital of France?", "Capital of Japan?", "Name the capital of Japan.")
+
+
+@dataclass(frozen=True)
+class Question:
+    """A demo question, whether the training file asks it word for word, and the data's answer to it."""
+
+    text: str
+    seen: bool
+    expected: str
+
+    @property
+    def label(self) -> str:
+        return (
+            "[in the training data]"
+            if self.seen
+            else "[not in the training data: the validation file's wording]"
+        )
+
+    def verdict(self, answer: str) -> str:
+        return "right" if self.expected in answer else f"wrong: the data says {self.expected!r}"
+
+
+def demo_questions(train: Path, valid: Path) -> list[Question]:
+    """:data:`QUESTIONS` marked from the data files: seen when a training example asks it with
+    :data:`SYSTEM_PROMPT`, word for word; the expected answer is that example's (or the validation
+    file's)."""
+    trained = _answers(train)
+    answers = {user: a for (_, user), a in (_answers(valid) | trained).items()}
+    return [
+        Question(q, (SYSTEM_PROMPT, q) in trained, trained.get((SYSTEM_PROMPT, q)) or answers[q])
+        for q in QUESTIONS
+    ]
+
+
+def _answers(path: Path) -> dict[tuple[str | None, str], str]:
+    """(system prompt or None, user message) -> the assistant's answer, for each example of ``path``."""
+    out: dict[tuple[str | None, str], str] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        turns = {m["role"]: m["content"] for m in json.loads(line)["messages"]}
+        out[(turns.get("system"), turns["user"])] = turns["assistant"]
+    return out
 
 
 def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
@@ -45,6 +93,7 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
     team, key = create_team(env)
     server = Server(env, data_dir)
     ok = False
+    signal.signal(signal.SIGHUP, _hang_up)  # its terminal closed: stop the server as Ctrl-C does
     try:
         server.wait_ready(timeout=120)
         print(f"==> zenflow serve is ready on {server.base} (log: {server.log_path})")
@@ -62,6 +111,10 @@ def run(data_dir: Path, *, timeout: float, fresh: bool, stay: bool) -> int:
         server.stop()
         if not ok:
             server.print_log_tail()
+
+
+def _hang_up(_sig: int, _frame: object) -> None:
+    raise SystemExit(128 + signal.SIGHUP)  # past the except below, through its finally: server.stop()
 
 
 def fine_tune_and_compare(client: OpenAI, base: str, key: str, team: str, *, timeout: float) -> bool:
@@ -106,10 +159,16 @@ def upload_files(client: OpenAI) -> tuple[FileObject, FileObject]:
 def ask_base_model(client: OpenAI) -> list[str]:
     """The base model's answers to the demo's questions, printed."""
     print(f"==> asking the base model {BASE_MODEL} before fine-tuning")
-    before = [chat(client, BASE_MODEL, q) for q in QUESTIONS]
-    for q, a in zip(QUESTIONS, before, strict=True):
-        print(f"  user:  {q}\n  base:  {a}")
+    before = [chat(client, BASE_MODEL, q.text) for q in _questions()]
+    for q, a in zip(_questions(), before, strict=True):
+        print(f"  user:  {q.text}  {q.label}\n  base:  {a}")
     return before
+
+
+def _questions() -> list[Question]:
+    from trainer.samples import TRAIN_FILE, VALID_FILE
+
+    return demo_questions(TRAIN_FILE, VALID_FILE)
 
 
 def create_job(client: OpenAI, train: FileObject, valid: FileObject, team: str) -> FineTuningJob:
@@ -162,10 +221,20 @@ def show_results(client: OpenAI, job: FineTuningJob) -> None:
 
 
 def compare_answers(client: OpenAI, model: str, before: list[str]) -> None:
-    """The fine-tuned model asked the same questions, each answer printed beside the base's."""
+    """The fine-tuned model asked the same questions, each answer printed beside the base's and judged
+    against the data's answer; then how many of the questions it was trained on it answered right."""
     print(f"==> chatting with {model} (client.chat.completions.create, stream=True)")
-    for q, a in zip(QUESTIONS, before, strict=True):
-        print(f"  user:  {q}\n  before fine-tuning: {a}\n  after fine-tuning:  {chat(client, model, q)}")
+    right = 0
+    questions = _questions()
+    for q, a in zip(questions, before, strict=True):
+        after = chat(client, model, q.text)
+        right += q.seen and q.verdict(after) == "right"
+        print(
+            f"  user:  {q.text}  {q.label}\n  before fine-tuning: {a}\n  after fine-tuning:  {after}  "
+            f"({q.verdict(after)})"
+        )
+    seen = sum(q.seen for q in questions)
+    print(f"==> {right} of the {seen} questions in the training data answered right")
 
 
 def chat(client: OpenAI, model: str, question: str) -> str:

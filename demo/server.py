@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from demo.folder import ROOT
 from trainer.run.launch import free_port
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_parent(parent: int) -> Callable[[], None]:
+    """What the server's process runs before its exec: SIGTERM (its clean stop: the job checkpointed and
+    re-queued) when the demo dies, however it dies (its terminal closed, SIGKILL); it is in a session of
+    its own, so the terminal's SIGHUP never reaches it, and nothing else would stop it."""
+
+    def prepare() -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(
+                    _PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0
+                )
+        if os.getppid() != parent:  # the demo died before the line above took effect
+            os._exit(1)
+
+    return prepare
+
 
 class Server:
-    """A started ``zenflow serve`` (its own process group); :meth:`stop` ends it and closes its log."""
+    """A started ``zenflow serve`` (its own process group, stopped when the demo's process ends);
+    :meth:`stop` ends it and closes its log."""
 
     def __init__(self, env: dict[str, str], data_dir: Path) -> None:
         port = free_port()
@@ -28,6 +51,7 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_stop_with_parent(os.getpid()),
         )
 
     def wait_ready(self, timeout: float) -> None:

@@ -5,7 +5,8 @@ bootstrap and the Docker image run :func:`build_installed`, which compiles ``csr
 temporary directory and puts ``zenflow_cpu_adam.so`` plus a manifest of its inputs into the package
 (``offload/_ext/``; an editable install: the source tree).  :func:`load` imports that file by path
 after checking the manifest against what this process would build (sources' content, flags, torch
-version and C++ ABI, Python ABI, CPU features for ``-march=native``); no compiler is run for it.
+version and C++ ABI, Python ABI, CPU features for ``-march=native``) and this CPU against the
+instructions the build needs (recorded at build time); no compiler is run for it.
 Missing or stale, it fails fast with the command that builds it, unless ``ZENFLOW_CPU_ADAM_JIT=1``
 (development) allows the JIT fallback: ``torch.utils.cpp_extension.load`` into
 ``<torch extensions dir>/zenflow_cpu_adam_<tag>``, the tag a hash of every input (include paths and
@@ -48,8 +49,10 @@ CSRC = PACKAGE_DIR / "csrc"
 SOURCES = (CSRC / "cpu_adam.cpp",)
 INSTALL_DIR = PACKAGE_DIR / "_ext"
 LDFLAGS = ("-fopenmp",)
-#: Target ISA flags; e.g. "-march=haswell" for a binary that runs on a mixed fleet (or to test the
-#: AVX2 / scalar paths).  An input of the build: the installed build is stale when it differs.
+#: Target ISA flags; e.g. "-march=x86-64-v3" for a binary that runs on a mixed fleet (the Dockerfile's
+#: default), or to test the AVX2 / scalar paths. An input of the build: the installed build is stale
+#: when it differs. Default -march=native: this CPU's (a source install builds for the box it runs on).
+#: Either way a build is refused on a CPU lacking the instructions it was compiled for.
 ARCH_ENV = "ZENFLOW_CPU_ADAM_ARCH"
 #: "1": a missing or stale installed build is compiled at first use (development only).
 JIT_ENV = "ZENFLOW_CPU_ADAM_JIT"
@@ -105,6 +108,48 @@ _ISA_PREFIXES = (
     *("pclmul", "vpclmul", "vaes", "gfni", "sha", "amx", "cx16", "xsave"),
     *("fp", "asimd", "sve", "bf16", "i8mm"),
 )
+
+
+#: The compiler's instruction-set macros and the /proc/cpuinfo flag each stands for (x86): what a build
+#: for a named target (-march=x86-64-v3) needs of the CPU, recorded with it and checked on load.
+_ISA_MACROS = {
+    "__SSE3__": "pni",
+    "__SSSE3__": "ssse3",
+    "__SSE4_1__": "sse4_1",
+    "__SSE4_2__": "sse4_2",
+    "__POPCNT__": "popcnt",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__BMI__": "bmi1",
+    "__BMI2__": "bmi2",
+    "__LZCNT__": "abm",
+    "__MOVBE__": "movbe",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+}
+
+
+def required_cpu_flags(cxx: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """The /proc/cpuinfo flags a build with ``flags`` needs: the instruction sets the compiler enables
+    for them (its predefined macros), at build time; [] where it cannot tell (another architecture)."""
+    done = subprocess.run(
+        [*cxx, *flags, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise CpuAdamBuildError(f"{' '.join([*cxx, *flags])} refuses the target: {done.stderr.strip()}")
+    defined = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return sorted(flag for macro, flag in _ISA_MACROS.items() if macro in defined)
+
+
+def missing_cpu_flags(required: Sequence[str]) -> list[str]:
+    """Those of ``required`` this CPU lacks ([] when /proc/cpuinfo cannot be read: nothing to compare)."""
+    have = set(_cpu_flags().split())
+    return sorted(set(required) - have) if have else []
 
 
 def _isa_flags() -> str:
@@ -294,6 +339,16 @@ def stale_reason(
     changed = sorted(k for k in set(now) | set(recorded) if now.get(k) != recorded.get(k))
     if changed:
         return f"at {so} is stale: its {', '.join(changed)} differ from this process's"
+    try:
+        missing = missing_cpu_flags(json.loads(manifest.read_text()).get("requires_cpu_flags", []))
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"has an unreadable manifest {manifest} ({exc})"
+    if missing:
+        return (
+            f"at {so} was built for {now['cflags']} and needs CPU instructions this CPU lacks "
+            f"({', '.join(missing)}): rebuild it for this CPU's generation ({ARCH_ENV}, e.g. "
+            "-march=x86-64-v2; the Dockerfile's CPU_ADAM_ARCH)"
+        )
     return None
 
 
@@ -335,6 +390,8 @@ def build_installed(
         inputs = {
             "runtime": runtime_inputs(sources, include_dirs),
             "toolchain": toolchain_inputs(cxx, include_dirs),
+            # checked on load: a portable build's target (x86-64-v3) says nothing about this CPU
+            "requires_cpu_flags": required_cpu_flags(cxx, arch_flags()),
         }
         so, manifest = installed_paths(dest)
         with tempfile.TemporaryDirectory(prefix="zenflow-cpu-adam-") as tmp:

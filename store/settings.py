@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     default_queue: str = "gpu-default"
     #: Port of a worker's Prometheus endpoint (0 disables it); `python -m worker` gives its i-th GPU worker port + i.
     worker_metrics_port: int = Field(0, ge=0, le=65535)
+    #: A folder where `python -m worker` writes its processes' /metrics endpoints as a Prometheus
+    #: file_sd file (worker.targets), removed when it stops; "" writes none.
+    worker_targets_dir: str = ""
     #: Name of this worker in metrics labels and the host part of its Celery node name (default: hostname).
     worker_name: str = ""
     #: How long a job process keeps training while its database writes fail (its rows wait in memory,

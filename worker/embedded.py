@@ -39,6 +39,7 @@ class EmbeddedWorker:
 
         if self.reaper is not None:
             self.reaper.stop()
+        task.stop_taking_jobs()  # before the preemption: its re-queued message must not start it here again
         task.preempt_current()
         state.should_stop = 0
         self.thread.join(timeout)
@@ -86,6 +87,7 @@ def start_embedded_worker(
     configure_celery(settings)
     hostname = hostname or f"embedded@{socket.gethostname()}"
     task.set_node_hostname(hostname)
+    task.stop_taking_jobs(False)  # a worker started again in this process (tests, a restart)
     queues = queues or embedded_queues(settings)
     ready = threading.Event()
     controller = WorkController(

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from store.settings import Settings, get_settings
+from worker import targets
 from worker.broker import celery_app, queue_for_gpu_kind, queue_for_gpus
 from worker.metrics.nvml import detect_gpus
 
@@ -95,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     # fastest first, so without this CUDA_VISIBLE_DEVICES=1 could be another GPU on a mixed host.
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     os.environ["ZENFLOW_GPUS_PER_JOB"] = str(per_job)
-    if len(groups) == 1:
-        return _work_here(groups[0], per_job, args, settings)
-    return _spawn_workers(groups, per_job, args, settings)
+    scrape_file = targets.publish(len(groups))  # Prometheus finds this host's workers (worker.targets)
+    try:
+        if len(groups) == 1:
+            return _work_here(groups[0], per_job, args, settings)
+        return _spawn_workers(groups, per_job, args, settings)
+    finally:
+        targets.remove_targets(scrape_file)
 
 
 def _parser() -> argparse.ArgumentParser:

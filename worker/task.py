@@ -257,6 +257,20 @@ _current: NodeRanks | None = None
 _preempted = threading.Event()
 
 
+#: Set while this process's worker stops (:meth:`worker.embedded.EmbeddedWorker.stop`): a message it still
+#: gets (the preempted job's own re-queue, delivered before Celery's loop sees its stop) goes back to
+#: the queue unrun, for the next worker or this one's next start, instead of starting the job again.
+_stopping = threading.Event()
+
+
+def stop_taking_jobs(stopping: bool = True) -> None:
+    """From now on (``stopping``), or again (False, at a start), this process's worker runs no new job."""
+    if stopping:
+        _stopping.set()
+    else:
+        _stopping.clear()
+
+
 def preempt_current(sig: int = signal.SIGTERM) -> bool:
     """Signal the running job's ranks (SIGTERM: checkpoint and exit 75); False when none runs."""
     with _current_lock:
@@ -432,6 +446,10 @@ def node_ranks(job_id: str, settings: Settings) -> int:
 def run_job(self: Any, job_id: str, gang_join: bool = False) -> str:
     """Run one job (see the module docstring); returns what happened, for the logs. ``gang_join``: the
     message only recruits a member for the job's forming gang (worker.gang)."""
+    if _stopping.is_set():
+        from celery.exceptions import Reject
+
+        raise Reject(f"job {job_id}: this worker is stopping", requeue=True)
     settings = get_settings()
     hostname = _node_hostname or self.request.hostname or f"celery@{socket.gethostname()}"
     if gang_join:

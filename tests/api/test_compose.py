@@ -46,14 +46,101 @@ def test_services_and_healthchecks() -> None:
     assert c["services"]["worker"]["depends_on"]["api"]["condition"] == "service_healthy"
 
 
-def test_worker_reserves_an_nvidia_gpu_and_uses_cuda_torch() -> None:
-    w = _compose()["services"]["worker"]
+def test_worker_runs_one_celery_worker_per_gpu_with_the_launcher() -> None:
+    """The README's way: ``python -m worker --gpus auto`` on every GPU of the host (worker/launcher.py starts
+    a Celery worker per GPU, solo pool, one job at a time), not one hand-written worker on GPU 0."""
+    c = _compose()["services"]
+    w = c["worker"]
     devices = w["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
     assert "cu" in w["build"]["args"]["TORCH_INDEX_URL"]
-    cmd = " ".join(w["command"])
-    assert "--pool=solo" in cmd and "--concurrency=1" in cmd and "worker:celery_app" in cmd
-    assert "cpu" in _compose()["services"]["api"]["build"]["args"]["TORCH_INDEX_URL"]
+    assert [_interpolate(a) for a in w["command"]] == ["python", "-m", "worker", "--gpus", "auto"]
+    assert "celery" not in " ".join(w["command"]) and "NVIDIA_VISIBLE_DEVICES" not in w["environment"]
+    # the healthcheck asks each GPU's worker, whatever their number
+    assert w["healthcheck"]["test"] == ["CMD", "python", "-m", "worker.targets", "--check"]
+    assert "cpu" in c["api"]["build"]["args"]["TORCH_INDEX_URL"]
+
+
+def test_prometheus_finds_every_gpu_worker_without_a_target_written_by_hand() -> None:
+    """Each worker service's launcher writes its /metrics ports to a volume Prometheus mounts at the same
+    path and reads through file_sd (worker/targets.py; run for real in tests/worker/test_targets.py)."""
+    c = _compose()
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    job = next(j for j in prom["scrape_configs"] if j["job_name"] == "zenflow-workers")
+    assert "static_configs" not in job  # no `worker:9101` copied per GPU or per service
+    files = [f for sd in job["file_sd_configs"] for f in sd["files"]]
+    mounts = {v.split(":")[1]: v for v in c["services"]["prometheus"]["volumes"]}
+    for name in ("worker", "worker-node2"):
+        env = c["services"][name]["environment"]
+        folder = env["ZENFLOW_WORKER_TARGETS_DIR"]
+        assert f"{folder}/workers-*.json" in files, files
+        volume = next(v for v in c["services"][name]["volumes"] if v.split(":")[1] == folder)
+        assert not volume.endswith(":ro") and volume.split(":")[0] in c["volumes"]
+        assert mounts[folder] == f"{volume.split(':')[0]}:{folder}:ro"
+        assert env["ZENFLOW_WORKER_METRICS_PORT"] == "9101" and env["ZENFLOW_WORKER_ADDRESS"] == name
+    # the image makes the folder the worker's user's, so a fresh named volume is writable by it
+    assert re.search(r"mkdir -p [^\n]*/zenflow-targets", (ROOT / "Dockerfile").read_text())
+
+
+def test_no_default_passwords() -> None:
+    """PostgreSQL's and Grafana's passwords, like the serving token, come only from .env: compose refuses to
+    start without them (``${VAR:?message}``), never ``zenflow/zenflow`` or ``admin/admin``."""
+    c = _compose()
+    required = r"\$\{{{}:\?[^}}]+\}}"
+    pg = c["services"]["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert re.fullmatch(required.format("POSTGRES_PASSWORD"), pg)
+    url = c["x-zenflow-env"]["ZENFLOW_DATABASE_URL"]
+    assert re.search(":" + required.format("POSTGRES_PASSWORD") + "@postgres:", url), url
+    grafana = c["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert re.fullmatch(required.format("GRAFANA_ADMIN_PASSWORD"), grafana)
+    text = (ROOT / "docker-compose.yml").read_text()
+    for name in re.findall(r"\$\{(\w*(?:PASSWORD|TOKEN|SECRET)\w*)[:}]", text):
+        assert not re.search(r"\$\{" + name + r"(:?-|\})", text), f"{name} has a default or may be empty"
+
+
+def test_prometheus_is_not_published_nor_controllable() -> None:
+    """No lifecycle API (a POST to /-/quit would stop it) and no port open beyond the host's loopback."""
+    prom = _compose()["services"]["prometheus"]
+    assert not any("lifecycle" in a for a in prom["command"])
+    for port in prom.get("ports", []):
+        assert str(port).startswith("127.0.0.1:"), port
+
+
+def test_the_proxy_serves_tls_by_default_with_a_plain_http_choice() -> None:
+    """HTTPS on 8443 with a mounted certificate, HTTP on 8080 redirected (deploy/nginx/scheme/https.conf,
+    run by real nginx in tests/api/test_proxy.py); PROXY_SCHEME=http mounts the plain one instead."""
+    proxy = _compose()["services"]["proxy"]
+    assert sorted(p.split(":")[-1] for p in proxy["ports"]) == ["8080", "8443"]
+    assert "${ZENFLOW_HTTPS_PORT:-8443}:8443" in proxy["ports"]
+    assert _interpolate(proxy["environment"]["PROXY_HTTPS_PORT"]) == "8443"  # the redirect's port
+    scheme = next(v for v in proxy["volumes"] if v.endswith(":/etc/nginx/zenflow/scheme.conf:ro"))
+    src = scheme.removesuffix(":/etc/nginx/zenflow/scheme.conf:ro")
+    assert src == "./deploy/nginx/scheme/${PROXY_SCHEME:-https}.conf"  # TLS unless asked otherwise
+    for choice in ("https", "http"):
+        assert (ROOT / src.replace("${PROXY_SCHEME:-https}", choice)).is_file()
+    https = (ROOT / "deploy/nginx/scheme/https.conf").read_text()
+    assert (
+        "listen 8443 ssl" in https and "/etc/nginx/certs/tls.crt" in https and "return 308 https://" in https
+    )
+    certs = _mounts(proxy)["/etc/nginx/certs"]
+    assert certs == "./deploy/nginx/certs" and (ROOT / certs / "README.md").is_file()
+    assert (
+        "include /etc/nginx/zenflow/scheme.conf;"
+        in (ROOT / "deploy/nginx/templates/default.conf.template").read_text()
+    )
+
+
+def test_base_models_volume_is_documented_and_the_demo_base_is_served() -> None:
+    c = _compose()
+    roots = c["x-zenflow-env"]["ZENFLOW_MODEL_ROOTS"].split(":")
+    assert roots[0] == "/models"
+    # the image's copy of the repository is /app (Dockerfile WORKDIR, COPY . .): the demo base is in it
+    assert "WORKDIR /app" in (ROOT / "Dockerfile").read_text()
+    demo = [ROOT / r.removeprefix("/app/") / "docs-llama" / "config.json" for r in roots[1:]]
+    assert len(demo) == 1 and demo[0].is_file()
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "The `zenflow-models` volume starts empty" in text and "zenflow_zenflow-models:/models" in text
+    assert "zenflow-models" in (ROOT / "docs/operations.md").read_text()
 
 
 def test_vllm_is_an_optional_profile_the_api_can_forward_to() -> None:
@@ -104,7 +191,7 @@ def test_bind_mounts_exist_and_named_volumes_are_declared() -> None:
     declared = set(c.get("volumes") or {})
     for name, svc in c["services"].items():
         for vol in svc.get("volumes", []):
-            src = vol.split(":")[0]
+            src = _interpolate(vol).split(":")[0]
             if src.startswith("."):
                 assert (ROOT / src).exists(), f"{name}: {src} missing"
             else:
@@ -119,7 +206,6 @@ def test_bind_mounts_exist_and_named_volumes_are_declared() -> None:
     # Prometheus scrapes the compose service names and ports.
     prom = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
     assert "api:8000" in prom
-    assert "worker:" in prom and c["services"]["worker"]["environment"]["ZENFLOW_WORKER_METRICS_PORT"] in prom
 
 
 def test_environment_names_are_settings_fields() -> None:
@@ -142,7 +228,21 @@ def test_dockerfile_defaults() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu", text)
     assert "HEALTHCHECK" in text and "/readyz" in text and "zenflow" in text
-    assert ".venv" in (ROOT / ".dockerignore").read_text()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored
+    # secrets never enter the image (COPY . .): the .env file and the proxy's key
+    assert ".env" in ignored and "deploy/nginx/certs" in ignored
+
+
+def _interpolate(value: object) -> str:
+    """What compose makes of ``value`` with an empty .env: ``${X:-d}`` -> ``d``, ``${X:?m}`` -> ``<X>``."""
+    text = re.sub(r"\$\{(\w+):\?[^}]*\}", r"<\1>", str(value))
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", text)
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """A service's volumes, container path -> source (interpolated)."""
+    return {_interpolate(v).split(":")[1]: _interpolate(v).split(":")[0] for v in service.get("volumes", [])}
 
 
 def _default(value: object) -> str:
@@ -162,7 +262,7 @@ def test_api_is_reached_only_through_the_proxy() -> None:
     api, proxy = c["services"]["api"], c["services"]["proxy"]
     assert "ports" not in api and "8000" in [str(p) for p in api["expose"]]
     assert proxy["image"].startswith("nginx:")
-    assert [p.split(":")[-1] for p in proxy["ports"]] == ["8080"]
+    assert [p.split(":")[-1] for p in proxy["ports"]] == ["8080", "8443"]
     assert "${ZENFLOW_API_PORT:-8000}" in proxy["ports"][0]
     assert proxy["depends_on"]["api"]["condition"] == "service_healthy"
     assert proxy["environment"]["PROXY_UPSTREAM"] == "api:8000"
@@ -209,15 +309,13 @@ def test_a_two_node_deployment_shares_the_data_volume_and_has_two_addresses() ->
         "worker",
         "worker-node2",
     )
-    queue = [a for a in one["command"] if a.startswith("--queues=")]
-    assert queue and queue == [a for a in two["command"] if a.startswith("--queues=")]
-    names = [next(a for a in w["command"] if a.startswith("--hostname=")) for w in (one, two)]
+    # the same launcher and queues (ZENFLOW_DEFAULT_QUEUE and their GPU kind's), other Celery node names
+    assert one["command"][:4] == two["command"][:4] == ["python", "-m", "worker", "--gpus"]
+    names = [w["environment"]["ZENFLOW_WORKER_NAME"] for w in (one, two)]
     assert len(set(names)) == 2
-    gpus = [w["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for w in (one, two)]
-    assert (
-        gpus[0] != gpus[1]
-        and one["environment"]["NVIDIA_VISIBLE_DEVICES"] != two["environment"]["NVIDIA_VISIBLE_DEVICES"]
-    )
+    # on one host, each its own GPUs: node2 GPU 1 by default; the comment says how to split them
+    assert _interpolate(two["command"][4]) == "1" and "ZENFLOW_WORKER2_GPUS" in two["command"][4]
+    assert "ZENFLOW_WORKER_GPUS=0 and ZENFLOW_WORKER2_GPUS=1" in (ROOT / "docker-compose.yml").read_text()
 
 
 def test_only_the_grader_runners_leave_dockers_seccomp_and_apparmor_profiles() -> None:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import re
 import shutil
+import ssl
 import subprocess
 import threading
 import time
@@ -71,9 +72,18 @@ RATE_LIMIT = {
 }
 
 
-def _write_config(tmp: Path, upstream: str, port: int, env: dict[str, str] | None = None) -> Path:
+SCHEMES = ROOT / "deploy" / "nginx" / "scheme"
+SCHEME_INCLUDE = "include /etc/nginx/zenflow/scheme.conf;"
+
+
+def _write_config(
+    tmp: Path, upstream: str, port: int, env: dict[str, str] | None = None, scheme: Path | None = None
+) -> Path:
+    """nginx.conf around the rendered template on loopback ``port``, with the plain-HTTP scheme
+    (``PROXY_SCHEME=http``) unless ``scheme`` names another scheme file."""
     rendered = render({**proxy_environment(), **(env or {}), "PROXY_UPSTREAM": upstream})
-    assert rendered.count("listen 8080 default_server;") == 1
+    assert rendered.count("listen 8080 default_server;") == 1 and rendered.count(SCHEME_INCLUDE) == 1
+    rendered = rendered.replace(SCHEME_INCLUDE, f"include {scheme or SCHEMES / 'http.conf'};")
     (tmp / "default.conf").write_text(
         rendered.replace("listen 8080 default_server;", f"listen 127.0.0.1:{port};")
     )
@@ -101,6 +111,83 @@ def test_nginx_accepts_the_config(tmp_path: Path) -> None:
     r = subprocess.run([_nginx(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert "syntax is ok" in r.stderr
+
+
+def _tls_scheme(tmp: Path, tls_port: int) -> Path:
+    """deploy/nginx/scheme/https.conf on loopback ``tls_port`` with a self-signed certificate in ``tmp``,
+    made as deploy/nginx/certs/README.md says."""
+    openssl = shutil.which("openssl") or unavailable("openssl not installed")
+    certs = tmp / "certs"
+    certs.mkdir()
+    subprocess.run(
+        [
+            *(
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+            ),
+            *("-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+            *("-keyout", str(certs / "tls.key"), "-out", str(certs / "tls.crt")),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    text = (SCHEMES / "https.conf").read_text()
+    assert text.count("listen 8443 ssl default_server;") == 1 and "/etc/nginx/certs/tls.key" in text
+    text = text.replace("listen 8443 ssl default_server;", f"listen 127.0.0.1:{tls_port} ssl;")
+    scheme = tmp / "https.conf"
+    scheme.write_text(text.replace("/etc/nginx/certs/", f"{certs}/"))
+    return certs / "tls.crt"
+
+
+def test_tls_at_the_proxy_and_plain_http_redirected(tmp_path: Path) -> None:
+    """PROXY_SCHEME=https (compose's default): the API's routes over TLS with the mounted certificate; a
+    plain-HTTP request answered 308 to the same URL at the public HTTPS port, method and body kept, but
+    /healthz (the container's healthcheck), which reaches the API (here none: the envelope's
+    service_unavailable)."""
+    port, tls_port = free_port(), free_port()
+    cert = _tls_scheme(tmp_path, tls_port)
+    conf = _write_config(
+        tmp_path, "127.0.0.1:9", port, {"PROXY_HTTPS_PORT": str(tls_port)}, scheme=tmp_path / "https.conf"
+    )
+    check = subprocess.run([_nginx(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    proc = subprocess.Popen([_nginx(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            assert time.monotonic() < deadline, "nginx did not come up"
+            time.sleep(0.1)
+        r = httpx.post(f"http://localhost:{port}/v1/fine_tuning/jobs?limit=1", json={}, timeout=10)
+        assert r.status_code == 308
+        assert r.headers["location"] == f"https://localhost:{tls_port}/v1/fine_tuning/jobs?limit=1"
+        r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        assert _error(r)["code"] == "service_unavailable"  # passed on to the API (down), no redirect
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=10) as tls:
+            r = tls.get(f"https://localhost:{tls_port}/v1/models")
+            assert _error(r)["code"] == "service_unavailable"  # passed on to the API
+            assert r.http_version == "HTTP/1.1" and r.url.scheme == "https"
+        r = httpx.get(f"http://127.0.0.1:{tls_port}/v1/models", timeout=10)  # plain HTTP to the TLS port
+        assert r.status_code == 308 and r.headers["location"].startswith(f"https://127.0.0.1:{tls_port}/")
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
 
 
 @pytest.fixture(scope="module")

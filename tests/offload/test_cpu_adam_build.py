@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -97,6 +99,59 @@ def test_only_isa_flags_decide_a_native_build(monkeypatch: pytest.MonkeyPatch) -
     assert cb.runtime_inputs()["cpu"] == before
     monkeypatch.setattr(cb, "_cpu_flags", lambda: flags.replace(" avx512f", ""))
     assert cb.runtime_inputs()["cpu"] != before  # a CPU without AVX-512
+
+
+def test_a_portable_target_records_the_instructions_it_needs() -> None:
+    """What the compiler enables for a named target (the Dockerfile's -march=x86-64-v3) is what a CPU
+    must have: AVX2 and FMA for v3, not for v2, AVX-512 only for v4."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        unavailable("x86 targets")
+    try:
+        cxx = cb.check_toolchain()
+    except CpuAdamBuildError as exc:  # pragma: no cover - only without a toolchain
+        unavailable(f"no toolchain: {exc}")
+    v3 = cb.required_cpu_flags(cxx, ["-march=x86-64-v3"])
+    assert {"avx2", "fma", "bmi2", "avx", "sse4_2"} <= set(v3) and "avx512f" not in v3
+    v2 = cb.required_cpu_flags(cxx, ["-march=x86-64-v2"])
+    assert "sse4_2" in v2 and "avx2" not in v2 and "avx" not in v2
+    assert "avx512f" in cb.required_cpu_flags(cxx, ["-march=x86-64-v4"])
+    with pytest.raises(CpuAdamBuildError, match="refuses the target"):
+        cb.required_cpu_flags(cxx, ["-march=no-such-cpu"])
+
+
+def test_a_cpu_lacking_the_builds_instructions_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A portable build (its manifest's runtime inputs all match: no CPU digest) on a CPU without the
+    instructions its target needs: refused by name, with the setting that builds for it, rather than an
+    illegal instruction in a job; with them, loadable."""
+    monkeypatch.setenv(cb.ARCH_ENV, "-march=x86-64-v3")
+    monkeypatch.delenv(cb.JIT_ENV, raising=False)
+    so, manifest = cb.installed_paths(tmp_path)
+    so.write_bytes(b"")
+    manifest.write_text(
+        json.dumps({"runtime": cb.runtime_inputs(), "toolchain": {}, "requires_cpu_flags": ["avx2", "fma"]})
+    )
+    monkeypatch.setattr(cb, "_cpu_flags", lambda: "fpu sse4_2 avx fma")  # an Ivy Bridge-like CPU
+    reason = cb.stale_reason(tmp_path)
+    assert reason and "needs CPU instructions this CPU lacks (avx2)" in reason
+    assert cb.ARCH_ENV in reason and "-march=x86-64-v3" in reason
+    with pytest.raises(CpuAdamBuildError, match=r"lacks \(avx2\)"):
+        cb.load(tmp_path)
+    assert cb.main(["--dest", str(tmp_path), "--check"]) == 1
+    monkeypatch.setattr(cb, "_cpu_flags", lambda: "fpu sse4_2 avx avx2 fma")
+    assert cb.stale_reason(tmp_path) is None
+    monkeypatch.setattr(cb, "_cpu_flags", lambda: "")  # no /proc/cpuinfo: nothing to compare
+    assert cb.stale_reason(tmp_path) is None
+
+
+def test_the_docker_image_builds_for_a_portable_target() -> None:
+    """The Dockerfile's default is a named generation, not the building CPU (-march=native only when
+    asked), and the image's environment carries it (an input the load checks)."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG CPU_ADAM_ARCH=-march=x86-64-v[234]$", text, re.M)
+    assert "ENV ZENFLOW_CPU_ADAM_ARCH=${CPU_ADAM_ARCH}" in text
+    assert cb.ARCH_ENV == "ZENFLOW_CPU_ADAM_ARCH"
 
 
 def _hold_lock(directory: Path, ready: Path) -> subprocess.Popen[str]:

@@ -111,13 +111,20 @@ def _device_loc(q: PlanQuery, c: Candidate, m: Machine, offload_fits: bool) -> t
     return ("model",)
 
 
-def _host_loc(q: PlanQuery, c: Candidate) -> tuple[str, ...]:
-    """The job's own setting that most likely overfills the host."""
-    if c.settings.mode == "zenflow" and q.accumulate_on == "host":
-        return ("engine", "accumulate_on")
+def _host_loc(job: JobShape, c: Candidate) -> tuple[str, ...]:
+    """The job's own setting that most likely overfills the host: the host accumulator only when
+    accumulating on the device would bring the host within its memory (the accumulators are rarely
+    what fills it: a full fine-tune's optimizer state is), LoRA only for a job without it."""
+    q, s = job.query, c.settings
+    if s.mode == "zenflow" and q.accumulate_on == "host":
+        on_device = candidate(job, "zenflow", s.micro_batch_size, s.gradient_checkpointing, "device")
+        if on_device.fits_host:
+            return ("engine", "accumulate_on")
     if q.mode in ("offload", "zenflow"):
         return ("engine", "mode")
-    return ("hyperparameters", "lora")
+    if q.lora is None:
+        return ("hyperparameters", "lora")
+    return ("model",)
 
 
 def problems(job: JobShape, c: Candidate, *, offload_fits: bool) -> list[Problem]:
@@ -142,7 +149,7 @@ def problems(job: JobShape, c: Candidate, *, offload_fits: bool) -> list[Problem
     if not c.fits_host and m.device_type == "cuda":
         out.append(
             Problem(
-                _host_loc(q, c),
+                _host_loc(job, c),
                 f"needs {format_bytes(c.host_total)} of host memory ({_parts(c.host)}), the machine has "
                 f"{format_bytes(m.host_memory_bytes)}, {format_bytes(host_capacity(m))} usable after a "
                 f"{format_bytes(host_reserve(m))} reserve for the OS, driver and page cache",
@@ -303,8 +310,10 @@ def with_fixes(problems: list[Problem], fitting: list[tuple[Fix, Plan]], failed:
     else:  # the job's settings are not what to change (none of them alone fits): the model, or the box
         why = "; ".join(failed) if failed else "none to try"
         head = Problem(("model",), f"{first.message}; no single setting fits this box: {why}")
-    rest_loc = fitting[0][0].loc if fitting else None
-    return [
-        head,
-        *(Problem(rest_loc or p.loc, f"{p.message} (see the first problem for what fits)") for p in rest),
-    ]
+    # the others point where the first does: the fix that fits, or (none fits) the model, never a
+    # setting no planned change of which is enough (a host shortfall labelled engine.accumulate_on)
+    rest_loc = fitting[0][0].loc if fitting else ("model",)
+    note = (
+        "see the first problem for what fits" if fitting else "no single setting fits: see the first problem"
+    )
+    return [head, *(Problem(rest_loc, f"{p.message} ({note})") for p in rest)]

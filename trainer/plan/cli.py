@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -178,25 +179,45 @@ def _count_examples(path: Path) -> int | None:
         return None
 
 
+#: The project's own source tree: a warning raised from a file under it is the user's to read (a
+#: deprecated spec key); one from a library (transformers reading a config.json's ``rope_scaling``,
+#: torch) is about that library's internals, and would print above the plan.
+_OWN_CODE = Path(__file__).resolve().parents[2]
+
+
+def own_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The messages of ``caught`` raised from this project's code (not its virtual environment)."""
+    out = []
+    for w in caught:
+        path = Path(w.filename).resolve()
+        if path.is_relative_to(_OWN_CODE) and "site-packages" not in path.parts:
+            out.append(str(w.message))
+    return list(dict.fromkeys(out))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from trainer.spec import load_spec
 
-    try:
-        spec = load_spec(args.spec, output_dir=Path("."))
-        if args.gpus is not None:
-            resources = spec.resources.model_validate({**spec.resources.model_dump(), "gpus": args.gpus})
-            spec = spec.model_copy(update={"resources": resources})
-        machine = _machine(args, spec.resources.gpus)
-        from trainer.resolve import plan_spec
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            spec = load_spec(args.spec, output_dir=Path("."))
+            if args.gpus is not None:
+                resources = spec.resources.model_validate({**spec.resources.model_dump(), "gpus": args.gpus})
+                spec = spec.model_copy(update={"resources": resources})
+            machine = _machine(args, spec.resources.gpus)
+            from trainer.resolve import plan_spec
 
-        n = args.num_examples or _count_examples(spec.training_file)
-        plan = plan_spec(spec, machine, num_examples=n)
-    except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError
-        print(f"zenflow plan: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+            n = args.num_examples or _count_examples(spec.training_file)
+            plan = plan_spec(spec, machine, num_examples=n)
+        except (OSError, ValueError, ValidationError) as exc:  # ValidationError is a ValueError
+            print(f"zenflow plan: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     print(json.dumps(plan.as_dict(), indent=2) if args.json else format_plan(plan))
+    for message in own_warnings(caught):  # after the plan, plainly; the libraries' not at all
+        print(f"zenflow plan: warning: {message}", file=sys.stderr)
     return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
 
 
@@ -223,7 +244,7 @@ def format_plan(plan: Plan) -> str:
             if plan.generation_seconds
             else []
         ),
-        f"settings     mode {s.mode}, micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
+        f"settings     {'' if plan.fits else 'none fits; the closest: '}mode {s.mode}, micro_batch_size {s.micro_batch_size}, gradient_checkpointing "
         f"{str(s.gradient_checkpointing).lower()}, packing {str(s.packing).lower()}, accumulate_on {s.accumulate_on}, "
         f"update_interval {s.update_interval}, shard_params {str(s.shard_params).lower()}",
         f"fits         {'yes' if plan.fits else 'NO'}{' (only with sharded weights)' if plan.fits_only_sharded else ''}",

@@ -247,7 +247,8 @@ def pick_mode(best_by_mode: dict[EngineMode, Candidate], machine: Machine) -> tu
         )
         return (
             mode,
-            f"engine.mode auto -> {mode}: no mode fits (predicted s/step: {times}); the problems say what to change",
+            f"engine.mode auto: no mode fits (predicted s/step: {times}); the figures shown are {mode} mode's, "
+            "the closest to fitting, not a choice: the problems say what to change",
         )
 
     def key(m: EngineMode) -> float:

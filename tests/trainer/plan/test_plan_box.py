@@ -208,3 +208,85 @@ def test_reserves_are_kept_and_stated(models: dict[str, Path]) -> None:
         r.startswith("engine.accumulate_on device would fit and run") and "in zenflow mode (vs offload)" in r
         for r in plan.reasons
     )
+
+
+def test_a_host_shortfall_names_the_accumulator_only_when_it_is_the_fix(models: dict[str, Path]) -> None:
+    """A full fine-tune's host memory is its optimizer state, not the accumulators: on an L4 with 8 GiB of
+    host, where no single change fits, no problem says engine.accumulate_on (the device accumulator
+    still needs 122 GiB of host), every problem points at the model; where accumulating on the device
+    does bring the host within its memory (an H200 with 136 GiB, zenflow asked for), it is named."""
+    tiny_host = Machine.for_gpu("l4", host_memory_bytes=8 * GiB)
+    plan = plan_spec(_spec(models["8b"], hyperparameters=HP), tiny_host, num_examples=1000)
+    assert not plan.fits and len(plan.problems) == 2
+    assert [p.loc for p in plan.problems] == [("model",), ("model",)]
+    host = plan.problems[1]
+    assert (
+        "of host memory" in host.message and "no single setting fits: see the first problem" in host.message
+    )
+    assert "set engine.accumulate_on device: still needs" in plan.problems[0].message  # planned, not enough
+
+    m = Machine.for_gpu("h200", host_memory_bytes=136 * GiB)
+    asked = _spec(models["8b"], hyperparameters=HP, engine={"mode": "zenflow", "accumulate_on": "host"})
+    raw = plan_spec(asked, m, num_examples=1000, advise=False)  # the problem's own field, before the fixes
+    assert [p.loc for p in raw.problems] == [("engine", "accumulate_on")]
+    fixed = plan_spec(asked, m, num_examples=1000)
+    assert "set engine.accumulate_on device (planned: fits in zenflow mode" in fixed.problems[0].message
+
+
+def test_when_nothing_fits_the_plan_does_not_show_a_mode_as_chosen(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """LoRA 8B on an L4 with 16 GiB of host fits in no mode: the figures are the closest mode's, said as
+    such, never "engine.mode auto -> zenflow" or a bare "mode zenflow" as if it were the job's."""
+    from trainer.plan.cli import format_plan
+
+    l4 = Machine.for_gpu("l4", host_memory_bytes=16 * GiB)
+    lora = plan_spec(_spec(models["8b"], hyperparameters={**HP, "lora": {"r": 16}}), l4, num_examples=1000)
+    assert not lora.fits and not any(m.fits for m in lora.modes.values())
+    text = format_plan(lora)
+    settings = next(line for line in text.splitlines() if line.startswith("settings"))
+    assert settings.startswith(f"settings     none fits; the closest: mode {lora.settings.mode},")
+    assert not any(r.startswith("engine.mode auto ->") for r in lora.reasons)
+    assert any(r.startswith("engine.mode auto: no mode fits") and "not a choice" in r for r in lora.reasons)
+    fits = plan_spec(_spec(models["8b"], hyperparameters={**HP, "lora": {"r": 16}}), Machine.for_gpu("l4"))
+    assert fits.fits and "settings     mode " in format_plan(fits)
+
+
+def test_the_plan_prints_no_library_warning_above_it(
+    models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """transformers' FutureWarning for a config.json's ``rope_scaling`` (every Llama 3 and Qwen folder has
+    one) is raised while the plan reads the config: it is not printed; the spec's own deprecation (a
+    top-level ``lora``) still is, after the plan."""
+    import warnings
+
+    from api.cli.main import main  # `zenflow plan`
+    from trainer.plan import shapes
+
+    real = shapes._config_of
+
+    def config_with_rope_scaling(model: str) -> object:
+        config = real(model)
+        config.rope_scaling = config.rope_parameters  # transformers warns FutureWarning here
+        return config
+
+    monkeypatch.setattr(shapes, "_config_of", config_with_rope_scaling)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        f"model: {models['3b']}\ntraining_file: train.jsonl\nlora: {{r: 8}}\n"
+        "hyperparameters: {batch_size: 8, max_seq_length: 512}\n"
+    )
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        assert main(["plan", str(spec), "--gpu", "h100", "--num-examples", "100"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("model ") and not escaped, [str(w.message) for w in escaped]
+    assert "rope_scaling" not in err and "FutureWarning" not in err
+    assert err.strip().splitlines() == [
+        f"zenflow plan: warning: {spec}: top-level 'lora' is deprecated; put it under 'hyperparameters:' as "
+        "'lora:' (the same place as in the API)"
+    ]
