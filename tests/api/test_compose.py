@@ -167,10 +167,12 @@ def test_serving_is_its_own_internal_service_the_api_calls_with_a_shared_token()
     assert serving["command"][:3] == ["python", "-m", "serving"] and "8001" in serving["command"]
     assert "ports" not in serving and [str(p) for p in serving["expose"]] == ["8001"]  # internal only
     assert "8001/readyz" in " ".join(serving["healthcheck"]["test"])
-    assert api["environment"]["ZENFLOW_API_INFERENCE_SERVER_URL"] == "http://serving:8001"
     token = "ZENFLOW_API_INFERENCE_SERVER_TOKEN"
-    # one variable for both, and no default: compose refuses to start without it
-    assert api["environment"][token] == serving["environment"][token]
+    # chat from the API, a reinforcement job's model graders from the workers
+    for caller in (api, c["services"]["worker"], c["services"]["worker-node2"]):
+        assert caller["environment"]["ZENFLOW_API_INFERENCE_SERVER_URL"] == "http://serving:8001"
+        # one variable for all, and no default: compose refuses to start without it
+        assert caller["environment"][token] == serving["environment"][token]
     assert re.fullmatch(r"\$\{ZENFLOW_INFERENCE_SERVER_TOKEN:\?.+\}", api["environment"][token])
     assert "serving:8001" in (ROOT / "deploy/prometheus/prometheus.yml").read_text()
 
