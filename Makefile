@@ -2,7 +2,7 @@
 # runs). Both bootstrap .venv, the pinned CPU torch, the package and the C++ optimizer build, idempotently.
 # `make lint` is every static check `make test` runs; `make test-fast` the inner loop; `make test-floor` the
 # engine's tests on the lowest torch pyproject.toml allows (CI runs it after `make test`).
-.PHONY: bootstrap run test lint test-fast test-floor
+.PHONY: bootstrap bootstrap-test run test lint test-fast test-floor
 
 # Python caches the bytecode of what it imports (in __pycache__, inside .venv and the git-ignored
 # folders of the tree) unless PYTHONDONTWRITEBYTECODE is set, as some shells and images set it. Every
@@ -14,17 +14,21 @@ unexport PYTHONDONTWRITEBYTECODE
 bootstrap:
 	@bash scripts/bootstrap.sh
 
+# and, as root, the Debian tools only the tests use (prometheus, nginx, chromium)
+bootstrap-test:
+	@bash scripts/bootstrap.sh --test-tools
+
 run: bootstrap
 	@.venv/bin/python -m demo
 
-test: bootstrap
+test: bootstrap-test
 	@bash scripts/test.sh
 
 lint: bootstrap
 	@bash scripts/lint.sh
 
-test-fast: bootstrap
+test-fast: bootstrap-test
 	@bash scripts/test-fast.sh
 
-test-floor: bootstrap
+test-floor: bootstrap-test
 	@bash scripts/test-floor.sh

@@ -5,7 +5,11 @@
 # Quiet: one progress line per stage that does work, with its time; what pip, the compiler and
 # apt-get print goes to .venv/bootstrap.log, shown (its tail) when a stage fails. Already done, it
 # prints nothing and takes well under a second (stamps in .venv).
+# `--test-tools` (make test and its kin) also installs, as root, the Debian tools only the tests use
+# (prometheus, nginx, chromium); `make run` and `make lint` never install them.
 set -euo pipefail
+test_tools=0
+[ "${1:-}" = "--test-tools" ] && test_tools=1
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
@@ -86,7 +90,7 @@ optional() {  # optional NAME WHAT-SKIPS CMD...: a stage whose failure only skip
 
 # Prometheus from Debian (prometheus + promtool) for tests/observability: installed only when missing,
 # only as root with apt-get; without it those tests skip and say why.
-if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1 && as_root_with_apt; then
+if [ "$test_tools" = 1 ] && ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1 && as_root_with_apt; then
   optional "prometheus (apt-get)" "tests/observability" apt_install prometheus
 fi
 # nginx from Debian (nginx-light) for tests/api/test_proxy.py, which runs the compose deployment's proxy
@@ -95,13 +99,13 @@ fi
 nginx_install() {  # nginx-light where Debian still has it (bookworm), else nginx
   apt_install nginx-light || apt_install nginx
 }
-if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] && as_root_with_apt; then
+if [ "$test_tools" = 1 ] && ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] && as_root_with_apt; then
   optional "nginx (apt-get)" "tests/api/test_proxy.py" nginx_install
 fi
 # Chromium from Debian for tests/console (Playwright drives /usr/bin/chromium; `playwright install` is
 # never run), with fonts-liberation so its screenshots have legible text: installed only when missing,
 # only as root with apt-get; without it those tests skip locally and fail in CI.
-if [ ! -x /usr/bin/chromium ] && as_root_with_apt; then
+if [ "$test_tools" = 1 ] && [ ! -x /usr/bin/chromium ] && as_root_with_apt; then
   optional "chromium (apt-get)" "tests/console" apt_install chromium fonts-liberation
 fi
 

@@ -1,6 +1,7 @@
 """scripts/bootstrap.sh (issue 27 item 6), run in a scratch copy with a stand-in ``.venv/bin/python``:
 one line per stage with its seconds, pip's output in the log and not on the terminal, nothing at all
-once done, and a failing stage's log tail shown."""
+once done, and a failing stage's log tail shown; the tools only the tests use installed only for the test
+targets."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ echo "WARNING: Location 'file:///opt/x/simple/pip/' is ignored: noise pip prints
 def _scratch(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
-    shutil.copy(ROOT / "scripts" / "bootstrap.sh", repo / "scripts" / "bootstrap.sh")
+    for script in ("bootstrap.sh", "wordnet_layout.sh"):
+        shutil.copy(ROOT / "scripts" / script, repo / "scripts" / script)
     (repo / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     (repo / "offload" / "csrc").mkdir(parents=True)
     (repo / "offload" / "cpu_adam_build.py").write_text("# stand-in\n")
@@ -85,3 +87,21 @@ def test_a_failing_stage_shows_the_log_tail(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "FAILED" in done.stderr and "no matching distribution for torch==" in done.stderr
     assert not (repo / ".venv" / ".zenflow-bootstrap").exists()  # tried again next time
+
+
+def test_only_the_test_targets_install_the_tools_the_tests_use() -> None:
+    """`make run` (and lint) bootstrap without the Debian tools only the tests use (prometheus, nginx,
+    chromium); `make test`, `test-fast` and `test-floor` ask for them (``--test-tools``)."""
+
+    def commands(target: str) -> list[str]:
+        out = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True)
+        return [line for line in out.stdout.splitlines() if "scripts/bootstrap.sh" in line]
+
+    for target in ("run", "lint"):
+        assert commands(target) == ["bash scripts/bootstrap.sh"], target
+    for target in ("test", "test-fast", "test-floor"):
+        assert commands(target) == ["bash scripts/bootstrap.sh --test-tools"], target
+    script = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    for tool in ("prometheus (apt-get)", "nginx (apt-get)", "chromium (apt-get)"):
+        gate = script[: script.index(f'optional "{tool}"')].rsplit("\nif ", 1)[1]
+        assert gate.startswith('[ "$test_tools" = 1 ]'), (tool, gate)
