@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -395,7 +396,7 @@ def host_memory_bytes() -> int:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            text = open(path).read().strip()  # noqa: SIM115 - a one-line pseudo-file
+            text = Path(path).read_text().strip()
         except OSError:
             continue
         if text.isdigit():
