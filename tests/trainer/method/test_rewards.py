@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from contract.graders import Grader, PythonGrader, StringCheckGrader
+from trainer.graders.grading import Grading
 from trainer.graders.result import GraderErrors, GradeResult
 from trainer.graders.sandbox import SandboxLimits, run_python_grader
 from trainer.method import rewards
@@ -152,7 +153,7 @@ def test_grade_all_runs_a_python_grader_under_the_limits_given() -> None:
         pytest.skip("no sandbox on this host")
     limits = SandboxLimits(wall_seconds=1.0)
     t0 = time.monotonic()
-    g = grade_all(sleeping_grader(), ["a", "b", "c"], [{}, {}, {}], limits=limits)
+    g = grade_all(sleeping_grader(), ["a", "b", "c"], [{}, {}, {}], Grading(limits))
     took = time.monotonic() - t0
     assert g.rewards == [0.0, 0.0, 0.0]
     for r in g.results:
