@@ -126,6 +126,8 @@ def test_a_jobs_model_grader_is_judged_by_the_serving_process(
         app.state.engine.dispose()
 
     steps = [e.data for e in events if e.data and "reward_mean" in e.data]  # type: ignore[operator]
+    print(f"judged by the serving process: {judged:g} chat requests; steps: ", end="")
+    print([(s["reward_mean"], s["sub_rewards"], s["grader_error_flags"]) for s in steps])  # type: ignore[index]
     assert len(steps) == PROMPTS // BATCH, json.dumps(steps)[:2000]
     for step in steps:
         assert set(step["sub_rewards"]) == {"keyword", "judge"}, step  # type: ignore[index]
