@@ -33,6 +33,9 @@ def test_default_hyperparameters_teach_the_demo_base_a_house_style(tmp_path: Pat
     result = run_training(spec, on_event=rec)
     losses = [e.loss for e in rec.of("step")]
     drop = 1 - statistics.fmean(losses[-5:]) / losses[0]
+    print(
+        f"training loss {losses[0]:.3f} -> {statistics.fmean(losses[-5:]):.3f} ({drop:.0%} lower), {len(losses)} steps"
+    )
     assert drop >= 0.5, (drop, losses)
     assert not [e for e in rec.of("log") if "learned little" in e.message]
     assert result.final_model_dir is not None
