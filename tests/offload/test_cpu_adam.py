@@ -468,7 +468,11 @@ def _ok(n=64):
             lambda a: a.update(grad=torch.zeros(64, dtype=torch.int32)),
             "grad must be float32, bfloat16 or float16",
         ),
-        (lambda a: a.update(exp_avg=torch.zeros(64, dtype=torch.bfloat16)), "exp_avg must be float32"),
+        (
+            lambda a: a.update(exp_avg=torch.zeros(64, dtype=torch.float16)),
+            "exp_avg must be float32 or bfloat16",
+        ),
+        (lambda a: a.update(exp_avg=torch.zeros(64, dtype=torch.bfloat16)), "exp_avg_sq must have exp_avg's"),
         (lambda a: a.update(exp_avg_sq=torch.zeros(63)), "exp_avg_sq has 63 elements"),
         (lambda a: a.update(grad=torch.zeros(65)), "grad has 65 elements"),
         (lambda a: a.update(param=torch.zeros(64, device="meta")), "param must be a CPU tensor"),
