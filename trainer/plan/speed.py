@@ -56,6 +56,7 @@ def adam_bytes_per_param(host_moments: str) -> int:
     two moments are read and written in that dtype (bf16: 20 bytes)."""
     return ADAM_BYTES_PER_PARAM - 4 * (4 - HOST_MOMENT_BYTES[host_moments])
 
+
 #: Bytes the fused device AdamW moves per parameter (fp32 master, moments, gradient, the bf16 copy).
 DEVICE_ADAM_BYTES_PER_PARAM = 32
 #: Host accumulation moves this many parameter-dtype elements per parameter and step: the streamed

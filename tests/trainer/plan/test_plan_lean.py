@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.speed import ADAM_BYTES_PER_PARAM, adam_bytes_per_param
 from trainer.resolve import plan_spec
-from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
 
 
 def test_adam_bytes_per_param() -> None:
@@ -22,7 +22,9 @@ def test_llama3_8b_lean_moments_take_8_bytes_of_host_state_per_split_param(tmp_p
     box = Machine.for_gpu("h200", host_memory_bytes=128 * GiB)
     fp32 = plan_spec(_spec(d, hyperparameters=hp, engine={"mode": "zenflow"}), box, num_examples=1000)
     lean = plan_spec(
-        _spec(d, hyperparameters=hp, engine={"mode": "zenflow", "host_moments": "bf16"}), box, num_examples=1000
+        _spec(d, hyperparameters=hp, engine={"mode": "zenflow", "host_moments": "bf16"}),
+        box,
+        num_examples=1000,
     )
     split = lean.params - 65 * 4096  # every 2-D weight is split; the norms stay on the device
     assert fp32.host["engine_state"] == 12 * split and lean.host["engine_state"] == 8 * split
