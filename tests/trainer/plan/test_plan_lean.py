@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
+from contract.engine import EngineRequest
 from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
 from trainer.plan.gpus import GiB, Machine
 from trainer.plan.speed import ADAM_BYTES_PER_PARAM, adam_bytes_per_param
-from trainer.resolve import plan_spec
+from trainer.resolve import Counts, plan_spec, resolve
+from trainer.spec import JobSpec
 
 
 def test_adam_bytes_per_param() -> None:
@@ -31,3 +36,19 @@ def test_llama3_8b_lean_moments_take_8_bytes_of_host_state_per_split_param(tmp_p
     assert fp32.host_bytes - lean.host_bytes == 4 * split
     # fewer bytes for the CPU AdamW: the CPU part of zenflow's step is shorter
     assert lean.modes["zenflow"].step_seconds <= fp32.modes["zenflow"].step_seconds
+
+
+def test_a_jobs_host_moments_are_resolved_with_their_source() -> None:
+    machine = Machine.for_cpu(host_memory_bytes=16 * GiB, cores=2)
+    asked = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"host_moments": "bf16"})
+    job = resolve(asked, machine, Counts(100), at="create", reason="t")[0].job
+    assert job.engine.host_moments == "bf16" and job.sources["engine.host_moments"] == "request"
+    plain = resolve(
+        JobSpec(model="tiny-llama", training_file="t.jsonl"), machine, Counts(100), at="create", reason="t"
+    )
+    assert (
+        plain[0].job.engine.host_moments == "fp32"
+        and plain[0].job.sources["engine.host_moments"] == "default"
+    )
+    with pytest.raises(ValidationError, match="host_moments"):
+        EngineRequest(host_moments="fp16")  # type: ignore[arg-type]
