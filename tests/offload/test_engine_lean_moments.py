@@ -109,3 +109,24 @@ def test_resume_across_the_setting_converts_the_moments(saved, resumed):
             _train_step(restored, eng2, i)
         eng2.flush()
     assert all(torch.isfinite(p).all() for p in restored.parameters())
+
+
+def test_shards_of_bf16_moments_recut_into_one_store() -> None:
+    """Resuming with another number of ranks: two ranks' bf16 host states loaded into one store (and its
+    fp32 counterpart, converted) hold the same moments, element by element."""
+    from offload.device import HostAllocator
+    from offload.host import HostStore
+
+    params = [torch.randn(30, 7), torch.randn(11)]
+    alloc = HostAllocator(pin=False)
+    shards = [HostStore(params, alloc, buffers=1, shard=(r, 2), moments=torch.bfloat16) for r in range(2)]
+    for k, s in enumerate(shards):
+        s.exp_avg.copy_(torch.randn(s.numel) + k)
+        s.exp_avg_sq.copy_(torch.rand(s.numel))
+    sds = [s.state_dict(None) for s in shards]
+    for moments in (torch.bfloat16, torch.float32):
+        whole = HostStore(params, alloc, buffers=1, moments=moments)
+        whole.load_shards(sds)
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = torch.cat([sd[key] for sd in sds])[: whole.numel]
+            assert getattr(whole, key).dtype == moments and torch.equal(getattr(whole, key), want.to(moments))
