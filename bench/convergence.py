@@ -6,6 +6,8 @@
     python -m bench.convergence --variant paper=zenflow,topk_ratio=0.1,update_interval=4,select_interval=auto
     python -m bench.convergence --spec trainer/samples/tiny-llama.yaml   # a job spec instead (random init)
     python -m bench.convergence --modes device,zenflow --dtype bfloat16  # bf16 parameters (CUDA's default)
+    python -m bench.convergence --modes zenflow,zf-bf16 --baseline zenflow --seeds 0,1 \
+        --variant zf-bf16=zenflow,host_moments=bf16      # bf16 host moments against fp32 ones
 
 Base (default, ``--base pretrained``): a small Llama-shaped model pretrained by ``bench.pretrained`` on
 the Python standard library's sources and docstrings (cached after the first run), fine-tuned on a
@@ -19,7 +21,9 @@ hyperparameters; only ``engine`` differs) into a temporary output directory, and
 training loss (mean of the last 20 steps), the final validation loss (on the flushed weights) and
 the wall time. Then, per variant, the mean over the seeds and the ratio of that mean to device
 mode's (``offload`` should be 1.000; zenflow is the one to watch). ``--max-ratio R`` makes the exit
-status 1 when a non-device variant's mean validation loss exceeds R times device's.
+status 1 when a non-device variant's mean validation loss exceeds R times device's. ``--baseline NAME``
+takes another variant as the reference of the ratios and ``--max-ratio`` (the per-seed validation
+ratios are printed too).
 
 Variants: ``device``, ``offload`` and ``zenflow`` (with the pretrained base: the paper's defaults,
 topk_ratio 0.1, update_interval 4, selection per epoch; with ``--spec``: the spec's engine settings
@@ -185,7 +189,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, Any]]:
+def summarize(runs: list[Run], names: list[str], baseline: str = "device") -> dict[str, dict[str, Any]]:
+    """Per variant: the means over the seeds, their ratios to ``baseline``'s, and the validation-loss
+    ratio to ``baseline``'s run of the same seed, seed by seed."""
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         mine = [r for r in runs if r.variant == name]
@@ -195,10 +201,16 @@ def summarize(runs: list[Run], names: list[str]) -> dict[str, dict[str, Any]]:
             "seconds": _mean([r.seconds for r in mine]),
             "seeds": [r.seed for r in mine],
         }
-    ref = out.get("device")
-    for s in out.values():
+    ref = out.get(baseline)
+    base_runs = {r.seed: r for r in runs if r.variant == baseline}
+    for name, s in out.items():
         s["train_ratio"] = _ratio(s["train_loss"], ref["train_loss"]) if ref else None
         s["valid_ratio"] = _ratio(s["valid_loss"], ref["valid_loss"]) if ref else None
+        s["valid_ratio_per_seed"] = {
+            r.seed: _ratio(r.valid_loss, base_runs[r.seed].valid_loss)
+            for r in runs
+            if r.variant == name and r.seed in base_runs
+        }
     return out
 
 
@@ -246,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="exit 1 when a variant's mean valid loss is above this times device's",
     )
+    ap.add_argument(
+        "--baseline",
+        default="device",
+        help="the variant the ratios are to (default device; e.g. zenflow against a zenflow variant)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
 
@@ -275,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in variants]
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)} (have {', '.join(variants)})")
-    if "device" in names:
-        names = ["device", *[n for n in names if n != "device"]]
+    if args.baseline in names:
+        names = [args.baseline, *[n for n in names if n != args.baseline]]
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
 
     runs: list[Run] = []
@@ -295,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    summary = summarize(runs, names)
+    summary = summarize(runs, names, args.baseline)
     bad = [
         n
         for n, s in summary.items()
         if args.max_ratio is not None
-        and n != "device"
+        and n != args.baseline
         and s["valid_ratio"] is not None
         and s["valid_ratio"] > args.max_ratio
     ]
@@ -319,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        print(f"{spec_label}, seeds {','.join(map(str, seeds))} (means over seeds; ratios to device)")
         print(
-            f"{'variant':<12} {'train':>8} {'valid':>8} {'train/dev':>10} {'valid/dev':>10} {'s/run':>7}  engine"
+            f"{spec_label}, seeds {','.join(map(str, seeds))} (means over seeds; ratios to {args.baseline})"
+        )
+        print(
+            f"{'variant':<12} {'train':>8} {'valid':>8} {'train/base':>10} {'valid/base':>10} {'s/run':>7}  engine"
         )
         for n in names:
             s = summary[n]
@@ -330,8 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{n:<12} {_fmt(s['train_loss']):>8} {_fmt(s['valid_loss']):>8} {_fmt(s['train_ratio'], '.3f'):>10} "
                 f"{_fmt(s['valid_ratio'], '.3f'):>10} {_fmt(s['seconds'], '.1f'):>7}  {variants[n]['mode']} {extra}"
             )
+            per_seed = s["valid_ratio_per_seed"]
+            if n != args.baseline and per_seed:
+                print(
+                    "    valid/base per seed: "
+                    + ", ".join(f"seed {k} {_fmt(v)}" for k, v in per_seed.items())
+                )
         if bad:
-            print(f"FAIL: valid loss above {args.max_ratio}x device: {', '.join(bad)}")
+            print(f"FAIL: valid loss above {args.max_ratio}x {args.baseline}: {', '.join(bad)}")
     if workdir is not None:
         workdir.cleanup()
     return 1 if bad else 0

@@ -1,9 +1,11 @@
 """Benchmark: zenflow fused CPU Adam vs torch.optim.AdamW (foreach / fused) and memory bandwidth.
 
-Everything is measured in one run and interleaved round by round (ours, torch fused, torch foreach,
-bandwidth probes, then again), so a noisy neighbour slows all variants alike; medians are reported
-(and minima in the JSON).  Byte model: read p, g, m, v and write p, m, v = 28 B/param at fp32
-grads (26 with bf16/fp16 grads), +2 B when a bf16/fp16 param copy is written.
+Everything is measured in one run and interleaved round by round (ours with fp32 moments, ours with
+bf16 moments, torch fused, torch foreach, bandwidth probes, then again), so a noisy neighbour slows all
+variants alike; medians are reported (and minima in the JSON).  Byte model: read p, g, m, v and write
+p, m, v = 28 B/param at fp32 grads (26 with bf16/fp16 grads), +2 B when a bf16/fp16 param copy is
+written; with bf16 moments (``ours_lean``, ``host_moments="bf16"``) 8 B less: 20 at fp32 grads, and
+8 B/param of state instead of 12. ``lean.speedup_vs_*`` = that variant's median time / ours_lean's.
 
 Bandwidth references (GB/s = 1e9 B/s):
   probe: the kernel's own streams (read p, g, m, v; write p, m, v) with trivial arithmetic, 28 B/elem
@@ -42,12 +44,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HP: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
-def bytes_per_param(grad_dtype: str, param_out: str) -> dict[str, int]:
-    """Byte model of one step: read p, g, m, v; write p, m, v; write param_out if any."""
+def bytes_per_param(grad_dtype: str, param_out: str, moments: str = "fp32") -> dict[str, int]:
+    """Byte model of one step: read p, g, m, v; write p, m, v; write param_out if any. ``moments``:
+    the moments' dtype (fp32, or bf16: the lean path)."""
+    mb = 2 * (4 if moments == "fp32" else 2)
     return {
         "param_rw": 8,
-        "exp_avg_rw": 8,
-        "exp_avg_sq_rw": 8,
+        "exp_avg_rw": mb,
+        "exp_avg_sq_rw": mb,
         "grad_r": 4 if grad_dtype == "fp32" else 2,
         "param_out_w": 0 if param_out == "none" else 2,
     }
@@ -68,6 +72,7 @@ def run(
     param_out: str,
     with_torch: bool = True,
     with_foreach: bool = True,
+    with_lean: bool = True,
 ) -> dict[str, Any]:
     """Time all variants for ``n`` params; returns the result dict (see module docstring)."""
     torch.set_num_threads(threads)
@@ -101,6 +106,30 @@ def run(
         )
 
     fns: dict[str, Callable[[], Any]] = {"ours": ours}
+    if with_lean:  # the same step on its own copy of the state, with bf16 moments
+        p_l = p.clone()
+        m_l = torch.zeros(n, dtype=torch.bfloat16)
+        v_l = torch.zeros(n, dtype=torch.bfloat16)
+        step_l = [0]
+
+        def lean() -> None:
+            step_l[0] += 1
+            cpu_adam.adam_step(
+                p_l,
+                g,
+                m_l,
+                v_l,
+                step=step_l[0],
+                lr=_HP["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=_HP["eps"],
+                weight_decay=_HP["weight_decay"],
+                param_out=out,
+                rng_seed=step_l[0],
+            )
+
+        fns["ours_lean"] = lean
     if with_torch:
         # torch needs fp32 grads for fp32 params, so it always moves 28 B/param.
         param = torch.nn.Parameter(p.clone())
@@ -156,6 +185,22 @@ def run(
         if kind in med:
             res[f"{kind}_GBps"] = 28 * n / med[kind] / 1e9
             res[f"speedup_vs_{kind}"] = med[kind] / med["ours"]
+    if "ours_lean" in med:
+        lean_model = bytes_per_param(grad_dtype, param_out, "bf16")
+        res["lean"] = {
+            "bytes_per_param": sum(lean_model.values()),
+            "byte_model": lean_model,
+            "host_state_bytes_per_param": 8,
+            "ms": med["ours_lean"] * 1e3,
+            "GBps": sum(lean_model.values()) * n / med["ours_lean"] / 1e9,
+            "bandwidth_fraction": sum(lean_model.values()) * n / med["ours_lean"] / 1e9 / bound,
+            "speedup_vs_ours_fp32": med["ours"] / med["ours_lean"],
+            **{
+                f"speedup_vs_{k}": med[k] / med["ours_lean"]
+                for k in ("torch_fused", "torch_foreach")
+                if k in med
+            },
+        }
     return res
 
 
@@ -247,6 +292,9 @@ def _print_table(res: dict[str, Any]) -> None:
         f"  byte model: {res['bytes_per_param']} B/param {res['byte_model']} (torch: 28 B/param, fp32 grads)"
     )
     rows = [("ours", res["ours_ms"], res["bytes_per_param"])]
+    lean = res.get("lean")
+    if lean is not None:
+        rows.append(("ours_lean", lean["ms"], lean["bytes_per_param"]))
     rows += [(k, res[f"{k}_ms"], 28) for k in ("torch_fused", "torch_foreach") if res[f"{k}_ms"] is not None]
     for name, ms, b in rows:
         print(
@@ -265,6 +313,17 @@ def _print_table(res: dict[str, Any]) -> None:
     if res.get("speedup_vs_torch_foreach") is not None:
         print(f", {res['speedup_vs_torch_foreach']:.2f}x torch foreach", end="")
     print()
+    if lean is not None:
+        vs = ", ".join(
+            f"{lean[f'speedup_vs_{k}']:.2f}x {k.replace('_', ' ')}"
+            for k in ("ours_fp32", "torch_fused", "torch_foreach")
+            if f"speedup_vs_{k}" in lean
+        )
+        print(
+            f"  ours_lean (bf16 moments, {lean['host_state_bytes_per_param']} B/param of state, "
+            f"{lean['bytes_per_param']} B/param moved): {vs}; "
+            f"{lean['bandwidth_fraction'] * 100:.1f}% of the bound"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -279,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--param-out", choices=["none", "bf16", "fp16"], default="none")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch optimizers")
     ap.add_argument("--no-foreach", action="store_true", help="skip torch foreach (slow on CPU)")
+    ap.add_argument("--no-lean", action="store_true", help="skip ours with bf16 moments")
     ap.add_argument("--no-adam", action="store_true", help="only the window-accumulation comparison")
     ap.add_argument("--no-accumulate", action="store_true", help="skip the window-accumulation comparison")
     ap.add_argument("--quick", action="store_true", help="32M elements, 5 rounds, no torch foreach")
@@ -299,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.param_out,
             with_torch=not args.no_torch,
             with_foreach=not (args.no_foreach or args.quick),
+            with_lean=not args.no_lean,
         )
         if not args.json:
             _print_table(res)

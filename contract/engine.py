@@ -24,6 +24,9 @@ ENGINE_MODES: tuple[EngineMode, ...] = get_args(EngineMode)
 Accumulator = Literal["host", "device"]
 #: The accumulator of a job that does not choose, and of the engine itself.
 DEFAULT_ACCUMULATOR: Accumulator = "host"
+#: The dtype of the CPU optimizer's moments (exp_avg, exp_avg_sq) beside its fp32 master weights.
+HostMoments = Literal["fp32", "bf16"]
+HOST_MOMENT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2}
 
 #: Upper bound of the step-count knobs (windows, selections): beyond any job's steps, and small enough
 #: that no counter overflows.
@@ -74,6 +77,11 @@ class EngineKnobs(BaseModel):
     scale_cpu_lr: bool = False
     """zenflow: the CPU step's learning rate is the window's summed rates (true) or the boundary's (false:
     DeepSpeed's; converges better)."""
+    host_moments: HostMoments = "fp32"
+    """offload and zenflow: the dtype of the CPU optimizer's two moments, the master weights staying fp32.
+    bf16: 8 instead of 12 host bytes per offloaded parameter and 20 instead of 28 bytes moved per CPU
+    update (computed in fp32, rounded back stochastically); fp32 until measured beyond the convergence
+    benchmark's small base, where bf16 came within 1% of fp32's validation loss (docs/engine-tuning.md)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Fused C++ Adam/AdamW for CPU-resident fp32 optimizer state.
+"""Fused C++ Adam/AdamW for CPU-resident optimizer state: fp32 master, fp32 or bf16 moments.
 
 The kernel (``offload/csrc/cpu_adam.cpp``, ``-O3 -march=native -fopenmp -ffp-contract=off``) is
 built when the package is installed and loaded by its path; a job never compiles it (see
@@ -77,10 +77,16 @@ def adam_step(
     bias_correction: bool = True,
     param_out: torch.Tensor | None = None,
     num_threads: int | None = None,
+    rng_seed: int = 0,
+    rng_offset: int = 0,
 ) -> None:
     """One fused Adam(W) step, in place, on contiguous CPU tensors of equal numel (any shape).
 
-    ``param``, ``exp_avg``, ``exp_avg_sq``: fp32. ``grad``: fp32, bf16 or fp16. ``step``: the step
+    ``param``: fp32. ``exp_avg``, ``exp_avg_sq``: both fp32, or both bf16 (lean moments: computed in
+    fp32 from their widened values, ``param`` bitwise as the fp32 path gives for those, and rounded
+    back to bf16 stochastically with random bits hashed from ``rng_seed`` and each element's index
+    ``rng_offset + i``, so the result depends neither on ``num_threads`` nor on how a buffer is split
+    into calls; give each step its own seed). ``grad``: fp32, bf16 or fp16. ``step``: the step
     number after incrementing (1 for the first update). ``adamw=False`` is Adam with L2 weight decay
     (``grad += weight_decay * param``). ``param_out`` (bf16/fp16) receives the updated parameter,
     rounded to nearest even; it may be ``grad`` itself (same dtype), the gradient being read before
@@ -102,6 +108,8 @@ def adam_step(
         bool(adamw),
         bool(bias_correction),
         0 if num_threads is None else int(num_threads),
+        int(rng_seed) & ((1 << 63) - 1),
+        int(rng_offset),
     )
 
 

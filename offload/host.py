@@ -1,6 +1,8 @@
 """CPU-side optimizer state for a group of device parameters of one dtype.
 
-One flat fp32 buffer each for the master parameters and the two Adam moments, plus ``bufs``: flat
+One flat fp32 buffer for the master parameters, one each for the two Adam moments (fp32, or bf16 with
+``moments=torch.bfloat16``: the C++ step rounds them back stochastically, see :mod:`offload.cpu_adam`),
+plus ``bufs``: flat
 buffers in the parameters' dtype that hold gradients (``offload``: the gradient landing; ``zenflow``:
 the window accumulators, see :mod:`offload.memory`). The C++ step reads its gradient from one of them
 and, for bf16/fp16 parameters, writes the new parameters rounded to that dtype over it in the same
@@ -25,9 +27,15 @@ from offload.cpu_thread import gil_released
 from offload.device import HostAllocator
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 # Elements per chunk of the torch accumulation path (accumulate_torch): ATen's fp32 += bf16 with type
 # promotion runs ~10x slower than a bf16 -> fp32 copy into a cache-sized scratch and a same-dtype add.
 _ACC_CHUNK = 1 << 20
+
+
+def moments_dtype(config: EngineConfig) -> torch.dtype:
+    """The host moments' dtype ``config.host_moments`` names."""
+    return torch.bfloat16 if config.host_moments == "bf16" else torch.float32
 
 
 def _adam_step() -> Callable[..., None]:
@@ -87,7 +95,8 @@ class HostStore:
     """Master params, moments and gradient buffers for ``params`` (all of one dtype).
 
     ``buffers``: how many flat gradient buffers in the params' dtype; ``role`` names them in
-    :meth:`parts` (``"gradient"`` or ``"accumulators"``, see :mod:`offload.memory`).
+    :meth:`parts` (``"gradient"`` or ``"accumulators"``, see :mod:`offload.memory`); ``moments``: the
+    moments' dtype (fp32 or bf16).
     """
 
     def __init__(
@@ -98,6 +107,7 @@ class HostStore:
         buffers: int,
         role: str = "gradient",
         shard: tuple[int, int] | None = None,
+        moments: torch.dtype = torch.float32,
     ) -> None:
         if not params:
             raise ValueError("HostStore needs at least one parameter")
@@ -137,8 +147,10 @@ class HostStore:
         self.master = alloc.empty(n, torch.float32)
         for i, p in enumerate(params):
             self.flat(self.master, i).copy_(self.piece(p.detach(), i))
-        self.exp_avg = alloc.zeros(n, torch.float32)
-        self.exp_avg_sq = alloc.zeros(n, torch.float32)
+        if moments not in _MOMENT_DTYPES:
+            raise ValueError(f"HostStore moments must be float32 or bfloat16, got {moments}")
+        self.exp_avg = alloc.zeros(n, moments)
+        self.exp_avg_sq = alloc.zeros(n, moments)
         #: fp16 window accumulators are fp32 (an fp16 mean of unscaled gradients underflows); the
         #: step's fp16 result then goes into the first half of the fp32 buffer it read (:meth:`result`)
         wide = self.dtype == torch.float16 and role == "accumulators"
@@ -331,6 +343,8 @@ class HostStore:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`. Moments saved in the other dtype are converted: bf16 into fp32
+        exactly, fp32 into bf16 rounded to nearest even (a resume across ``host_moments``)."""
         if list(sd["numels"]) != self.full_numels:
             raise ValueError("host optimizer state was saved for differently shaped parameters")
         if list(sd.get("shard", [0, self.total])) != [self.lo, self.hi]:
@@ -394,6 +408,9 @@ class _AdamRanges:
         self.store, self.grad, self.factor = store, grad, factor
         self.hyper, self.num_threads = hyper, num_threads
         self.step_fn = _adam_step()
+        #: bf16 moments: their stochastic rounding's bits are hashed from the step and each element's
+        #: index in the whole (unsharded) flat layout, so neither threads, chunks nor ranks change them
+        self.lean = store.exp_avg.dtype == torch.bfloat16
         # bf16/fp16: the new parameters go over the gradient they came from (grad is one of ``bufs``)
         self.out = store.low and grad.dtype == store.dtype
         # fp16 parameters, fp32 gradient buffer: the results go into the buffer's fp16 view. Its range
@@ -435,6 +452,7 @@ class _AdamRanges:
                 step=step,
                 param_out=po,
                 **self.hyper,
+                **({"rng_seed": step, "rng_offset": store.lo + lo} if self.lean else {}),
             )
             if narrow_out is not None and not direct:
                 narrow_out[lo:hi].copy_(store.master[lo:hi])

@@ -8,7 +8,8 @@ and the split weights' in ``zenflow`` (2-D weights with fewer selected than tota
 
 Host (page-locked on CUDA), bytes per offloaded element:
 
-- ``master``, ``exp_avg``, ``exp_avg_sq``: fp32, 4 each (12).
+- ``master``: fp32, 4; ``exp_avg``, ``exp_avg_sq``: 4 each, or 2 each with ``host_moments="bf16"``
+  (12 or 8 in all).
 - ``gradient`` (``offload``): ``g``. The gradient lands here; the CPU step reads it and writes the new
   bf16/fp16 parameter over it in the same pass (for fp32 parameters the master itself goes back), so
   one buffer is both the gradient landing and the parameter staging.
@@ -26,7 +27,7 @@ Host (page-locked on CUDA), bytes per offloaded element:
 
 So with bf16 parameters: ``offload`` 14 B, ``zenflow`` 16 B (host accumulation, plus the fixed ring
 on CUDA) or 14 B (device accumulation) per offloaded element; with fp16 14, 20 and 16; with fp32
-parameters 16, 20 and 16.
+parameters 16, 20 and 16; each 4 B less with ``host_moments="bf16"``.
 
 Device, beyond the model's weights and gradients:
 
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from contract.engine import HOST_MOMENT_BYTES
 from offload.config import EngineConfig
 from offload.selection import num_selected
 
@@ -120,8 +122,10 @@ def _dense_state(numel: int, tensors: int, low: bool) -> dict[str, int]:
     }
 
 
-def _host_state(numel: int) -> dict[str, int]:
-    return {"master": 4 * numel, "exp_avg": 4 * numel, "exp_avg_sq": 4 * numel}
+def _host_state(numel: int, config: EngineConfig) -> dict[str, int]:
+    """The CPU optimizer's state: the fp32 master and the two moments (fp32 or bf16, ``host_moments``)."""
+    m = HOST_MOMENT_BYTES[config.host_moments]
+    return {"master": 4 * numel, "exp_avg": m * numel, "exp_avg_sq": m * numel}
 
 
 def engine_memory(
@@ -142,7 +146,7 @@ def engine_memory(
     if config.mode == "device":
         return EngineMemory("device", total, device_state=_dense_state(total, len(shapes), low))
     if config.mode == "offload":
-        return EngineMemory("offload", total, host=_host_state(total) | {"gradient": g * total})
+        return EngineMemory("offload", total, host=_host_state(total, config) | {"gradient": g * total})
     split = [(s, n) for s, n in zip(shapes, numels, strict=True) if is_split(s, config.topk_ratio)]
     full_numel = total - sum(n for _, n in split)
     n_split = sum(n for _, n in split)
@@ -152,7 +156,7 @@ def engine_memory(
     host: dict[str, int] = {}
     if split:
         ring = 0 if on_device or not cuda else 2 * min(n_split, config.cpu_chunk_elements) * g
-        host = _host_state(n_split) | {
+        host = _host_state(n_split, config) | {
             "accumulators": (1 if on_device else 2) * (4 if dtype == torch.float16 else g) * n_split,
             "transfer": ring,
         }

@@ -22,7 +22,7 @@ from offload.collectives import EngineGroup, Reduced, ShardGather, reduce_scatte
 from offload.config import EngineConfig
 from offload.device import DeviceOps
 from offload.guard import Gate
-from offload.host import HostStore
+from offload.host import HostStore, moments_dtype
 from offload.memory import EngineMemory
 from offload.mode_base import Mode, NamedParams, add_parts, nbytes
 from offload.timing import StepStats
@@ -52,7 +52,17 @@ class OffloadMode(Mode):
         r = self.ranks
         shard = (r.rank, r.world) if r.distributed else None
         self.groups = [
-            (HostStore([p for _, p in g], ops.host, buffers=1, role="gradient", shard=shard), g)
+            (
+                HostStore(
+                    [p for _, p in g],
+                    ops.host,
+                    buffers=1,
+                    role="gradient",
+                    shard=shard,
+                    moments=moments_dtype(cfg),
+                ),
+                g,
+            )
             for g in group_by_dtype(named)
         ]
         #: process group: per store, this rank's reduced gradient shard and the replica it is gathered into

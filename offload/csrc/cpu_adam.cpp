@@ -271,6 +271,176 @@ void run_range(float* p, const void* g, float* m, float* v, void* out, int64_t b
 
 using RangeFn = void (*)(float*, const void*, float*, float*, void*, int64_t, int64_t, const AdamScalars&);
 
+// ------------------------------------------------------------------------------------------------
+// Lean moments: exp_avg and exp_avg_sq stored as bf16 (8 B/param of host state with the fp32 master,
+// 20 B/param moved per step at an fp32 gradient, 18 at bf16). Each element is computed exactly as the
+// fp32 path does (same operations in fp32 registers, from the moments widened to fp32), then the new
+// moments are rounded to bf16 stochastically: r = (bits(x) + u16) >> 16 with u16 uniform in [0, 2^16),
+// so E[r] = x whatever the magnitude. Round-to-nearest-even would freeze exp_avg_sq: beta2 = 0.999
+// changes it by 0.1% per step, below half a bf16 ulp (0.2-0.4%), so a shrinking gradient's v never
+// decays and small increments are lost. The bits come from a counter-based hash of (seed, element
+// index), so a step's result depends neither on the thread count nor on how the caller chunks the
+// buffer (given the element's index in the whole buffer). Non-negative values round to non-negative
+// values (exp_avg_sq stays >= 0), infinities stay infinite, NaN becomes bf16 NaN (0x7fc0).
+
+// lowbias32 (Chris Wellons' integer hash): a bijection on 32 bits with good avalanche.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// The per-call key from a 64-bit seed (the caller's: e.g. the step count and a stream id).
+inline uint32_t lean_key(uint64_t seed) {
+  return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(seed >> 32) + 0x9e3779b9u));
+}
+
+// 32 random bits for the element at index idx (its low 32 bits): the low half rounds exp_avg, the
+// high half exp_avg_sq.
+inline uint32_t lean_bits(uint32_t key, uint64_t idx) { return mix32(static_cast<uint32_t>(idx) ^ key); }
+
+inline uint16_t bf16_round_stochastic(float x, uint32_t r16) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return uint16_t((u + r16) >> 16);
+}
+
+template <GradKind GK, OutKind OK>
+inline void step_scalar_lean(float* p, const void* g, uint16_t* m, uint16_t* v, void* out, int64_t i,
+                             const AdamScalars& s, uint32_t key, uint64_t base) {
+  float pv = p[i];
+  float gv = load_grad_scalar<GK>(g, i);
+  if (s.apply_decay) pv = pv * s.decay;
+  if (s.apply_l2) gv = std::fma(pv, s.l2, gv);
+  float mv = bf16_to_f32(m[i]);
+  const float diff = gv - mv;
+  mv = std::fma(s.lerp_coeff, diff, s.lerp_small ? mv : gv);
+  float vv = bf16_to_f32(v[i]);
+  vv = std::fma(s.one_minus_beta2 * gv, gv, vv * s.beta2);
+  const float denom = std::sqrt(vv) / s.bc2_sqrt + s.eps;
+  pv = pv + (s.neg_step_size * mv) / denom;
+  p[i] = pv;
+  const uint32_t r = lean_bits(key, base + static_cast<uint64_t>(i));
+  m[i] = bf16_round_stochastic(mv, r & 0xffffu);
+  v[i] = bf16_round_stochastic(vv, r >> 16);
+  store_out_scalar<OK>(out, i, pv);
+}
+
+#if defined(ZF_SIMD_AVX512)
+using vi = __m512i;
+inline vf vload_bf16(const uint16_t* src) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vi vi_set(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+inline vi vi_iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline vi vi_add(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi vi_xor(vi a, vi b) { return _mm512_xor_si512(a, b); }
+inline vi vi_and(vi a, vi b) { return _mm512_and_si512(a, b); }
+inline vi vi_mul(vi a, vi b) { return _mm512_mullo_epi32(a, b); }
+template <int K>
+inline vi vi_srl(vi a) { return _mm512_srli_epi32(a, K); }
+// bf16 bits of x (in the low 16 bits of each lane) rounded with random bits r16 (< 2^16)
+inline vi vbf16_sr(vf x, vi r16) {
+  const vi r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r16), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+inline void vstore_u16(uint16_t* dst, vi r) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+#elif defined(ZF_SIMD_AVX2)
+using vi = __m256i;
+inline vf vload_bf16(const uint16_t* src) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vi vi_set(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+inline vi vi_iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+inline vi vi_add(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi vi_xor(vi a, vi b) { return _mm256_xor_si256(a, b); }
+inline vi vi_and(vi a, vi b) { return _mm256_and_si256(a, b); }
+inline vi vi_mul(vi a, vi b) { return _mm256_mullo_epi32(a, b); }
+template <int K>
+inline vi vi_srl(vi a) { return _mm256_srli_epi32(a, K); }
+inline vi vbf16_sr(vf x, vi r16) {
+  const vi r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+}
+inline void vstore_u16(uint16_t* dst, vi r) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+#endif
+
+#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
+inline vi vmix32(vi x) {
+  x = vi_xor(x, vi_srl<16>(x));
+  x = vi_mul(x, vi_set(0x7feb352du));
+  x = vi_xor(x, vi_srl<15>(x));
+  x = vi_mul(x, vi_set(0x846ca68bu));
+  return vi_xor(x, vi_srl<16>(x));
+}
+#endif
+
+// The lean step over [begin, end); base: the index of element 0 in the caller's whole buffer (the
+// random bits' counter). NT as in run_range.
+template <GradKind GK, OutKind OK, bool NT>
+void run_range_lean(float* p, const void* g, uint16_t* m, uint16_t* v, void* out, int64_t begin, int64_t end,
+                    const AdamScalars& s, uint32_t key, uint64_t base) {
+  int64_t i = begin;
+#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
+  if constexpr (NT) {
+    while (i < end && (reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(out) + i) % kOutVecBytes) != 0) {
+      step_scalar_lean<GK, OK>(p, g, m, v, out, i, s, key, base);
+      ++i;
+    }
+  }
+  const vf decay = vset(s.decay);
+  const vf l2 = vset(s.l2);
+  const vf coeff = vset(s.lerp_coeff);
+  const vf beta2 = vset(s.beta2);
+  const vf omb2 = vset(s.one_minus_beta2);
+  const vf bc2_sqrt = vset(s.bc2_sqrt);
+  const vf eps = vset(s.eps);
+  const vf nss = vset(s.neg_step_size);
+  const vi vkey = vi_set(key);
+  const vi iota = vi_iota();
+  const vi low16 = vi_set(0xffffu);
+  const bool do_decay = s.apply_decay, do_l2 = s.apply_l2, small = s.lerp_small;
+  for (; i + kWidth <= end; i += kWidth) {
+    vf pv = vload(p + i);
+    vf gv = vload_grad<GK>(g, i);
+    if (do_decay) pv = vmul(pv, decay);
+    if (do_l2) gv = vfma(pv, l2, gv);
+    vf mv = vload_bf16(m + i);
+    mv = vfma(coeff, vsub(gv, mv), small ? mv : gv);
+    vf vv = vload_bf16(v + i);
+    vv = vfma(vmul(omb2, gv), gv, vmul(vv, beta2));
+    const vf denom = vadd(vdiv(vsqrt(vv), bc2_sqrt), eps);
+    pv = vadd(pv, vdiv(vmul(nss, mv), denom));
+    vstore(p + i, pv);
+    const vi idx = vi_add(vi_set(static_cast<uint32_t>(base + static_cast<uint64_t>(i))), iota);
+    const vi r = vmix32(vi_xor(idx, vkey));
+    vstore_u16(m + i, vbf16_sr(mv, vi_and(r, low16)));
+    vstore_u16(v + i, vbf16_sr(vv, vi_srl<16>(r)));
+    vstore_out<OK, NT>(out, i, pv);
+  }
+#endif
+  for (; i < end; ++i) step_scalar_lean<GK, OK>(p, g, m, v, out, i, s, key, base);
+#if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
+  if constexpr (NT) _mm_sfence();
+#endif
+}
+
+using LeanFn = void (*)(float*, const void*, uint16_t*, uint16_t*, void*, int64_t, int64_t, const AdamScalars&,
+                        uint32_t, uint64_t);
+
 #if defined(ZF_SIMD_AVX512) || defined(ZF_SIMD_AVX2)
 // vec(k) for every whole vector from i up to end, four per iteration, then one at a time; returns
 // where the scalar tail starts. Each element is computed alone, so the unrolling changes no bits.
@@ -392,6 +562,25 @@ RangeFn pick(GradKind gk, OutKind ok, bool nt) {
   }
 }
 
+template <GradKind GK>
+LeanFn pick_lean_out(OutKind ok, bool nt) {
+  switch (ok) {
+    case OutKind::BF16:
+      return nt ? &run_range_lean<GK, OutKind::BF16, true> : &run_range_lean<GK, OutKind::BF16, false>;
+    case OutKind::F16:
+      return nt ? &run_range_lean<GK, OutKind::F16, true> : &run_range_lean<GK, OutKind::F16, false>;
+    default: return &run_range_lean<GK, OutKind::None, false>;
+  }
+}
+
+LeanFn pick_lean(GradKind gk, OutKind ok, bool nt) {
+  switch (gk) {
+    case GradKind::BF16: return pick_lean_out<GradKind::BF16>(ok, nt);
+    case GradKind::F16: return pick_lean_out<GradKind::F16>(ok, nt);
+    default: return pick_lean_out<GradKind::F32>(ok, nt);
+  }
+}
+
 constexpr int64_t kLineFloats = 16;         // 64-byte cache line of fp32
 constexpr int64_t kChunkAlign = 32;         // chunk granularity: 128 B of fp32, 64 B of bf16/fp16
 constexpr int64_t kMinPerThread = 1 << 15;  // below this a thread costs more than it brings
@@ -474,6 +663,15 @@ void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void*
   for_chunks(n, p, num_threads, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, s); });
 }
 
+void adam_update_lean(float* p, const void* g, GradKind gk, uint16_t* m, uint16_t* v, void* out, OutKind ok,
+                      int64_t n, const AdamScalars& s, uint64_t seed, uint64_t index_base, int num_threads) {
+  if (n <= 0) return;
+  const bool stream = ok != OutKind::None && n >= kStreamOutMin && out != g;
+  const LeanFn fn = pick_lean(gk, ok, stream);
+  const uint32_t key = lean_key(seed);
+  for_chunks(n, p, num_threads, [&](int64_t b, int64_t e) { fn(p, g, m, v, out, b, e, s, key, index_base); });
+}
+
 void accumulate(float* acc, const void* src, GradKind gk, int64_t n, float alpha, bool first, int num_threads) {
   if (n <= 0) return;
   const AccFn fn = pick_acc(gk, first, alpha != 1.0f);
@@ -549,16 +747,20 @@ void bump(const at::Tensor& t) {
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, int64_t step,
                double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-               bool bias_correction, int64_t num_threads) {
+               bool bias_correction, int64_t num_threads, int64_t rng_seed, int64_t rng_offset) {
   check_dense_cpu(param, "param");
   check_dense_cpu(grad, "grad");
   check_dense_cpu(exp_avg, "exp_avg");
   check_dense_cpu(exp_avg_sq, "exp_avg_sq");
   TORCH_CHECK(param.scalar_type() == at::kFloat, "param must be float32 (fp32 master weights), got ",
               param.scalar_type());
-  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat, "exp_avg must be float32, got ", exp_avg.scalar_type());
-  TORCH_CHECK(exp_avg_sq.scalar_type() == at::kFloat, "exp_avg_sq must be float32, got ",
-              exp_avg_sq.scalar_type());
+  // fp32 moments, or bf16 moments (lean: rounded stochastically, see adam_update_lean)
+  const bool lean = exp_avg.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(exp_avg.scalar_type() == at::kFloat || lean, "exp_avg must be float32 or bfloat16, got ",
+              exp_avg.scalar_type());
+  TORCH_CHECK(exp_avg_sq.scalar_type() == exp_avg.scalar_type(), "exp_avg_sq must have exp_avg's dtype (",
+              exp_avg.scalar_type(), "), got ", exp_avg_sq.scalar_type());
+  TORCH_CHECK(rng_offset >= 0, "rng_offset must be >= 0, got ", rng_offset);
   GradKind gk;
   switch (grad.scalar_type()) {
     case at::kFloat: gk = GradKind::F32; break;
@@ -602,9 +804,15 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
       zenflow::make_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
   float* p = param.data_ptr<float>();
   const void* g = grad.data_ptr();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  {
+  if (lean) {
+    auto* m16 = static_cast<uint16_t*>(exp_avg.data_ptr());
+    auto* v16 = static_cast<uint16_t*>(exp_avg_sq.data_ptr());
+    py::gil_scoped_release no_gil;
+    zenflow::adam_update_lean(p, g, gk, m16, v16, out_ptr, ok, n, s, static_cast<uint64_t>(rng_seed),
+                              static_cast<uint64_t>(rng_offset), static_cast<int>(num_threads));
+  } else {
+    float* m = exp_avg.data_ptr<float>();
+    float* v = exp_avg_sq.data_ptr<float>();
     py::gil_scoped_release no_gil;
     zenflow::adam_update(p, g, gk, m, v, out_ptr, ok, n, s, static_cast<int>(num_threads));
   }
@@ -697,7 +905,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"), py::arg("num_threads"),
-        "In-place fused Adam/AdamW step (releases the GIL while computing).");
+        py::arg("rng_seed") = 0, py::arg("rng_offset") = 0,
+        "In-place fused Adam/AdamW step (releases the GIL while computing); bf16 moments are rounded "
+        "stochastically with bits from (rng_seed, rng_offset + element index).");
   m.def("accumulate", &accumulate, py::arg("acc"), py::arg("src"), py::arg("alpha"), py::arg("first"),
         py::arg("num_threads"),
         "acc = src * alpha (first) or acc += src * alpha, src fp32/bf16/fp16, acc fp32 or src's dtype "

@@ -46,6 +46,15 @@ AdamScalars make_scalars(int64_t step, double lr, double beta1, double beta2, do
 void adam_update(float* p, const void* g, GradKind gk, float* m, float* v, void* out, OutKind ok,
                  int64_t n, const AdamScalars& s, int num_threads);
 
+// The same step with bf16 moments (m, v: bf16 bits), computed in fp32 from them and rounded back
+// stochastically with bits hashed from (seed, index_base + i): the result depends neither on
+// num_threads nor on how a caller splits a buffer into calls (index_base: the first element's index in
+// the whole buffer). Each p is bitwise what adam_update gives for the moments widened to fp32; each new
+// moment is one of the two bf16 values around that fp32 result, the upper one with probability equal
+// to the fraction of the way to it.
+void adam_update_lean(float* p, const void* g, GradKind gk, uint16_t* m, uint16_t* v, void* out, OutKind ok,
+                      int64_t n, const AdamScalars& s, uint64_t seed, uint64_t index_base, int num_threads);
+
 // Window accumulation (zenflow, accumulate_on="host"): acc = src * alpha when first (alpha == 1: a
 // plain copy / upcast, every bit pattern kept, as ATen's acc.copy_(src)), else acc = fma(src, alpha,
 // acc), i.e. ATen's `acc.add_(src, alpha=alpha)` (vectorised with a fused multiply-add) on src upcast

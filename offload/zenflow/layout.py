@@ -20,7 +20,7 @@ from offload.collectives import EngineGroup, ShardGather
 from offload.config import EngineConfig
 from offload.cpu_thread import gil_released
 from offload.device import DeviceOps
-from offload.host import HostStore
+from offload.host import HostStore, moments_dtype
 from offload.mode_base import NamedParams, nbytes
 from offload.offload_mode import group_by_dtype
 from offload.selection import num_selected
@@ -60,6 +60,7 @@ class HostLayout:
                 buffers=accs,
                 role="accumulators",
                 shard=(ranks.rank, ranks.world) if ranks.distributed else None,
+                moments=moments_dtype(cfg),
             )
             self.stores.append(store)
             gather = (

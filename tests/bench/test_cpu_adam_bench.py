@@ -45,3 +45,16 @@ def test_table_prints_the_ratio_per_pair(capsys: pytest.CaptureFixture[str]) -> 
     ]
     assert all(b[-1].endswith("x") and float(b[-1][:-1]) > 0 for b in body)
     assert out[-1].startswith("  lowest C++/torch ratio: ")
+
+
+def test_lean_moments_row_has_its_bytes_and_ratios(capsys: pytest.CaptureFixture[str]) -> None:
+    res = bench.main(
+        ["--params", "5000", "--threads", "1", "--steps", "2", "--warmup", "0", "--no-accumulate", "--json"]
+    )
+    lean = res["lean"]
+    assert lean["bytes_per_param"] == 20 and res["bytes_per_param"] == 28  # fp32 grads
+    assert lean["host_state_bytes_per_param"] == 8 and lean["ms"] > 0
+    for k in ("ours_fp32", "torch_fused", "torch_foreach"):
+        assert lean[f"speedup_vs_{k}"] > 0
+    bench.main(["--params", "5000", "--threads", "1", "--steps", "1", "--warmup", "0", "--no-accumulate"])
+    assert "ours_lean (bf16 moments, 8 B/param of state, 20 B/param moved)" in capsys.readouterr().out

@@ -189,6 +189,7 @@ def candidate(
         split_weights=sum(1 for w in shape.trainable if len(w.shape) == 2),
         interconnect_bytes=traffic_bytes(shape, e, n, -(-job.batch // mb)) if job.shard else 0.0,
         landing_buffers=landing or not landing_optional(job),
+        host_moments=q.knobs.host_moments,
     )
     if q.rollout is not None:
         times = {k: _with_rollout(job, t) for k, t in times.items()}

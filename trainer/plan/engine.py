@@ -5,7 +5,7 @@ job's trainable weights, regrouped into the plan's components.
 Device: ``optimizer_state`` (moments, fp32 masters, step counts, selected columns' state),
 ``landing_buffers`` (zenflow on CUDA: the CPU result prefetched per split weight),
 ``accumulator`` (zenflow with ``accumulate_on="device"``) and ``engine_scratch`` (reselection stash,
-gathered column gradients). Host (page-locked on CUDA): ``engine_state`` (fp32 master and moments),
+gathered column gradients). Host (page-locked on CUDA): ``engine_state`` (fp32 master, moments in ``host_moments``),
 ``engine_accumulators`` (zenflow's window gradients), ``engine_transfer`` (gradient landing or
 streaming ring). Importing this module does not import torch (offload.memory does).
 """

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from contract.engine import HOST_MOMENT_BYTES
 from trainer.plan.gpus import Machine
 from trainer.plan.shapes import ModelShape
 
@@ -48,6 +49,14 @@ UTILIZATION_HALF_TOKENS = 1024
 #: Bytes AdamW moves per parameter (read fp32 param, moments and a bf16 gradient, write them and a
 #: bf16 copy: the byte model bench/cpu_adam.py and the workers' measurement use).
 ADAM_BYTES_PER_PARAM = 28
+
+
+def adam_bytes_per_param(host_moments: str) -> int:
+    """What the CPU AdamW moves per parameter with ``host_moments`` (contract.engine.HostMoments): the
+    two moments are read and written in that dtype (bf16: 20 bytes)."""
+    return ADAM_BYTES_PER_PARAM - 4 * (4 - HOST_MOMENT_BYTES[host_moments])
+
+
 #: Bytes the fused device AdamW moves per parameter (fp32 master, moments, gradient, the bf16 copy).
 DEVICE_ADAM_BYTES_PER_PARAM = 32
 #: Host accumulation moves this many parameter-dtype elements per parameter and step: the streamed
@@ -138,13 +147,15 @@ def step_times(
     interconnect_bytes: float = 0.0,
     trainable_params: int | None = None,
     landing_buffers: bool = True,
+    host_moments: str = "fp32",
 ) -> dict[str, StepTime]:
     """Predicted step time of each mode. ``host_params``: parameters the CPU updates per mode
     (offload: all trainable, zenflow: the split weights); ``update_interval`` None: the shortest
     window that hides the CPU work (at most ``max_update_interval``: the engine's ``adaptive``);
     ``interconnect_bytes``: what a rank sends per step with sharded weights; ``trainable_params``: the
     trainable parameters this rank's device optimizer updates (default: all of the model's);
-    ``landing_buffers`` False: zenflow's merge uploads each window's CPU result while the GPU waits."""
+    ``landing_buffers`` False: zenflow's merge uploads each window's CPU result while the GPU waits;
+    ``host_moments``: the CPU optimizer's moment dtype (its bytes moved per parameter)."""
     trainable = shape.trainable_params if trainable_params is None else trainable_params
     compute = compute_seconds(
         shape, machine, tokens=tokens, micro_tokens=micro_tokens, seq=seq, checkpointing=checkpointing
@@ -155,6 +166,7 @@ def step_times(
         compute=compute,
         link=interconnect_bytes / (machine.interconnect_gbps * 1e9),
         dtype_bytes=dtype_bytes,
+        adam_bytes=adam_bytes_per_param(host_moments),
     )
     split = host_params.get("zenflow", 0)
     zenflow = _Zenflow(
@@ -184,6 +196,8 @@ class _Roofline:
     compute: float
     link: float
     dtype_bytes: int
+    #: bytes the CPU AdamW moves per parameter (adam_bytes_per_param)
+    adam_bytes: int = ADAM_BYTES_PER_PARAM
 
     @property
     def gpu(self) -> float:
@@ -225,7 +239,7 @@ class _Roofline:
     def offload(self, n_off: int) -> StepTime:
         """Every step serial: the gradients down and the params up over PCIe, the CPU's AdamW."""
         p_off = 2 * n_off * self.dtype_bytes / self.pcie
-        c_off = n_off * ADAM_BYTES_PER_PARAM / self.adam
+        c_off = n_off * self.adam_bytes / self.adam
         return self.time("offload", self.gpu, p_off, c_off, self.gpu + p_off + c_off)
 
 
@@ -258,12 +272,12 @@ class _Zenflow:
         if self.on_device:  # an fp32 add on the device per step; per window the accumulator goes down
             g += split * (dtype_bytes + 8) / hbm  # rounded to the param dtype, the new params come up
             p = split * 2 * dtype_bytes / interval / roof.pcie
-            c = split * ADAM_BYTES_PER_PARAM / interval / self.worker
+            c = split * roof.adam_bytes / interval / self.worker
         else:  # every step's gradient crosses PCIe and is added on the CPU
             p = split * dtype_bytes * (1 + 1 / interval) / roof.pcie
             c = (
                 split
-                * (ACCUMULATE_ELEMENTS_PER_PARAM * dtype_bytes + ADAM_BYTES_PER_PARAM / interval)
+                * (ACCUMULATE_ELEMENTS_PER_PARAM * dtype_bytes + roof.adam_bytes / interval)
                 / self.worker
             )
         return g, p, c
@@ -284,8 +298,8 @@ class _Zenflow:
         if overlap_step:
             total = max(g, p, c)
         else:  # the boundary waits for the window's CPU AdamW
-            total = max(g, p, c - split * ADAM_BYTES_PER_PARAM / interval / worker) + (
-                split * ADAM_BYTES_PER_PARAM / interval / worker
+            total = max(g, p, c - split * roof.adam_bytes / interval / worker) + (
+                split * roof.adam_bytes / interval / worker
             )
         if (
             not landing_buffers and roof.machine.device_type == "cuda"

@@ -1,0 +1,54 @@
+"""The plan counts lean host moments (``engine.host_moments: bf16``, issue 36 item 2): 8 instead of 12
+host bytes of optimizer state per offloaded parameter, and 20 instead of 28 bytes of CPU AdamW traffic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from contract.engine import EngineRequest
+from tests.trainer.plan.test_plan import LLAMA3_8B, _model_dir, _spec
+from trainer.plan.gpus import GiB, Machine
+from trainer.plan.speed import ADAM_BYTES_PER_PARAM, adam_bytes_per_param
+from trainer.resolve import Counts, plan_spec, resolve
+from trainer.spec import JobSpec
+
+
+def test_adam_bytes_per_param() -> None:
+    assert adam_bytes_per_param("fp32") == ADAM_BYTES_PER_PARAM == 28
+    assert adam_bytes_per_param("bf16") == 20
+
+
+def test_llama3_8b_lean_moments_take_8_bytes_of_host_state_per_split_param(tmp_path: Path) -> None:
+    d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
+    hp = {"batch_size": 8, "max_seq_length": 2048}
+    box = Machine.for_gpu("h200", host_memory_bytes=128 * GiB)
+    fp32 = plan_spec(_spec(d, hyperparameters=hp, engine={"mode": "zenflow"}), box, num_examples=1000)
+    lean = plan_spec(
+        _spec(d, hyperparameters=hp, engine={"mode": "zenflow", "host_moments": "bf16"}),
+        box,
+        num_examples=1000,
+    )
+    split = lean.params - 65 * 4096  # every 2-D weight is split; the norms stay on the device
+    assert fp32.host["engine_state"] == 12 * split and lean.host["engine_state"] == 8 * split
+    assert fp32.host_bytes - lean.host_bytes == 4 * split
+    # fewer bytes for the CPU AdamW: the CPU part of zenflow's step is shorter
+    assert lean.modes["zenflow"].step_seconds <= fp32.modes["zenflow"].step_seconds
+
+
+def test_a_jobs_host_moments_are_resolved_with_their_source() -> None:
+    machine = Machine.for_cpu(host_memory_bytes=16 * GiB, cores=2)
+    asked = JobSpec(model="tiny-llama", training_file="t.jsonl", engine={"host_moments": "bf16"})
+    job = resolve(asked, machine, Counts(100), at="create", reason="t")[0].job
+    assert job.engine.host_moments == "bf16" and job.sources["engine.host_moments"] == "request"
+    plain = resolve(
+        JobSpec(model="tiny-llama", training_file="t.jsonl"), machine, Counts(100), at="create", reason="t"
+    )
+    assert (
+        plain[0].job.engine.host_moments == "fp32"
+        and plain[0].job.sources["engine.host_moments"] == "default"
+    )
+    with pytest.raises(ValidationError, match="host_moments"):
+        EngineRequest(host_moments="fp16")  # type: ignore[arg-type]
