@@ -195,7 +195,9 @@ def _more_gpus(q: PlanQuery) -> list[Fix]:
 
 
 def _memory_settings(q: PlanQuery) -> list[list[Fix]]:
-    """One group each: sharded weights, checkpointing, a micro-batch of 1, the device accumulator."""
+    """One group each: sharded weights, checkpointing, a micro-batch of 1, the device accumulator, the
+    CPU optimizer's bf16 moments (offload and zenflow keep them on the host; the mode the plan chooses
+    decides whether they count)."""
     groups: list[list[Fix]] = []
     if q.shard_params is False and q.resources.world_size > 1:
         groups.append(
@@ -212,6 +214,9 @@ def _memory_settings(q: PlanQuery) -> list[list[Fix]]:
     if q.accumulate_on == "host":
         fix = q._replace(accumulate_on="device")
         groups.append([Fix(("engine", "accumulate_on"), "set engine.accumulate_on device", fix)])
+    if q.knobs.host_moments == "fp32" and q.mode != "device":
+        fix = q._replace(knobs=q.knobs.model_copy(update={"host_moments": "bf16"}))
+        groups.append([Fix(("engine", "host_moments"), "set engine.host_moments bf16", fix)])
     return groups
 
 

@@ -4,6 +4,7 @@ host bytes of optimizer state per offloaded parameter, and 20 instead of 28 byte
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -52,3 +53,34 @@ def test_a_jobs_host_moments_are_resolved_with_their_source() -> None:
     )
     with pytest.raises(ValidationError, match="host_moments"):
         EngineRequest(host_moments="fp16")  # type: ignore[arg-type]
+
+
+def test_the_plan_offers_lean_moments_then_the_device_accumulator_for_llama3_8b(tmp_path: Path) -> None:
+    """Llama-3-8B full fine-tune in zenflow mode on an h200 with 128 GiB of host memory: with fp32 moments
+    it does not fit the host, and the plan offers ``engine.host_moments bf16`` among the changes that fit;
+    with them it fits, and the plan says the device accumulator would fit and run faster; with both, it
+    fits within 1.1x device mode's predicted step (which does not fit the device)."""
+    d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
+    hp = {"batch_size": 8, "max_seq_length": 2048}
+    box = Machine.for_gpu("h200", host_memory_bytes=128 * GiB)
+
+    def plan(**engine: str) -> Any:
+        return plan_spec(
+            _spec(d, hyperparameters=hp, engine={"mode": "zenflow", **engine}), box, num_examples=1000
+        )
+
+    fp32 = plan()
+    assert (
+        not fp32.fits
+        and "set engine.host_moments bf16 (planned: fits in zenflow mode" in fp32.problems[0].message
+    )
+    lean = plan(host_moments="bf16")
+    assert lean.fits and any("engine.accumulate_on device would fit and run" in r for r in lean.reasons)
+    both = plan(host_moments="bf16", accumulate_on="device")
+    assert both.fits and not both.modes["device"].fits
+    assert both.modes["zenflow"].step_seconds <= 1.1 * both.modes["device"].step_seconds
+    print(
+        f"zenflow bf16 moments, device accumulator: {both.modes['zenflow'].step_seconds:.2f} s/step, device "
+        f"{both.modes['device'].step_seconds:.2f}; host {both.host_bytes / GiB:.1f} GiB "
+        f"({both.host_bytes / both.params:.1f} B/param)"
+    )
