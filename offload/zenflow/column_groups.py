@@ -256,11 +256,17 @@ class ColumnGroup:
         return dropped
 
     # --- persistence ------------------------------------------------------------------------------
-    def state(self, j: int) -> dict[str, object]:
+    def state(self, j: int, copy: bool = True) -> dict[str, object]:
+        """Member ``j``'s state: CPU copies, or (``copy=False``) views of the group's own tensors, for a
+        writer that copies one tensor at a time (offload.state_io)."""
+
+        def out(t: torch.Tensor) -> torch.Tensor:
+            return t.cpu().clone() if copy else t
+
         return {
-            "cols": self.cols[j].cpu().clone(),
-            "exp_avg": self.exp_avg[j].cpu().clone(),
-            "exp_avg_sq": self.exp_avg_sq[j].cpu().clone(),
-            "master": None if self.master is None else self.master[j].cpu().clone(),
-            "steps": self.steps[j].cpu().clone(),
+            "cols": out(self.cols[j]),
+            "exp_avg": out(self.exp_avg[j]),
+            "exp_avg_sq": out(self.exp_avg_sq[j]),
+            "master": None if self.master is None else out(self.master[j]),
+            "steps": out(self.steps[j]),
         }

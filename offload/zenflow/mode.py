@@ -388,7 +388,7 @@ class ZenFlowMode(Mode):
         return {
             "mode": self.name,
             "device_params": self.device_params_state(copy),
-            "device_optimizer": self.dev.state_dict(),
+            "device_optimizer": self.dev.state_dict(copy),
             "host": [st.state_dict(acc, copy=copy) for st in self.stores],
             "pending": WindowUpdate.pending_state(self.pending),
             "stash": self.handover.state_dict(),

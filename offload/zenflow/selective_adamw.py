@@ -367,20 +367,26 @@ class SelectiveAdamW:
         return dropped
 
     # --- persistence ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, dict[str, object]]:
+    def state_dict(self, copy: bool = True) -> dict[str, dict[str, object]]:
+        """The device optimizer's state: CPU copies, or (``copy=False``) its own device tensors, valid until
+        the next step, for a checkpoint written one tensor at a time (no host copy of the whole state)."""
         self._build()
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.cpu().clone() if copy else t
+
         out: dict[str, dict[str, object]] = {}
         for n, e in self._full.items():
             out[n] = {
                 "cols": None,
-                "exp_avg": e.exp_avg.cpu().clone(),
-                "exp_avg_sq": e.exp_avg_sq.cpu().clone(),
-                "master": None if e.master is None else e.master.cpu().clone(),
+                "exp_avg": own(e.exp_avg),
+                "exp_avg_sq": own(e.exp_avg_sq),
+                "master": None if e.master is None else own(e.master),
                 "steps": int(e.step),
             }
         for grp in self._groups:
             for j, n in enumerate(grp.names):
-                out[n] = grp.state(j)
+                out[n] = grp.state(j, copy)
         return out
 
     def load_state_dict(self, sd: dict[str, dict[str, object]]) -> None:

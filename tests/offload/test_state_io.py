@@ -142,3 +142,31 @@ def test_consolidated_one_equals_consolidated_state_dict_every_step() -> None:
             for n, t in whole.items():
                 assert torch.equal(weight_of(n), t), (i, n)
         assert pending_seen  # some step had a CPU result not merged yet: the merge was exercised
+
+
+def test_zenflow_state_views_hold_the_device_optimizers_own_tensors() -> None:
+    """zenflow's device optimizer state (the selected columns' moments, the small weights' state) is not
+    copied out whole for a streamed checkpoint: its views are the optimizer's own tensors, the writer
+    copies one at a time (the plan counts no copy of it: trainer.plan.candidates.checkpoint_bytes)."""
+    model = _mlp()
+    with ZenFlowEngine(model, _zen_cfg()) as eng:
+        for i in range(3):
+            _train_step(model, eng, i)
+        views, _ = eng.state_views()
+        copies = eng.state_dict()
+        dev = views["mode_state"]["device_optimizer"]
+        assert dev
+        owned = {
+            t.untyped_storage().data_ptr()
+            for state in eng._mode.dev._full.values()
+            for t in (state.exp_avg, state.exp_avg_sq)
+        } | {
+            t.untyped_storage().data_ptr()
+            for grp in eng._mode.dev._groups
+            for t in (grp.exp_avg, grp.exp_avg_sq)
+        }
+        for name, state in dev.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                view, copy = state[key], copies["mode_state"]["device_optimizer"][name][key]
+                assert view.untyped_storage().data_ptr() in owned, (name, key)
+                assert copy.untyped_storage().data_ptr() not in owned and torch.equal(view.cpu(), copy)

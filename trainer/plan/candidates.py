@@ -233,29 +233,23 @@ def _host_bytes(job: JobShape, eng: EngineBytes, mode: EngineMode, dpo: bool) ->
     return {
         **eng.host,
         "model_loading": min(shape.params * e, WEIGHT_SHARD_BYTES),
-        # zenflow's device optimizer state (selected columns, small weights) is copied out whole
-        "checkpoint": checkpoint_bytes(
-            shape,
-            e,
-            copied=eng.device.get("optimizer_state", 0) if mode == "zenflow" else 0,
-            node_ranks=job.query.resources.gpus,
-        ),
+        "checkpoint": checkpoint_bytes(shape, e, node_ranks=job.query.resources.gpus),
         "data": tokens * DATA_BYTES_PER_TOKEN,
         "process": HOST_PROCESS_BYTES,
         **({"dpo_reference": 8 * job.num_examples} if dpo and job.query.lora is None else {}),
     }
 
 
-def checkpoint_bytes(shape: ModelShape, dtype_bytes: int, *, copied: int = 0, node_ranks: int = 1) -> int:
+def checkpoint_bytes(shape: ModelShape, dtype_bytes: int, *, node_ranks: int = 1) -> int:
     """The host bytes a checkpoint holds on one rank beyond the engine's state while it is written
-    (trainer.run.outputs): the engine's state and a full fine-tune's weights are streamed tensor by
-    tensor, so about the largest tensor (the embedding or the widest trainable weight, fp32), plus
-    ``copied``, state the engine hands out as one CPU copy (zenflow's device optimizer state); LoRA
+    (trainer.run.outputs): the engine's state (zenflow's device optimizer state too) and a full
+    fine-tune's weights are streamed tensor by tensor, so about the largest tensor (the embedding or the
+    widest trainable weight, fp32); LoRA
     exports from a CPU copy of the whole model's weights, with the adapted ones merged, which rank 0
     alone makes: the host it shares with the ``node_ranks`` ranks of its node holds it once, so each
     rank's share of that host counts its part."""
     widest = max([w.numel for w in shape.trainable] + [shape.vocab * shape.hidden])
-    largest = widest * CHECKPOINT_TENSOR_ELEMENT_BYTES + copied
+    largest = widest * CHECKPOINT_TENSOR_ELEMENT_BYTES
     if shape.lora_rank is not None:
         return -(-shape.params * dtype_bytes // node_ranks) + largest
     return largest

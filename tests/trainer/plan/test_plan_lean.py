@@ -59,7 +59,8 @@ def test_the_plan_offers_lean_moments_then_the_device_accumulator_for_llama3_8b(
     """Llama-3-8B full fine-tune in zenflow mode on an h200 with 128 GiB of host memory: with fp32 moments
     it does not fit the host, and the plan offers ``engine.host_moments bf16`` among the changes that fit;
     with them it fits, and the plan says the device accumulator would fit and run faster; with both, it
-    fits within 1.1x device mode's predicted step (which does not fit the device)."""
+    fits within 1.1x device mode's predicted step (which does not fit the device) and 12 host bytes per
+    parameter."""
     d = _model_dir(tmp_path, "llama-3-8b", LLAMA3_8B)
     hp = {"batch_size": 8, "max_seq_length": 2048}
     box = Machine.for_gpu("h200", host_memory_bytes=128 * GiB)
@@ -79,6 +80,7 @@ def test_the_plan_offers_lean_moments_then_the_device_accumulator_for_llama3_8b(
     both = plan(host_moments="bf16", accumulate_on="device")
     assert both.fits and not both.modes["device"].fits
     assert both.modes["zenflow"].step_seconds <= 1.1 * both.modes["device"].step_seconds
+    assert both.host_bytes <= 12 * both.params  # issue 36: the whole host, checkpoint streamed
     print(
         f"zenflow bf16 moments, device accumulator: {both.modes['zenflow'].step_seconds:.2f} s/step, device "
         f"{both.modes['device'].step_seconds:.2f}; host {both.host_bytes / GiB:.1f} GiB "
