@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """``zenflow serve --worker`` on a private PostgreSQL database and Redis queue."""
     import redis
@@ -96,9 +96,11 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
             r.delete(key)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Browser]:
-    """Headless Debian Chromium (never Playwright's own download)."""
+    """Headless Debian Chromium (never Playwright's own download), for this package's tests only: Playwright's
+    sync API keeps an event loop running on the main thread while it is open, and a later test's
+    ``asyncio.run`` in the same process would fail under it."""
     if not CHROMIUM.exists():
         unavailable(
             f"Chromium is not installed at {CHROMIUM} (scripts/bootstrap.sh installs the Debian package)"
