@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -152,7 +153,10 @@ def test_a_hangup_stops_the_server_and_its_jobs_processes(
     assert not left, f"outlived the server: {_cmdlines(left)}"
     text = log.read_text()
     assert "SIGHUP: shutting down" in text
-    assert f"job {job_id}: runner exited (exit code 75): requeued" in text  # checkpointed, re-queued once
+    # re-queued once: checkpointed (exit code 75), or, when the hangup came while the runner was still
+    # starting (a loaded box), stopped by the SIGTERM it had no handler for yet
+    requeued = rf"job {job_id}: runner exited \((exit code 75|killed by SIGTERM)\): requeued"
+    assert len(re.findall(requeued, text)) == 1, text[-3000:]
     assert text.count(f"job {job_id}: running on") == 1  # not started again while the worker stopped
     with sqlite3.connect(env["ZENFLOW_DATA_DIR"] + "/zenflow.db") as db:
         (status,) = db.execute("select status from fine_tuning_jobs where id = ?", (job_id,)).fetchone()
